@@ -1,0 +1,38 @@
+"""kernel-cache: a persistent compiled-kernel cache for LLM attention kernels.
+
+The runtime an engine imports. It never compiles, and importing it does not
+import torch's compile stack (Dynamo, Inductor). Engine start::
+
+    from kernel_cache import make_config, load_plan
+    attn = load_plan(make_config("llama-3.2-1b", max_model_len=1024, block_size=128))
+    out = attn.decode(query, key_cache, value_cache, block_tables, seq_lens)
+"""
+
+from .buckets import Bucketer, KernelVariant
+from .config import PRESETS, EngineConfig, make_config
+from .errors import (
+    CompileError,
+    ConfigError,
+    CorruptEntryError,
+    KernelCacheError,
+    MissingVariantsError,
+    ShapeError,
+)
+from .runtime import AttentionRuntime, load_plan
+
+__all__ = [
+    "AttentionRuntime",
+    "Bucketer",
+    "CompileError",
+    "ConfigError",
+    "CorruptEntryError",
+    "EngineConfig",
+    "KernelCacheError",
+    "KernelVariant",
+    "MissingVariantsError",
+    "PRESETS",
+    "ShapeError",
+    "load_plan",
+    "make_config",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,281 @@
+"""Engine configuration: a model's attention geometry plus the engine's limits.
+
+`EngineConfig` is a frozen pydantic model. Build one from a preset name or a
+Hugging Face ``config.json`` with :func:`make_config`; bad values raise
+:class:`~kernel_cache.errors.ConfigError` naming the field, the value and what
+is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+#: dtypes a variant can be compiled for. ``float32`` is the CPU default,
+#: ``bfloat16`` the CUDA default.
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+KV_LADDERS = ("4/3", "pow2")
+
+
+class ModelGeometry(BaseModel):
+    """Attention geometry of a model, as in its Hugging Face ``config.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+#: Presets copied from the models' public ``config.json`` files on the Hugging
+#: Face hub (num_attention_heads, num_key_value_heads, head_dim or
+#: hidden_size / num_attention_heads).
+PRESETS: dict[str, ModelGeometry] = {
+    # ibm-granite/granite-3.3-8b-instruct: hidden_size 4096, 32 heads, 8 KV heads
+    "granite-3.3-8b": ModelGeometry(
+        name="granite-3.3-8b", num_heads=32, num_kv_heads=8, head_dim=128
+    ),
+    # meta-llama/Llama-3.1-8B: hidden_size 4096, 32 heads, 8 KV heads
+    "llama-3.1-8b": ModelGeometry(name="llama-3.1-8b", num_heads=32, num_kv_heads=8, head_dim=128),
+    # Qwen/Qwen2.5-7B: hidden_size 3584, 28 heads, 4 KV heads
+    "qwen2.5-7b": ModelGeometry(name="qwen2.5-7b", num_heads=28, num_kv_heads=4, head_dim=128),
+    # meta-llama/Llama-3.2-1B: hidden_size 2048, 32 heads, 8 KV heads, head_dim 64
+    "llama-3.2-1b": ModelGeometry(name="llama-3.2-1b", num_heads=32, num_kv_heads=8, head_dim=64),
+}
+
+#: The built-in default the README's main command warms: a real preset with a
+#: modest max_model_len so that warmup + verify finish within 10 minutes on a
+#: 2-core CPU (measured: see README).
+DEFAULT_ENGINE = {
+    "model": "llama-3.2-1b",
+    "max_model_len": 1024,
+    "block_size": 128,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 1024,
+    "device": "cpu",
+}
+
+
+class EngineConfig(BaseModel):
+    """Attention geometry and engine limits; the input of the bucketer.
+
+    Units: ``max_model_len``, ``max_num_batched_tokens``, ``kv_dense_cap``,
+    ``query_step`` and ``kv_buckets`` are in tokens; ``block_size`` is tokens
+    per KV block; ``max_num_seqs`` and ``num_seqs_buckets`` are sequences.
+    ``kv_buckets``, ``query_buckets`` and ``num_seqs_buckets`` override the
+    computed ladders (``KERNEL_CACHE_KV_BUCKETS`` and friends).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "custom"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    device: Literal["cpu", "cuda"] = "cpu"
+    kv_ladder: Literal["4/3", "pow2"] = "4/3"
+    kv_dense_cap: int = 4096
+    query_step: int = 512
+    min_batched_seqs: int = 4
+    kv_buckets: tuple[int, ...] | None = None
+    query_buckets: tuple[int, ...] | None = None
+    num_seqs_buckets: tuple[int, ...] | None = None
+
+    @field_validator(
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_model_len",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "query_step",
+        "min_batched_seqs",
+    )
+    @classmethod
+    def _positive(cls, v: int, info):
+        if v < 1:
+            raise ValueError(f"{info.field_name} must be an integer >= 1, got {v}")
+        return v
+
+    @field_validator("kv_dense_cap")
+    @classmethod
+    def _cap(cls, v: int):
+        if v < 0:
+            raise ValueError(f"kv_dense_cap must be >= 0 tokens (0 = no cap), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _gqa(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for GQA; accepted num_kv_heads: "
+                f"{[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]}"
+            )
+        return self
+
+    @property
+    def max_blocks(self) -> int:
+        """KV blocks needed for ``max_model_len`` tokens: ceil(max_model_len / block_size)."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def geometry(self) -> dict:
+        """The fields that shape a compiled kernel (part of every cache key)."""
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+        }
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:
+    """Read num_heads / num_kv_heads / head_dim from a Hugging Face ``config.json``.
+
+    Uses ``num_attention_heads``, ``num_key_value_heads`` (defaults to
+    num_attention_heads, as in transformers) and ``head_dim`` or
+    ``hidden_size / num_attention_heads``.
+
+    Raises:
+        ConfigError: the file is missing, is not JSON, or lacks the head counts.
+    """
+    p = Path(path)
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--model: no such file {str(p)!r}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model: {str(p)!r} is not a readable JSON config: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--model: {str(p)!r} must hold a JSON object")
+    cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
+    heads = cfg.get("num_attention_heads")
+    if not isinstance(heads, int):
+        raise ConfigError(
+            f"--model: {str(p)!r} has no integer 'num_attention_heads' (got {heads!r}); "
+            "a Hugging Face config.json needs num_attention_heads, num_key_value_heads "
+            "and head_dim or hidden_size"
+        )
+    kv = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        hidden = cfg.get("hidden_size")
+        if not isinstance(hidden, int) or hidden % heads:
+            raise ConfigError(
+                f"--model: {str(p)!r} has neither 'head_dim' nor a 'hidden_size' divisible by "
+                f"num_attention_heads={heads} (hidden_size={hidden!r})"
+            )
+        head_dim = hidden // heads
+    if not isinstance(kv, int) or not isinstance(head_dim, int):
+        raise ConfigError(
+            f"--model: {str(p)!r}: num_key_value_heads={kv!r} and head_dim={head_dim!r} "
+            "must be integers"
+        )
+    return ModelGeometry(name=str(path), num_heads=heads, num_kv_heads=kv, head_dim=head_dim)
+
+
+def resolve_model(model: str) -> ModelGeometry:
+    """A preset name (see :data:`PRESETS`) or a path to a ``config.json``."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if os.sep in model or model.endswith(".json") or Path(model).exists():
+        return geometry_from_hf_config(model)
+    raise ConfigError(
+        f"--model: unknown preset {model!r}; accepted presets: {', '.join(PRESETS)}, "
+        "or a path to a Hugging Face config.json"
+    )
+
+
+def make_config(model: str | None = None, **fields) -> EngineConfig:
+    """Build an :class:`EngineConfig` from a preset or config path plus limits.
+
+    ``fields`` left as ``None`` take the model's defaults. ``dtype`` defaults to
+    float32 on the CPU and bfloat16 on CUDA.
+
+    Raises:
+        ConfigError: naming each invalid field, its value and the accepted values.
+    """
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if model is not None:
+        geo = resolve_model(model)
+        fields = {
+            "model": geo.name,
+            "num_heads": geo.num_heads,
+            "num_kv_heads": geo.num_kv_heads,
+            "head_dim": geo.head_dim,
+            **fields,
+        }
+    if "dtype" not in fields:
+        fields["dtype"] = "bfloat16" if fields.get("device") == "cuda" else "float32"
+    try:
+        return EngineConfig(**fields)
+    except ValidationError as e:
+        raise ConfigError(_explain_validation(e)) from None
+
+
+_ACCEPTED = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "kv_ladder": KV_LADDERS,
+}
+
+
+def _explain_validation(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        accepted = _ACCEPTED.get(field)
+        extra = f"; accepted values: {', '.join(accepted)}" if accepted else ""
+        lines.append(f"{field}={err.get('input')!r}: {msg}{extra}")
+    return "invalid engine configuration: " + "; ".join(lines)
+
+
+_CLI_FIELDS = (
+    ("max_model_len", "--max-model-len"),
+    ("block_size", "--block-size"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("dtype", "--dtype"),
+    ("device", "--device"),
+    ("kv_ladder", "--kv-ladder"),
+    ("kv_dense_cap", "--kv-dense-cap"),
+)
+
+
+def config_to_cli(config: EngineConfig) -> str:
+    """ENGINE OPTIONS that rebuild ``config`` (for error messages: the command to run)."""
+    parts = [f"--model {config.model}"]
+    parts += [f"{flag} {getattr(config, f)}" for f, flag in _CLI_FIELDS]
+    for f, flag in (
+        ("kv_buckets", "--kv-buckets"),
+        ("query_buckets", "--query-buckets"),
+        ("num_seqs_buckets", "--num-seqs-buckets"),
+    ):
+        if getattr(config, f) is not None:
+            parts.append(f"{flag} {','.join(map(str, getattr(config, f)))}")
+    return " ".join(parts)

@@ -1,0 +1,49 @@
+"""Errors raised by kernel-cache.
+
+Every error names the input, the value, the limit and the fix, so a user never
+has to read a traceback from inside torch to know what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class KernelCacheError(Exception):
+    """Base class of every error kernel-cache raises on purpose."""
+
+
+class ConfigError(KernelCacheError, ValueError):
+    """An engine configuration or bucket override is invalid (names the field)."""
+
+
+class ShapeError(KernelCacheError, ValueError):
+    """A dispatch input has the wrong shape, dtype or device, or exceeds the plan."""
+
+
+class MissingVariantsError(KernelCacheError):
+    """Engine start found variants of the plan that are not in any cache tier."""
+
+    def __init__(self, missing, command: str):
+        self.missing = tuple(missing)
+        self.command = command
+        names = ", ".join(str(v) for v in self.missing[:12])
+        more = f" (+{len(self.missing) - 12} more)" if len(self.missing) > 12 else ""
+        super().__init__(
+            f"{len(self.missing)} variant(s) of the plan are not cached: {names}{more}. "
+            f"Warm them with: {command}"
+        )
+
+
+class CorruptEntryError(KernelCacheError):
+    """A stored entry failed its checksum, its metadata did not parse, or the
+    AOTInductor loader rejected its bytes. The entry is never loaded."""
+
+    def __init__(self, key: str, reason: str, where: str = ""):
+        self.key = key
+        self.reason = reason
+        self.where = where
+        loc = f" in {where}" if where else ""
+        super().__init__(f"cache entry {key[:16]}{loc} is corrupt: {reason}")
+
+
+class CompileError(KernelCacheError):
+    """torch.export or AOTInductor failed for a variant."""

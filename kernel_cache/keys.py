@@ -1,0 +1,198 @@
+"""Content-hashed cache keys built from named components.
+
+A key is an ordered list of named components; each is hashed on its own and
+recorded in the entry's metadata, so a miss can be explained component by
+component (``kernel-cache explain``). The idea follows JAX's
+``jax/_src/cache_key.py``; the code is ours.
+
+What counts (:data:`COMPONENTS`, in order): the artifact format version, the
+kernel source, the variant, the geometry, the dtype, the device type and
+architecture, the torch, Python and C++ compiler versions, and the compile
+options.
+
+What must not count (:data:`EXCLUDED`): anything that changes between the
+machine that warms and the pods that load, without changing the code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .buckets import KernelVariant
+from .config import EngineConfig
+
+#: Bump when the stored layout (bytes + metadata schema) changes.
+ARTIFACT_FORMAT = "kc1"
+
+#: Inductor options every variant is compiled with (passed to
+#: ``aoti_compile_and_package(inductor_configs=...)``). Part of the key.
+COMPILE_OPTIONS: dict = {}
+
+COMPONENTS = (
+    "format",
+    "kernel_source",
+    "variant",
+    "geometry",
+    "dtype",
+    "device",
+    "device_arch",
+    "torch",
+    "python",
+    "cxx",
+    "compile_options",
+)
+
+#: Deliberately left out of every key, with the reason.
+EXCLUDED = {
+    "absolute paths (cache dir, bundle dir, site-packages)": "a cache moved or mounted elsewhere must hit",
+    "HOME, user and host names": "a prewarmed image must hit for any user on any host",
+    "device index / CUDA_VISIBLE_DEVICES": "every rank must share one artifact",
+    "max_model_len, max_num_seqs, max_num_batched_tokens": "they choose which variants exist, "
+    "not how one variant compiles",
+    "timestamps, compile seconds": "metadata, not identity",
+}
+
+_KERNEL_FILES = ("kernels.py",)
+
+
+@functools.cache
+def kernel_source_hash() -> str:
+    """sha256 of the kernel source files' bytes (``kernel_cache/kernels.py``)."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _KERNEL_FILES:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def cxx_compiler_id() -> str:
+    """The C++ compiler AOTInductor uses (``$CXX`` or ``g++``): "gcc 12.2.0".
+
+    Returns ``"none"`` where no compiler is installed (a slim runtime image).
+    """
+    cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    exe = shutil.which(cxx)
+    if not exe:
+        return "none"
+    try:
+        first = subprocess.run(
+            [exe, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+    family = "clang" if "clang" in first.lower() else "gcc"
+    versions = re.findall(r"\d+\.\d+(?:\.\d+)?", first)
+    return f"{family} {versions[-1] if versions else first.strip()}"
+
+
+@functools.cache
+def device_arch(device: str) -> str:
+    """CPU: ``x86_64/AVX2`` (machine and the ISA torch dispatches to).
+    CUDA: ``sm_90 cuda 13.0 triton 3.6.0``; never the device index."""
+    import torch
+
+    if device == "cpu":
+        return f"{platform.machine()}/{torch.backends.cpu.get_cpu_capability()}"
+    if device == "cuda":
+        from importlib.metadata import PackageNotFoundError, version
+
+        major, minor = torch.cuda.get_device_capability()
+        try:
+            triton = version("triton")
+        except PackageNotFoundError:
+            triton = "none"
+        return f"sm_{major}{minor} cuda {torch.version.cuda} triton {triton}"
+    raise ValueError(f"device={device!r}; accepted values: cpu, cuda")
+
+
+def environment(device: str) -> dict[str, str]:
+    """The environment components of a key, as strings."""
+    import torch
+
+    return {
+        "device": device,
+        "device_arch": device_arch(device),
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "cxx": cxx_compiler_id(),
+    }
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """An ordered tuple of ``(name, value)`` components and their sha256."""
+
+    components: tuple[tuple[str, str], ...]
+
+    @functools.cached_property
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for name, value in self.components:
+            h.update(f"{name}={_digest(value)}\n".encode())
+        return h.hexdigest()
+
+    def __str__(self) -> str:
+        return self.hexdigest
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.components)
+
+    def component_digests(self) -> dict[str, str]:
+        """Each component's own sha256 (hex, 16 chars), for logs and explain."""
+        return {n: _digest(v)[:16] for n, v in self.components}
+
+
+def build_key(
+    config: EngineConfig,
+    variant: KernelVariant,
+    env: dict[str, str] | None = None,
+    compile_options: dict | None = None,
+    overrides: dict[str, str] | None = None,
+) -> CacheKey:
+    """The cache key of one variant under ``config`` in this environment.
+
+    ``overrides`` replaces named components (tests simulate a torch upgrade
+    with ``{"torch": "2.14.1"}``).
+    """
+    env = environment(config.device) if env is None else env
+    opts = COMPILE_OPTIONS if compile_options is None else compile_options
+    values = {
+        "format": ARTIFACT_FORMAT,
+        "kernel_source": kernel_source_hash(),
+        "variant": str(variant),
+        "geometry": json.dumps(config.geometry(), sort_keys=True),
+        "dtype": config.dtype,
+        **env,
+        "compile_options": json.dumps(opts, sort_keys=True),
+    }
+    if overrides:
+        unknown = set(overrides) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown key components {sorted(unknown)}; known: {COMPONENTS}")
+        values.update(overrides)
+    return CacheKey(tuple((name, values[name]) for name in COMPONENTS))
+
+
+def diff_components(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """Human-readable differences, e.g. ``["torch: 2.13.0 != 2.14.1"]``."""
+    out = []
+    for name in COMPONENTS:
+        va, vb = a.get(name), b.get(name)
+        if va != vb:
+            out.append(f"{name}: {va} != {vb}")
+    return out

@@ -1,0 +1,211 @@
+"""The ``kernel-cache`` command line: plan, warmup, verify.
+
+ENGINE OPTIONS default to the built-in default
+(:data:`kernel_cache.config.DEFAULT_ENGINE`): ``kernel-cache warmup`` with no
+options warms it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from kernel_cache.buckets import Bucketer, env_overrides, parse_bucket_list
+from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
+from kernel_cache.errors import KernelCacheError
+from kernel_cache.store import default_cache_dir
+
+
+def engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_ENGINE["model"],
+        help="preset name or path to a Hugging Face config.json "
+        f"(default {DEFAULT_ENGINE['model']})",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=DEFAULT_ENGINE["max_model_len"], help="tokens"
+    )
+    g.add_argument(
+        "--block-size", type=int, default=DEFAULT_ENGINE["block_size"], help="tokens per KV block"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_ENGINE["max_num_seqs"])
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_ENGINE["max_num_batched_tokens"]
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (default float32 on cpu, bfloat16 on cuda)",
+    )
+    g.add_argument("--device", default=DEFAULT_ENGINE["device"], help="cpu | cuda")
+    g.add_argument("--kv-ladder", default="4/3", help="4/3 | pow2")
+    g.add_argument(
+        "--kv-dense-cap", type=int, default=4096, help="tokens; 0 means no cap (4/3 ladder)"
+    )
+    g.add_argument("--query-step", type=int, default=None, help="tokens (default 512)")
+    g.add_argument(
+        "--kv-buckets",
+        default=None,
+        help="comma-separated KV buckets in tokens (env KERNEL_CACHE_KV_BUCKETS)",
+    )
+    g.add_argument(
+        "--query-buckets",
+        default=None,
+        help="comma-separated query buckets (env KERNEL_CACHE_QUERY_BUCKETS)",
+    )
+    g.add_argument(
+        "--num-seqs-buckets",
+        default=None,
+        help="comma-separated decode batch buckets (env KERNEL_CACHE_NUM_SEQS_BUCKETS)",
+    )
+
+
+def config_from_args(args) -> EngineConfig:
+    """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
+    overrides = env_overrides()
+    for attr, flag in (
+        ("kv_buckets", "--kv-buckets"),
+        ("query_buckets", "--query-buckets"),
+        ("num_seqs_buckets", "--num-seqs-buckets"),
+    ):
+        if getattr(args, attr):
+            overrides[attr] = parse_bucket_list(getattr(args, attr), flag)
+    cfg = make_config(
+        args.model,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        kv_ladder=args.kv_ladder,
+        kv_dense_cap=args.kv_dense_cap,
+        query_step=args.query_step,
+        **overrides,
+    )
+    Bucketer(cfg)  # validate overrides against the limits now, with a clear error
+    return cfg
+
+
+def _cache_dir(args) -> str:
+    return str(args.cache_dir or default_cache_dir())
+
+
+def cmd_plan(args) -> int:
+    cfg = config_from_args(args)
+    b = Bucketer(cfg)
+    doc = b.describe()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"model {cfg.model}: {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+        f"head_dim {cfg.head_dim}, {cfg.dtype} on {cfg.device}"
+    )
+    print(f"kv buckets (tokens):   {list(b.kv_buckets)}")
+    print(f"kv buckets (blocks):   {list(b.num_blocks_buckets)}")
+    print(f"query buckets:         {list(b.query_buckets)}")
+    print(f"num_seqs buckets:      {list(b.num_seqs_buckets)}")
+    n_pa = sum(v.kernel == "paged_attention" for v in b.variants)
+    print(
+        f"variants: {len(b.variants)} ({n_pa} paged_attention, "
+        f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
+    )
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    from warmup.planner import warmup
+
+    cfg = config_from_args(args)
+    if args.jobs < 1:
+        raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    report = warmup(cfg, _cache_dir(args), jobs=args.jobs, progress=not args.json)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items()}, indent=2))
+    else:
+        print(
+            f"warmup: {report['variants']} variants, {report['compiled']} compiled, "
+            f"{report['cached']} cached, {len(report['failed'])} failed in "
+            f"{report['seconds']:.1f} s -> {_cache_dir(args)}"
+        )
+        for f in report["failed"]:
+            print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
+    return 1 if report["failed"] else 0
+
+
+def cmd_verify(args) -> int:
+    from kernel_cache.verify import verify_plan
+
+    cfg = config_from_args(args)
+    report = verify_plan(cfg, _cache_dir(args))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        status = "ok" if report["ok"] else "FAILED"
+        print(
+            f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
+            f"{report['compiled']} compiled, {len(report['missing'])} missing, "
+            f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
+            f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+        )
+        for c in report["corrupt"]:
+            print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
+        if report["missing"]:
+            print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
+        if not report["ok"]:
+            print(f"  repair: {report['repair']}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
+    engine_options(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_plan)
+
+    sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
+    engine_options(sw)
+    sw.add_argument(
+        "--cache-dir", default=None, help="default $KERNEL_CACHE_DIR or ~/.cache/kernel_cache"
+    )
+    sw.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="compile worker processes (default min(2, cpus))",
+    )
+    sw.add_argument("--json", action="store_true")
+    sw.set_defaults(func=cmd_warmup)
+
+    sv = sub.add_parser("verify", help="load every variant of the plan and check it")
+    engine_options(sv)
+    sv.add_argument("--cache-dir", default=None)
+    sv.add_argument("--json", action="store_true")
+    sv.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except KernelCacheError as e:
+        print(f"kernel-cache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

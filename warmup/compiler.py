@@ -1,0 +1,71 @@
+"""Compile one variant: ``torch.export`` then AOTInductor into a ``.pt2`` package.
+
+This is the only module of the project that imports torch's compile stack, and
+it does so lazily, inside :func:`compile_variant`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from kernel_cache.buckets import KernelVariant
+from kernel_cache.config import EngineConfig
+from kernel_cache.errors import CompileError
+from kernel_cache.inputs import make_inputs
+from kernel_cache.kernels import build_module
+from kernel_cache.keys import COMPILE_OPTIONS
+
+
+def export_variant(config: EngineConfig, variant: KernelVariant):
+    """``torch.export`` the variant's kernel with its bucket dimensions static and
+    ``num_pool_blocks`` (dim 0 of the KV caches) dynamic."""
+    import torch
+
+    mod = build_module(variant.kernel, config.num_heads, config.num_kv_heads, config.head_dim)
+    args = make_inputs(config, variant, seed=0)
+    pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
+    dyn = [None] * len(args)
+    dyn[1] = {0: pool}
+    dyn[2] = {0: pool}
+    return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
+
+
+def compile_variant(
+    config: EngineConfig, variant: KernelVariant, compile_options: dict | None = None
+) -> tuple[bytes, dict]:
+    """Export and AOT-compile ``variant``; return the package bytes and timings.
+
+    Returns:
+        (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in seconds)
+
+    Raises:
+        CompileError: export or AOTInductor failed (the message names the variant
+            and carries the compiler's error text).
+    """
+    import torch
+    import torch._inductor
+
+    opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
+    t0 = time.perf_counter()
+    try:
+        ep = export_variant(config, variant)
+    except Exception as e:
+        raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
+        path = os.path.join(tmp, "model.pt2")
+        try:
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(
+                    ep, package_path=path, inductor_configs=opts
+                )
+        except Exception as e:
+            raise CompileError(
+                f"AOTInductor failed for {variant}: {type(e).__name__}: {e}"
+            ) from None
+        data = Path(path).read_bytes()
+    t2 = time.perf_counter()
+    return data, {"export_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
