@@ -54,7 +54,7 @@ COMPONENTS = (
 
 #: Deliberately left out of every key, with the reason.
 EXCLUDED = {
-    "absolute paths (cache dir, bundle dir, site-packages)": "a cache moved or mounted elsewhere must hit",
+    "absolute paths (cache dir, bundle dir, site-packages)": "a moved or mounted cache must hit",
     "HOME, user and host names": "a prewarmed image must hit for any user on any host",
     "device index / CUDA_VISIBLE_DEVICES": "every rank must share one artifact",
     "max_model_len, max_num_seqs, max_num_batched_tokens": "they choose which variants exist, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from kernel_cache.buckets import KernelVariant
@@ -48,6 +49,8 @@ def compile_variant(
     import torch
     import torch._inductor
 
+    # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
     t0 = time.perf_counter()
     try:
