@@ -1,0 +1,77 @@
+import json
+
+import pytest
+
+from kernel_cache.config import PRESETS, make_config
+from kernel_cache.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "name,heads,kv,dim",
+    [("granite-3.3-8b", 32, 8, 128), ("llama-3.1-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128),
+     ("llama-3.2-1b", 32, 8, 64)],
+)
+def test_presets_match_public_configs(name, heads, kv, dim):
+    c = make_config(name)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (heads, kv, dim)
+    assert name in PRESETS
+
+
+def test_hf_config_with_head_dim(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 4,
+                             "head_dim": 96, "hidden_size": 2048}))
+    c = make_config(str(p))
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (16, 4, 96)
+
+
+def test_hf_config_head_dim_from_hidden_size(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"num_attention_heads": 28, "num_key_value_heads": 4,
+                             "hidden_size": 3584}))
+    assert make_config(str(p)).head_dim == 128
+
+
+def test_hf_config_without_heads_names_field(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"hidden_size": 4096}))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        make_config(str(p))
+
+
+def test_hf_config_not_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable JSON"):
+        make_config(str(p))
+
+
+def test_block_size_zero_names_field():
+    with pytest.raises(ConfigError, match=r"block_size=0.*>= 1"):
+        make_config("llama-3.1-8b", block_size=0)
+
+
+def test_heads_not_multiple_of_kv_heads():
+    with pytest.raises(ConfigError, match=r"num_kv_heads.*accepted num_kv_heads: \[1, 2, 4, 8, 16, 32\]"):
+        make_config(None, num_heads=32, num_kv_heads=5, head_dim=64)
+
+
+def test_unknown_dtype_lists_accepted():
+    with pytest.raises(ConfigError, match=r"dtype='fp8'.*float32, bfloat16, float16"):
+        make_config("llama-3.1-8b", dtype="fp8")
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="granite-3.3-8b"):
+        make_config("no-such-model")
+
+
+def test_default_dtype_follows_device():
+    assert make_config("llama-3.1-8b").dtype == "float32"
+    assert make_config("llama-3.1-8b", device="cuda").dtype == "bfloat16"
+
+
+def test_config_is_frozen():
+    c = make_config("llama-3.1-8b")
+    with pytest.raises(Exception, match="frozen"):
+        c.block_size = 32
