@@ -78,24 +78,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="CSV with ContextTokens,"
-                   "GeneratedTokens (default: the Azure conv trace beside the checkout)")
+    p.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="CSV with ContextTokens,"
+        "GeneratedTokens (default: the Azure conv trace beside the checkout)",
+    )
     p.add_argument("--limit", type=int, default=64, help="requests to replay (default 64)")
     p.add_argument("--start", type=int, default=0, help="first row of the trace")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        report = replay(config_from_args(args), args.cache_dir, args.trace, args.limit,
-                        args.start)
+        report = replay(config_from_args(args), args.cache_dir, args.trace, args.limit, args.start)
     except KernelCacheError as e:
         print(f"replay_trace: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"served {report['requests']} requests ({report['truncated_requests']} truncated "
-              f"to max_model_len) in {report['kernel_calls']} kernel calls, "
-              f"{report['serve_seconds']:.1f} s")
+        print(
+            f"served {report['requests']} requests ({report['truncated_requests']} truncated "
+            f"to max_model_len) in {report['kernel_calls']} kernel calls, "
+            f"{report['serve_seconds']:.1f} s"
+        )
         for v, n in report["calls_per_variant"].items():
             print(f"  {v:32s} {n:7d}")
         print(f"padded-read fraction: {report['padded_read_fraction']:.3f}")

@@ -58,8 +58,10 @@ def read_trace(path: str | Path, limit: int | None = None, start: int = 0) -> li
         reader = csv.DictReader(f)
         cols = set(reader.fieldnames or ())
         if not {"ContextTokens", "GeneratedTokens"} <= cols:
-            raise ConfigError(f"trace {str(p)!r}: needs columns ContextTokens,GeneratedTokens; "
-                              f"found {sorted(cols)}")
+            raise ConfigError(
+                f"trace {str(p)!r}: needs columns ContextTokens,GeneratedTokens; "
+                f"found {sorted(cols)}"
+            )
         for i, row in enumerate(reader):
             if i < start:
                 continue
@@ -94,8 +96,12 @@ def schedule(requests: list[Request], bucketer: Bucketer) -> Iterator[Call]:
         longest = max((g for _, g in wave), default=0)
         for step in range(longest):
             active = [(slot, ctx) for slot, (ctx, g) in enumerate(wave) if step < g]
-            yield Call(BATCHED_DECODE, 1, tuple(ctx + step + 1 for _, ctx in active),
-                       tuple(slot for slot, _ in active))
+            yield Call(
+                BATCHED_DECODE,
+                1,
+                tuple(ctx + step + 1 for _, ctx in active),
+                tuple(slot for slot, _ in active),
+            )
 
 
 def kv_blocks_read(bucketer: Bucketer, call: Call) -> tuple[int, int]:

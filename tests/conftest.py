@@ -22,14 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "azure-llm-trace-2023" / "conv.csv"
 
 TINY_GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
-TINY_LIMITS = {"max_model_len": 32, "block_size": 16, "max_num_seqs": 4,
-               "max_num_batched_tokens": 32}
+TINY_LIMITS = {
+    "max_model_len": 32,
+    "block_size": 16,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+}
 
 
 def tiny_args(model_path) -> list[str]:
     """ENGINE OPTIONS for the tiny plan (6 variants)."""
-    return ["--model", str(model_path), "--max-model-len", "32", "--block-size", "16",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+    return [
+        "--model",
+        str(model_path),
+        "--max-model-len",
+        "32",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -47,12 +61,18 @@ def tiny_config(tiny_model):
 def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedProcess:
     """Run ``kernel-cache ARGS`` in a fresh Python process."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "warmup.cli", *map(str, args)],
-                          capture_output=True, text=True, env=full_env, timeout=timeout,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"kernel-cache {args} exited {proc.returncode}:\n"
-                             f"{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"kernel-cache {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -60,8 +80,9 @@ def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedPr
 def warm_cache(tmp_path_factory, tiny_model) -> tuple[Path, dict]:
     """A cache with the tiny plan compiled, and warmup's JSON report. Read-only use."""
     cache = tmp_path_factory.mktemp("warm") / "cache"
-    proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2",
-                   "--json", check=True)
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2", "--json", check=True
+    )
     return cache, json.loads(proc.stdout)
 
 

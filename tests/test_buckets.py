@@ -14,24 +14,61 @@ from .conftest import run_cli
 
 
 def cfg(**kw):
-    base = {"max_model_len": 8192, "block_size": 128, "max_num_seqs": 64,
-            "max_num_batched_tokens": 2048}
+    base = {
+        "max_model_len": 8192,
+        "block_size": 128,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 2048,
+    }
     return make_config("llama-3.1-8b", **{**base, **kw})
 
 
 def test_required_ladders_block_128():
     assert Bucketer(cfg(kv_dense_cap=0)).kv_buckets == (
-        128, 256, 384, 512, 768, 1024, 1408, 1920, 2560, 3456, 4608, 6144, 8192)
+        128,
+        256,
+        384,
+        512,
+        768,
+        1024,
+        1408,
+        1920,
+        2560,
+        3456,
+        4608,
+        6144,
+        8192,
+    )
     assert Bucketer(cfg()).kv_buckets == (
-        128, 256, 384, 512, 768, 1024, 1408, 1920, 2560, 3456, 4096, 8192)
+        128,
+        256,
+        384,
+        512,
+        768,
+        1024,
+        1408,
+        1920,
+        2560,
+        3456,
+        4096,
+        8192,
+    )
     assert Bucketer(cfg(kv_ladder="pow2")).kv_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def test_required_ladders_block_192():
     assert Bucketer(cfg(block_size=192, max_model_len=2048)).num_blocks_buckets == (
-        1, 2, 3, 4, 6, 8, 11)
-    assert Bucketer(cfg(block_size=192, max_model_len=2048, kv_ladder="pow2")
-                    ).num_blocks_buckets == (1, 2, 4, 8, 11)
+        1,
+        2,
+        3,
+        4,
+        6,
+        8,
+        11,
+    )
+    assert Bucketer(
+        cfg(block_size=192, max_model_len=2048, kv_ladder="pow2")
+    ).num_blocks_buckets == (1, 2, 4, 8, 11)
 
 
 def test_cap_above_max_blocks_has_no_effect():
@@ -41,23 +78,35 @@ def test_cap_above_max_blocks_has_no_effect():
 
 
 @settings(max_examples=300, deadline=None)
-@given(max_model_len=st.integers(1, 40000), block_size=st.integers(1, 300),
-       cap=st.integers(0, 20000), ladder=st.sampled_from(["4/3", "pow2"]))
+@given(
+    max_model_len=st.integers(1, 40000),
+    block_size=st.integers(1, 300),
+    cap=st.integers(0, 20000),
+    ladder=st.sampled_from(["4/3", "pow2"]),
+)
 def test_ladder_invariants(max_model_len, block_size, cap, ladder):
     max_blocks = math.ceil(max_model_len / block_size)
     cap_blocks = math.ceil(cap / block_size) if cap else None
     lad = kv_ladder_blocks(max_blocks, ladder, cap_blocks)
     assert lad[0] == 1 and lad[-1] == max_blocks
-    assert all(a < b for a, b in zip(lad, lad[1:]))
+    assert all(a < b for a, b in zip(lad, lad[1:], strict=False))
     assert all(isinstance(b, int) for b in lad)
 
 
 @settings(max_examples=200, deadline=None)
-@given(max_model_len=st.integers(1, 40000), block_size=st.integers(1, 300),
-       cap=st.integers(0, 20000))
+@given(
+    max_model_len=st.integers(1, 40000), block_size=st.integers(1, 300), cap=st.integers(0, 20000)
+)
 def test_below_cap_padding_under_a_quarter(max_model_len, block_size, cap):
-    b = Bucketer(make_config("llama-3.2-1b", max_model_len=max_model_len, block_size=block_size,
-                             kv_dense_cap=cap, max_num_batched_tokens=max_model_len))
+    b = Bucketer(
+        make_config(
+            "llama-3.2-1b",
+            max_model_len=max_model_len,
+            block_size=block_size,
+            kv_dense_cap=cap,
+            max_num_batched_tokens=max_model_len,
+        )
+    )
     cap_blocks = math.ceil(cap / block_size) if cap else b.max_blocks
     for n in range(1, min(cap_blocks, b.max_blocks) + 1):
         bucket = b.blocks_bucket(n)
@@ -137,8 +186,13 @@ def test_plan_cli_reads_env_override():
     proc = run_cli("plan", "--json", env={"KERNEL_CACHE_KV_BUCKETS": "256,512"}, check=True)
     doc = json.loads(proc.stdout)
     assert doc["kv_buckets"] == [256, 512, 1024]
-    assert set(doc) >= {"num_blocks_buckets", "query_buckets", "num_seqs_buckets", "variants",
-                        "fingerprint"}
+    assert set(doc) >= {
+        "num_blocks_buckets",
+        "query_buckets",
+        "num_seqs_buckets",
+        "variants",
+        "fingerprint",
+    }
 
 
 def test_plan_cli_bad_override_is_a_clear_error():

@@ -8,8 +8,12 @@ from kernel_cache.errors import ConfigError
 
 @pytest.mark.parametrize(
     "name,heads,kv,dim",
-    [("granite-3.3-8b", 32, 8, 128), ("llama-3.1-8b", 32, 8, 128), ("qwen2.5-7b", 28, 4, 128),
-     ("llama-3.2-1b", 32, 8, 64)],
+    [
+        ("granite-3.3-8b", 32, 8, 128),
+        ("llama-3.1-8b", 32, 8, 128),
+        ("qwen2.5-7b", 28, 4, 128),
+        ("llama-3.2-1b", 32, 8, 64),
+    ],
 )
 def test_presets_match_public_configs(name, heads, kv, dim):
     c = make_config(name)
@@ -19,16 +23,25 @@ def test_presets_match_public_configs(name, heads, kv, dim):
 
 def test_hf_config_with_head_dim(tmp_path):
     p = tmp_path / "config.json"
-    p.write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 4,
-                             "head_dim": 96, "hidden_size": 2048}))
+    p.write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "head_dim": 96,
+                "hidden_size": 2048,
+            }
+        )
+    )
     c = make_config(str(p))
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (16, 4, 96)
 
 
 def test_hf_config_head_dim_from_hidden_size(tmp_path):
     p = tmp_path / "config.json"
-    p.write_text(json.dumps({"num_attention_heads": 28, "num_key_value_heads": 4,
-                             "hidden_size": 3584}))
+    p.write_text(
+        json.dumps({"num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584})
+    )
     assert make_config(str(p)).head_dim == 128
 
 
@@ -52,7 +65,9 @@ def test_block_size_zero_names_field():
 
 
 def test_heads_not_multiple_of_kv_heads():
-    with pytest.raises(ConfigError, match=r"num_kv_heads.*accepted num_kv_heads: \[1, 2, 4, 8, 16, 32\]"):
+    with pytest.raises(
+        ConfigError, match=r"num_kv_heads.*accepted num_kv_heads: \[1, 2, 4, 8, 16, 32\]"
+    ):
         make_config(None, num_heads=32, num_kv_heads=5, head_dim=64)
 
 

@@ -27,16 +27,18 @@ def test_warmup_compiles_the_plan_once(warm_cache, tiny_config):
 
 
 def test_second_warmup_reports_everything_cached(cache_copy, tiny_model, tiny_config):
-    proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json",
-                   check=True)
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+    )
     report = json.loads(proc.stdout)
     n = len(Bucketer(tiny_config).variants)
     assert (report["compiled"], report["cached"], report["failed"]) == (0, n, [])
 
 
 def test_verify_in_new_process_ok_with_zero_compiles(warm_cache, tiny_model, tiny_config):
-    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", warm_cache[0], "--json",
-                   check=True)
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--cache-dir", warm_cache[0], "--json", check=True
+    )
     report = json.loads(proc.stdout)
     assert report["ok"] is True
     assert report["compiled"] == 0 and report["compile_stack_imported"] == []
@@ -69,14 +71,19 @@ for lens in ([5], [1, 16, 32], [32, 17, 2, 9]):
         out = rt.decode(query, kc, vc, bt, form)
         assert out.shape == (len(lens), 4, 8)
         err = max(err, float((out - reference_decode(query, kc, vc, bt, lens)).abs().max()))
-print(json.dumps({"max_abs_err": err, "stats": rt.stats(), "compile_stack": compile_stack_loaded()}))
+doc = {"max_abs_err": err, "stats": rt.stats(), "compile_stack": compile_stack_loaded()}
+print(json.dumps(doc))
 """
 
 
 def test_engine_start_dispatch_matches_reference_without_compiling(warm_cache, tiny_model):
-    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tiny_model),
-                           str(warm_cache[0])], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, str(tiny_model), str(warm_cache[0])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["max_abs_err"] < 1e-5
@@ -97,11 +104,13 @@ def test_flipped_byte_is_reported_corrupt_and_warmup_repairs(cache_copy, tiny_mo
     assert report["ok"] is False and len(report["corrupt"]) == 1
     assert "sha256" in report["corrupt"][0]["reason"]
     assert report["loaded"] == report["variants"] - 1
-    proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json",
-                   check=True)
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+    )
     assert json.loads(proc.stdout)["compiled"] == 1
-    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json",
-                   check=True)
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+    )
     assert json.loads(proc.stdout)["ok"] is True
 
 
@@ -139,9 +148,23 @@ def test_dispatch_rejects_bad_inputs(warm_cache, tiny_config):
 @pytest.mark.skipif(not TRACE.exists(), reason="Azure trace not beside the checkout")
 def test_replay_on_trace_slice_has_zero_compiles(warm_cache, tiny_model):
     proc = subprocess.run(
-        [sys.executable, "examples/replay_trace.py", *tiny_args(tiny_model), "--cache-dir",
-         str(warm_cache[0]), "--trace", str(TRACE), "--limit", "40", "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
+        [
+            sys.executable,
+            "examples/replay_trace.py",
+            *tiny_args(tiny_model),
+            "--cache-dir",
+            str(warm_cache[0]),
+            "--trace",
+            str(TRACE),
+            "--limit",
+            "40",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["requests"] == 40 and doc["compiles"] == 0

@@ -32,8 +32,14 @@ def test_paged_attention_matches_reference(h, kvh, d, bs, max_len):
             q_bucket = q_real + 3  # padded query rows
             bt = torch.randperm(max_blocks * 2 + 1, generator=g)[:nb].to(torch.int32)
             query = torch.randn(q_bucket, h, d, generator=g)
-            out = mod(query, kc, vc, bt, torch.tensor([seq_len], dtype=torch.int32),
-                      torch.tensor([q_real], dtype=torch.int32))
+            out = mod(
+                query,
+                kc,
+                vc,
+                bt,
+                torch.tensor([seq_len], dtype=torch.int32),
+                torch.tensor([q_real], dtype=torch.int32),
+            )
             assert torch.isfinite(out).all()
             ref = reference_attention(query[:q_real], kc, vc, bt, seq_len)
             torch.testing.assert_close(out[:q_real], ref, atol=2e-5, rtol=1e-4)
