@@ -47,3 +47,8 @@ class CorruptEntryError(KernelCacheError):
 
 class CompileError(KernelCacheError):
     """torch.export or AOTInductor failed for a variant."""
+
+
+class BundleError(KernelCacheError):
+    """A bundle directory is missing, is not a bundle, cannot be written
+    (export), or is incomplete (names the path or the variants and the fix)."""

@@ -12,6 +12,19 @@ options.
 
 What must not count (:data:`EXCLUDED`): anything that changes between the
 machine that warms and the pods that load, without changing the code.
+
+Build-only components (:data:`BUILD_ONLY`): ``cxx``, the C++ compiler that
+AOTInductor ran. It shapes the artifact's bytes, so it is in the key and a
+builder with another compiler compiles afresh; but loading an artifact needs
+no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
+returns ``"none"`` there), so a loader cannot reproduce it. Engine start
+therefore looks a key up exactly first and, on a miss, accepts a stored entry
+whose every *other* component equals its own (the runtime digest,
+:attr:`CacheKey.runtime_digest`), taking the build-only values the entry
+records and logging them. Every other component is computed at runtime and
+must match: ``compile_options`` included, since the options are fixed by the
+installed code (:data:`COMPILE_OPTIONS`), so a runtime computes them exactly
+and a release that changes an option misses.
 """
 
 from __future__ import annotations
@@ -51,6 +64,13 @@ COMPONENTS = (
     "cxx",
     "compile_options",
 )
+
+#: Components a loader cannot reproduce (see the module docstring): matched
+#: exactly by warmup, taken from the stored entry by engine start.
+BUILD_ONLY = ("cxx",)
+
+#: The components engine start computes and requires to match.
+RUNTIME_COMPONENTS = tuple(c for c in COMPONENTS if c not in BUILD_ONLY)
 
 #: Deliberately left out of every key, with the reason.
 EXCLUDED = {
@@ -133,6 +153,33 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
 
 
+def _combine(components) -> str:
+    h = hashlib.sha256()
+    for name, value in components:
+        h.update(f"{name}={_digest(value)}\n".encode())
+    return h.hexdigest()
+
+
+def runtime_digest(components: dict[str, str]) -> str:
+    """sha256 (hex) over the :data:`RUNTIME_COMPONENTS` of a recorded
+    ``components`` mapping (a missing component hashes as an empty string)."""
+    return _combine((n, components.get(n, "")) for n in RUNTIME_COMPONENTS)
+
+
+def key_from_components(components: dict[str, str]) -> CacheKey:
+    """The :class:`CacheKey` of a recorded ``components`` mapping (metadata,
+    a bundle manifest), in :data:`COMPONENTS` order.
+
+    Raises:
+        ValueError: a component is missing or unknown (names them).
+    """
+    missing = [n for n in COMPONENTS if n not in components]
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if missing or unknown:
+        raise ValueError(f"key components: missing {missing}, unknown {unknown}")
+    return CacheKey(tuple((n, str(components[n])) for n in COMPONENTS))
+
+
 @dataclass(frozen=True)
 class CacheKey:
     """An ordered tuple of ``(name, value)`` components and their sha256."""
@@ -141,10 +188,12 @@ class CacheKey:
 
     @functools.cached_property
     def hexdigest(self) -> str:
-        h = hashlib.sha256()
-        for name, value in self.components:
-            h.update(f"{name}={_digest(value)}\n".encode())
-        return h.hexdigest()
+        return _combine(self.components)
+
+    @functools.cached_property
+    def runtime_digest(self) -> str:
+        """sha256 over the components a loader can compute (all but :data:`BUILD_ONLY`)."""
+        return runtime_digest(dict(self.components))
 
     def __str__(self) -> str:
         return self.hexdigest

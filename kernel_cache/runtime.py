@@ -27,7 +27,7 @@ from .buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 from .config import EngineConfig, config_to_cli
 from .errors import CorruptEntryError, MissingVariantsError, ShapeError
 from .keys import build_key, environment
-from .store import DiskTier, Tier, verify_entry
+from .store import DiskTier, Tier, default_cache_dir, verify_entry
 
 log = logging.getLogger("kernel_cache")
 
@@ -85,6 +85,11 @@ class AttentionRuntime:
         self._buffers: dict = {}
         self.counters = {"loads": len(runners), "calls": Counter(), "compiles": 0}
         self.load_seconds = load_seconds
+        #: Where the variants came from: ``{tier location: count}``.
+        self.sources: dict[str, int] = {}
+        #: Build-only components taken from stored records (see keys.BUILD_ONLY):
+        #: ``{name: {"here": value, "stored": [values]}}``.
+        self.build_only_accepted: dict[str, dict] = {}
         self._device = torch.device(config.device)
         self._dtype = config.torch_dtype()
         c = config
@@ -288,51 +293,114 @@ class AttentionRuntime:
             "compiles": self.counters["compiles"],
             "calls": {str(v): n for v, n in sorted(self.counters["calls"].items(), key=str)},
             "load_seconds": round(self.load_seconds, 4),
+            "sources": dict(self.sources),
+            "build_only_accepted": self.build_only_accepted,
         }
 
 
-def default_tiers(cache_dir=None) -> list[Tier]:
-    """The lookup order at engine start: the local disk cache."""
-    return [DiskTier(cache_dir)]
+def default_tiers(cache_dir=None, bundles=None) -> list[Tier]:
+    """The lookup order at engine start: bundles (``bundles``, i.e. ``--bundle``,
+    then ``$KERNEL_CACHE_BUNDLE``), then the local disk cache.
+
+    The local cache is opened only if its directory exists: engine start never
+    creates a cache directory.
+
+    Raises:
+        BundleError: a bundle path is not a bundle (names it).
+    """
+    from .bundle import BundleTier, bundle_paths
+
+    tiers: list[Tier] = [BundleTier(p) for p in bundle_paths(bundles)]
+    directory = Path(cache_dir) if cache_dir else default_cache_dir()
+    if directory.is_dir():
+        tiers.append(DiskTier(directory))
+    return tiers
+
+
+def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -> None:
+    """Best-effort usage records (kernel_cache.usage) for the local disk tiers:
+    ``hits`` maps ``id(tier)`` to the keys it served; misses go to the first
+    disk tier. Never raises, never writes to a read-only directory."""
+    from . import usage
+
+    first = True
+    for tier in tiers:
+        if isinstance(tier, DiskTier):
+            usage.record(tier.directory, hits=hits.get(id(tier), ()), misses=misses if first else 0)
+            first = False
 
 
 def load_plan(
-    config: EngineConfig, cache_dir=None, *, tiers: list[Tier] | None = None, strict: bool = True
+    config: EngineConfig,
+    cache_dir=None,
+    *,
+    tiers: list[Tier] | None = None,
+    bundles=None,
+    strict: bool = True,
 ) -> AttentionRuntime:
     """Engine start: load every variant of ``config``'s plan and return the runtime.
+
+    Lookup (:class:`kernel_cache.lookup.Lookup`): each tier in order, the exact
+    key first, then an entry equal in every runtime component that was built
+    with another C++ compiler (``cxx`` is build-only; the accepted values are
+    logged at INFO and reported in ``stats()["build_only_accepted"]``).
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
         cache_dir: the local cache (default ``$KERNEL_CACHE_DIR`` or
             ``~/.cache/kernel_cache``); ignored when ``tiers`` is given.
+        bundles: bundle directories searched before the local cache, in
+            addition to ``$KERNEL_CACHE_BUNDLE``; ignored when ``tiers`` is given.
         strict: raise on missing variants (default); with False, load what is there.
 
     Raises:
         MissingVariantsError: variants not in any tier, with the warmup command.
         CorruptEntryError: an entry failed verification (names it and the repair).
+        BundleError: a bundle path is not a bundle.
     """
+    from .lookup import Lookup, merge_accepted
+
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
-    tiers = default_tiers(cache_dir) if tiers is None else tiers
+    tiers = default_tiers(cache_dir, bundles) if tiers is None else tiers
     env = environment(config.device)
+    lookup = Lookup(tiers)
     runners, missing = {}, []
+    sources: Counter = Counter()
+    accepted: dict = {}
+    hits: dict[int, list[str]] = {}
     for v in bucketer.variants:
-        key = build_key(config, v, env).hexdigest
+        key = build_key(config, v, env)
         try:
-            entry = fetch_entry(tiers, key)
+            found = lookup.find(key)
         except CorruptEntryError as e:
-            raise CorruptEntryError(
-                key,
-                f"{e.reason} (variant {v}); repair with: kernel-cache warmup "
-                f"{config_to_cli(config)}",
-                e.where,
-            ) from None
-        if entry is None:
+            bundle = any(t.name == "bundle" and t.location == e.where for t in tiers)
+            fix = (
+                f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
+                if bundle
+                else f"repair with: kernel-cache warmup {config_to_cli(config)}"
+            )
+            raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
+        if found is None:
             missing.append(v)
             continue
-        runners[v] = load_package(entry.data, config.device, entry.where, key)
+        entry = found.entry
+        runners[v] = load_package(entry.data, config.device, entry.where, entry.key)
+        sources[found.tier.location] += 1
+        hits.setdefault(id(found.tier), []).append(entry.key)
+        merge_accepted(accepted, found.accepted)
+    record_lookups(tiers, hits, len(missing))
     if missing and strict:
         raise MissingVariantsError(missing, f"kernel-cache warmup {config_to_cli(config)}")
     rt = AttentionRuntime(config, bucketer, runners, time.perf_counter() - t0)
-    log.info("loaded %d variants in %.3f s", len(runners), rt.load_seconds)
+    rt.sources = dict(sources)
+    rt.build_only_accepted = accepted
+    for name, a in accepted.items():
+        log.info(
+            "build-only component %s: accepted %s recorded at build time (this process: %s)",
+            name,
+            ", ".join(map(repr, a["stored"])),
+            repr(a["here"]),
+        )
+    log.info("loaded %d variants in %.3f s from %s", len(runners), rt.load_seconds, dict(sources))
     return rt

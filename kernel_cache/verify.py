@@ -19,7 +19,8 @@ from .errors import CorruptEntryError
 from .inputs import make_inputs
 from .kernels import build_module
 from .keys import build_key, environment
-from .runtime import default_tiers, fetch_entry, load_package
+from .lookup import Lookup, merge_accepted
+from .runtime import default_tiers, load_package
 from .store import Tier
 
 COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codegen")
@@ -34,19 +35,25 @@ def compile_stack_loaded() -> list[str]:
     return [m for m in COMPILE_STACK if m in sys.modules]
 
 
-def verify_plan(config: EngineConfig, cache_dir=None, *, tiers: list[Tier] | None = None) -> dict:
-    """Load and check every variant. Returns the JSON-ready report:
+def verify_plan(
+    config: EngineConfig, cache_dir=None, *, tiers: list[Tier] | None = None, bundles=None
+) -> dict:
+    """Load and check every variant, looked up as engine start does (bundles
+    from ``bundles`` and ``$KERNEL_CACHE_BUNDLE`` first, then the local cache).
+    Returns the JSON-ready report:
 
     ``ok`` (bool), ``variants``, ``loaded``, ``compiled``, ``missing`` and
     ``corrupt`` (lists of variant strings; corrupt entries carry the reason),
     ``mismatched`` (variants whose output differs from eager), ``max_abs_err``,
-    ``seconds``.
+    ``sources`` (``{tier location: variants loaded from it}``),
+    ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
     """
     t0 = time.perf_counter()
     before = set(compile_stack_loaded())
     bucketer = Bucketer(config)
-    tiers = default_tiers(cache_dir) if tiers is None else tiers
+    tiers = default_tiers(cache_dir, bundles) if tiers is None else tiers
     env = environment(config.device)
+    lookup = Lookup(tiers)
     modules = {}
     report = {
         "variants": len(bucketer.variants),
@@ -55,22 +62,28 @@ def verify_plan(config: EngineConfig, cache_dir=None, *, tiers: list[Tier] | Non
         "corrupt": [],
         "mismatched": [],
         "max_abs_err": 0.0,
+        "sources": {},
+        "build_only_accepted": {},
     }
     tol = TOLERANCE[config.dtype]
     for v in bucketer.variants:
-        key = build_key(config, v, env).hexdigest
+        key = build_key(config, v, env)
         try:
-            entry = fetch_entry(tiers, key)
-            if entry is None:
+            found = lookup.find(key)
+            if found is None:
                 report["missing"].append(str(v))
                 continue
-            runner = load_package(entry.data, config.device, entry.where, key)
+            entry = found.entry
+            runner = load_package(entry.data, config.device, entry.where, entry.key)
         except CorruptEntryError as e:
             report["corrupt"].append(
-                {"variant": str(v), "key": key, "reason": e.reason, "where": e.where}
+                {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
             )
             continue
         report["loaded"] += 1
+        src = found.tier.location
+        report["sources"][src] = report["sources"].get(src, 0) + 1
+        merge_accepted(report["build_only_accepted"], found.accepted)
         args = make_inputs(config, v, seed=1)
         out = runner.run(list(args))[0]
         mod = modules.setdefault(

@@ -1,4 +1,7 @@
-"""The ``kernel-cache`` command line: plan, warmup, verify.
+"""The ``kernel-cache`` command line (plan, warmup, verify, bundles, housekeeping).
+
+Subcommands: plan, warmup, verify here; export, import, explain, ls, stats, gc,
+clear in :mod:`warmup.commands`.
 
 ENGINE OPTIONS default to the built-in default
 (:data:`kernel_cache.config.DEFAULT_ENGINE`): ``kernel-cache warmup`` with no
@@ -96,10 +99,21 @@ def _cache_dir(args) -> str:
     return str(args.cache_dir or default_cache_dir())
 
 
+def bundle_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bundle",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a bundle searched before the local cache (repeatable; also $KERNEL_CACHE_BUNDLE, "
+        "os.pathsep-separated)",
+    )
+
+
 def cmd_plan(args) -> int:
     cfg = config_from_args(args)
     b = Bucketer(cfg)
-    doc = b.describe()
+    doc = {"config": cfg.model_dump(mode="json"), **b.describe()}
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -125,7 +139,12 @@ def cmd_warmup(args) -> int:
     cfg = config_from_args(args)
     if args.jobs < 1:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
-    report = warmup(cfg, _cache_dir(args), jobs=args.jobs, progress=not args.json)
+    from kernel_cache.housekeeping import format_size, max_size_from_env, parse_size
+
+    max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    report = warmup(
+        cfg, _cache_dir(args), jobs=args.jobs, progress=not args.json, max_size=max_size
+    )
     if args.json:
         print(json.dumps({k: v for k, v in report.items()}, indent=2))
     else:
@@ -136,14 +155,31 @@ def cmd_warmup(args) -> int:
         )
         for f in report["failed"]:
             print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
-    return 1 if report["failed"] else 0
+        if "gc" in report:
+            g = report["gc"]
+            print(
+                f"size limit {format_size(g['max_size'])}: removed {len(g['removed'])} "
+                f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
+                f" cache now {format_size(g['after_bytes'])}"
+            )
+    over = "gc" in report and not report["gc"]["under_limit"]
+    if over:
+        g = report["gc"]
+        print(
+            f"kernel-cache warmup: error: the cache holds {g['after_bytes']} bytes of this "
+            f"plan's artifacts, above the size limit {g['max_size']} bytes "
+            "(--max-size / KERNEL_CACHE_MAX_SIZE); nothing else is left to remove: "
+            "raise the limit",
+            file=sys.stderr,
+        )
+    return 1 if report["failed"] or over else 0
 
 
 def cmd_verify(args) -> int:
     from kernel_cache.verify import verify_plan
 
     cfg = config_from_args(args)
-    report = verify_plan(cfg, _cache_dir(args))
+    report = verify_plan(cfg, _cache_dir(args), bundles=args.bundle)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -154,6 +190,11 @@ def cmd_verify(args) -> int:
             f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
             f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
         )
+        for name, a in report["build_only_accepted"].items():
+            print(
+                f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
+                f"(this process: {a['here']})"
+            )
         for c in report["corrupt"]:
             print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
         if report["missing"]:
@@ -184,14 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=min(2, os.cpu_count() or 1),
         help="compile worker processes (default min(2, cpus))",
     )
+    sw.add_argument(
+        "--max-size",
+        default=None,
+        metavar="SIZE",
+        help="size limit of the cache (bytes or 500M, 2G; default $KERNEL_CACHE_MAX_SIZE): "
+        "entries of other plans are removed, least recently used first",
+    )
     sw.add_argument("--json", action="store_true")
     sw.set_defaults(func=cmd_warmup)
 
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
     engine_options(sv)
     sv.add_argument("--cache-dir", default=None)
+    bundle_option(sv)
     sv.add_argument("--json", action="store_true")
     sv.set_defaults(func=cmd_verify)
+
+    from warmup.commands import add_commands
+
+    add_commands(sub)
     return p
 
 

@@ -81,6 +81,7 @@ def warmup(
     jobs: int = 1,
     progress: bool = True,
     variants: list[KernelVariant] | None = None,
+    max_size: int | None = None,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
 
@@ -90,11 +91,19 @@ def warmup(
         jobs: worker processes compiling in parallel (>= 1).
         progress: show a progress bar on stderr.
         variants: a subset of the plan (default: all of it).
+        max_size: a size limit in artifact bytes (``--max-size`` or
+            ``$KERNEL_CACHE_MAX_SIZE``): before and after compiling, entries
+            of other plans are removed, least recently used first
+            (:func:`kernel_cache.housekeeping.gc`), never one of this plan.
 
     Returns:
         ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
-        "seconds", "fingerprint", "results": [...]}``
+        "seconds", "fingerprint", "results": [...]}``, plus with ``max_size``
+        ``"gc": {"removed", "removed_bytes", "after_bytes", "max_size",
+        "under_limit"}`` (``under_limit`` False: this plan alone is larger).
     """
+    from kernel_cache import housekeeping, usage
+
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
     plan = list(bucketer.variants if variants is None else variants)
@@ -104,10 +113,29 @@ def warmup(
     for v in plan:
         key = build_key(config, v, env).hexdigest
         (cached if _cached_ok(tier, key) else todo).append(v)
+    keep = housekeeping.plan_digests(config) if max_size is not None else set()
+    first = None
+    if max_size is not None:  # make room before compiling
+        first = housekeeping.gc(tier, max_size, keep)
     tier.close()
     results = [{"variant": str(v), "status": "cached"} for v in cached]
     if todo:
         results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(plan), len(cached))
+    usage.record(
+        cache_dir,
+        hits=[build_key(config, v, env).hexdigest for v in cached],
+        misses=sum(r["status"] == "compiled" for r in results),
+    )
+    gc_report = None
+    if max_size is not None:
+        tier = DiskTier(cache_dir)
+        try:
+            gc_report = housekeeping.gc(tier, max_size, keep)
+        finally:
+            tier.close()
+        gc_report["removed"] = first["removed"] + gc_report["removed"]
+        gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
+        gc_report["before_bytes"] = first["before_bytes"]
     failed = [
         {"variant": r["variant"], "error": r.get("error", "")}
         for r in results
@@ -121,6 +149,7 @@ def warmup(
         "seconds": round(time.perf_counter() - t0, 3),
         "fingerprint": bucketer.fingerprint(),
         "results": results,
+        **({"gc": gc_report} if gc_report is not None else {}),
     }
 
 

@@ -1,0 +1,174 @@
+"""Explain a miss: which stored entries are nearest, and which key components differ.
+
+For each variant (given, or every variant of the plan that misses) the key is
+built in this process's environment and looked up as engine start does
+(:class:`kernel_cache.lookup.Lookup`). For a miss, every stored entry of every
+tier is compared with it component by component
+(:data:`kernel_cache.keys.COMPONENTS`), and the nearest are listed: the same
+variant first, then the fewest differing runtime components, then the same kernel,
+then the fewest differing components, newest first. Each difference reads
+``name: <this process> != <stored>``, for example ``torch: 2.13.0 != 2.14.1``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+from .buckets import Bucketer, KernelVariant
+from .errors import CorruptEntryError
+from .keys import BUILD_ONLY, COMPONENTS, build_key, environment
+from .lookup import Lookup
+from .store import Tier
+
+#: Stored entries listed per missing variant.
+NEAREST = 3
+
+
+def short(value) -> str:
+    """A component value for a one-line diff (long digests cut to 16 characters)."""
+    text = str(value)
+    return text if len(text) <= 48 else text[:16] + "..."
+
+
+def differences(here: dict, stored: dict) -> list[dict]:
+    """Component-wise differences: ``[{"component", "here", "stored",
+    "build_only"}]`` in :data:`COMPONENTS` order."""
+    out = []
+    for name in COMPONENTS:
+        a, b = here.get(name), stored.get(name)
+        if a != b:
+            out.append(
+                {"component": name, "here": a, "stored": b, "build_only": name in BUILD_ONLY}
+            )
+    return out
+
+
+def format_difference(d: dict) -> str:
+    """``"torch: 2.13.0 != 2.14.1"``."""
+    tag = " (build-only: accepted at load)" if d["build_only"] else ""
+    return f"{d['component']}: {short(d['here'])} != {short(d['stored'])}{tag}"
+
+
+def explain(
+    config, tiers: list[Tier], variants: list[KernelVariant] | None = None, *, nearest=NEAREST
+) -> dict:
+    """The JSON-ready explanation.
+
+    Args:
+        config: the engine configuration; its plan is checked when ``variants`` is None.
+        tiers: where to look (engine start's order).
+        variants: explain these (hits included); default: the plan's misses.
+        nearest: stored entries listed per miss.
+
+    Returns: ``{"variants" (checked), "hits", "misses", "stored" (entries
+    compared), "tiers": [locations], "results": [{"variant", "key", "status"
+    ("hit" | "miss" | "corrupt"), "where", "accepted" (hit: build-only
+    components taken from the record), "reason" (corrupt), "nearest": [{"variant",
+    "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
+    """
+    env = environment(config.device)
+    wanted = list(Bucketer(config).variants) if variants is None else list(variants)
+    lookup = Lookup(tiers)
+    stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
+    results, hits = [], 0
+    for v in wanted:
+        key = build_key(config, v, env)
+        r = {"variant": str(v), "key": key.hexdigest}
+        try:
+            found = lookup.find(key)
+        except CorruptEntryError as e:
+            found = None
+            r.update(status="corrupt", where=e.where, reason=e.reason)
+        if found is not None:
+            hits += 1
+            if variants is None:
+                continue
+            r.update(
+                status="hit",
+                where=found.tier.location,
+                accepted={n: {"here": a, "stored": b} for n, (a, b) in found.accepted.items()},
+            )
+            results.append(r)
+            continue
+        r.setdefault("status", "miss")
+        here = key.as_dict()
+        ranked = []
+        for where, meta in stored:
+            comps = meta.get("components")
+            if not isinstance(comps, dict):
+                continue
+            diff = differences(here, comps)
+            runtime_diff = sum(not d["build_only"] for d in diff)
+            same_variant = comps.get("variant") == here["variant"]
+            same_kernel = str(comps.get("variant")).split(":")[0] == v.kernel
+            ranked.append(
+                (
+                    (
+                        not same_variant,
+                        runtime_diff,
+                        not same_kernel,
+                        len(diff),
+                        -float(meta.get("created") or 0),
+                    ),
+                    where,
+                    meta,
+                    diff,
+                )
+            )
+        ranked.sort(key=lambda x: x[0])
+        r["nearest"] = [
+            {
+                "variant": meta.get("variant"),
+                "key": meta.get("key"),
+                "where": where,
+                "created": meta.get("created"),
+                "differences": diff,
+                "lines": [format_difference(d) for d in diff],
+            }
+            for _, where, meta, diff in ranked[:nearest]
+        ]
+        results.append(r)
+    return {
+        "variants": len(wanted),
+        "hits": hits,
+        "misses": len(wanted) - hits,
+        "stored": len(stored),
+        "tiers": [t.location for t in tiers],
+        "results": results,
+    }
+
+
+def _when(ts) -> str:
+    if not ts:
+        return "-"
+    return _dt.datetime.fromtimestamp(float(ts)).strftime("%Y-%m-%d %H:%M")
+
+
+def render(report: dict) -> str:
+    """The text ``kernel-cache explain`` prints."""
+    where = ", ".join(report["tiers"]) or "no cache or bundle found"
+    lines = [
+        f"explain: {report['variants']} variant(s) checked, {report['hits']} hit, "
+        f"{report['misses']} miss; {report['stored']} stored entries in {where}",
+        "differences read: component: this process != stored entry",
+    ]
+    for r in report["results"]:
+        head = f"{r['variant']}  {r['status']}  key {r['key'][:16]}"
+        if r["status"] == "hit":
+            lines.append(f"{head}  in {r['where']}")
+            for n, a in r["accepted"].items():
+                lines.append(f"    {n}: {a['here']} != {a['stored']} (build-only: accepted)")
+            continue
+        if r["status"] == "corrupt":
+            lines.append(f"{head}  in {r['where']}: {r['reason']}")
+            continue
+        lines.append(head)
+        if not r["nearest"]:
+            lines.append("    no stored entries to compare with")
+        for n in r["nearest"]:
+            lines.append(
+                f"  nearest: {n['variant']} key {str(n['key'])[:16]} in {n['where']} "
+                f"(created {_when(n['created'])})"
+            )
+            lines.extend(f"    {line}" for line in n["lines"])
+    return "\n".join(lines)

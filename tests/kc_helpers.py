@@ -1,0 +1,139 @@
+"""Helpers for the bundle, key-hygiene and housekeeping tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kernel_cache.keys import key_from_components
+from kernel_cache.store import DiskTier
+
+from .conftest import ROOT
+
+#: Engine start in a fresh process: load the tiny plan (cache dir argv[2] or
+#: "-" for the default lookup: $KERNEL_CACHE_BUNDLE, then $KERNEL_CACHE_DIR),
+#: run one decode call, print a JSON line.
+ENGINE_START = r"""
+import json, logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import kernel_cache
+from kernel_cache import load_plan, make_config
+from kernel_cache.errors import MissingVariantsError
+from kernel_cache.keys import cxx_compiler_id
+from kernel_cache.verify import compile_stack_loaded
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32)
+doc = {"kernel_cache": kernel_cache.__file__, "cxx": cxx_compiler_id()}
+try:
+    rt = load_plan(cfg, None if sys.argv[2] == "-" else sys.argv[2])
+except MissingVariantsError as e:
+    doc["missing"] = [str(v) for v in e.missing]
+else:
+    kc = torch.randn(9, 16, 2, 8)
+    out = rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int32),
+                    [5, 17, 32])
+    doc.update(stats=rt.stats(), out_shape=list(out.shape))
+doc["compile_stack"] = compile_stack_loaded()
+print(json.dumps(doc))
+"""
+
+
+def engine_start(model, cache="-", *, env=None, cwd=ROOT, user_kwargs=None) -> dict:
+    """Run :data:`ENGINE_START` in a fresh process; its JSON line (plus ``stderr``)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_START, str(model), str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+        **(user_kwargs or {}),
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc["stderr"] = proc.stderr
+    return doc
+
+
+def rekey(cache: Path, overrides: dict[str, str]) -> list[str]:
+    """Rewrite every entry of ``cache`` as if it had been warmed where the key
+    components ``overrides`` had other values (a cache warmed under another
+    torch, compiler, ...): same bytes, recorded components and key changed.
+    Returns the new keys."""
+    tier = DiskTier(cache)
+    new = []
+    try:
+        for meta in list(tier.iter_meta()):
+            entry = tier.get(meta["key"])
+            comps = {**meta["components"], **overrides}
+            key = key_from_components(comps).hexdigest
+            tier.put(key, entry.data, {**meta, "key": key, "components": comps})
+            tier.delete(meta["key"])
+            new.append(key)
+    finally:
+        tier.close()
+    return new
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under ``root`` with its mode, size, mtime and (files) bytes:
+    equal snapshots mean nothing was written, created or removed."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            data = p.read_bytes() if stat.S_ISREG(st.st_mode) else b""
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, data)
+    return out
+
+
+def other_user_kwargs() -> tuple[dict, dict]:
+    """How to run a child as another user: ``(subprocess kwargs, env additions)``.
+
+    As root, where uid 65534 (nobody) can run this interpreter and read the
+    checkout, the child really runs as nobody; otherwise (not root, or the
+    interpreter lies under a private /root) the user name the process sees
+    (``USER``/``LOGNAME``, what ``getpass.getuser()`` reads) is changed.
+    """
+    env = {"USER": "kc-other-user", "LOGNAME": "kc-other-user"}
+    if os.geteuid() == 0:
+        kwargs = {"user": 65534, "group": 65534, "extra_groups": []}
+        try:
+            ok = (
+                subprocess.run(
+                    [sys.executable, "-c", "import kernel_cache"],
+                    cwd=ROOT,
+                    capture_output=True,
+                    timeout=120,
+                    **kwargs,
+                ).returncode
+                == 0
+            )
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            return kwargs, env
+    return {}, env
+
+
+@contextlib.contextmanager
+def world_readable_dir():
+    """A fresh directory under the system temp dir, mode 0755 (pytest's tmp_path
+    is private to its user), removed afterwards whatever modes were set inside."""
+    root = Path(tempfile.mkdtemp(prefix="kc-test-"))
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        for dirpath, _, _ in os.walk(root):
+            with contextlib.suppress(OSError):
+                os.chmod(dirpath, 0o755)
+        shutil.rmtree(root, ignore_errors=True)

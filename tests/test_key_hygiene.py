@@ -1,0 +1,157 @@
+"""Key hygiene: what moves with a cache still hits, what changes the code misses.
+
+A change of torch, device architecture, kernel source, dtype or compile option
+is simulated by rewriting a real warmed cache as if it had been warmed with
+that component different (``kc_helpers.rekey``); a kernel source edit is also
+made for real, in a copy of the package run in a fresh process.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kernel_cache import load_plan
+from kernel_cache.buckets import Bucketer
+from kernel_cache.explain import explain, short
+from kernel_cache.keys import BUILD_ONLY, RUNTIME_COMPONENTS, build_key
+from kernel_cache.runtime import default_tiers
+from kernel_cache.store import DiskTier
+
+from .conftest import ROOT, run_cli, tiny_args
+from .kc_helpers import engine_start, other_user_kwargs, rekey, world_readable_dir
+
+pytestmark = pytest.mark.compile
+
+
+def test_build_only_components_are_declared():
+    assert BUILD_ONLY == ("cxx",)
+    assert "compile_options" in RUNTIME_COMPONENTS and "cxx" not in RUNTIME_COMPONENTS
+
+
+def test_moved_cache_hits_under_another_home_user_and_gpu_index(cache_copy, tiny_model):
+    user_kwargs, user_env = other_user_kwargs()
+    with world_readable_dir() as root:
+        moved = root / "elsewhere" / "mounted-cache"
+        moved.parent.mkdir()
+        shutil.move(str(cache_copy), str(moved))
+        model = root / "config.json"
+        shutil.copy(tiny_model, model)
+        home = root / "other-home"
+        home.mkdir()
+        if user_kwargs:  # the other user owns its copy of the cache
+            for p in [home, moved, *moved.rglob("*")]:
+                os.chown(p, 65534, 65534)
+        env = {
+            **os.environ,
+            **user_env,
+            "HOME": str(home),
+            "CUDA_VISIBLE_DEVICES": "2",
+            "KERNEL_CACHE_DIR": str(moved),
+        }
+        env.pop("KERNEL_CACHE_BUNDLE", None)
+        doc = engine_start(model, "-", env=env, user_kwargs=user_kwargs)
+    assert "missing" not in doc, doc
+    assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+    assert doc["stats"]["sources"] == {str(moved): 6}
+    assert doc["stats"]["build_only_accepted"] == {}  # an exact hit: same compiler here
+
+
+@pytest.mark.parametrize(
+    "component,value",
+    [
+        ("torch", "2.14.1"),
+        ("device_arch", "x86_64/AVX512"),
+        ("kernel_source", "0" * 64),
+        ("dtype", "bfloat16"),
+        ("compile_options", '{"max_autotune": true}'),
+    ],
+)
+def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config, component, value):
+    rekey(cache_copy, {component: value})
+    rt = load_plan(tiny_config, cache_copy, strict=False)
+    assert rt.counters["loads"] == 0  # never the artifact built under other conditions
+    report = explain(tiny_config, default_tiers(cache_copy))
+    assert report["misses"] == 6 and len(report["results"]) == 6
+    for r in report["results"]:
+        best = r["nearest"][0]
+        assert best["variant"] == r["variant"]
+        assert [d["component"] for d in best["differences"]] == [component]
+        here = build_key(tiny_config, Bucketer(tiny_config).variants[0]).as_dict()[component]
+        assert best["lines"] == [f"{component}: {short(here)} != {short(value)}"]
+
+
+def test_explain_cli_names_torch_on_a_simulated_upgrade(cache_copy, tiny_model):
+    rekey(cache_copy, {"torch": "2.14.1"})
+    import torch
+
+    proc = run_cli("explain", *tiny_args(tiny_model), "--cache-dir", cache_copy, check=True)
+    assert "6 miss" in proc.stdout
+    assert proc.stdout.count(f"torch: {torch.__version__} != 2.14.1") >= 6
+    proc = run_cli(
+        "explain",
+        *tiny_args(tiny_model),
+        "--cache-dir",
+        cache_copy,
+        "--variant",
+        "batched_decode:1:2:4",
+        "--json",
+        check=True,
+    )
+    r = json.loads(proc.stdout)["results"][0]
+    assert r["status"] == "miss" and r["nearest"][0]["variant"] == "batched_decode:1:2:4"
+    assert r["nearest"][0]["lines"] == [f"torch: {torch.__version__} != 2.14.1"]
+
+
+def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny_config):
+    rekey(cache_copy, {"cxx": "gcc 99.1.0"})
+    rt = load_plan(tiny_config, cache_copy)
+    assert rt.counters["loads"] == 6
+    assert rt.build_only_accepted["cxx"]["stored"] == ["gcc 99.1.0"]
+    tier = DiskTier(cache_copy)  # warmup checks the exact key: it would compile afresh
+    assert all(
+        tier.get(build_key(tiny_config, v).hexdigest) is None
+        for v in Bucketer(tiny_config).variants
+    )
+    tier.close()
+    report = explain(tiny_config, default_tiers(cache_copy), list(Bucketer(tiny_config).variants))
+    assert {r["status"] for r in report["results"]} == {"hit"}
+    assert report["results"][0]["accepted"]["cxx"]["stored"] == "gcc 99.1.0"
+
+
+def test_an_edited_kernel_source_misses_in_a_fresh_process(warm_cache, tiny_model, tmp_path):
+    """kernel_source is the sha256 of kernel_cache/kernels.py: a copy of the package
+    with the file unchanged hits from another install path; with one comment line
+    added (same installed version) it misses everything, never loads the old
+    artifact, and explain names kernel_source."""
+    for name, edit in (("same", False), ("edited", True)):
+        tree = tmp_path / name
+        shutil.copytree(ROOT / "kernel_cache", tree / "kernel_cache")
+        shutil.copytree(ROOT / "warmup", tree / "warmup")
+        if edit:
+            k = tree / "kernel_cache" / "kernels.py"
+            k.write_text(k.read_text() + "\n# an edit that changes no behaviour\n")
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        env.pop("KERNEL_CACHE_BUNDLE", None)
+        doc = engine_start(tiny_model, warm_cache[0], env=env, cwd=tree)
+        assert doc["kernel_cache"].startswith(str(tree)), doc["kernel_cache"]
+        if not edit:
+            assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+            continue
+        assert len(doc["missing"]) == 6 and "stats" not in doc
+        proc = subprocess.run(
+            [sys.executable, "-m", "warmup.cli", "explain", *map(str, tiny_args(tiny_model))]
+            + ["--cache-dir", str(warm_cache[0]), "--variant", "paged_attention:1:1:1", "--json"],
+            capture_output=True,
+            text=True,
+            cwd=tree,
+            env=env,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        r = json.loads(proc.stdout)["results"][0]
+        assert r["status"] == "miss"
+        assert [d["component"] for d in r["nearest"][0]["differences"]] == ["kernel_source"]
