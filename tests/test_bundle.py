@@ -4,6 +4,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from kernel_cache.keys import build_key
 from kernel_cache.runtime import default_tiers
 from kernel_cache.store import DiskTier
 
-from .conftest import run_cli, tiny_args
+from .conftest import ROOT, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir
 
 pytestmark = pytest.mark.compile
@@ -109,6 +111,18 @@ def test_container_recipe_without_docker(bundle, tiny_model):
             "CXX": str(root / "no-such-compiler" / "g++"),
         }
         doc = engine_start(model, "-", env=env, user_kwargs=user_kwargs)
+        proc = subprocess.run(  # the image's CMD
+            [sys.executable, "-m", "warmup.cli", "verify", *map(str, tiny_args(model))],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=300,
+            **user_kwargs,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "verify ok: 6/6 loaded, 0 compiled" in proc.stdout
+        assert "build-only cxx: accepted" in proc.stdout
         assert snapshot(image_bundle) == before
         written = [p.name for p in cache.rglob("*") if p.suffix == ".val" or p.name == "usage.json"]
         assert written == []  # no artifact copied, no usage recorded: the bundle served all
