@@ -11,6 +11,7 @@ import torch's compile stack (Dynamo, Inductor). Engine start::
 from .buckets import Bucketer, KernelVariant
 from .config import PRESETS, EngineConfig, make_config
 from .errors import (
+    BundleError,
     CompileError,
     ConfigError,
     CorruptEntryError,
@@ -23,6 +24,7 @@ from .runtime import AttentionRuntime, load_plan
 __all__ = [
     "AttentionRuntime",
     "Bucketer",
+    "BundleError",
     "CompileError",
     "ConfigError",
     "CorruptEntryError",

@@ -146,10 +146,15 @@ def _when(ts) -> str:
 
 def render(report: dict) -> str:
     """The text ``kernel-cache explain`` prints."""
-    where = ", ".join(report["tiers"]) or "no cache or bundle found"
+    where = (
+        f"{report['stored']} stored entries in {', '.join(report['tiers'])}"
+        if report["tiers"]
+        else "no cache or bundle found (--cache-dir / $KERNEL_CACHE_DIR, "
+        "--bundle / $KERNEL_CACHE_BUNDLE)"
+    )
     lines = [
         f"explain: {report['variants']} variant(s) checked, {report['hits']} hit, "
-        f"{report['misses']} miss; {report['stored']} stored entries in {where}",
+        f"{report['misses']} miss; {where}",
         "differences read: component: this process != stored entry",
     ]
     for r in report["results"]:
