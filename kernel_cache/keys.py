@@ -25,6 +25,14 @@ records and logging them. Every other component is computed at runtime and
 must match: ``compile_options`` included, since the options are fixed by the
 installed code (:data:`COMPILE_OPTIONS`), so a runtime computes them exactly
 and a release that changes an option misses.
+
+What accepting ``cxx`` does not cover: an artifact built against another C++
+runtime library than the loading process has may fail to load, either as an
+error of the AOTInductor loader (reported by
+:func:`kernel_cache.runtime.load_package` as a corrupt entry) or, as reported
+for a CUDA image whose ``CXX`` did not match its libstdc++, as a crash inside
+the package. Build and runtime stages should share one base image, as
+``examples/Dockerfile`` does.
 """
 
 from __future__ import annotations
