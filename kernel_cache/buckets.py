@@ -30,12 +30,18 @@ import hashlib
 import json
 import logging
 import math
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .config import EngineConfig
+from .config import (  # noqa: F401 - re-exported: overrides are parsed with the config
+    ENV_KV_BUCKETS,
+    ENV_NUM_SEQS_BUCKETS,
+    ENV_QUERY_BUCKETS,
+    EngineConfig,
+    env_overrides,
+    parse_bucket_list,
+)
 from .errors import ConfigError, ShapeError
 
 log = logging.getLogger("kernel_cache")
@@ -43,10 +49,6 @@ log = logging.getLogger("kernel_cache")
 PAGED_ATTENTION = "paged_attention"
 BATCHED_DECODE = "batched_decode"
 KERNELS = (PAGED_ATTENTION, BATCHED_DECODE)
-
-ENV_KV_BUCKETS = "KERNEL_CACHE_KV_BUCKETS"
-ENV_QUERY_BUCKETS = "KERNEL_CACHE_QUERY_BUCKETS"
-ENV_NUM_SEQS_BUCKETS = "KERNEL_CACHE_NUM_SEQS_BUCKETS"
 
 
 class KernelVariant(BaseModel):
@@ -83,42 +85,6 @@ class KernelVariant(BaseModel):
                 f"--variant {text!r}: QUERY, BLOCKS and SEQS must be integers"
             ) from None
         return cls(kernel=parts[0], query_len=q, num_blocks=b, num_seqs=s)
-
-
-def parse_bucket_list(text: str, name: str) -> tuple[int, ...]:
-    """Parse a comma-separated list of positive integers.
-
-    Raises:
-        ConfigError: naming ``name`` (the env variable or flag) and the bad token.
-    """
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip()
-        if not tok:
-            continue
-        if not tok.isdigit() or int(tok) < 1:
-            raise ConfigError(
-                f"{name}: entry {tok!r} is not a positive integer; expected a comma-separated "
-                "list such as 128,256,512"
-            )
-        out.append(int(tok))
-    if not out:
-        raise ConfigError(f"{name}: empty list; expected a comma-separated list of integers")
-    return tuple(out)
-
-
-def env_overrides(environ=None) -> dict:
-    """Bucket overrides from ``KERNEL_CACHE_*_BUCKETS`` (KV in tokens)."""
-    environ = os.environ if environ is None else environ
-    out = {}
-    for var, field in (
-        (ENV_KV_BUCKETS, "kv_buckets"),
-        (ENV_QUERY_BUCKETS, "query_buckets"),
-        (ENV_NUM_SEQS_BUCKETS, "num_seqs_buckets"),
-    ):
-        if environ.get(var):
-            out[field] = parse_bucket_list(environ[var], var)
-    return out
 
 
 def kv_ladder_blocks(max_blocks: int, ladder: str, cap_blocks: int | None) -> tuple[int, ...]:

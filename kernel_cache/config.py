@@ -21,8 +21,48 @@ from .errors import ConfigError
 #: dtypes a variant can be compiled for. ``float32`` is the CPU default,
 #: ``bfloat16`` the CUDA default.
 DTYPES = ("float32", "bfloat16", "float16")
+
+ENV_KV_BUCKETS = "KERNEL_CACHE_KV_BUCKETS"
+ENV_QUERY_BUCKETS = "KERNEL_CACHE_QUERY_BUCKETS"
+ENV_NUM_SEQS_BUCKETS = "KERNEL_CACHE_NUM_SEQS_BUCKETS"
 DEVICES = ("cpu", "cuda")
 KV_LADDERS = ("4/3", "pow2")
+
+
+def parse_bucket_list(text: str, name: str) -> tuple[int, ...]:
+    """Parse a comma-separated list of positive integers.
+
+    Raises:
+        ConfigError: naming ``name`` (the env variable or flag) and the bad token.
+    """
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        if not tok.isdigit() or int(tok) < 1:
+            raise ConfigError(
+                f"{name}: entry {tok!r} is not a positive integer; expected a comma-separated "
+                "list such as 128,256,512"
+            )
+        out.append(int(tok))
+    if not out:
+        raise ConfigError(f"{name}: empty list; expected a comma-separated list of integers")
+    return tuple(out)
+
+
+def env_overrides(environ=None) -> dict:
+    """Bucket overrides from ``KERNEL_CACHE_*_BUCKETS`` (KV in tokens)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, field in (
+        (ENV_KV_BUCKETS, "kv_buckets"),
+        (ENV_QUERY_BUCKETS, "query_buckets"),
+        (ENV_NUM_SEQS_BUCKETS, "num_seqs_buckets"),
+    ):
+        if environ.get(var):
+            out[field] = parse_bucket_list(environ[var], var)
+    return out
 
 
 class ModelGeometry(BaseModel):
@@ -164,6 +204,10 @@ def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:
         ConfigError: the file is missing, is not JSON, or lacks the head counts.
     """
     p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"--model: directory {str(p)!r} has no config.json")
+        p = p / "config.json"
     try:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
@@ -174,7 +218,7 @@ def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:
         raise ConfigError(f"--model: {str(p)!r} must hold a JSON object")
     cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
     heads = cfg.get("num_attention_heads")
-    if not isinstance(heads, int):
+    if not isinstance(heads, int) or isinstance(heads, bool):
         raise ConfigError(
             f"--model: {str(p)!r} has no integer 'num_attention_heads' (got {heads!r}); "
             "a Hugging Face config.json needs num_attention_heads, num_key_value_heads "
@@ -190,19 +234,19 @@ def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:
                 f"num_attention_heads={heads} (hidden_size={hidden!r})"
             )
         head_dim = hidden // heads
-    if not isinstance(kv, int) or not isinstance(head_dim, int):
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (kv, head_dim)):
         raise ConfigError(
             f"--model: {str(p)!r}: num_key_value_heads={kv!r} and head_dim={head_dim!r} "
             "must be integers"
         )
-    return ModelGeometry(name=str(path), num_heads=heads, num_kv_heads=kv, head_dim=head_dim)
+    return ModelGeometry(name=str(p.resolve()), num_heads=heads, num_kv_heads=kv, head_dim=head_dim)
 
 
 def resolve_model(model: str) -> ModelGeometry:
     """A preset name (see :data:`PRESETS`) or a path to a ``config.json``."""
     if model in PRESETS:
         return PRESETS[model]
-    if os.sep in model or model.endswith(".json") or Path(model).exists():
+    if os.sep in model or model.endswith(".json") or Path(model).exists():  # a path
         return geometry_from_hf_config(model)
     raise ConfigError(
         f"--model: unknown preset {model!r}; accepted presets: {', '.join(PRESETS)}, "
@@ -210,16 +254,22 @@ def resolve_model(model: str) -> ModelGeometry:
     )
 
 
-def make_config(model: str | None = None, **fields) -> EngineConfig:
+def make_config(model: str | None = None, *, use_env: bool = True, **fields) -> EngineConfig:
     """Build an :class:`EngineConfig` from a preset or config path plus limits.
 
-    ``fields`` left as ``None`` take the model's defaults. ``dtype`` defaults to
-    float32 on the CPU and bfloat16 on CUDA.
+    ``fields`` left as ``None`` take the defaults. ``dtype`` defaults to float32
+    on the CPU and bfloat16 on CUDA. With ``use_env`` (the default), bucket
+    lists not given here come from ``KERNEL_CACHE_KV_BUCKETS``,
+    ``KERNEL_CACHE_QUERY_BUCKETS`` and ``KERNEL_CACHE_NUM_SEQS_BUCKETS``, so an
+    engine and ``kernel-cache warmup`` started with the same environment agree
+    on the plan.
 
     Raises:
         ConfigError: naming each invalid field, its value and the accepted values.
     """
     fields = {k: v for k, v in fields.items() if v is not None}
+    if use_env:
+        fields = {**env_overrides(), **fields}
     if model is not None:
         geo = resolve_model(model)
         fields = {
@@ -251,7 +301,10 @@ def _explain_validation(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         accepted = _ACCEPTED.get(field)
         extra = f"; accepted values: {', '.join(accepted)}" if accepted else ""
-        lines.append(f"{field}={err.get('input')!r}: {msg}{extra}")
+        if err["loc"]:
+            lines.append(f"{field}={err.get('input')!r}: {msg}{extra}")
+        else:  # a rule across fields: the message names them
+            lines.append(msg)
     return "invalid engine configuration: " + "; ".join(lines)
 
 
@@ -264,12 +317,16 @@ _CLI_FIELDS = (
     ("device", "--device"),
     ("kv_ladder", "--kv-ladder"),
     ("kv_dense_cap", "--kv-dense-cap"),
+    ("query_step", "--query-step"),
 )
 
 
-def config_to_cli(config: EngineConfig) -> str:
-    """ENGINE OPTIONS that rebuild ``config`` (for error messages: the command to run)."""
-    parts = [f"--model {config.model}"]
+def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
+    """ENGINE OPTIONS (and ``--cache-dir`` if given) that rebuild ``config``: the
+    command an error message tells the user to run."""
+    import shlex
+
+    parts = [f"--model {shlex.quote(config.model)}"]
     parts += [f"{flag} {getattr(config, f)}" for f, flag in _CLI_FIELDS]
     for f, flag in (
         ("kv_buckets", "--kv-buckets"),
@@ -278,4 +335,6 @@ def config_to_cli(config: EngineConfig) -> str:
     ):
         if getattr(config, f) is not None:
             parts.append(f"{flag} {','.join(map(str, getattr(config, f)))}")
+    if cache_dir is not None:
+        parts.append(f"--cache-dir {shlex.quote(str(Path(cache_dir).resolve()))}")
     return " ".join(parts)

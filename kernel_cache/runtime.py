@@ -378,7 +378,7 @@ def load_plan(
             fix = (
                 f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
                 if bundle
-                else f"repair with: kernel-cache warmup {config_to_cli(config)}"
+                else f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
             )
             raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
         if found is None:
@@ -391,7 +391,9 @@ def load_plan(
         merge_accepted(accepted, found.accepted)
     record_lookups(tiers, hits, len(missing))
     if missing and strict:
-        raise MissingVariantsError(missing, f"kernel-cache warmup {config_to_cli(config)}")
+        raise MissingVariantsError(
+            missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
+        )
     rt = AttentionRuntime(config, bucketer, runners, time.perf_counter() - t0)
     rt.sources = dict(sources)
     rt.build_only_accepted = accepted

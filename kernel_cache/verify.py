@@ -105,5 +105,5 @@ def verify_plan(
     )
     report["seconds"] = round(time.perf_counter() - t0, 3)
     if not report["ok"]:
-        report["repair"] = f"kernel-cache warmup {config_to_cli(config)}"
+        report["repair"] = f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
     return report

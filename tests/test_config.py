@@ -90,3 +90,37 @@ def test_config_is_frozen():
     c = make_config("llama-3.1-8b")
     with pytest.raises(Exception, match="frozen"):
         c.block_size = 32
+
+
+def test_make_config_reads_bucket_env_like_the_cli(monkeypatch):
+    from kernel_cache.buckets import Bucketer
+
+    monkeypatch.setenv("KERNEL_CACHE_KV_BUCKETS", "256,512")
+    c = make_config("llama-3.1-8b", max_model_len=1024, block_size=128)
+    assert Bucketer(c).kv_buckets == (256, 512, 1024)
+    assert make_config("llama-3.1-8b", use_env=False).kv_buckets is None
+
+
+def test_model_directory_and_bool_heads(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16})
+    )
+    assert make_config(str(tmp_path)).num_heads == 8
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": True, "head_dim": 16}))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        make_config(str(tmp_path))
+
+
+def test_gqa_error_does_not_dump_the_config():
+    with pytest.raises(ConfigError) as e:
+        make_config(None, num_heads=32, num_kv_heads=5, head_dim=64)
+    assert "max_model_len" not in str(e.value)
+
+
+def test_repair_command_rebuilds_the_config(tmp_path):
+    from kernel_cache.config import config_to_cli
+
+    c = make_config("llama-3.2-1b", query_step=256, max_model_len=2048)
+    cmd = config_to_cli(c, tmp_path)
+    assert "--query-step 256" in cmd and "--max-model-len 2048" in cmd
+    assert f"--cache-dir {tmp_path.resolve()}" in cmd

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from kernel_cache.buckets import Bucketer, env_overrides, parse_bucket_list
+from kernel_cache.buckets import Bucketer, parse_bucket_list
 from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.store import default_cache_dir
@@ -70,7 +70,7 @@ def engine_options(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> EngineConfig:
     """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
-    overrides = env_overrides()
+    overrides = {}
     for attr, flag in (
         ("kv_buckets", "--kv-buckets"),
         ("query_buckets", "--query-buckets"),
