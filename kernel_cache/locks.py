@@ -121,7 +121,7 @@ class KeyLock:
         except Timeout:
             if timeout == 0:
                 raise LockBusy(self.key) from None
-            raise LockTimeoutError(self._timeout_message(timeout)) from None
+            raise LockTimeoutError(self.timeout_message(timeout)) from None
         self.waited_s = time.monotonic() - t0
         rec = {
             "pid": os.getpid(),
@@ -142,7 +142,8 @@ class KeyLock:
             self.owner_path.unlink(missing_ok=True)
         self._lock.release()
 
-    def _timeout_message(self, timeout: float) -> str:
+    def timeout_message(self, timeout: float) -> str:
+        """The error text for a wait of ``timeout`` seconds: key, lock file, holder."""
         rec = self.holder()
         if rec is None:
             who = "its holder is unknown (no owner record)"

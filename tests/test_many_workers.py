@@ -21,11 +21,12 @@ import pytest
 
 from kernel_cache import CorruptEntryError, load_plan
 from kernel_cache.buckets import Bucketer
+from kernel_cache.config import make_config
 from kernel_cache.keys import build_key
 from kernel_cache.quarantine import list_quarantine
 from kernel_cache.store import DiskTier, make_meta
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
 from .fsutil import resize_tmpfs, tmpfs, tree_state
 
 pytestmark = pytest.mark.compile
@@ -193,21 +194,27 @@ def test_compile_failure_is_reported_and_the_other_variants_finish(
     assert DiskTier(cache_copy, read_only=True).get(keys_of(tiny_config, [good])[0]) is not None
 
 
-HOLD_KEY = r"""
+HOLD_KEYS = r"""
 import sys, time
 from kernel_cache.locks import KeyLock
-KeyLock(sys.argv[1], sys.argv[2], variant="held by the test").acquire(10)
+locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
+for lock in locks:
+    lock.acquire(10)
 print("held", flush=True)
 time.sleep(600)
 """
 
 
-def test_lock_wait_timeout_names_key_lock_file_and_holder(cache_copy, tiny_model, tiny_config):
-    v = Bucketer(tiny_config).variants[0]
-    (key,) = keys_of(tiny_config, [v])
-    remove_entries(cache_copy, [key])
+def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
+    """Another process holds the compile locks of a 2-variant plan: warmup waits
+    --lock-timeout seconds for each, then reports both (nothing is compiled)."""
+    subset = ["--kv-buckets", "32", "--query-buckets", "32"]
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kv_buckets=(32,), query_buckets=(32,))
+    variants = Bucketer(cfg).variants  # paged_attention:32:2:1, batched_decode:1:2:4
+    keys = keys_of(cfg, variants)
+    cache = tmp_path / "cache"
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_KEY, str(cache_copy), key],
+        [sys.executable, "-c", HOLD_KEYS, str(cache), *keys],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -217,8 +224,11 @@ def test_lock_wait_timeout_names_key_lock_file_and_holder(cache_copy, tiny_model
         proc = run_cli(
             "warmup",
             *tiny_args(tiny_model),
+            *subset,
             "--cache-dir",
-            cache_copy,
+            cache,
+            "--jobs",
+            "1",
             "--lock-timeout",
             "2",
             "--json",
@@ -227,10 +237,14 @@ def test_lock_wait_timeout_names_key_lock_file_and_holder(cache_copy, tiny_model
         holder.kill()
         holder.wait()
     assert proc.returncode == 1, proc.stderr
-    (failure,) = json.loads(proc.stdout)["failed"]
-    assert failure["variant"] == str(v)
-    for part in (key[:16], str(cache_copy / "locks" / f"{key}.lock"), f"pid {holder.pid}"):
-        assert part in failure["error"]
+    report = json.loads(proc.stdout)
+    assert report["compiled"] == 0
+    errors = {f["variant"]: f["error"] for f in report["failed"]}
+    assert sorted(errors) == sorted(map(str, variants))
+    for v, key in zip(variants, keys, strict=True):
+        msg = errors[str(v)]
+        assert "waited 2 s for the compile lock of key " + key[:16] in msg
+        assert str(cache / "locks" / f"{key}.lock") in msg and f"pid {holder.pid}" in msg
 
 
 def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(

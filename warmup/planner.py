@@ -102,7 +102,9 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
     try:
         lock.acquire(options["lock_timeout"] if options["blocking"] else 0)
     except LockBusy:
-        return done("busy")
+        if not options["blocking"]:
+            return done("busy")
+        return done("failed", error=lock.timeout_message(0))  # --lock-timeout 0
     except LockTimeoutError as e:
         return done("failed", error=str(e))
     try:
