@@ -294,26 +294,23 @@ class DiskTier(Tier):
 
     def raw_meta(self, key: str) -> bytes | None:
         """The stored metadata bytes, unparsed (for quarantine), or None."""
-        from .disk import UnsafeValueError
-
         try:
             raw = self._value("meta/" + key)
-        except CorruptEntryError:
-            return b"(unreadable: pickled value)"
-        except UnsafeValueError:  # pragma: no cover - _value maps it
-            return None
+        except CorruptEntryError as e:
+            return f"(unreadable: {e.reason})".encode()
         return raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
 
     def iter_meta(self) -> Iterator[dict]:
+        from .disk import IndexSnapshot
+
+        # The key list comes from a read-only snapshot in both modes: it skips
+        # rows whose key is not a plain string (never unpickled).
         if self.read_only:
-            keys = [k for k in self._snap().rows if k.startswith("meta/")]
+            rows = self._snap().rows
         else:
-            keys = [
-                k
-                for k in self._retry(lambda: list(self.cache.iterkeys()), "listing entries")
-                if isinstance(k, str) and k.startswith("meta/")
-            ]
-        for k in keys:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        for k in [k for k in rows if k.startswith("meta/")]:
             try:
                 raw = self._value(k)
                 if raw is not None:
