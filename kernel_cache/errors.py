@@ -52,3 +52,25 @@ class CompileError(KernelCacheError):
 class BundleError(KernelCacheError):
     """A bundle directory is missing, is not a bundle, cannot be written
     (export), or is incomplete (names the path or the variants and the fix)."""
+
+
+class CacheBusyError(KernelCacheError):
+    """The cache's SQLite index stayed locked ("database is locked") by other
+    processes for longer than the bounded wait (``KERNEL_CACHE_DB_TIMEOUT``)."""
+
+
+class CacheWriteError(KernelCacheError):
+    """The cache directory could not be written (full disk, quota, read-only
+    mount, permissions). Names the directory and the bytes that were needed;
+    nothing half-written is left behind."""
+
+
+class UntrustedCacheError(KernelCacheError):
+    """The cache directory, or an entry file in it, is writable by other users or
+    owned by another user; its native code is not loaded. Names the path, the
+    mode or owner, and the fix."""
+
+
+class LockTimeoutError(KernelCacheError):
+    """Waiting for another process's per-key compile lock took longer than the
+    lock timeout. Names the key, the lock file and the holder's pid if known."""

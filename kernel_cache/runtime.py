@@ -298,12 +298,16 @@ class AttentionRuntime:
         }
 
 
-def default_tiers(cache_dir=None, bundles=None) -> list[Tier]:
+def default_tiers(
+    cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None
+) -> list[Tier]:
     """The lookup order at engine start: bundles (``bundles``, i.e. ``--bundle``,
     then ``$KERNEL_CACHE_BUNDLE``), then the local disk cache.
 
     The local cache is opened only if its directory exists: engine start never
-    creates a cache directory.
+    creates a cache directory. It is opened read-only (no lock, database, journal
+    or temporary file is created in it) and its trust is checked
+    (:mod:`kernel_cache.trust`; ``allow_shared_dir`` opts out).
 
     Raises:
         BundleError: a bundle path is not a bundle (names it).
@@ -313,7 +317,7 @@ def default_tiers(cache_dir=None, bundles=None) -> list[Tier]:
     tiers: list[Tier] = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
     if directory.is_dir():
-        tiers.append(DiskTier(directory))
+        tiers.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
     return tiers
 
 
@@ -337,6 +341,7 @@ def load_plan(
     tiers: list[Tier] | None = None,
     bundles=None,
     strict: bool = True,
+    allow_shared_dir: bool | None = None,
 ) -> AttentionRuntime:
     """Engine start: load every variant of ``config``'s plan and return the runtime.
 
@@ -352,17 +357,25 @@ def load_plan(
         bundles: bundle directories searched before the local cache, in
             addition to ``$KERNEL_CACHE_BUNDLE``; ignored when ``tiers`` is given.
         strict: raise on missing variants (default); with False, load what is there.
+        allow_shared_dir: skip the trust checks of the cache directory (default
+            ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``; see :mod:`kernel_cache.trust`).
 
     Raises:
         MissingVariantsError: variants not in any tier, with the warmup command.
         CorruptEntryError: an entry failed verification (names it and the repair).
         BundleError: a bundle path is not a bundle.
+        UntrustedCacheError: the directory or an entry file is writable by other
+            users or owned by another user (names the path and the fix).
     """
     from .lookup import Lookup, merge_accepted
 
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
-    tiers = default_tiers(cache_dir, bundles) if tiers is None else tiers
+    tiers = (
+        default_tiers(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
+        if tiers is None
+        else tiers
+    )
     env = environment(config.device)
     lookup = Lookup(tiers)
     runners, missing = {}, []

@@ -21,12 +21,13 @@ import abc
 import hashlib
 import json
 import os
+import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CorruptEntryError
+from .errors import CacheWriteError, CorruptEntryError, UntrustedCacheError
 from .keys import ARTIFACT_FORMAT, CacheKey
 
 ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
@@ -68,7 +69,7 @@ def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
     with the required fields."""
     try:
         meta = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise CorruptEntryError(key, f"metadata is not JSON ({e})", where) from None
     if not isinstance(meta, dict) or not {"key", "sha256", "size"} <= set(meta):
         raise CorruptEntryError(key, "metadata lacks key/sha256/size", where)
@@ -137,28 +138,134 @@ class Tier(abc.ABC):
 
 
 class DiskTier(Tier):
-    """Local disk cache in a :class:`diskcache.Cache` under ``directory``.
+    """Local disk cache: a :class:`diskcache.Cache` under ``directory``.
 
     The artifact bytes are stored under ``art/<key>`` (diskcache keeps values
-    above 32 KiB as files) and the JSON metadata under ``meta/<key>``; both are
-    written inside one ``Cache.transact()``, so a reader sees both or neither.
-    Eviction is off (``eviction_policy="none"``): nothing disappears behind the
-    user's back; ``kernel-cache gc`` removes entries explicitly.
+    of 32 KiB and more as ``xx/yy/*.val`` files) and the JSON metadata under
+    ``meta/<key>``; both are written inside one ``Cache.transact()``, so a
+    reader sees both or neither, and the artifact file is fsynced before the
+    transaction commits (:mod:`kernel_cache.disk`). Eviction is off: nothing
+    disappears behind the user's back.
+
+    Args:
+        directory: default ``$KERNEL_CACHE_DIR`` or ``~/.cache/kernel_cache``.
+        read_only: read through :class:`~kernel_cache.disk.IndexSnapshot` and
+            never write, lock or create anything in the directory (engine
+            start, verify); :meth:`put` and :meth:`delete` raise.
+        allow_shared: skip the trust checks of :mod:`kernel_cache.trust`
+            (default: ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
+        timeout: seconds to retry a locked index (default ``KERNEL_CACHE_DB_TIMEOUT``
+            or 60).
+
+    Nothing is opened until first use. Reads check that the directory, the
+    index and each entry file are trusted (:mod:`kernel_cache.trust`).
+
+    Raises (from the methods):
+        UntrustedCacheError, CacheBusyError, CacheWriteError (a full or
+        unwritable directory, naming it and the bytes needed), CorruptEntryError.
     """
 
     name = "disk"
 
-    def __init__(self, directory: str | os.PathLike | None = None):
-        import diskcache
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        read_only: bool = False,
+        allow_shared: bool | None = None,
+        timeout: float | None = None,
+    ):
+        from .disk import db_timeout_from_env
+        from .trust import EntryFileChecker, resolve_allow_shared
 
         self.directory = Path(directory) if directory else default_cache_dir()
         self.location = str(self.directory)
-        self.cache = diskcache.Cache(
-            str(self.directory), eviction_policy="none", size_limit=2**62, timeout=60
-        )
+        self.read_only = read_only
+        self.allow_shared = resolve_allow_shared(allow_shared)
+        self.timeout = db_timeout_from_env() if timeout is None else float(timeout)
+        self._files = EntryFileChecker(self.directory, allow_shared=self.allow_shared)
+        self._cache = None
+        self._snapshot = None
+        self._trusted = False
+
+    # -- opening -------------------------------------------------------------
+    def check_trust(self) -> None:
+        """The directory-level trust checks (once per object).
+
+        Raises:
+            UntrustedCacheError: names the path, why and the fix.
+        """
+        if not self._trusted:
+            from .trust import check_cache_dir
+
+            check_cache_dir(self.directory, allow_shared=self.allow_shared)
+            self._trusted = True
+
+    @property
+    def cache(self):
+        """The writable :class:`diskcache.Cache`, opened (and the directory created)
+        on first use.
+
+        Raises:
+            CacheWriteError: read-only tier, or the directory cannot be written.
+            CacheBusyError: the index stayed locked for ``timeout`` seconds.
+        """
+        if self._cache is None:
+            from .disk import as_write_error, open_cache
+
+            if self.read_only:
+                raise CacheWriteError(f"cache {self.directory} was opened read-only")
+            self.check_trust()
+            try:
+                self._cache = open_cache(
+                    self.directory, timeout=self.timeout, shared=self.allow_shared
+                )
+            except (OSError, sqlite3.OperationalError) as e:
+                err = as_write_error(e, self.directory, None, "opening the cache")
+                if err is None:
+                    raise
+                raise err from None
+        return self._cache
+
+    def _snap(self):
+        if self._snapshot is None:
+            from .disk import IndexSnapshot
+
+            self.check_trust()
+            self._snapshot = IndexSnapshot(self.directory, timeout=self.timeout)
+        return self._snapshot
+
+    def _retry(self, fn, what: str):
+        from .disk import retry_busy
+
+        return retry_busy(fn, directory=self.directory, timeout=self.timeout, what=what)
+
+    # -- reading -------------------------------------------------------------
+    def _value(self, k: str, *, as_file: bool = False):
+        """Raw stored bytes of index key ``k`` (None if absent); entry files go
+        through the trust check first."""
+        from .disk import UnsafeValueError
+
+        try:
+            if self.read_only:
+                snap = self._snap()
+                data = snap.value(k, self._files.check_open_file)
+                if data is None and k in snap.rows and as_file:
+                    snap.reload()  # a concurrent warmup replaced the entry's file
+                    data = snap.value(k, self._files.check_open_file)
+                return data
+            handle = self._retry(lambda: self.cache.get(k, read=as_file), "reading an entry")
+            if handle is None or not as_file:
+                return handle
+            with handle:
+                if hasattr(handle, "fileno") and hasattr(handle, "name"):
+                    self._files.check_open_file(handle.fileno(), handle.name)
+                return handle.read()
+        except UnsafeValueError as e:
+            raise CorruptEntryError(k.split("/", 1)[-1], str(e), self.location) from None
 
     def get_meta(self, key: str) -> dict | None:
-        raw = self.cache.get("meta/" + key)
+        raw = self._value("meta/" + key)
         if raw is None:
             return None
         return parse_meta(raw, key, self.location)
@@ -167,34 +274,99 @@ class DiskTier(Tier):
         meta = self.get_meta(key)
         if meta is None:
             return None
-        data = self.cache.get("art/" + key)
+        data = self._value("art/" + key, as_file=True)
         if data is None:
             raise CorruptEntryError(
                 key, "metadata present but artifact bytes missing", self.location
             )
         return Entry(key=key, meta=meta, data=bytes(data), where=self.location)
 
-    def put(self, key: str, data: bytes, meta: dict) -> None:
-        raw_meta = json.dumps(meta, sort_keys=True).encode()
-        with self.cache.transact():
-            self.cache.set("art/" + key, data)
-            self.cache.set("meta/" + key, raw_meta)
+    def artifact_path(self, key: str) -> Path | None:
+        """The file holding ``key``'s artifact bytes, if it is stored as a file."""
+        if self.read_only:
+            p = self._snap().file_of("art/" + key)
+            return Path(p) if p else None
+        handle = self._retry(lambda: self.cache.get("art/" + key, read=True), "reading an entry")
+        if handle is None:
+            return None
+        with handle:
+            return Path(handle.name) if isinstance(getattr(handle, "name", None), str) else None
 
-    def delete(self, key: str) -> None:
-        with self.cache.transact():
-            self.cache.delete("meta/" + key)
-            self.cache.delete("art/" + key)
+    def raw_meta(self, key: str) -> bytes | None:
+        """The stored metadata bytes, unparsed (for quarantine), or None."""
+        try:
+            raw = self._value("meta/" + key)
+        except CorruptEntryError as e:
+            return f"(unreadable: {e.reason})".encode()
+        return raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
 
     def iter_meta(self) -> Iterator[dict]:
-        for k in list(self.cache.iterkeys()):
-            if isinstance(k, str) and k.startswith("meta/"):
-                raw = self.cache.get(k)
-                if raw is None:
-                    continue
-                try:
+        from .disk import IndexSnapshot
+
+        # The key list comes from a read-only snapshot in both modes: it skips
+        # rows whose key is not a plain string (never unpickled).
+        if self.read_only:
+            rows = self._snap().rows
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        for k in [k for k in rows if k.startswith("meta/")]:
+            try:
+                raw = self._value(k)
+                if raw is not None:
                     yield parse_meta(raw, k[5:], self.location)
-                except CorruptEntryError:
-                    continue
+            except (CorruptEntryError, UntrustedCacheError):
+                continue
+
+    # -- writing -------------------------------------------------------------
+    def put(self, key: str, data: bytes, meta: dict) -> None:
+        """Publish bytes and metadata in one transaction (see the class docstring).
+
+        Raises:
+            CacheWriteError: a full disk (ENOSPC/EDQUOT) or an unwritable
+                directory; names the directory and the bytes needed, and leaves
+                no file or row of this entry behind.
+            CacheBusyError: the index stayed locked for ``timeout`` seconds.
+        """
+        from . import _testhooks
+        from .disk import as_write_error
+
+        raw_meta = json.dumps(meta, sort_keys=True).encode()
+        needed = len(data) + len(raw_meta)
+
+        def attempt():
+            cache = self.cache
+            disk = cache.disk
+            mark = len(disk.new_files)
+            try:
+                with cache.transact():
+                    cache.set("art/" + key, bytes(data))
+                    cache.set("meta/" + key, raw_meta)
+                    _testhooks.hook("publish-commit")
+            except BaseException:
+                disk.discard_new_files(mark)
+                raise
+            del disk.new_files[mark:]
+
+        try:
+            self._retry(attempt, f"publishing entry {key[:16]}")
+        except (OSError, sqlite3.OperationalError) as e:
+            err = as_write_error(e, self.directory, needed, f"publishing entry {key[:16]}")
+            if err is None:
+                raise
+            raise err from None
+
+    def delete(self, key: str) -> None:
+        def attempt():
+            cache = self.cache
+            with cache.transact():
+                cache.delete("meta/" + key)
+                cache.delete("art/" + key)
+
+        self._retry(attempt, f"deleting entry {key[:16]}")
 
     def close(self) -> None:
-        self.cache.close()
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        self._snapshot = None

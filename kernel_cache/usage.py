@@ -57,8 +57,15 @@ def read_usage(directory: str | os.PathLike) -> dict:
 
 
 def writable(directory: str | os.PathLike) -> bool:
-    """True if ``directory`` exists and this process may write in it."""
+    """True if ``directory`` exists, this process may write in it, and it has a
+    write bit at all: a directory made read-only with ``chmod a-w`` is left
+    alone even by root, whom the permission bits do not stop."""
     d = Path(directory)
+    try:
+        if not d.stat().st_mode & 0o222:
+            return False
+    except OSError:
+        return False
     return d.is_dir() and os.access(d, os.W_OK | os.X_OK)
 
 

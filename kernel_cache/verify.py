@@ -36,22 +36,34 @@ def compile_stack_loaded() -> list[str]:
 
 
 def verify_plan(
-    config: EngineConfig, cache_dir=None, *, tiers: list[Tier] | None = None, bundles=None
+    config: EngineConfig,
+    cache_dir=None,
+    *,
+    tiers: list[Tier] | None = None,
+    bundles=None,
+    allow_shared_dir: bool | None = None,
 ) -> dict:
     """Load and check every variant, looked up as engine start does (bundles
-    from ``bundles`` and ``$KERNEL_CACHE_BUNDLE`` first, then the local cache).
-    Returns the JSON-ready report:
+    from ``bundles`` and ``$KERNEL_CACHE_BUNDLE`` first, then the local cache,
+    read-only: a read-only directory works). Returns the JSON-ready report:
 
     ``ok`` (bool), ``variants``, ``loaded``, ``compiled``, ``missing`` and
     ``corrupt`` (lists of variant strings; corrupt entries carry the reason),
     ``mismatched`` (variants whose output differs from eager), ``max_abs_err``,
     ``sources`` (``{tier location: variants loaded from it}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
+
+    Raises:
+        UntrustedCacheError: see :mod:`kernel_cache.trust` (``allow_shared_dir`` opts out).
     """
     t0 = time.perf_counter()
     before = set(compile_stack_loaded())
     bucketer = Bucketer(config)
-    tiers = default_tiers(cache_dir, bundles) if tiers is None else tiers
+    tiers = (
+        default_tiers(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
+        if tiers is None
+        else tiers
+    )
     env = environment(config.device)
     lookup = Lookup(tiers)
     modules = {}

@@ -68,6 +68,15 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def trust_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--insecure-allow-shared-dir",
+        action="store_true",
+        help="load from a cache directory other users can write (a deliberately shared "
+        "group directory); env KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR=1",
+    )
+
+
 def config_from_args(args) -> EngineConfig:
     """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
     overrides = {}
@@ -139,11 +148,19 @@ def cmd_warmup(args) -> int:
     cfg = config_from_args(args)
     if args.jobs < 1:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    if args.lock_timeout is not None and not args.lock_timeout >= 0:
+        raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
     from kernel_cache.housekeeping import format_size, max_size_from_env, parse_size
 
     max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
     report = warmup(
-        cfg, _cache_dir(args), jobs=args.jobs, progress=not args.json, max_size=max_size
+        cfg,
+        _cache_dir(args),
+        jobs=args.jobs,
+        progress=not args.json,
+        max_size=max_size,
+        lock_timeout=args.lock_timeout,
+        allow_shared_dir=args.insecure_allow_shared_dir or None,
     )
     if args.json:
         print(json.dumps({k: v for k, v in report.items()}, indent=2))
@@ -153,8 +170,8 @@ def cmd_warmup(args) -> int:
             f"{report['cached']} cached, {len(report['failed'])} failed in "
             f"{report['seconds']:.1f} s -> {_cache_dir(args)}"
         )
-        for f in report["failed"]:
-            print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
+        for q in report["quarantined"]:
+            print(f"  quarantined {q['variant']}: {q['reason']} -> {q['path']}")
         if "gc" in report:
             g = report["gc"]
             print(
@@ -162,6 +179,8 @@ def cmd_warmup(args) -> int:
                 f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
                 f" cache now {format_size(g['after_bytes'])}"
             )
+    for f in report["failed"]:
+        print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
     over = "gc" in report and not report["gc"]["under_limit"]
     if over:
         g = report["gc"]
@@ -179,7 +198,12 @@ def cmd_verify(args) -> int:
     from kernel_cache.verify import verify_plan
 
     cfg = config_from_args(args)
-    report = verify_plan(cfg, _cache_dir(args), bundles=args.bundle)
+    report = verify_plan(
+        cfg,
+        _cache_dir(args),
+        bundles=args.bundle,
+        allow_shared_dir=args.insecure_allow_shared_dir or None,
+    )
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -232,7 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="size limit of the cache (bytes or 500M, 2G; default $KERNEL_CACHE_MAX_SIZE): "
         "entries of other plans are removed, least recently used first",
     )
+    sw.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for another process compiling the same variant "
+        "(env KERNEL_CACHE_LOCK_TIMEOUT, default 900)",
+    )
     sw.add_argument("--json", action="store_true")
+    trust_option(sw)
     sw.set_defaults(func=cmd_warmup)
 
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
@@ -240,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-dir", default=None)
     bundle_option(sv)
     sv.add_argument("--json", action="store_true")
+    trust_option(sv)
     sv.set_defaults(func=cmd_verify)
 
     from warmup.commands import add_commands

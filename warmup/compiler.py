@@ -12,6 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
+from kernel_cache import _testhooks
 from kernel_cache.buckets import KernelVariant
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
@@ -58,6 +59,7 @@ def compile_variant(
     except Exception as e:
         raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
     t1 = time.perf_counter()
+    _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:

@@ -1,77 +1,180 @@
 """Warmup: compile every missing variant of a plan and publish it to the cache.
 
-For each variant: build its key, skip it if a verified entry is cached, else
-compile it in a worker process and publish bytes + JSON metadata atomically.
-Compiles are single-flight per key across processes: a ``filelock.FileLock``
-per key under ``<cache>/locks/``; check, lock, check again, compile, publish.
+For each variant: build its key; skip it if a verified entry is cached (the
+checksum matches and AOTInductor's loader accepts the package); else compile
+it in a worker process and publish bytes + JSON metadata atomically.
+
+Many processes may warm one directory at once (one engine per GPU, several
+containers on a node). Compiles are single-flight per key
+(:class:`kernel_cache.locks.KeyLock`): check, lock, check again, compile,
+publish, release; a process that finds the entry published while it waited
+loads it instead of compiling. Each worker first tries the keys without
+waiting and defers the ones another process is compiling to a second,
+waiting pass, so N processes spread over the plan instead of queueing on its
+first key.
+
+A corrupt or untrusted entry is moved to ``quarantine/`` (under its lock) and
+recompiled. A compile failure is reported with the variant and the compiler's
+text while the other variants finish; a full or unwritable cache directory
+stops the remaining work (naming the directory and the bytes needed).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 from kernel_cache.buckets import Bucketer, KernelVariant
-from kernel_cache.config import EngineConfig
-from kernel_cache.errors import CompileError, CorruptEntryError
-from kernel_cache.keys import build_key, environment
+from kernel_cache.config import EngineConfig, config_to_cli
+from kernel_cache.errors import (
+    CacheWriteError,
+    CompileError,
+    CorruptEntryError,
+    LockTimeoutError,
+    UntrustedCacheError,
+)
+from kernel_cache.keys import COMPILE_OPTIONS, build_key, environment
+from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env
+from kernel_cache.quarantine import quarantine_entry
 from kernel_cache.store import DiskTier, make_meta, verify_entry
+from kernel_cache.trust import resolve_allow_shared
 
 log = logging.getLogger("kernel_cache.warmup")
 
+#: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
+#: option that does not exist, so that a real compiler error is reported.
+ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
 
-def _cached_ok(tier: DiskTier, key: str) -> bool:
-    """True if a verified entry is cached; a corrupt one is deleted (a miss)."""
+
+def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
+    """Why the cached entry of ``key`` cannot be used, or None if it can.
+
+    Returns ``"missing"`` for no entry, a corruption or trust reason for a bad
+    one (checksum, truncation, metadata that does not parse, a file others can
+    write, a package AOTInductor's loader rejects). Never modifies the cache.
+    """
+    from kernel_cache.runtime import load_package
+
     try:
         entry = tier.get(key)
         if entry is None:
-            return False
+            return "missing"
         verify_entry(entry)
-        return True
+        runner = load_package(entry.data, device, entry.where, key)
+        del runner
     except CorruptEntryError as e:
-        log.warning("removing corrupt entry for recompilation: %s", e)
-        tier.delete(key)
-        return False
+        return e.reason
+    except UntrustedCacheError as e:
+        return f"untrusted: {e}"
+    return None
 
 
-def compile_and_publish(config_json: str, variant_json: str, cache_dir: str) -> dict:
+def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, options: dict) -> dict:
     """Worker body (runs in a child process): lock, check, compile, publish.
 
-    Returns a JSON-ready dict: ``variant``, ``key``, ``status`` (compiled, cached
-    or failed), ``seconds``, ``timings`` and, for a failure, ``error``.
-    """
-    from filelock import FileLock
+    ``options``: ``blocking`` (wait for the lock, else return ``busy`` at once),
+    ``lock_timeout`` (seconds), ``allow_shared``.
 
+    Returns a JSON-ready dict: ``variant``, ``key``, ``pid``, ``status``
+    (compiled, cached, busy or failed), ``seconds``, ``lock_wait_s``, and
+    ``timings`` for a compile, ``quarantined`` (the reason and folder) when a
+    bad entry was moved away, ``error`` (and ``fatal`` for a full or unwritable
+    cache) for a failure.
+    """
     from warmup.compiler import compile_variant
 
     config = EngineConfig.model_validate_json(config_json)
     variant = KernelVariant.model_validate_json(variant_json)
-    tier = DiskTier(cache_dir)
+    allow_shared = options["allow_shared"]
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
     key = build_key(config, variant)
-    locks = Path(cache_dir) / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    result = {"variant": str(variant), "key": key.hexdigest}
+    result = {"variant": str(variant), "key": key.hexdigest, "pid": os.getpid()}
+
+    def done(status: str, **extra) -> dict:
+        return {**result, "status": status, "seconds": time.perf_counter() - t0, **extra}
+
+    lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
     try:
-        with FileLock(str(locks / f"{key.hexdigest}.lock")):
-            if _cached_ok(tier, key.hexdigest):
-                return {**result, "status": "cached", "seconds": time.perf_counter() - t0}
-            data, timings = compile_variant(config, variant)
-            meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
-            tier.put(key.hexdigest, data, meta)
-        return {
-            **result,
-            "status": "compiled",
-            "seconds": time.perf_counter() - t0,
-            "timings": timings,
-        }
+        lock.acquire(options["lock_timeout"] if options["blocking"] else 0)
+    except LockBusy:
+        if not options["blocking"]:
+            return done("busy")
+        return done("failed", error=lock.timeout_message(0))  # --lock-timeout 0
+    except LockTimeoutError as e:
+        return done("failed", error=str(e))
+    try:
+        result["lock_wait_s"] = round(lock.waited_s, 3)
+        why = check_cached(tier, key.hexdigest, config.device)
+        if why is None:
+            return done("cached")
+        if why != "missing":
+            where = quarantine_entry(tier, key.hexdigest, why, str(variant))
+            result["quarantined"] = {"reason": why, "path": str(where)}
+        opts = dict(COMPILE_OPTIONS)
+        if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
+            opts["kernel_cache_test_no_such_option"] = True
+        data, timings = compile_variant(config, variant, opts)
+        meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
+        tier.put(key.hexdigest, data, meta)
+        return done("compiled", timings=timings)
     except CompileError as e:
-        return {**result, "status": "failed", "error": str(e), "seconds": time.perf_counter() - t0}
+        return done("failed", error=str(e))
+    except CacheWriteError as e:
+        return done("failed", error=str(e), fatal=True)
+    except Exception as e:  # report it with the variant; the other variants go on
+        return done("failed", error=f"{type(e).__name__}: {e}")
+    finally:
+        try:
+            tier.close()
+        finally:
+            lock.release()
+
+
+def _precheck(config, plan, cache_dir, allow_shared):
+    """Sort the plan into cached and to-do without writing anything if possible.
+
+    Returns (cached, todo, bad, writable) where ``bad`` maps a variant to the
+    reason its entry is unusable. Raises CacheWriteError when the directory
+    cannot be written and something must be compiled.
+    """
+    env = environment(config.device)
+    write_error = None
+    try:
+        tier = DiskTier(cache_dir, allow_shared=allow_shared)
+        tier.cache  # noqa: B018 - open (and create) it now: fail early if unwritable
+    except CacheWriteError as e:  # maybe all is cached: check without writing
+        write_error = e
+        tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
+    cached, todo, bad = [], [], {}
+    try:
+        for v in plan:
+            why = check_cached(tier, build_key(config, v, env).hexdigest, config.device)
+            if why is None:
+                cached.append(v)
+            else:
+                todo.append(v)
+                if why != "missing":
+                    bad[str(v)] = why
+        sizes = [m.get("size", 0) for m in tier.iter_meta()] if write_error and todo else []
     finally:
         tier.close()
+    if write_error and todo:
+        est = (
+            f"; about {len(todo) * sum(sizes) // len(sizes)} bytes, from the mean size of "
+            f"the {len(sizes)} entries it holds"
+            if sizes
+            else ""
+        )
+        raise CacheWriteError(
+            f"{write_error}. {len(todo)} of the plan's {len(plan)} variants are not cached "
+            f"and must be written there{est}"
+        ) from None
+    return cached, todo, bad, write_error is None
 
 
 def warmup(
@@ -82,6 +185,8 @@ def warmup(
     progress: bool = True,
     variants: list[KernelVariant] | None = None,
     max_size: int | None = None,
+    lock_timeout: float | None = None,
+    allow_shared_dir: bool | None = None,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
 
@@ -95,44 +200,48 @@ def warmup(
             ``$KERNEL_CACHE_MAX_SIZE``): before and after compiling, entries
             of other plans are removed, least recently used first
             (:func:`kernel_cache.housekeeping.gc`), never one of this plan.
+        lock_timeout: seconds to wait for another process compiling the same
+            key (default ``KERNEL_CACHE_LOCK_TIMEOUT`` or 900).
+        allow_shared_dir: skip the trust checks (default
+            ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
 
     Returns:
         ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
-        "seconds", "fingerprint", "results": [...]}``, plus with ``max_size``
-        ``"gc": {"removed", "removed_bytes", "after_bytes", "max_size",
-        "under_limit"}`` (``under_limit`` False: this plan alone is larger).
+        "quarantined": [{"variant", "reason", "path"}], "found_bad", "seconds",
+        "fingerprint", "pid", "repair", "results": [...]}``, plus with
+        ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
+        "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
+        is larger).
+
+    Raises:
+        UntrustedCacheError: the directory is writable by others or owned by another user.
+        CacheWriteError: the directory cannot be written and variants are missing.
+        CacheBusyError: its index stayed locked past ``KERNEL_CACHE_DB_TIMEOUT``.
     """
     from kernel_cache import housekeeping, usage
 
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
     plan = list(bucketer.variants if variants is None else variants)
-    tier = DiskTier(cache_dir)
+    allow_shared = resolve_allow_shared(allow_shared_dir)
+    lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
     env = environment(config.device)
-    todo, cached = [], []
-    for v in plan:
-        key = build_key(config, v, env).hexdigest
-        (cached if _cached_ok(tier, key) else todo).append(v)
+    cached, todo, bad, writable = _precheck(config, plan, cache_dir, allow_shared)
     keep = housekeeping.plan_digests(config) if max_size is not None else set()
-    first = None
-    if max_size is not None:  # make room before compiling
-        first = housekeeping.gc(tier, max_size, keep)
-    tier.close()
+    gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
+    first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
     results = [{"variant": str(v), "status": "cached"} for v in cached]
     if todo:
-        results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(plan), len(cached))
+        options = {"lock_timeout": lock_timeout, "allow_shared": allow_shared}
+        results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(plan), options)
     usage.record(
         cache_dir,
         hits=[build_key(config, v, env).hexdigest for v in cached],
         misses=sum(r["status"] == "compiled" for r in results),
     )
     gc_report = None
-    if max_size is not None:
-        tier = DiskTier(cache_dir)
-        try:
-            gc_report = housekeeping.gc(tier, max_size, keep)
-        finally:
-            tier.close()
+    if gc_on:
+        gc_report = _gc(cache_dir, max_size, keep, allow_shared)
         gc_report["removed"] = first["removed"] + gc_report["removed"]
         gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
         gc_report["before_bytes"] = first["before_bytes"]
@@ -141,19 +250,36 @@ def warmup(
         for r in results
         if r["status"] == "failed"
     ]
+    quarantined = [
+        {"variant": r["variant"], **r["quarantined"]} for r in results if "quarantined" in r
+    ]
     return {
         "variants": len(plan),
         "compiled": sum(r["status"] == "compiled" for r in results),
         "cached": sum(r["status"] == "cached" for r in results),
         "failed": failed,
+        "quarantined": quarantined,
+        "found_bad": bad,
         "seconds": round(time.perf_counter() - t0, 3),
         "fingerprint": bucketer.fingerprint(),
+        "pid": os.getpid(),
+        "repair": f"kernel-cache warmup {config_to_cli(config)}" if failed else None,
         "results": results,
         **({"gc": gc_report} if gc_report is not None else {}),
     }
 
 
-def _run_pool(config, todo, cache_dir, jobs, progress, total, done0) -> list[dict]:
+def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
+    from kernel_cache import housekeeping
+
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
+    try:
+        return housekeeping.gc(tier, max_size, keep)
+    finally:
+        tier.close()
+
+
+def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -170,12 +296,17 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, done0) -> list[dic
         disable=not progress,
         transient=False,
     )
+    fatal = None
     with bar, ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
-        task = bar.add_task("", total=total, completed=done0)
-        futs = {
-            pool.submit(compile_and_publish, cfg_json, v.model_dump_json(), cache_dir): v
-            for v in todo
-        }
+        task = bar.add_task("", total=total, completed=total - len(todo))
+
+        def submit(v, blocking):
+            opts = {**options, "blocking": blocking}
+            return pool.submit(compile_and_publish, cfg_json, v.model_dump_json(), cache_dir, opts)
+
+        # First pass: never wait for a lock; keys other processes hold come back
+        # "busy" and are queued again, waiting, behind the free ones.
+        futs = {submit(v, False): v for v in todo}
         pending = set(futs)
         while pending:
             running = [str(futs[f]) for f in pending if f.running()][:3]
@@ -183,17 +314,31 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, done0) -> list[dic
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
                 v = futs[f]
-                try:
-                    r = f.result()
-                except Exception as e:  # a worker died (segfault, OOM kill)
-                    r = {
-                        "variant": str(v),
-                        "status": "failed",
-                        "error": f"worker process died: {type(e).__name__}: {e}",
-                    }
+                if f.cancelled():
+                    r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
+                else:
+                    try:
+                        r = f.result()
+                    except Exception as e:  # a worker died (segfault, OOM kill)
+                        r = {
+                            "variant": str(v),
+                            "status": "failed",
+                            "error": f"worker process died: {type(e).__name__}: {e}",
+                        }
+                if r["status"] == "busy" and fatal is not None:
+                    r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
+                elif r["status"] == "busy":
+                    nf = submit(v, True)
+                    futs[nf] = v
+                    pending.add(nf)
+                    continue
                 results.append(r)
                 if r["status"] == "failed":
                     bar.console.print(f"[red]failed[/] {r['variant']}: {r['error']}")
+                    if r.get("fatal") and fatal is None:
+                        fatal = r["error"]
+                        for p in pending:
+                            p.cancel()
                 bar.advance(task)
         bar.update(task, description="done")
     return results

@@ -1,0 +1,289 @@
+"""Many warmups at once, killed warmups, damaged entries, failing compiles, a full disk.
+
+Real processes and real compiles of the tiny geometry; each test compiles as
+few variants as it can (a compiling process costs ~25 s once, ~8 s a variant,
+on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel_cache import CorruptEntryError, load_plan
+from kernel_cache.buckets import Bucketer
+from kernel_cache.config import make_config
+from kernel_cache.keys import build_key
+from kernel_cache.quarantine import list_quarantine
+from kernel_cache.store import DiskTier, make_meta
+
+from .conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
+from .fsutil import resize_tmpfs, tmpfs, tree_state
+
+pytestmark = pytest.mark.compile
+
+
+def cli(*args, env=None) -> subprocess.Popen:
+    """``kernel-cache ARGS`` started in its own process group (so a test can kill
+    the warmup and its compile workers together, as an OOM killer or a pod
+    deletion does)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def keys_of(config, variants):
+    return [build_key(config, v).hexdigest for v in variants]
+
+
+def remove_entries(cache: Path, keys) -> None:
+    tier = DiskTier(cache)
+    for k in keys:
+        tier.delete(k)
+    tier.close()
+
+
+def verify_json(model, cache, *extra, expect_rc=0) -> dict:
+    proc = run_cli("verify", *tiny_args(model), *extra, "--cache-dir", cache, "--json")
+    assert proc.returncode == expect_rc, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# The tiny plan restricted to 3 variants (KV bucket 32 tokens, query buckets 1
+# and 32): paged_attention:1:2:1, paged_attention:32:2:1, batched_decode:1:2:4.
+SUBSET = ["--kv-buckets", "32", "--query-buckets", "1,32"]
+
+
+def test_eight_warmups_started_together_compile_each_variant_once(tmp_path, tiny_model):
+    cache = tmp_path / "cache"
+    args = ("warmup", *tiny_args(tiny_model), *SUBSET, "--cache-dir", cache, "--jobs", "1")
+    procs = [cli(*args, "--json") for _ in range(8)]
+    outs = [p.communicate(timeout=1500) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err[-2000:] for _, err in outs]
+    reports = [json.loads(out) for out, _ in outs]
+    assert {r["variants"] for r in reports} == {3}
+    assert sum(r["compiled"] for r in reports) == 3  # exactly once in total
+    assert all(r["compiled"] + r["cached"] == 3 and r["failed"] == [] for r in reports)
+    compiled = sorted(
+        x["variant"] for r in reports for x in r["results"] if x["status"] == "compiled"
+    )
+    assert compiled == ["batched_decode:1:2:4", "paged_attention:1:2:1", "paged_attention:32:2:1"]
+    assert len({r["pid"] for r in reports}) == 8
+    assert verify_json(tiny_model, cache, *SUBSET)["ok"] is True
+
+
+def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if marker.exists() and point in marker.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"warmup exited {proc.returncode} first: {proc.communicate()}")
+        time.sleep(0.1)
+    raise AssertionError(f"warmup did not reach {point} in {timeout} s")
+
+
+def test_sigkill_during_compile_and_publish_then_warmup_completes(
+    cache_copy, tiny_model, tiny_config
+):
+    v = Bucketer(tiny_config).variants[-1]
+    (key,) = keys_of(tiny_config, [v])
+    remove_entries(cache_copy, [key])
+    for point in ("compile", "publish-write"):
+        marker = cache_copy.parent / f"paused-{point}"
+        env = {"KERNEL_CACHE_TEST_PAUSE_AT": point, "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+        proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", env=env)
+        try:
+            wait_for_pause(marker, proc, point)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the warmup and its compile worker
+            proc.wait(timeout=60)
+        # killed holding the key's lock (and, at publish, inside the index transaction
+        # with half an artifact file written): no entry, not half of one
+        assert DiskTier(cache_copy, read_only=True).get(key) is None
+        owner = json.loads((cache_copy / "locks" / f"{key}.owner").read_text())
+        assert owner["pid"] == int(marker.read_text().split()[1])  # a dead holder's record
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+    )
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"], report["failed"]) == (1, 5, [])
+    assert verify_json(tiny_model, cache_copy)["ok"] is True
+
+
+def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, tiny_config):
+    variants = Bucketer(tiny_config).variants[:4]
+    keys = keys_of(tiny_config, variants)
+    tier = DiskTier(cache_copy)
+    art = [tier.artifact_path(k) for k in keys]
+    data = bytearray(art[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    art[0].write_bytes(bytes(data))
+    art[1].write_bytes(art[1].read_bytes()[:1000])  # truncated
+    tier.cache.set("meta/" + keys[2], b'{"key": "garbage')  # metadata that does not parse
+    junk = os.urandom(300_000)  # bytes whose checksum matches, but not a package
+    tier.put(keys[3], junk, make_meta(build_key(tiny_config, variants[3]), "x", junk, 0.0))
+    tier.close()
+    reasons = ["sha256", "truncated", "not JSON", "loader rejected"]
+
+    report = verify_json(tiny_model, cache_copy, expect_rc=1)
+    assert report["loaded"] == 2
+    got = {c["variant"]: c["reason"] for c in report["corrupt"]}
+    for v, reason in zip(variants, reasons, strict=True):
+        assert reason in got[str(v)]
+    with pytest.raises(CorruptEntryError, match="repair with: kernel-cache warmup --model"):
+        load_plan(tiny_config, cache_copy)
+
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "2", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"], report["failed"]) == (4, 2, [])
+    moved = {q["variant"]: q for q in report["quarantined"]}
+    assert "quarantined cache entry" in proc.stderr  # logged
+    for v, reason in zip(variants, reasons, strict=True):
+        assert reason in moved[str(v)]["reason"]
+    records = list_quarantine(cache_copy)
+    assert sorted(r["key"] for r in records) == sorted(keys)
+    for r in records:
+        assert (Path(r["path"]) / "reason.json").is_file() and r["reason"]
+        assert "artifact.pt2" in r["files"] and "meta.json" in r["files"]
+    assert verify_json(tiny_model, cache_copy)["ok"] is True
+
+
+def test_compile_failure_is_reported_and_the_other_variants_finish(
+    cache_copy, tiny_model, tiny_config
+):
+    bad, good = Bucketer(tiny_config).variants[:2]
+    remove_entries(cache_copy, keys_of(tiny_config, [bad, good]))
+    env = {"KERNEL_CACHE_TEST_BAD_COMPILE": str(bad)}  # a real Inductor error for one variant
+    proc = run_cli(
+        "warmup",
+        *tiny_args(tiny_model),
+        "--cache-dir",
+        cache_copy,
+        "--jobs",
+        "2",
+        "--json",
+        env=env,
+    )
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"]) == (1, 4)
+    (failure,) = report["failed"]
+    assert failure["variant"] == str(bad)
+    assert f"AOTInductor failed for {bad}" in failure["error"]
+    assert "kernel_cache_test_no_such_option does not exist" in failure["error"]
+    assert f"failed {bad}: AOTInductor failed" in proc.stderr
+    assert DiskTier(cache_copy, read_only=True).get(keys_of(tiny_config, [good])[0]) is not None
+
+
+HOLD_KEYS = r"""
+import sys, time
+from kernel_cache.locks import KeyLock
+locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
+for lock in locks:
+    lock.acquire(10)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
+    """Another process holds the compile locks of a 2-variant plan: warmup waits
+    --lock-timeout seconds for each, then reports both (nothing is compiled)."""
+    subset = ["--kv-buckets", "32", "--query-buckets", "32"]
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kv_buckets=(32,), query_buckets=(32,))
+    variants = Bucketer(cfg).variants  # paged_attention:32:2:1, batched_decode:1:2:4
+    keys = keys_of(cfg, variants)
+    cache = tmp_path / "cache"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_KEYS, str(cache), *keys],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = run_cli(
+            "warmup",
+            *tiny_args(tiny_model),
+            *subset,
+            "--cache-dir",
+            cache,
+            "--jobs",
+            "1",
+            "--lock-timeout",
+            "2",
+            "--json",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiled"] == 0
+    errors = {f["variant"]: f["error"] for f in report["failed"]}
+    assert sorted(errors) == sorted(map(str, variants))
+    for v, key in zip(variants, keys, strict=True):
+        msg = errors[str(v)]
+        assert "waited 2 s for the compile lock of key " + key[:16] in msg
+        assert str(cache / "locks" / f"{key}.lock") in msg and f"pid {holder.pid}" in msg
+
+
+def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
+    tmp_path, warm_cache, tiny_model, tiny_config
+):
+    """A real tmpfs sized to hold the cache plus half an artifact where mount is
+    allowed (root); elsewhere an injected ENOSPC at the same point."""
+    v = Bucketer(tiny_config).variants[0]
+    (key,) = keys_of(tiny_config, [v])
+    mnt = tmp_path / "mnt"
+    with tmpfs(mnt, 64 * 2**20) as mounted:
+        cache = (mnt if mounted else tmp_path) / "cache"
+        shutil.copytree(warm_cache[0], cache)
+        art_size = DiskTier(cache, read_only=True).get_meta(key)["size"]
+        remove_entries(cache, [key])
+        env = {}
+        if mounted:
+            st = os.statvfs(mnt)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            assert resize_tmpfs(mnt, used + art_size // 2)
+        else:
+            env = {"KERNEL_CACHE_TEST_FAULT": "enospc@publish-write"}
+
+        def entries():
+            return {
+                k: h
+                for k, h in tree_state(cache).items()
+                if not k.startswith(("cache.db", "locks"))
+            }
+
+        before = entries()
+        proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--json", env=env)
+        assert proc.returncode == 1, proc.stderr
+        (failure,) = json.loads(proc.stdout)["failed"]
+        assert f"no space left in cache directory {cache}" in failure["error"]
+        needed = int(re.search(r"it needed (\d+) bytes", failure["error"]).group(1))
+        assert needed > art_size // 2  # the new artifact plus its metadata
+        assert f"no space left in cache directory {cache}" in proc.stderr
+        assert entries() == before  # no partial artifact file or directory
+        report = verify_json(tiny_model, cache, expect_rc=1)
+        assert report["loaded"] == 5 and report["missing"] == [str(v)]
+        assert report["corrupt"] == []
