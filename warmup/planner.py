@@ -263,7 +263,7 @@ def warmup(
         "seconds": round(time.perf_counter() - t0, 3),
         "fingerprint": bucketer.fingerprint(),
         "pid": os.getpid(),
-        "repair": f"kernel-cache warmup {config_to_cli(config)}" if failed else None,
+        "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
         "results": results,
         **({"gc": gc_report} if gc_report is not None else {}),
     }
