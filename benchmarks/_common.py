@@ -157,5 +157,22 @@ def pick_variants(variants, n: int | None) -> list:
     return [variants[(i * len(variants)) // n] for i in range(n)]
 
 
+def inductor_env(d: Path) -> dict:
+    """Environment that points every torch compile cache at ``d`` (created).
+
+    ``TORCHINDUCTOR_CACHE_DIR`` moves Inductor's cache, but in torch 2.13 the
+    precompiled C++ headers stay in ``<tempdir>/torchinductor_<user>/precompiled_headers``
+    (``torch._inductor.codecache._HEADER_DIR``), shared by every process of the
+    machine; ``TMPDIR`` moves the temp dir and so those headers too.
+    """
+    tmp = Path(d) / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(d),
+        "TRITON_CACHE_DIR": str(Path(d) / "triton"),
+        "TMPDIR": str(tmp),
+    }
+
+
 def header(name: str, argv: list[str] | None = None) -> dict:
     return {"benchmark": name, "argv": list(sys.argv if argv is None else argv)}

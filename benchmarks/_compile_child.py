@@ -16,8 +16,13 @@ Phases of one compile (seconds), measured by wrapping Inductor's own functions:
 * ``codegen``: the rest of AOTInductor (AOT autograd, lowering, scheduling,
   generating the C++ source), i.e. compile_s - cxx - packaging.
 
+CPU seconds (``cpu_s``: this process and the compiler processes it ran;
+``cxx_cpu_s``: the compiler processes) are also recorded: on a shared machine
+they move much less with other people's load than wall seconds do.
+
 The kernel of each compiled package is loaded (AOTInductor runtime loader) and
-timed on its bucket inputs: median microseconds per call. Prints one JSON line.
+timed on its bucket inputs: median microseconds per call (CPU: one intra-op
+thread, the thread's CPU time). Prints one JSON line.
 """
 
 import time
@@ -28,8 +33,21 @@ import torch  # noqa: E402
 IMPORT_TORCH_S = time.perf_counter() - _T0
 
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+
+
+def cpu_children() -> float:
+    """CPU seconds of finished child processes (the C++ compiler and linker)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def cpu_all() -> float:
+    """CPU seconds of this process and its finished children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def main() -> None:
@@ -45,17 +63,18 @@ def main() -> None:
     from warmup.compiler import compile_variant
 
     import_s = time.perf_counter() - t0
-    spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0}
+    spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0, "cxx_cpu": 0.0}
 
     def timed(fn, name):
         def wrapper(*a, **k):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), cpu_children()
             try:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t
                 if name == "cxx":
                     spent["cxx_runs"] += 1
+                    spent["cxx_cpu"] += cpu_children() - c
 
         return wrapper
 
@@ -70,9 +89,10 @@ def main() -> None:
     for s in spec["variants"]:
         v = KernelVariant.parse(s)
         before = dict(spent)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_all()
         data, tm = compile_variant(cfg, v, opts)
         total = time.perf_counter() - t
+        cpu = cpu_all() - c
         cxx = spent["cxx"] - before["cxx"]
         pkg = spent["packaging"] - before["packaging"]
         row = {
@@ -83,22 +103,29 @@ def main() -> None:
             "cxx_s": cxx,
             "packaging_s": pkg,
             "cxx_runs": spent["cxx_runs"] - before["cxx_runs"],
+            "cpu_s": cpu,
+            "cxx_cpu_s": spent["cxx_cpu"] - before["cxx_cpu"],
             "package_bytes": len(data),
         }
         if spec.get("kernel_calls"):
             runner = load_package(data, cfg.device)
             args = list(make_inputs(cfg, v, seed=0))
+            threads = torch.get_num_threads()
+            if cfg.device == "cpu":  # one thread, its CPU time: steady on a shared machine
+                torch.set_num_threads(1)
+            clock = time.thread_time if cfg.device == "cpu" else time.perf_counter
             for _ in range(3):
                 runner.run(args)
             times = []
             for _ in range(spec["kernel_calls"]):
                 if cfg.device == "cuda":
                     torch.cuda.synchronize()
-                t = time.perf_counter()
+                t = clock()
                 runner.run(args)
                 if cfg.device == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
+                times.append(clock() - t)
+            torch.set_num_threads(threads)
             row["kernel_us"] = statistics.median(times) * 1e6
         rows.append(row)
     print(

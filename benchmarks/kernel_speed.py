@@ -24,6 +24,11 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
   contiguous K/V (gathered from the paged cache beforehand, outside the clock;
   GQA with ``enable_gqa=True``; a causal mask for prefill).
 
+Clock: on the CPU, by default, one intra-op thread (``--threads 1``) and that
+thread's CPU time (``time.thread_time``), which other people's processes on a
+shared machine barely move; ``--clock wall --threads N`` measures wall time
+with N threads (CUDA: always wall time, synchronized).
+
 Reported: milliseconds per call (median, min-max) and speed-ups of compiled
 over eager and over sdpa (median and min-max of per-round ratios), plus the
 largest difference between compiled and sdpa outputs.
@@ -122,13 +127,13 @@ def sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def time_block(fn, calls: int, device: str) -> float:
+def time_block(fn, calls: int, device: str, clock=time.perf_counter) -> float:
     sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(calls):
         fn()
     sync(device)
-    return (time.perf_counter() - t0) / calls
+    return (clock() - t0) / calls
 
 
 def main(argv=None) -> int:
@@ -139,9 +144,20 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3, help="calls per timed block")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="kernel_cache directory")
     p.add_argument("--jobs", type=int, default=2, help="warmup workers if variants are missing")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    p.add_argument(
+        "--clock",
+        choices=("thread", "wall"),
+        default=None,
+        help="thread CPU time (CPU default) or wall time (CUDA default)",
+    )
     p.add_argument("--out", default=str(OUT_DIR / "kernel_speed.json"))
     args = p.parse_args(argv)
     cfg = config_from_args(args)
+    clock_name = args.clock or ("wall" if cfg.device == "cuda" else "thread")
+    if clock_name == "thread" and args.threads != 1:
+        raise SystemExit("--clock thread counts one thread: use it with --threads 1")
+    clock = time.perf_counter if clock_name == "wall" else time.thread_time
     b = Bucketer(cfg)
     g = torch.Generator().manual_seed(0)
     cases = make_cases(cfg, b, g)
@@ -150,6 +166,8 @@ def main(argv=None) -> int:
     if rep["failed"]:
         raise SystemExit(f"warmup failed: {rep['failed']}")
     rt = load_plan(cfg, args.cache_dir, strict=False)
+    if cfg.device == "cpu":
+        torch.set_num_threads(args.threads)
     modules = {
         k: build_module(k, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         for k in (PAGED_ATTENTION, BATCHED_DECODE)
@@ -176,7 +194,7 @@ def main(argv=None) -> int:
             try:
                 for _ in range(args.repeats):
                     for k, f in fns.items():
-                        t[k].append(time_block(f, args.calls, cfg.device))
+                        t[k].append(time_block(f, args.calls, cfg.device, clock))
             finally:
                 gc.enable()
             results.append(
@@ -199,12 +217,15 @@ def main(argv=None) -> int:
         "engine": cfg.model_dump(mode="json"),
         "repeats": args.repeats,
         "calls_per_block": args.calls,
+        "clock": clock_name,
+        "torch_threads": torch.get_num_threads(),
     }
     doc["results"] = results
     out = write_json(args.out, doc)
     print_table(
         f"Kernel speed, {cfg.model} ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
-        f"head_dim {cfg.head_dim}, {cfg.dtype}, {cfg.device}), ms per call, median (min-max)",
+        f"head_dim {cfg.head_dim}, {cfg.dtype}, {cfg.device}), ms per call ({clock_name} clock, "
+        f"{torch.get_num_threads()} thread(s)), median (min-max)",
         ["case", "compiled", "eager (padded)", "sdpa (unpadded)", "vs eager", "vs sdpa", "max err"],
         [
             [

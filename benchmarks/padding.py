@@ -22,7 +22,9 @@ ladder) but keeps the shorter sequences of a batch padded to its longest one's
 bucket; ``per sequence`` is the ladder's rounding alone (each sequence read up to
 its own bucket, as a per-sequence kernel would). The plot (``--plot``,
 needs matplotlib: ``pip install -e '.[plot]'``) shows the padded fraction
-against KV length per ladder.
+against KV length per ladder: the ladder's rounding for one sequence (top), and
+on the trace per KV length of the call (bottom, kv only, lengths holding at
+least 0.1% of the real blocks read), over the share of real blocks read.
 
 Trace data: Microsoft Azure Public Dataset, AzureLLMInferenceTrace_conv (2023),
 CC BY 4.0, from "Splitwise: Efficient generative LLM inference using phase
@@ -42,6 +44,10 @@ from kernel_cache.buckets import BATCHED_DECODE, Bucketer, parse_bucket_list
 from kernel_cache.config import make_config
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.trace import fit_request, kv_blocks_read, read_trace, schedule
+
+#: Bins of the trace panel holding less than this share of the real blocks read
+#: are left out of the plot (too few calls to say anything).
+MIN_BIN_SHARE = 0.001
 
 ATTRIBUTION = (
     "Trace: Microsoft Azure Public Dataset, AzureLLMInferenceTrace_conv (2023), "
@@ -66,7 +72,10 @@ def ladders(args) -> dict:
     }
     for text in args.kv_buckets or ():
         buckets = parse_bucket_list(text, "--kv-buckets")
-        out[f"custom {text}"] = make_config(args.model, kv_buckets=buckets, **base)
+        name = f"custom {text}"
+        if len(buckets) > 4:
+            name = f"custom {buckets[0]},{buckets[1]},..,{buckets[-1]}"
+        out[name] = make_config(args.model, kv_buckets=buckets, **base)
     return out
 
 
@@ -142,7 +151,8 @@ def plot(path: Path, bucketers: dict, acc: dict, title: str) -> None:
         )
     ax1.set_ylabel("padded fraction of one\nsequence's read (ladder)")
     ax1.set_title(title, fontsize=10)
-    ax1.legend(fontsize=8)
+    ax1.set_ylim(0, 1.2)
+    ax1.legend(fontsize=8, loc="upper right", framealpha=0.95)
     ax1.grid(alpha=0.3)
     twin = ax2.twinx()
     real = acc[next(iter(acc))]["bins_real"]
@@ -161,14 +171,15 @@ def plot(path: Path, bucketers: dict, acc: dict, title: str) -> None:
         ls, lw = styles[i % len(styles)]
         xs, ys = [], []
         for n, (rd, rl) in enumerate(zip(a["bins_read"], a["bins_real"], strict=True)):
-            if rd:
+            if rd and real[n] >= MIN_BIN_SHARE * total:
                 xs.append(n * bs)
                 ys.append(1 - rl / rd)
         ax2.plot(xs, ys, marker=".", markersize=3, linestyle=ls, linewidth=lw * 0.6, label=name)
     ax2.set_xlabel(f"KV length of the call (tokens; blocks of {bs})")
     ax2.set_ylabel("padded fraction of decode and\nprefill reads on the trace (kv only)")
+    ax2.set_ylim(0, 1.2)
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper right", framealpha=0.95)
     fig.text(0.01, 0.005, ATTRIBUTION, fontsize=7, color="0.4")
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

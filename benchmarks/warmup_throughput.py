@@ -7,18 +7,21 @@ compile options.
         [--kernel-calls K] [--work-dir DIR] [--out FILE]
 
 1. Phases: for the current ``kernel_cache.keys.COMPILE_OPTIONS`` and each
-   ``--candidates`` set, a fresh process with an empty Inductor cache directory
-   compiles M variants (benchmarks/_compile_child.py). The first compile of a
-   process also pays the imports and the precompiled headers (once per Inductor
-   cache directory); the later ones are the steady state. Each compiled kernel
+   ``--candidates`` set, a fresh process with empty Inductor cache and temp
+   directories (torch 2.13 keeps precompiled headers in the temp dir) compiles
+   M variants (benchmarks/_compile_child.py). The first compile of a process
+   also pays the imports and the precompiled headers (once per machine and
+   set of compiler flags); the later ones are the steady state. Each compiled kernel
    is timed (median us per call) so a faster compile that slows the kernel shows.
 2. Jobs: ``warmup.planner.warmup`` (the code ``kernel-cache warmup`` runs)
    compiles N variants into an empty kernel_cache directory with ``--jobs J``
    worker processes, for each J; the Inductor cache directory is the one the
-   current options' phase run left behind (precompiled headers built, as on a
-   builder that warmed before; AOTInductor keeps no other cache between runs).
-   Reported: wall seconds, seconds per variant (wall / N), and the median
-   compile seconds of a variant inside its worker.
+   current options' phase run left behind, temp dir included (precompiled
+   headers built, as on a builder that warmed before; AOTInductor keeps no
+   other cache between runs).
+   Reported: wall seconds, seconds per variant (wall / N), CPU seconds per
+   variant (all workers and their compilers: steadier than wall seconds on a
+   shared machine), and the median compile seconds of a variant inside its worker.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from _common import (
     ROOT,
     fmt,
     header,
+    inductor_env,
     machine,
     pick_variants,
     print_table,
@@ -68,7 +72,7 @@ def phase_run(cfg, variants, opts: dict, inductor_dir: Path, kernel_calls: int) 
         "compile_options": opts,
         "kernel_calls": kernel_calls,
     }
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
+    env = inductor_env(inductor_dir)
     doc = run_json_child([sys.executable, CHILD, json.dumps(spec)], env=env)
     rows = doc["rows"]
     steady = rows[1:] or rows
@@ -79,6 +83,9 @@ def phase_run(cfg, variants, opts: dict, inductor_dir: Path, kernel_calls: int) 
         "first_compile_s": rows[0]["total_s"],
         "first_process_s": doc["process_wall_s"],
         "steady_compile_s": summary([r["total_s"] for r in steady]),
+        "steady_cpu_s": summary([r["cpu_s"] for r in steady]),
+        "steady_cxx_cpu_s": summary([r["cxx_cpu_s"] for r in steady]),
+        "first_cpu_s": rows[0]["cpu_s"],
         "steady_share": {p[:-2]: totals[p] / whole for p in PHASES},
         "steady_phase_s": {p[:-2]: summary([r[p] for r in steady]) for p in PHASES},
         "kernel_us": {r["variant"]: r.get("kernel_us") for r in rows},
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
     p.add_argument("--variants", type=int, default=6, help="N variants for the jobs runs")
-    p.add_argument("--jobs", default="1,2", help="comma-separated worker counts")
+    p.add_argument("--jobs", default="1,2", help="comma-separated worker counts; none: skip")
     p.add_argument("--phase-variants", type=int, default=3, help="M variants per phase run")
     p.add_argument(
         "--candidates",
@@ -106,9 +113,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     plan = Bucketer(cfg).variants
-    jobs = [int(j) for j in args.jobs.split(",") if j.strip()]
-    if not jobs or min(jobs) < 1:
-        raise SystemExit(f"--jobs {args.jobs!r}: comma-separated integers >= 1")
+    skip_jobs = args.jobs.strip().lower() == "none"
+    jobs = [] if skip_jobs else [int(j) for j in args.jobs.split(",") if j.strip()]
+    if not skip_jobs and (not jobs or min(jobs) < 1):
+        raise SystemExit(f"--jobs {args.jobs!r}: comma-separated integers >= 1, or none")
     option_sets = [dict(COMPILE_OPTIONS)]
     for c in args.candidates:
         opts = json.loads(c)
@@ -138,18 +146,23 @@ def main(argv=None) -> int:
         ph["steady_compile_vs_current"] = (
             ph["steady_compile_s"]["median"] / phases[0]["steady_compile_s"]["median"]
         )
+        ph["steady_cpu_vs_current"] = (
+            ph["steady_cpu_s"]["median"] / phases[0]["steady_cpu_s"]["median"]
+        )
 
     # 2. Jobs, with the current options and a warmed precompiled-header cache.
     variants = pick_variants(plan, args.variants)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-0")
+    os.environ.update(inductor_env(work / "inductor-0"))
     jobs_rows = []
     for j in jobs:
         print(f"jobs {j}: warmup of {len(variants)} variants ...", file=sys.stderr, flush=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), os.times()
         rep = warmup(
             cfg, work / f"kernel-cache-jobs-{j}", jobs=j, variants=variants, progress=False
         )
         wall = time.perf_counter() - t
+        c2 = os.times()  # the pool's workers (and their compilers) are reaped by now
+        cpu = (c2.children_user + c2.children_system) - (c.children_user + c.children_system)
         if rep["failed"] or rep["compiled"] != len(variants):
             raise SystemExit(f"warmup --jobs {j}: {rep['failed'] or rep}")
         per = [r["timings"]["total_s"] for r in rep["results"] if "timings" in r]
@@ -159,12 +172,15 @@ def main(argv=None) -> int:
                 "variants": len(variants),
                 "wall_s": wall,
                 "s_per_variant": wall / len(variants),
+                "cpu_s": cpu,
+                "cpu_s_per_variant": cpu / len(variants),
                 "compile_s_in_worker": summary(per),
                 "worker_compile_sum_s": sum(per),
             }
         )
     for r in jobs_rows:
         r["speedup_vs_first"] = jobs_rows[0]["wall_s"] / r["wall_s"]
+        r["cpu_vs_first"] = r["cpu_s"] / jobs_rows[0]["cpu_s"]
 
     doc = header("warmup_throughput")
     doc["machine"] = machine(cfg.device)
@@ -180,12 +196,20 @@ def main(argv=None) -> int:
     print_table(
         f"Warmup throughput: {len(variants)} variants of {cfg.model} ({cfg.dtype}, "
         f"{cfg.device}), compile options {json.dumps(COMPILE_OPTIONS)}",
-        ["jobs", "wall s", "s / variant", "speedup", "compile s in worker, median (min-max)"],
+        [
+            "jobs",
+            "wall s",
+            "s / variant",
+            "cpu s / variant",
+            "speedup",
+            "compile s in worker, median (min-max)",
+        ],
         [
             [
                 r["jobs"],
                 f"{r['wall_s']:.1f}",
                 f"{r['s_per_variant']:.1f}",
+                f"{r['cpu_s_per_variant']:.1f}",
                 f"{r['speedup_vs_first']:.2f}x",
                 fmt(r["compile_s_in_worker"], digits=1),
             ]
@@ -199,6 +223,7 @@ def main(argv=None) -> int:
             "compile options",
             "first s",
             "steady s",
+            "steady cpu s",
             "export",
             "codegen",
             "c++",
@@ -210,6 +235,7 @@ def main(argv=None) -> int:
                 json.dumps(ph["compile_options"]) + (" (current)" if i == 0 else ""),
                 f"{ph['first_compile_s']:.1f}",
                 fmt(ph["steady_compile_s"], digits=1),
+                fmt(ph["steady_cpu_s"], digits=1),
                 *(
                     f"{100 * ph['steady_share'][k]:.0f}%"
                     for k in ("export", "codegen", "cxx", "packaging")
