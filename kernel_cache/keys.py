@@ -57,7 +57,13 @@ ARTIFACT_FORMAT = "kc1"
 
 #: Inductor options every variant is compiled with (passed to
 #: ``aoti_compile_and_package(inductor_configs=...)``). Part of the key.
-COMPILE_OPTIONS: dict = {}
+#:
+#: ``aot_inductor.enable_line_tables: False`` drops the ``-g1`` line tables
+#: from the compiled ``.so``: measured here (torch 2.13, gcc 12, CPU, see
+#: docs/benchmarks.md) the package shrinks from 1.63 MB to 0.47 MB, verifying
+#: and loading a variant at engine start takes half the CPU time, the machine
+#: code is identical (same disassembly) and compile time is unchanged.
+COMPILE_OPTIONS: dict = {"aot_inductor.enable_line_tables": False}
 
 COMPONENTS = (
     "format",

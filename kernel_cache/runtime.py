@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 
@@ -70,6 +71,53 @@ def fetch_entry(tiers: list[Tier], key: str):
     return None
 
 
+class _Slot:
+    """One loaded variant with everything its calls reuse: the runner, the padded
+    input buffers and views of them, made once (dispatch is a hot path: every
+    torch op saved is microseconds per call)."""
+
+    __slots__ = (
+        "variant",
+        "runner",
+        "calls",
+        "qbuf",
+        "btbuf",
+        "lens",
+        "lens_host",
+        "lens_arr",
+        "zeros",
+        "lens_views",
+        "bt_rows",
+        "rows",
+    )
+
+    def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device):
+        self.variant = v
+        self.runner = runner
+        self.calls = 0
+        dev = device
+        self.qbuf = torch.zeros(
+            (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
+        )
+        n = 2 if v.kernel == PAGED_ATTENTION else v.num_seqs
+        shape = (v.num_blocks,) if v.kernel == PAGED_ATTENTION else (v.num_seqs, v.num_blocks)
+        self.btbuf = torch.zeros(shape, dtype=torch.int32, device=dev)
+        # Lengths are written on the host into an int32 array that a CPU tensor
+        # shares (torch.frombuffer): no torch op per call. On CUDA the device
+        # buffer is refreshed from it with one copy.
+        self.lens_arr = array("i", bytes(4 * n))
+        self.zeros = array("i", bytes(4 * n))
+        self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
+        self.lens = self.lens_host if dev.type == "cpu" else self.lens_host.to(dev)
+        self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
+        self.rows: dict = {}  # num_seqs -> (qbuf[:num_seqs], btbuf[:num_seqs])
+
+    def row_views(self, n: int):
+        views = self.rows[n] = (self.qbuf[:n], self.btbuf[:n])
+        return views
+
+
 class AttentionRuntime:
     """The attention object an engine calls, holding one loaded kernel per variant.
 
@@ -82,8 +130,7 @@ class AttentionRuntime:
         self.config = config
         self.bucketer = bucketer
         self._runners = runners
-        self._buffers: dict = {}
-        self.counters = {"loads": len(runners), "calls": Counter(), "compiles": 0}
+        self._slots: dict = {}
         self.load_seconds = load_seconds
         #: Where the variants came from: ``{tier location: count}``.
         self.sources: dict[str, int] = {}
@@ -100,55 +147,55 @@ class AttentionRuntime:
     def variants(self) -> tuple[KernelVariant, ...]:
         return tuple(self._runners)
 
+    @property
+    def counters(self) -> dict:
+        """``{"loads", "calls": Counter(variant -> calls), "compiles"}`` (a snapshot)."""
+        calls = Counter({s.variant: s.calls for s in self._slots.values() if s.calls})
+        return {"loads": len(self._runners), "calls": calls, "compiles": 0}
+
     # -- checks ------------------------------------------------------------
     def _check(self, query, key_cache, value_cache):
-        if query.dim() != 3 or tuple(query.shape[1:]) != self._qshape:
+        if query.dim() != 3 or query.shape[1:] != self._qshape:
             raise ShapeError(
                 f"query shape {tuple(query.shape)}: expected [n, num_heads, "
                 f"head_dim] = [n, {self._qshape[0]}, {self._qshape[1]}]"
             )
-        if query.dtype != self._dtype or query.device.type != self._device.type:
+        # t.is_cuda / t.is_cpu: a device object per check (t.device.type) costs
+        # about half a microsecond, three times per call.
+        dt, cuda = self._dtype, self._device.type == "cuda"
+        if query.dtype != dt or not (query.is_cuda if cuda else query.is_cpu):
             raise ShapeError(
                 f"query is {query.dtype} on {query.device}; the plan is "
                 f"{self._dtype} on {self._device.type}"
             )
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-            if t.dim() != 4 or tuple(t.shape[1:]) != self._kvshape:
+            if t.dim() != 4 or t.shape[1:] != self._kvshape:
                 raise ShapeError(
                     f"{name} shape {tuple(t.shape)}: expected [num_pool_blocks, block_size, "
                     f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
                 )
-            if t.dtype != self._dtype or t.device.type != self._device.type:
+            if t.dtype != dt or not (t.is_cuda if cuda else t.is_cpu):
                 raise ShapeError(
                     f"{name} is {t.dtype} on {t.device}; the plan is "
                     f"{self._dtype} on {self._device.type}"
                 )
 
-    def _buffers_for(self, v: KernelVariant):
-        buf = self._buffers.get(v)
-        if buf is None:
-            dev, c = self._device, self.config
-            q = torch.zeros(
-                (v.query_len * v.num_seqs, c.num_heads, c.head_dim), dtype=self._dtype, device=dev
+    def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
+        key = (kernel, query_len, num_blocks, num_seqs)
+        slot = self._slots.get(key)
+        if slot is None:
+            v = KernelVariant(
+                kernel=kernel, query_len=query_len, num_blocks=num_blocks, num_seqs=num_seqs
             )
-            if v.kernel == PAGED_ATTENTION:
-                bt = torch.zeros((v.num_blocks,), dtype=torch.int32, device=dev)
-                lens = torch.zeros((2,), dtype=torch.int32, device=dev)
-            else:
-                bt = torch.zeros((v.num_seqs, v.num_blocks), dtype=torch.int32, device=dev)
-                lens = torch.zeros((v.num_seqs,), dtype=torch.int32, device=dev)
-            buf = self._buffers[v] = (q, bt, lens)
-        return buf
-
-    def _runner(self, v: KernelVariant):
-        r = self._runners.get(v)
-        if r is None:  # the plan was loaded partially (load_plan(strict=False))
-            raise ShapeError(
-                f"variant {v} is not loaded; warm it up: kernel-cache warmup "
-                f"{config_to_cli(self.config)}"
-            )
-        self.counters["calls"][v] += 1
-        return r
+            r = self._runners.get(v)
+            if r is None:  # the plan was loaded partially (load_plan(strict=False))
+                raise ShapeError(
+                    f"variant {v} is not loaded; warm it up: kernel-cache warmup "
+                    f"{config_to_cli(self.config)}"
+                )
+            slot = self._slots[key] = _Slot(v, r, self.config, self._dtype, self._device)
+        slot.calls += 1
+        return slot
 
     # -- dispatch ----------------------------------------------------------
     def prefill(self, query, key_cache, value_cache, block_table, seq_len: int):
@@ -175,34 +222,35 @@ class AttentionRuntime:
             raise ShapeError(
                 f"seq_len {seq_len} is above max_model_len {self.config.max_model_len}"
             )
-        bs = self.config.block_size
-        need = -(-seq_len // bs)
+        need = -(-seq_len // self.config.block_size)
         nb = self.bucketer.blocks_bucket(need)
         qb = self.bucketer.query_bucket(q)
-        if (
-            block_table.dim() != 1
-            or block_table.shape[0] < need
-            or block_table.dtype != torch.int32
-        ):
+        width = block_table.shape[0] if block_table.dim() == 1 else -1
+        if width < need or block_table.dtype != torch.int32:
             raise ShapeError(
                 f"block_table shape {tuple(block_table.shape)} {block_table.dtype}:"
                 f" expected 1-D int32 with at least {need} blocks"
             )
-        v = KernelVariant(kernel=PAGED_ATTENTION, query_len=qb, num_blocks=nb, num_seqs=1)
-        runner = self._runner(v)
-        qbuf, btbuf, lens = self._buffers_for(v)
-        if q == qb:
+        slot = self._slot(PAGED_ATTENTION, qb, nb, 1)
+        if q == qb and query.is_contiguous():
             qin = query
         else:
-            qbuf[:q].copy_(query)
-            qin = qbuf
-        w = min(nb, block_table.shape[0])
-        btbuf[:w].copy_(block_table[:w])
-        if w < nb:
-            btbuf[w:].zero_()
-        lens[0] = seq_len
-        lens[1] = q
-        out = runner.run([qin, key_cache, value_cache, btbuf, lens[0:1], lens[1:2]])[0]
+            qin = slot.qbuf
+            qin[:q].copy_(query)
+        btbuf = slot.btbuf
+        if width == nb:
+            btbuf.copy_(block_table)
+        elif width > nb:
+            btbuf.copy_(block_table[:nb])
+        else:
+            btbuf[:width].copy_(block_table)
+            btbuf[width:].zero_()
+        slot.lens_arr[0] = seq_len
+        slot.lens_arr[1] = q
+        if slot.lens is not slot.lens_host:
+            slot.lens.copy_(slot.lens_host, non_blocking=True)
+        lq, lq2 = slot.lens_views
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
 
     def decode(self, query, key_cache, value_cache, block_tables, seq_lens):
@@ -232,12 +280,10 @@ class AttentionRuntime:
             if seq_lens.numel() != s:
                 raise ShapeError(f"seq_lens has {seq_lens.numel()} entries for {s} queries")
             longest = int(seq_lens.max()) if s else 0
-            lens_t = seq_lens.to(torch.int32)
         else:
             if len(seq_lens) != s:
                 raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
             longest = max(seq_lens) if s else 0
-            lens_t = None
         if longest > self.config.max_model_len:
             raise ShapeError(
                 f"seq_len {longest} is above max_model_len "
@@ -245,14 +291,9 @@ class AttentionRuntime:
             )
         if s > self.config.max_num_seqs:
             raise ShapeError(f"num_seqs {s} is above max_num_seqs {self.config.max_num_seqs}")
-        bs = self.config.block_size
-        need = max(1, -(-longest // bs))
-        if (
-            block_tables.dim() != 2
-            or block_tables.shape[0] != s
-            or block_tables.shape[1] < need
-            or block_tables.dtype != torch.int32
-        ):
+        need = max(1, -(-longest // self.config.block_size))
+        shape = block_tables.shape
+        if len(shape) != 2 or shape[0] != s or shape[1] < need or block_tables.dtype != torch.int32:
             raise ShapeError(
                 f"block_tables shape {tuple(block_tables.shape)} "
                 f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
@@ -261,22 +302,37 @@ class AttentionRuntime:
             return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
         nb = self.bucketer.blocks_bucket(need)
         sb = self.bucketer.num_seqs_bucket(s)
-        v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=nb, num_seqs=sb)
-        runner = self._runner(v)
-        qbuf, btbuf, lbuf = self._buffers_for(v)
-        w = min(nb, block_tables.shape[1])
-        qbuf[:s].copy_(query)
-        btbuf[:s, :w].copy_(block_tables[:, :w])
-        if w < nb:
-            btbuf[:s, w:].zero_()
-        if lens_t is None:
-            lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        lbuf[:s].copy_(lens_t, non_blocking=True)
+        slot = self._slot(BATCHED_DECODE, 1, nb, sb)
+        if s == sb and query.is_contiguous():
+            qin = query
+        else:
+            qin = slot.qbuf
+            rows = slot.rows.get(s) or slot.row_views(s)
+            rows[0].copy_(query)
+        btbuf = slot.btbuf
+        width = shape[1]
+        src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
+        if s == sb and src is not None:
+            btbuf.copy_(src)
+        elif src is not None:
+            rows = slot.rows.get(s) or slot.row_views(s)
+            rows[1].copy_(src)
+        else:
+            btbuf[:s, :width].copy_(block_tables)
+            btbuf[:s, width:].zero_()
+        if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
+            btbuf[s : slot.bt_rows].zero_()
+        slot.bt_rows = s
+        if isinstance(seq_lens, torch.Tensor):
+            slot.lens_host[:s].copy_(seq_lens)
+        else:
+            slot.lens_arr[:s] = array("i", seq_lens)
         if s < sb:
-            lbuf[s:].zero_()
-            btbuf[s:].zero_()
-        out = runner.run([qbuf, key_cache, value_cache, btbuf, lbuf])[0]
-        return out[:s]
+            slot.lens_arr[s:] = slot.zeros[: sb - s]
+        if slot.lens is not slot.lens_host:
+            slot.lens.copy_(slot.lens_host, non_blocking=True)
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, slot.lens])[0]
+        return out[:s] if s != sb else out
 
     def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):
         lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
@@ -288,10 +344,11 @@ class AttentionRuntime:
 
     def stats(self) -> dict:
         """Counters as JSON-ready data."""
+        c = self.counters
         return {
-            "loads": self.counters["loads"],
-            "compiles": self.counters["compiles"],
-            "calls": {str(v): n for v, n in sorted(self.counters["calls"].items(), key=str)},
+            "loads": c["loads"],
+            "compiles": c["compiles"],
+            "calls": {str(v): n for v, n in sorted(c["calls"].items(), key=str)},
             "load_seconds": round(self.load_seconds, 4),
             "sources": dict(self.sources),
             "build_only_accepted": self.build_only_accepted,
