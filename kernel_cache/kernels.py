@@ -21,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 _NEG = torch.finfo(torch.float32).min
 
 
@@ -79,17 +81,67 @@ class BatchedDecode(nn.Module):
             and sees KV positions ``< seq_len``. Padded rows have ``seq_len == 0``
             and produce finite output.
 
+    Launch parameters (set per variant by :mod:`kernel_cache.launch`):
+        num_kv_splits: the ``num_blocks`` axis is cut into this many KV splits of
+            ``ceil(num_blocks / num_kv_splits)`` blocks each (the last split is
+            padded with masked blocks); each split is reduced on its own and the
+            splits are combined with the log-sum-exp rule (split-KV, "flash
+            decoding"). 1 to ``num_blocks``; default 1.
+        blocks_per_chunk: KV blocks processed per step of the online softmax
+            (Milakov & Gimelshein 2018) within a split; must divide the blocks of
+            one split. Default (``None``): the whole split in one step.
+
+    With the defaults (one split, one chunk) the kernel is the single-pass
+    softmax it always was, operation for operation.
+
     Returns: ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
+
+    Raises:
+        ConfigError: at construction, a non-positive ``num_kv_splits`` or
+            ``blocks_per_chunk``; at trace/run time, a split count above
+            ``num_blocks`` or a chunk that does not divide its split.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        blocks_per_chunk: int | None = None,
+        num_kv_splits: int = 1,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
+        if num_kv_splits < 1:
+            raise ConfigError(f"num_kv_splits={num_kv_splits}: must be >= 1")
+        if blocks_per_chunk is not None and blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk={blocks_per_chunk}: must be >= 1")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_kv_splits = num_kv_splits
 
     def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        nb = block_tables.shape[1]
+        splits = self.num_kv_splits
+        if splits > nb:
+            raise ConfigError(
+                f"num_kv_splits={splits} is outside [1, num_blocks={nb}]; use at most {nb}"
+            )
+        per_split = -(-nb // splits)
+        bpc = per_split if self.blocks_per_chunk is None else self.blocks_per_chunk
+        if per_split % bpc:
+            raise ConfigError(
+                f"blocks_per_chunk={bpc} does not divide the {per_split} blocks of one KV "
+                f"split (num_blocks={nb}, num_kv_splits={splits})"
+            )
+        if splits == 1 and bpc == nb:
+            return self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
+        return self._split_kv(query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc)
+
+    def _single_pass(self, query, key_cache, value_cache, block_tables, seq_lens):
         s, nb = block_tables.shape
         bs = key_cache.shape[1]
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -105,8 +157,53 @@ class BatchedDecode(nn.Module):
         out = torch.einsum("skgt,stkd->skgd", probs, v)
         return out.reshape(s, kvh * g, d).to(query.dtype)
 
+    def _split_kv(self, query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc):
+        s, nb = block_tables.shape
+        bs = key_cache.shape[1]
+        splits = self.num_kv_splits
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        idx = block_tables.long()
+        pad = splits * per_split - nb
+        if pad:  # masked blocks: their positions are >= num_blocks * block_size >= seq_len
+            idx = torch.cat([idx, idx.new_zeros((s, pad))], dim=1)
+        idx = idx.reshape(s, splits, per_split)
+        q = query.reshape(s, kvh, g, d).float()
+        span = bpc * bs  # tokens per chunk
+        lens = seq_lens[:, None, None]
+        first = torch.arange(splits, device=query.device, dtype=torch.int32) * (per_split * bs)
+        t = torch.arange(span, device=query.device, dtype=torch.int32)
+        m = torch.full((s, splits, kvh, g), _NEG, device=query.device)
+        l_sum = torch.zeros((s, splits, kvh, g), device=query.device)
+        acc = torch.zeros((s, splits, kvh, g, d), device=query.device)
+        for c in range(per_split // bpc):  # online softmax over chunks, all splits at once
+            blk = idx[:, :, c * bpc : (c + 1) * bpc]
+            k = key_cache[blk].reshape(s, splits, span, kvh, d).float()
+            v = value_cache[blk].reshape(s, splits, span, kvh, d).float()
+            scores = torch.einsum("skgd,sptkd->spkgt", q, k) * self.scale
+            pos = first[:, None] + (c * span) + t[None, :]  # [splits, span]
+            visible = pos[None] < lens  # [s, splits, span]
+            scores = scores.masked_fill(~visible[:, :, None, None, :], _NEG)
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(scores - m_new[..., None])
+            l_sum = l_sum * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("spkgt,sptkd->spkgd", p, v)
+            m = m_new
+        # Combine the splits: out = sum_p exp(lse_p - LSE) * out_p, lse_p = m_p + log l_p.
+        lse = m + torch.log(l_sum)  # [s, splits, kvh, g]; l_sum >= 1
+        weights = torch.softmax(lse, dim=1)
+        out = (weights[..., None] * (acc / l_sum[..., None])).sum(dim=1)  # [s, kvh, g, d]
+        return out.reshape(s, kvh * g, d).to(query.dtype)
 
-def build_module(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int) -> nn.Module:
-    """The eager module for ``kernel`` ("paged_attention" or "batched_decode")."""
+
+def build_module(
+    kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
+) -> nn.Module:
+    """The eager module for ``kernel`` ("paged_attention" or "batched_decode").
+
+    ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
+    ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
+    usually the resolved config of :func:`kernel_cache.launch.resolve_plan`.
+    """
     cls = {"paged_attention": PagedAttention, "batched_decode": BatchedDecode}[kernel]
-    return cls(num_heads, num_kv_heads, head_dim).eval()
+    return cls(num_heads, num_kv_heads, head_dim, **launch).eval()

@@ -6,7 +6,8 @@ component (``kernel-cache explain``). The idea follows JAX's
 ``jax/_src/cache_key.py``; the code is ours.
 
 What counts (:data:`COMPONENTS`, in order): the artifact format version, the
-kernel source, the variant, the geometry, the dtype, the device type and
+kernel source, the variant, its resolved launch config (defaults written out;
+:mod:`kernel_cache.launch`), the geometry, the dtype, the device type and
 architecture, the torch, Python and C++ compiler versions, and the compile
 options.
 
@@ -69,6 +70,7 @@ COMPONENTS = (
     "format",
     "kernel_source",
     "variant",
+    "launch_config",
     "geometry",
     "dtype",
     "device",
@@ -227,18 +229,26 @@ def build_key(
     env: dict[str, str] | None = None,
     compile_options: dict | None = None,
     overrides: dict[str, str] | None = None,
+    launch: dict | None = None,
 ) -> CacheKey:
     """The cache key of one variant under ``config`` in this environment.
 
     ``overrides`` replaces named components (tests simulate a torch upgrade
-    with ``{"torch": "2.14.1"}``).
+    with ``{"torch": "2.14.1"}``). ``launch`` is the variant's resolved launch
+    config (:func:`kernel_cache.launch.resolve_plan`); when None it is resolved
+    here (``KERNEL_CACHE_TUNING`` > bundled table > defaults).
     """
     env = environment(config.device) if env is None else env
+    if launch is None:
+        from .launch import launch_for
+
+        launch = launch_for(config, variant, env["device_arch"])
     opts = COMPILE_OPTIONS if compile_options is None else compile_options
     values = {
         "format": ARTIFACT_FORMAT,
         "kernel_source": kernel_source_hash(),
         "variant": str(variant),
+        "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
         "geometry": json.dumps(config.geometry(), sort_keys=True),
         "dtype": config.dtype,
         **env,

@@ -28,6 +28,7 @@ from .buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 from .config import EngineConfig, config_to_cli
 from .errors import CorruptEntryError, MissingVariantsError, ShapeError
 from .keys import build_key, environment
+from .launch import resolve_plan
 from .store import DiskTier, Tier, default_cache_dir, verify_entry
 
 log = logging.getLogger("kernel_cache")
@@ -137,6 +138,8 @@ class AttentionRuntime:
         #: Build-only components taken from stored records (see keys.BUILD_ONLY):
         #: ``{name: {"here": value, "stored": [values]}}``.
         self.build_only_accepted: dict[str, dict] = {}
+        #: ``{variant: resolved launch config}`` the loaded artifacts were compiled with.
+        self.launch: dict = {}
         self._device = torch.device(config.device)
         self._dtype = config.torch_dtype()
         c = config
@@ -435,12 +438,13 @@ def load_plan(
     )
     env = environment(config.device)
     lookup = Lookup(tiers)
+    launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     runners, missing = {}, []
     sources: Counter = Counter()
     accepted: dict = {}
     hits: dict[int, list[str]] = {}
     for v in bucketer.variants:
-        key = build_key(config, v, env)
+        key = build_key(config, v, env, launch=launch[v].config)
         try:
             found = lookup.find(key)
         except CorruptEntryError as e:
@@ -465,6 +469,7 @@ def load_plan(
             missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
         )
     rt = AttentionRuntime(config, bucketer, runners, time.perf_counter() - t0)
+    rt.launch = {v: r.config for v, r in launch.items()}
     rt.sources = dict(sources)
     rt.build_only_accepted = accepted
     for name, a in accepted.items():

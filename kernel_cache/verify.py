@@ -19,6 +19,7 @@ from .errors import CorruptEntryError
 from .inputs import make_inputs
 from .kernels import build_module
 from .keys import build_key, environment
+from .launch import describe_plan, launch_json, resolve_plan
 from .lookup import Lookup, merge_accepted
 from .runtime import default_tiers, load_package
 from .store import Tier
@@ -49,7 +50,9 @@ def verify_plan(
 
     ``ok`` (bool), ``variants``, ``loaded``, ``compiled``, ``missing`` and
     ``corrupt`` (lists of variant strings; corrupt entries carry the reason),
-    ``mismatched`` (variants whose output differs from eager), ``max_abs_err``,
+    ``mismatched`` (variants whose output differs from eager, built with the
+    same launch config), ``max_abs_err``, ``launch`` (the variants a launch
+    table sets: ``{variant: {"config", "source"}}``),
     ``sources`` (``{tier location: variants loaded from it}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
 
@@ -66,6 +69,7 @@ def verify_plan(
     )
     env = environment(config.device)
     lookup = Lookup(tiers)
+    launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     modules = {}
     report = {
         "variants": len(bucketer.variants),
@@ -76,10 +80,12 @@ def verify_plan(
         "max_abs_err": 0.0,
         "sources": {},
         "build_only_accepted": {},
+        "launch": describe_plan(launch),
     }
     tol = TOLERANCE[config.dtype]
     for v in bucketer.variants:
-        key = build_key(config, v, env)
+        cfg = launch[v].config
+        key = build_key(config, v, env, launch=cfg)
         try:
             found = lookup.find(key)
             if found is None:
@@ -98,9 +104,11 @@ def verify_plan(
         merge_accepted(report["build_only_accepted"], found.accepted)
         args = make_inputs(config, v, seed=1)
         out = runner.run(list(args))[0]
-        mod = modules.setdefault(
-            v.kernel, build_module(v.kernel, config.num_heads, config.num_kv_heads, config.head_dim)
-        )
+        mk = (v.kernel, launch_json(cfg))
+        if mk not in modules:
+            c = config
+            modules[mk] = build_module(v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **cfg)
+        mod = modules[mk]
         with torch.no_grad():
             ref = mod(*args)
         err = float((out.float() - ref.float()).abs().max())

@@ -1,7 +1,7 @@
 """The ``kernel-cache`` command line (plan, warmup, verify, bundles, housekeeping).
 
 Subcommands: plan, warmup, verify here; export, import, explain, ls, stats, gc,
-clear in :mod:`warmup.commands`.
+clear in :mod:`warmup.commands`; tune in :mod:`warmup.tune`.
 
 ENGINE OPTIONS default to the built-in default
 (:data:`kernel_cache.config.DEFAULT_ENGINE`): ``kernel-cache warmup`` with no
@@ -19,6 +19,7 @@ import sys
 from kernel_cache.buckets import Bucketer, parse_bucket_list
 from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
 from kernel_cache.errors import KernelCacheError
+from kernel_cache.launch import describe_plan, format_plan
 from kernel_cache.store import default_cache_dir
 
 
@@ -123,6 +124,9 @@ def cmd_plan(args) -> int:
     cfg = config_from_args(args)
     b = Bucketer(cfg)
     doc = {"config": cfg.model_dump(mode="json"), **b.describe()}
+    launch = _plan_launch(cfg, b)
+    if launch is not None:
+        doc["launch"] = describe_plan(launch[0])
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -139,7 +143,24 @@ def cmd_plan(args) -> int:
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
         f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
     )
+    if launch is not None:
+        print(format_plan(*launch))
     return 0
+
+
+def _plan_launch(cfg, bucketer):
+    """The plan's resolved launch configs and their sources line, or None for a CUDA
+    plan on a machine without a GPU (the lookup needs the device architecture)."""
+    import torch
+
+    from kernel_cache.keys import device_arch
+    from kernel_cache.launch import Resolver
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return None
+    arch = device_arch(cfg.device)
+    resolver = Resolver()
+    return {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}, resolver.sources(arch)
 
 
 def cmd_warmup(args) -> int:
@@ -278,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     from warmup.commands import add_commands
 
     add_commands(sub)
+
+    from warmup.tune import add_tune_command
+
+    add_tune_command(sub)
     return p
 
 

@@ -18,15 +18,18 @@ from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.inputs import make_inputs
 from kernel_cache.kernels import build_module
-from kernel_cache.keys import COMPILE_OPTIONS
+from kernel_cache.keys import COMPILE_OPTIONS, device_arch
+from kernel_cache.launch import launch_for
 
 
-def export_variant(config: EngineConfig, variant: KernelVariant):
+def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
     """``torch.export`` the variant's kernel with its bucket dimensions static and
-    ``num_pool_blocks`` (dim 0 of the KV caches) dynamic."""
+    ``num_pool_blocks`` (dim 0 of the KV caches) dynamic. ``launch``: the
+    variant's launch config (None: the kernel's defaults)."""
     import torch
 
-    mod = build_module(variant.kernel, config.num_heads, config.num_kv_heads, config.head_dim)
+    c = config
+    mod = build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
     args = make_inputs(config, variant, seed=0)
     pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
     dyn = [None] * len(args)
@@ -36,9 +39,15 @@ def export_variant(config: EngineConfig, variant: KernelVariant):
 
 
 def compile_variant(
-    config: EngineConfig, variant: KernelVariant, compile_options: dict | None = None
+    config: EngineConfig,
+    variant: KernelVariant,
+    compile_options: dict | None = None,
+    launch: dict | None = None,
 ) -> tuple[bytes, dict]:
     """Export and AOT-compile ``variant``; return the package bytes and timings.
+
+    ``launch`` is the variant's resolved launch config (the one in its key;
+    :func:`kernel_cache.launch.resolve_plan`); None resolves it here.
 
     Returns:
         (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in seconds)
@@ -53,9 +62,11 @@ def compile_variant(
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
+    if launch is None:
+        launch = launch_for(config, variant, device_arch(config.device))
     t0 = time.perf_counter()
     try:
-        ep = export_variant(config, variant)
+        ep = export_variant(config, variant, launch)
     except Exception as e:
         raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
     t1 = time.perf_counter()

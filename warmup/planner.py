@@ -38,6 +38,7 @@ from kernel_cache.errors import (
     UntrustedCacheError,
 )
 from kernel_cache.keys import COMPILE_OPTIONS, build_key, environment
+from kernel_cache.launch import describe_plan, resolve_plan
 from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env
 from kernel_cache.quarantine import quarantine_entry
 from kernel_cache.store import DiskTier, make_meta, verify_entry
@@ -77,7 +78,8 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
     """Worker body (runs in a child process): lock, check, compile, publish.
 
     ``options``: ``blocking`` (wait for the lock, else return ``busy`` at once),
-    ``lock_timeout`` (seconds), ``allow_shared``.
+    ``lock_timeout`` (seconds), ``allow_shared``, ``launch`` (the variant's
+    launch config, resolved once per plan by the parent; absent: resolved here).
 
     Returns a JSON-ready dict: ``variant``, ``key``, ``pid``, ``status``
     (compiled, cached, busy or failed), ``seconds``, ``lock_wait_s``, and
@@ -91,7 +93,8 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
     variant = KernelVariant.model_validate_json(variant_json)
     allow_shared = options["allow_shared"]
     tier = DiskTier(cache_dir, allow_shared=allow_shared)
-    key = build_key(config, variant)
+    launch = options.get("launch")
+    key = build_key(config, variant, launch=launch)
     t0 = time.perf_counter()
     result = {"variant": str(variant), "key": key.hexdigest, "pid": os.getpid()}
 
@@ -118,7 +121,7 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
         opts = dict(COMPILE_OPTIONS)
         if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
             opts["kernel_cache_test_no_such_option"] = True
-        data, timings = compile_variant(config, variant, opts)
+        data, timings = compile_variant(config, variant, opts, launch=launch)
         meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
         tier.put(key.hexdigest, data, meta)
         return done("compiled", timings=timings)
@@ -136,7 +139,8 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
 
 
 def _precheck(config, plan, cache_dir, allow_shared):
-    """Sort the plan into cached and to-do without writing anything if possible.
+    """Sort the plan's ``(variant, launch config)`` items into cached and to-do
+    without writing anything if possible.
 
     Returns (cached, todo, bad, writable) where ``bad`` maps a variant to the
     reason its entry is unusable. Raises CacheWriteError when the directory
@@ -152,12 +156,13 @@ def _precheck(config, plan, cache_dir, allow_shared):
         tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
     cached, todo, bad = [], [], {}
     try:
-        for v in plan:
-            why = check_cached(tier, build_key(config, v, env).hexdigest, config.device)
+        for v, launch in plan:
+            key = build_key(config, v, env, launch=launch).hexdigest
+            why = check_cached(tier, key, config.device)
             if why is None:
-                cached.append(v)
+                cached.append((v, launch))
             else:
-                todo.append(v)
+                todo.append((v, launch))
                 if why != "missing":
                     bad[str(v)] = why
         sizes = [m.get("size", 0) for m in tier.iter_meta()] if write_error and todo else []
@@ -208,7 +213,8 @@ def warmup(
     Returns:
         ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
         "quarantined": [{"variant", "reason", "path"}], "found_bad", "seconds",
-        "fingerprint", "pid", "repair", "results": [...]}``, plus with
+        "fingerprint", "pid", "repair", "results": [...], "launch": {variant:
+        {"config", "source"}} for the variants a launch table sets}``, plus with
         ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
         "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
         is larger).
@@ -226,17 +232,19 @@ def warmup(
     allow_shared = resolve_allow_shared(allow_shared_dir)
     lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
     env = environment(config.device)
-    cached, todo, bad, writable = _precheck(config, plan, cache_dir, allow_shared)
+    resolved = resolve_plan(config, plan, env["device_arch"])
+    items = [(v, resolved[v].config) for v in plan]
+    cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     keep = housekeeping.plan_digests(config) if max_size is not None else set()
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
     first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
-    results = [{"variant": str(v), "status": "cached"} for v in cached]
+    results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
     if todo:
         options = {"lock_timeout": lock_timeout, "allow_shared": allow_shared}
         results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(plan), options)
     usage.record(
         cache_dir,
-        hits=[build_key(config, v, env).hexdigest for v in cached],
+        hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
         misses=sum(r["status"] == "compiled" for r in results),
     )
     gc_report = None
@@ -265,7 +273,43 @@ def warmup(
         "pid": os.getpid(),
         "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
         "results": results,
+        "launch": describe_plan(resolved),
         **({"gc": gc_report} if gc_report is not None else {}),
+    }
+
+
+def compile_items(
+    config: EngineConfig,
+    cache_dir: str | Path,
+    items: list[tuple[KernelVariant, dict]],
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Compile each ``(variant, launch config)`` whose artifact is not cached
+    (``kernel-cache tune`` compiles several configs of one variant this way).
+
+    Returns: ``{"variants", "compiled", "cached", "failed", "results"}`` as :func:`warmup`.
+
+    Raises:
+        as :func:`warmup`.
+    """
+    allow_shared = resolve_allow_shared(None)
+    cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
+    results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
+    if todo:
+        options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
+        results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(items), options)
+    return {
+        "variants": len(items),
+        "compiled": sum(r["status"] == "compiled" for r in results),
+        "cached": sum(r["status"] == "cached" for r in results),
+        "failed": [
+            {"variant": r["variant"], "error": r.get("error", "")}
+            for r in results
+            if r["status"] == "failed"
+        ],
+        "results": results,
     }
 
 
@@ -300,20 +344,22 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[d
     with bar, ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
         task = bar.add_task("", total=total, completed=total - len(todo))
 
-        def submit(v, blocking):
-            opts = {**options, "blocking": blocking}
+        def submit(item, blocking):
+            v, launch = item
+            opts = {**options, "blocking": blocking, "launch": launch}
             return pool.submit(compile_and_publish, cfg_json, v.model_dump_json(), cache_dir, opts)
 
         # First pass: never wait for a lock; keys other processes hold come back
         # "busy" and are queued again, waiting, behind the free ones.
-        futs = {submit(v, False): v for v in todo}
+        futs = {submit(item, False): item for item in todo}
         pending = set(futs)
         while pending:
-            running = [str(futs[f]) for f in pending if f.running()][:3]
+            running = [str(futs[f][0]) for f in pending if f.running()][:3]
             bar.update(task, description="compiling " + ", ".join(running))
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
-                v = futs[f]
+                item = futs[f]
+                v = item[0]
                 if f.cancelled():
                     r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
                 else:
@@ -328,8 +374,8 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[d
                 if r["status"] == "busy" and fatal is not None:
                     r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
                 elif r["status"] == "busy":
-                    nf = submit(v, True)
-                    futs[nf] = v
+                    nf = submit(item, True)
+                    futs[nf] = item
                     pending.add(nf)
                     continue
                 results.append(r)

@@ -1,0 +1,233 @@
+"""Launch-config resolver: precedence, validation, logging, keys, bundled tables (no compiles)."""
+
+import json
+import logging
+
+import pytest
+
+from kernel_cache.buckets import Bucketer, KernelVariant
+from kernel_cache.errors import ConfigError
+from kernel_cache.keys import build_key, environment
+from kernel_cache.launch import (
+    BUNDLED_DIR,
+    ENV_TUNING,
+    Resolver,
+    arch_family,
+    default_launch,
+    load_table,
+    parse_table,
+    resolve_plan,
+    table_filename,
+)
+
+from .conftest import run_cli, tiny_args
+
+ARCH = "test_arch/X"  # a fake architecture: the real bundled tables never match it
+D8 = KernelVariant(kernel="batched_decode", query_len=1, num_blocks=2, num_seqs=4)
+D1 = KernelVariant(kernel="batched_decode", query_len=1, num_blocks=1, num_seqs=4)
+
+
+def entry(num_blocks=2, num_seqs=4, kernel="batched_decode", **config):
+    """A table entry for the tiny geometry (head_dim 8, 2 KV heads, 2 queries per KV head)."""
+    return {
+        "kernel": kernel,
+        "head_dim": 8,
+        "num_queries_per_kv": 2,
+        "num_kv_heads": 2,
+        "num_seqs": num_seqs,
+        "num_blocks": num_blocks,
+        "config": config,
+    }
+
+
+def table(*entries, arch=None) -> dict:
+    doc = {"format": "kernel-cache-launch/1", "entries": list(entries)}
+    if arch:
+        doc["device_arch"] = arch
+    return doc
+
+
+def bundled_dir(tmp_path, arch, *entries):
+    d = tmp_path / "bundled"
+    d.mkdir(exist_ok=True)
+    (d / table_filename(arch)).write_text(json.dumps(table(*entries, arch=arch)))
+    return d
+
+
+def test_defaults_reproduce_todays_kernels():
+    assert default_launch("batched_decode", 11) == {"blocks_per_chunk": 11, "num_kv_splits": 1}
+    assert default_launch("paged_attention", 11) == {}
+    r = Resolver(environ={}, bundled_dir="/nonexistent").resolve(_cfg(), D8, ARCH)
+    assert (r.config, r.source) == ({"blocks_per_chunk": 2, "num_kv_splits": 1}, "default")
+
+
+def _cfg():
+    from kernel_cache.config import make_config
+
+    return make_config(
+        None, num_heads=4, num_kv_heads=2, head_dim=8, max_model_len=32, block_size=16,
+        max_num_seqs=4, max_num_batched_tokens=32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["inline", "path"])
+def test_precedence_env_then_bundled_then_defaults(tmp_path, form):
+    cfg = _cfg()
+    d = bundled_dir(
+        tmp_path,
+        ARCH,
+        entry(num_blocks=2, num_kv_splits=2),
+        entry(num_blocks=1, blocks_per_chunk=1),
+    )
+    override = table(entry(num_blocks=2, num_kv_splits=1, blocks_per_chunk=1))
+    if form == "inline":
+        value = json.dumps(override)
+    else:
+        value = str(tmp_path / "override.json")
+        (tmp_path / "override.json").write_text(json.dumps(override))
+    paged = KernelVariant(kernel="paged_attention", query_len=1, num_blocks=2, num_seqs=1)
+    res = Resolver({ENV_TUNING: value}, d)
+    got = {v: res.resolve(cfg, v, ARCH) for v in (D8, D1, paged)}
+    assert (got[D8].source, got[D8].config) == ("env", {"blocks_per_chunk": 1, "num_kv_splits": 1})
+    assert (got[D1].source, got[D1].config) == (
+        "bundled",
+        {"blocks_per_chunk": 1, "num_kv_splits": 1},
+    )
+    assert (got[paged].source, got[paged].config) == ("default", {})
+    # Without the override the bundled entry wins (a field it omits takes its default:
+    # blocks_per_chunk = the 1 block of one split).
+    got = Resolver({}, d).resolve(cfg, D8, ARCH)
+    assert (got.source, got.config) == ("bundled", {"blocks_per_chunk": 1, "num_kv_splits": 2})
+    # Another architecture: the bundled table does not apply, the override (no arch) does.
+    assert Resolver({}, d).resolve(cfg, D8, "other/ISA").source == "default"
+    assert Resolver({ENV_TUNING: value}, d).resolve(cfg, D8, "other/ISA").source == "env"
+
+
+def test_arch_specific_override_entry_wins_over_wildcard():
+    e_any = entry(num_kv_splits=2)
+    e_arch = {**entry(num_kv_splits=1, blocks_per_chunk=1), "device_arch": ARCH}
+    res = Resolver({ENV_TUNING: json.dumps(table(e_any, e_arch))}, "/nonexistent")
+    assert res.resolve(_cfg(), D8, ARCH).config == {"blocks_per_chunk": 1, "num_kv_splits": 1}
+    assert res.resolve(_cfg(), D8, "other/ISA").config["num_kv_splits"] == 2
+
+
+def test_bundled_lookup_is_ready_for_an_sm_90_table(tmp_path):
+    d = bundled_dir(tmp_path, "sm_90", entry(num_kv_splits=2))
+    assert (d / "sm_90.json").is_file()
+    h200 = "sm_90 cuda 13.0 triton 3.6.0"
+    assert arch_family(h200) == "sm_90" and table_filename(h200) == "sm_90.json"
+    res = Resolver({}, d)
+    assert res.resolve(_cfg(), D8, h200).source == "bundled"
+    assert res.resolve(_cfg(), D8, "sm_80 cuda 13.0 triton 3.6.0").source == "default"
+    assert "bundled sm_90.json (1 entries)" in res.sources(h200)
+
+
+BAD = [
+    (table(entry(kernel="flash")), r"entries\[0\]: unknown kernel 'flash'"),
+    (table({**entry(), "tile": 4}), r"entries\[0\]: unknown field\(s\) \['tile'\]"),
+    (table(entry(tile_n=64)), r"unknown field\(s\) \['tile_n'\] for kernel batched_decode"),
+    (
+        table(entry(kernel="paged_attention", num_seqs=1, num_kv_splits=2)),
+        r"unknown field\(s\) \['num_kv_splits'\] for kernel paged_attention; accepted fields: "
+        "none",
+    ),
+    (
+        table(entry(num_blocks=8, blocks_per_chunk=3)),
+        r"num_blocks=8\).*blocks_per_chunk=3 does not divide the 8 blocks of one KV split",
+    ),
+    (
+        table(entry(num_blocks=5, num_kv_splits=2, blocks_per_chunk=2)),
+        r"blocks_per_chunk=2 does not divide the 3 blocks of one KV split.*accepted: \[1, 3\]",
+    ),
+    (
+        table(entry(num_blocks=8, num_kv_splits=0)),
+        r"num_kv_splits=0 is outside \[1, num_blocks=8\]",
+    ),
+    (
+        table(entry(num_blocks=8, num_kv_splits=9)),
+        r"num_kv_splits=9 is outside \[1, num_blocks=8\]",
+    ),
+    (table(entry(num_kv_splits="2")), r"num_kv_splits='2' must be an integer"),
+    (table(entry(), entry()), r"entries\[1\].*a second entry for the same key"),
+    ({**table(), "tables": []}, r"unknown top-level field\(s\) \['tables'\]"),
+    (table({k: v for k, v in entry().items() if k != "num_seqs"}), r"missing field\(s\)"),
+    (table(entry(num_blocks=0)), r"num_blocks=0 must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("doc,match", BAD)
+def test_invalid_tables_name_the_entry_and_the_rule(doc, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        Resolver({ENV_TUNING: json.dumps(doc)}, "/nonexistent")
+    assert str(e.value).startswith("KERNEL_CACHE_TUNING (inline JSON): ")
+
+
+def test_bad_override_sources(tmp_path):
+    with pytest.raises(ConfigError, match=r"KERNEL_CACHE_TUNING \(inline JSON\): not valid JSON"):
+        Resolver({ENV_TUNING: "{not json"})
+    with pytest.raises(ConfigError, match=r"KERNEL_CACHE_TUNING=.*no such file"):
+        Resolver({ENV_TUNING: str(tmp_path / "missing.json")})
+
+
+def test_bundled_table_must_hold_its_files_architecture(tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "sm_90.json").write_text(json.dumps(table(entry(), arch="sm_80")))
+    with pytest.raises(ConfigError, match=r"bundled sm_90.json: device_arch='sm_80' does not"):
+        Resolver({}, d).resolve(_cfg(), D8, "sm_90 cuda 13.0 triton 3.6.0")
+
+
+def test_resolve_plan_logs_one_compact_table(caplog, tiny_config):
+    plan = Bucketer(tiny_config).variants
+    res = Resolver({ENV_TUNING: json.dumps(table(entry(num_kv_splits=2)))}, "/nonexistent")
+    with caplog.at_level(logging.INFO, logger="kernel_cache.launch"):
+        out = resolve_plan(tiny_config, plan, ARCH, resolver=res)
+    records = [r for r in caplog.records if r.name == "kernel_cache.launch"]
+    assert len(records) == 1
+    text = records[0].getMessage()
+    assert f"launch config for {len(plan)} variants" in text
+    assert "batched_decode:1:2:4  env" in text
+    assert f"{len(plan) - 1} variant(s) at defaults" in text
+    assert [v for v, r in out.items() if r.source != "default"] == [D8]
+
+
+def test_one_entry_changes_exactly_one_key(monkeypatch, tiny_config):
+    plan = Bucketer(tiny_config).variants
+    env = environment("cpu")
+
+    def keys():
+        return {v: build_key(tiny_config, v, env).hexdigest for v in plan}
+
+    monkeypatch.delenv(ENV_TUNING, raising=False)
+    base = keys()
+    # An entry that spells out the defaults: same keys (the key holds the resolved config).
+    monkeypatch.setenv(ENV_TUNING, json.dumps(table(entry(num_kv_splits=1, blocks_per_chunk=2))))
+    assert keys() == base
+    monkeypatch.setenv(ENV_TUNING, json.dumps(table(entry(num_kv_splits=2))))
+    changed = {v for v, k in keys().items() if k != base[v]}
+    assert changed == {D8}
+    comp = build_key(tiny_config, D8, env).as_dict()["launch_config"]
+    assert json.loads(comp) == {"blocks_per_chunk": 1, "num_kv_splits": 2}
+
+
+def test_shipped_tables_are_valid_and_measured():
+    files = sorted(BUNDLED_DIR.glob("*.json"))
+    assert any(f.name == "x86_64-AVX2.json" for f in files), "the CPU table ships"
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert table_filename(doc["device_arch"]) == f.name
+        t = parse_table(doc, f.name, require_arch=doc["device_arch"])
+        assert len(t) == len(doc["entries"]) > 0
+        for e in doc["entries"]:
+            m = e["measured"]
+            assert m["speedup"] > 0 and m["default_ms"][1] <= m["default_ms"][0]
+            assert all(c["ok"] for c in m["candidates"] if c["config"] == e["config"])
+        assert load_table(f).device_arch == doc["device_arch"]
+
+
+def test_cli_rejects_a_bad_table_with_exit_2(tiny_model):
+    bad = json.dumps(table(entry(num_kv_splits=3)))
+    proc = run_cli("plan", *tiny_args(tiny_model), env={ENV_TUNING: bad})
+    assert proc.returncode == 2
+    assert "kernel-cache plan: error: KERNEL_CACHE_TUNING (inline JSON): entries[0]" in proc.stderr
+    assert "num_kv_splits=3 is outside [1, num_blocks=2]" in proc.stderr

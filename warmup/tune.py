@@ -1,0 +1,526 @@
+"""``kernel-cache tune``: time launch-config candidates per variant and write a table.
+
+For each chosen ``batched_decode`` variant:
+
+1. Candidates (:func:`candidates`): the defaults (one split, one chunk) plus every
+   ``num_kv_splits`` in ``--num-kv-splits`` (at most ``num_blocks``) times every
+   ``chunks_per_split`` in ``--chunks-per-split`` that divides the split
+   (``blocks_per_chunk = ceil(num_blocks / num_kv_splits) / chunks_per_split``).
+2. Every candidate is compiled through the normal warmup path into the artifact
+   cache, under the key that holds its launch config (so a resumed tune, or a
+   later ``warmup`` with the resulting table, compiles nothing twice). All
+   compiles finish before any timing starts.
+3. Correctness: each candidate's output on random inputs of the variant's
+   shapes is compared with :func:`kernel_cache.reference.reference_decode`
+   (tolerance :data:`kernel_cache.verify.TOLERANCE`); a mismatch is never kept.
+4. Timing, warm: each loaded artifact runs 3 times first; then ``--rounds``
+   rounds, each timing every candidate once in a shuffled order, one sample
+   being the mean of ``inner`` back-to-back calls (``inner`` chosen so that a
+   sample of the defaults lasts about ``--target-ms``). Per candidate: median,
+   min and max milliseconds per call, and the paired ratios
+   ``default / candidate`` of each round (both measured within the same round,
+   so a load change on a shared machine hits both).
+5. The rule (:data:`RULE`): a candidate beats the default beyond noise when the
+   median of its paired ratios is at least ``1 + --min-gain`` and their lower
+   quartile is above 1 (it was faster in at least three rounds out of four).
+   Of the candidates that match the reference and beat the default, the one
+   with the lowest median time is kept; else the defaults are kept.
+
+Each variant's measurement is stored as soon as it is done, in a disk tier
+beside the artifacts (``<cache-dir>/tune``), under a key made of the default
+artifact's key (kernel source, variant, geometry, dtype, device, versions), the
+candidate list and the timing settings; an interrupted tune run again with the
+same arguments reuses every finished variant and compiles nothing it has.
+
+The output is a table in the bundled format (:mod:`kernel_cache.launch`), one
+entry per tuned variant (the defaults written out where they won), with the
+measurements under ``measured``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from kernel_cache.buckets import BATCHED_DECODE, Bucketer, KernelVariant
+from kernel_cache.config import EngineConfig, config_to_cli
+from kernel_cache.errors import CompileError, ConfigError, CorruptEntryError
+from kernel_cache.keys import CacheKey, build_key, environment
+from kernel_cache.launch import TABLE_FORMAT, arch_family, check_launch, default_launch
+from kernel_cache.store import DiskTier, make_meta, verify_entry
+
+TUNE_FORMAT = "kc-tune1"
+
+RULE = (
+    "keep a candidate only if it matches the reference, the median of its per-round paired "
+    "ratios default/candidate is >= 1 + min_gain and their lower quartile is > 1; of those, "
+    "the lowest median time; otherwise the defaults"
+)
+
+
+class TuneSettings(BaseModel):
+    """What is tried and how it is timed (part of the tuning-result key).
+
+    ``target_ms``: milliseconds a timing sample of the defaults should last;
+    ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_kv_splits: tuple[int, ...] = (1, 2, 4)
+    chunks_per_split: tuple[int, ...] = (1, 2, 4)
+    rounds: int = 15
+    target_ms: float = 50.0
+    min_gain: float = 0.05
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.rounds < 3:
+            raise ConfigError(f"--rounds {self.rounds}: at least 3 rounds are needed")
+        if not self.target_ms > 0:
+            raise ConfigError(f"--target-ms {self.target_ms}: must be > 0")
+        if not 0 <= self.min_gain < 10:
+            raise ConfigError(f"--min-gain {self.min_gain}: must be in [0, 10)")
+        for name, vals in (
+            ("--num-kv-splits", self.num_kv_splits),
+            ("--chunks-per-split", self.chunks_per_split),
+        ):
+            if not vals or min(vals) < 1:
+                raise ConfigError(f"{name} {vals}: a list of integers >= 1")
+
+
+def candidates(variant: KernelVariant, settings: TuneSettings) -> list[dict]:
+    """The launch configs tried for ``variant``, defaults first, no duplicates."""
+    nb = variant.num_blocks
+    out = [default_launch(variant.kernel, nb)]
+    seen = {json.dumps(out[0], sort_keys=True)}
+    for splits in sorted(set(settings.num_kv_splits)):
+        if splits > nb:
+            continue
+        per_split = -(-nb // splits)
+        for chunks in sorted(set(settings.chunks_per_split)):
+            if per_split % chunks:
+                continue
+            cfg = check_launch(
+                variant.kernel,
+                nb,
+                {"num_kv_splits": splits, "blocks_per_chunk": per_split // chunks},
+                f"candidate for {variant}",
+            )
+            k = json.dumps(cfg, sort_keys=True)
+            if k not in seen:
+                seen.add(k)
+                out.append(cfg)
+    return out
+
+
+def result_key(default_key: str, cands: list[dict], settings: TuneSettings) -> CacheKey:
+    """The key a variant's tuning result is stored under."""
+    return CacheKey(
+        (
+            ("tune_format", TUNE_FORMAT),
+            ("default_artifact", default_key),
+            ("candidates", json.dumps(cands, sort_keys=True)),
+            ("settings", settings.model_dump_json()),
+        )
+    )
+
+
+def _stats(xs: list[float]) -> dict:
+    return {
+        "median_ms": round(statistics.median(xs) * 1e3, 4),
+        "min_ms": round(min(xs) * 1e3, 4),
+        "max_ms": round(max(xs) * 1e3, 4),
+    }
+
+
+def measure_variant(
+    config: EngineConfig,
+    variant: KernelVariant,
+    cands: list[dict],
+    tier: DiskTier,
+    env: dict,
+    settings: TuneSettings,
+) -> dict:
+    """Check and time every candidate of ``variant`` (artifacts already in ``tier``).
+
+    Returns the JSON-ready result: ``variant``, ``config`` (kept), ``speedup``
+    (default median / kept median), ``paired_ratio_median``, ``inner``,
+    ``rounds``, ``candidates`` (per candidate: ``config``, median/min/max ms,
+    ``ratio_median``, ``ratio_q25``, ``max_abs_err``, ``ok``, ``beats_default``).
+    """
+    import torch
+
+    from kernel_cache.inputs import make_inputs
+    from kernel_cache.reference import reference_decode
+    from kernel_cache.runtime import load_package
+    from kernel_cache.verify import TOLERANCE
+
+    runners = []
+    for cfg in cands:
+        key = build_key(config, variant, env, launch=cfg).hexdigest
+        entry = tier.get(key)
+        if entry is None:
+            raise CompileError(f"{variant} {cfg}: the compiled candidate is not in the cache")
+        verify_entry(entry)
+        runners.append(load_package(entry.data, config.device, entry.where, key))
+
+    args = list(make_inputs(config, variant, seed=settings.seed + 1))
+    q, kc, vc, bt, lens = args
+    with torch.no_grad():
+        ref = reference_decode(q, kc, vc, bt, lens.tolist())
+    tol = TOLERANCE[config.dtype]
+    errs = []
+    for r in runners:
+        out = r.run(args)[0]
+        errs.append(float((out.float() - ref.float()).abs().max()))
+
+    sync = torch.cuda.synchronize if config.device == "cuda" else (lambda: None)
+
+    def timed(r, n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r.run(args)
+        sync()
+        return (time.perf_counter() - t0) / n
+
+    for r in runners:  # warm: first calls allocate and fault pages in
+        timed(r, 3)
+    one = min(timed(runners[0], 1) for _ in range(3))
+    inner = max(1, round(settings.target_ms / 1e3 / max(one, 1e-9)))
+    rng = random.Random(settings.seed)
+    samples: list[list[float]] = [[] for _ in runners]
+    order = list(range(len(runners)))
+    for _ in range(settings.rounds):
+        rng.shuffle(order)
+        for i in order:
+            samples[i].append(timed(runners[i], inner))
+
+    rows = []
+    base = samples[0]
+    for cfg, xs, err in zip(cands, samples, errs, strict=True):
+        ratios = [b / x for b, x in zip(base, xs, strict=True)]
+        q25 = statistics.quantiles(ratios, n=4)[0]
+        rmed = statistics.median(ratios)
+        ok = err <= tol
+        rows.append(
+            {
+                "config": cfg,
+                **_stats(xs),
+                "ratio_median": round(rmed, 4),
+                "ratio_q25": round(q25, 4),
+                "max_abs_err": err,
+                "ok": ok,
+                "beats_default": bool(
+                    ok and cfg != cands[0] and rmed >= 1 + settings.min_gain and q25 > 1.0
+                ),
+            }
+        )
+    winners = [r for r in rows if r["beats_default"]]
+    kept = min(winners, key=lambda r: r["median_ms"]) if winners else rows[0]
+    return {
+        "variant": str(variant),
+        "config": kept["config"],
+        "default": cands[0],
+        "speedup": round(rows[0]["median_ms"] / kept["median_ms"], 4),
+        "paired_ratio_median": kept["ratio_median"],
+        "default_ms": [rows[0][k] for k in ("median_ms", "min_ms", "max_ms")],
+        "kept_ms": [kept[k] for k in ("median_ms", "min_ms", "max_ms")],
+        "inner": inner,
+        "rounds": settings.rounds,
+        "candidates": rows,
+        "default_ok": rows[0]["ok"],
+    }
+
+
+def _check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None:
+    plan = set(Bucketer(config).variants)
+    for v in variants:
+        if v.kernel != BATCHED_DECODE:
+            raise ConfigError(
+                f"--variants {v}: {v.kernel} has no launch parameters to tune; "
+                "give batched_decode variants"
+            )
+        if v not in plan:
+            b = Bucketer(config)
+            raise ConfigError(
+                f"--variants {v}: not a variant of the plan (num_blocks buckets "
+                f"{list(b.num_blocks_buckets)}, num_seqs buckets {list(b.num_seqs_buckets)}, "
+                "query_len 1); list them with: kernel-cache plan " + config_to_cli(config)
+            )
+
+
+def tune(
+    config: EngineConfig,
+    variants: list[KernelVariant],
+    cache_dir: str | Path,
+    settings: TuneSettings | None = None,
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+    echo=None,
+) -> dict:
+    """Tune ``variants`` (see the module docstring) and return the table and a report.
+
+    Returns: ``{"table": <table doc>, "variants", "measured", "from_cache",
+    "compiled", "failed", "seconds", "results": [...]}``.
+
+    Raises:
+        ConfigError: a variant that is not a ``batched_decode`` variant of the
+            plan, or bad settings.
+        CompileError: a candidate failed to compile.
+    """
+    from warmup.planner import compile_items
+
+    t0 = time.perf_counter()
+    settings = TuneSettings() if settings is None else settings
+    settings.check()
+    variants = list(dict.fromkeys(variants))
+    _check_variants(config, variants)
+    echo = echo or (lambda msg: None)
+    env = environment(config.device)
+    cands = {v: candidates(v, settings) for v in variants}
+    results_dir = Path(cache_dir) / "tune"
+    results = DiskTier(results_dir)
+    keys, done = {}, {}
+    try:
+        for v in variants:
+            dkey = build_key(config, v, env, launch=cands[v][0]).hexdigest
+            keys[v] = result_key(dkey, cands[v], settings)
+            try:
+                entry = results.get(keys[v].hexdigest)
+                if entry is not None:
+                    verify_entry(entry)
+                    done[v] = {**json.loads(entry.data), "from_cache": True}
+            except (CorruptEntryError, ValueError):
+                results.delete(keys[v].hexdigest)
+        todo = [v for v in variants if v not in done]
+        items = [(v, cfg) for v in todo for cfg in cands[v]]
+        echo(
+            f"tune: {len(variants)} variants, {len(done)} measured before (cached), "
+            f"{len(items)} candidate artifacts to check"
+        )
+        comp = compile_items(config, cache_dir, items, jobs=jobs, progress=progress)
+        if comp["failed"]:
+            f = comp["failed"][0]
+            raise CompileError(f"tune: candidate of {f['variant']} failed to compile: {f['error']}")
+        art = DiskTier(cache_dir)
+        try:
+            for v in todo:
+                r = measure_variant(config, v, cands[v], art, env, settings)
+                data = json.dumps(r, sort_keys=True).encode()
+                results.put(
+                    keys[v].hexdigest,
+                    data,
+                    make_meta(keys[v], str(v), data, 0.0, kind="tune_result"),
+                )
+                done[v] = {**r, "from_cache": False}
+                echo(f"measured {v}: kept {_fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
+        finally:
+            art.close()
+    finally:
+        results.close()
+    ordered = [done[v] for v in variants]
+    return {
+        "table": make_table(config, env, variants, ordered, settings),
+        "variants": len(variants),
+        "measured": sum(not r["from_cache"] for r in ordered),
+        "from_cache": sum(r["from_cache"] for r in ordered),
+        "compiled": comp["compiled"],
+        "failed": comp["failed"],
+        "seconds": round(time.perf_counter() - t0, 3),
+        "results": ordered,
+    }
+
+
+def _fmt_cfg(cfg: dict) -> str:
+    return f"splits={cfg['num_kv_splits']} chunk={cfg['blocks_per_chunk']}"
+
+
+def _row(r: dict) -> str:
+    d, k = r["default_ms"], r["kept_ms"]
+    src = " (cached)" if r.get("from_cache") else ""
+    return (
+        f"  {r['variant']:<24} default {d[0]:8.3f} ms [{d[1]:.3f}-{d[2]:.3f}]  kept "
+        f"{_fmt_cfg(r['config']):<20} {k[0]:8.3f} ms [{k[1]:.3f}-{k[2]:.3f}]  "
+        f"x{r['speedup']:.3f}{src}"
+    )
+
+
+def make_table(
+    config: EngineConfig, env: dict, variants: list[KernelVariant], results: list[dict], settings
+) -> dict:
+    """The table document (bundled format) for the tuned variants."""
+    import torch
+
+    entries = []
+    for v, r in zip(variants, results, strict=True):
+        entries.append(
+            {
+                "kernel": v.kernel,
+                "head_dim": config.head_dim,
+                "num_queries_per_kv": config.num_queries_per_kv,
+                "num_kv_heads": config.num_kv_heads,
+                "num_seqs": v.num_seqs,
+                "num_blocks": v.num_blocks,
+                "config": r["config"],
+                "measured": {
+                    "speedup": r["speedup"],
+                    "paired_ratio_median": r["paired_ratio_median"],
+                    "default_ms": r["default_ms"],
+                    "kept_ms": r["kept_ms"],
+                    "inner": r["inner"],
+                    "candidates": [
+                        {
+                            "config": c["config"],
+                            "median_ms": c["median_ms"],
+                            "min_ms": c["min_ms"],
+                            "max_ms": c["max_ms"],
+                            "ratio_median": c["ratio_median"],
+                            "ratio_q25": c["ratio_q25"],
+                            "ok": c["ok"],
+                        }
+                        for c in r["candidates"]
+                    ],
+                },
+            }
+        )
+    return {
+        "format": TABLE_FORMAT,
+        "device_arch": arch_family(env["device_arch"]),
+        "about": {
+            "tool": "kernel-cache tune",
+            "engine": config_to_cli(config),
+            "model": config.model,
+            "dtype": config.dtype,
+            "block_size": config.block_size,
+            "device": env["device"],
+            "device_arch": env["device_arch"],
+            "torch": torch.__version__,
+            "cxx": env["cxx"],
+            "cpus": os.cpu_count(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "settings": settings.model_dump(mode="json"),
+            "timing": "warm; per round every candidate once in shuffled order; a sample is "
+            "the mean of `inner` back-to-back calls; ms are per call (median, min, max over "
+            "rounds); ratios are default/candidate within a round",
+            "rule": RULE,
+        },
+        "entries": entries,
+    }
+
+
+def format_table(doc: dict) -> str:
+    """JSON text with one line per entry (readable, and diffs name the entry)."""
+    head = {k: v for k, v in doc.items() if k != "entries"}
+    lines = ["{"]
+    for k, v in head.items():
+        lines.append(f" {json.dumps(k)}: {json.dumps(v, sort_keys=True)},")
+    lines.append(' "entries": [')
+    rows = [json.dumps(e) for e in doc.get("entries", [])]
+    lines += [f"  {r}," for r in rows[:-1]] + [f"  {r}" for r in rows[-1:]]
+    lines += [" ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(doc: dict, out: str | Path) -> Path:
+    """Write the table atomically (a temporary file beside it, then rename)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(format_table(doc))
+    os.replace(tmp, out)
+    return out
+
+
+def print_summary(report: dict, out: Path, file=sys.stdout) -> None:
+    print(
+        f"tune: {report['variants']} variants ({report['measured']} measured, "
+        f"{report['from_cache']} from the tuning cache), {report['compiled']} candidates "
+        f"compiled, {report['seconds']:.1f} s -> {out}",
+        file=file,
+    )
+    for r in report["results"]:
+        print(_row(r), file=file)
+
+
+def cmd_tune(args) -> int:
+    """``kernel-cache tune``: see the module docstring."""
+    from kernel_cache.buckets import parse_bucket_list
+    from kernel_cache.errors import KernelCacheError
+    from warmup.cli import _cache_dir, config_from_args
+
+    cfg = config_from_args(args)
+    if args.jobs < 1:
+        raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    variants = [KernelVariant.parse(t) for a in args.variants for t in a.split(",") if t]
+    settings = TuneSettings(
+        num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits"),
+        chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split"),
+        rounds=args.rounds,
+        target_ms=args.target_ms,
+        min_gain=args.min_gain,
+    )
+    echo = None if args.json else (lambda m: print(m, flush=True))
+    report = tune(
+        cfg, variants, _cache_dir(args), settings, jobs=args.jobs, progress=not args.json,
+        echo=echo,
+    )  # fmt: skip
+    out = write_table(report["table"], args.out)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "table"} | {"out": str(out)}))
+    else:
+        print_summary(report, out)
+    return 0
+
+
+def add_tune_command(sub) -> None:
+    """Register ``tune`` on the ``kernel-cache`` subparsers."""
+    from warmup.cli import engine_options
+
+    st = sub.add_parser(
+        "tune",
+        help="time launch-config candidates of batched_decode variants, write a launch table",
+        description="Compile the candidates of each variant, check them against the "
+        "reference, time them warm (medians of interleaved rounds) and write the fastest "
+        "that beats the defaults beyond noise to a table in the bundled format "
+        "(use it with KERNEL_CACHE_TUNING=FILE). Results are cached; a rerun resumes.",
+    )
+    engine_options(st)
+    st.add_argument(
+        "--variants",
+        nargs="+",
+        required=True,
+        metavar="KERNEL:QUERY:BLOCKS:SEQS",
+        help="batched_decode variants of the plan, e.g. batched_decode:1:32:8",
+    )
+    st.add_argument("--out", required=True, help="the table to write (JSON)")
+    st.add_argument("--cache-dir", default=None)
+    st.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    st.add_argument("--num-kv-splits", default="1,2,4", help="split counts to try (default 1,2,4)")
+    st.add_argument(
+        "--chunks-per-split",
+        default="1,2,4",
+        help="online-softmax steps per split to try (default 1,2,4)",
+    )
+    st.add_argument("--rounds", type=int, default=15, help="timing rounds (default 15)")
+    st.add_argument(
+        "--target-ms", type=float, default=50.0, help="ms per timing sample (default 50)"
+    )
+    st.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="fraction a candidate must beat the defaults by (default 0.05)",
+    )
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_tune)
