@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from kernel_cache import _testhooks
-from kernel_cache.buckets import KernelVariant
+from kernel_cache.buckets import BATCHED_DECODE, KernelVariant
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.inputs import make_inputs
@@ -21,12 +21,24 @@ from kernel_cache.kernels import build_module
 from kernel_cache.keys import COMPILE_OPTIONS
 
 
+def module_for(config: EngineConfig, variant: KernelVariant):
+    """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
+    paged-decode kernel (:class:`kernel_cache.triton_decode.TritonBatchedDecode`);
+    everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels`
+    (also the eager oracle verify compares against)."""
+    if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
+        from kernel_cache.triton_decode import TritonBatchedDecode
+
+        return TritonBatchedDecode(config.num_heads, config.num_kv_heads, config.head_dim).eval()
+    return build_module(variant.kernel, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
 def export_variant(config: EngineConfig, variant: KernelVariant):
     """``torch.export`` the variant's kernel with its bucket dimensions static and
     ``num_pool_blocks`` (dim 0 of the KV caches) dynamic."""
     import torch
 
-    mod = build_module(variant.kernel, config.num_heads, config.num_kv_heads, config.head_dim)
+    mod = module_for(config, variant)
     args = make_inputs(config, variant, seed=0)
     pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
     dyn = [None] * len(args)
