@@ -110,8 +110,8 @@ _KERNEL_FILES = ("kernels.py", "inputs.py", "triton_decode.py")
 
 @functools.cache
 def kernel_source_hash() -> str:
-    """sha256 of the kernel source files' bytes (``kernel_cache/kernels.py`` and
-    ``kernel_cache/triton_decode.py``, the CUDA decode kernel)."""
+    """sha256 of the kernel source files' bytes (:data:`_KERNEL_FILES`:
+    ``kernels.py``, ``inputs.py`` and ``triton_decode.py``, the CUDA decode kernel)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
     for name in _KERNEL_FILES:
