@@ -14,6 +14,17 @@ options.
 What must not count (:data:`EXCLUDED`): anything that changes between the
 machine that warms and the pods that load, without changing the code.
 
+The ``cxx`` component names the C++ compiler AOTInductor runs (``$CXX``, else
+``g++``), its build and the C++ runtime library it links against, e.g.
+``"gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30"`` (format: ``FAMILY VERSION
+(build DIGEST); libstdc++ LIBVERSION``, ``"none"`` where no compiler is
+installed; see :func:`cxx_toolchain`). They count because a package's
+``wrapper.so`` is native code that another toolchain can make crash on load
+(seen on an H200 image with ``CXX=/opt/gcc/bin/g++``: SIGSEGV in
+``std::regex``, issue 7; warmup also loads every new artifact once in a fresh
+process before publishing it, see :mod:`warmup.loadcheck`). The name ``cxx`` is
+stable (a build-only component, below).
+
 Build-only components (:data:`BUILD_ONLY`): ``cxx``, the C++ compiler that
 AOTInductor ran. It shapes the artifact's bytes, so it is in the key and a
 builder with another compiler compiles afresh; but loading an artifact needs
@@ -32,7 +43,9 @@ runtime library than the loading process has may fail to load, either as an
 error of the AOTInductor loader (reported by
 :func:`kernel_cache.runtime.load_package` as a corrupt entry) or, as reported
 for a CUDA image whose ``CXX`` did not match its libstdc++, as a crash inside
-the package. Build and runtime stages should share one base image, as
+the package. ``warmup`` loads each new artifact once in a fresh process before
+publishing it (:mod:`warmup.loadcheck`), which catches such a crash on the
+builder's own runtime; build and runtime stages should share one base image, as
 ``examples/Dockerfile`` does.
 """
 
@@ -99,12 +112,14 @@ EXCLUDED = {
 }
 
 # inputs.py holds the example inputs export traces with; its bytes count too.
-_KERNEL_FILES = ("kernels.py", "inputs.py")
+# triton_decode.py is the CUDA batched_decode kernel (warmup/compiler.module_for).
+_KERNEL_FILES = ("kernels.py", "inputs.py", "triton_decode.py")
 
 
 @functools.cache
 def kernel_source_hash() -> str:
-    """sha256 of the kernel source files' bytes (``kernel_cache/kernels.py``)."""
+    """sha256 of the kernel source files' bytes (:data:`_KERNEL_FILES`:
+    ``kernels.py``, ``inputs.py`` and ``triton_decode.py``, the CUDA decode kernel)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
     for name in _KERNEL_FILES:
@@ -112,25 +127,104 @@ def kernel_source_hash() -> str:
     return h.hexdigest()
 
 
+def cxx_executable() -> str | None:
+    """The C++ compiler AOTInductor runs: ``$CXX``, else ``g++`` (``clang++`` on
+    macOS), resolved on ``PATH``; None if not found."""
+    cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return shutil.which(cxx)
+
+
+def _run(args: list[str]) -> tuple[str, str]:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=10)
+        return proc.stdout, proc.stderr
+    except (OSError, subprocess.SubprocessError):
+        return "", ""
+
+
+#: Lines of ``$CXX -v`` that identify a compiler build (not its install path).
+_BUILD_LINES = ("Target:", "Configured with:", "Thread model:", "gcc version", "clang version")
+
+
+@functools.cache
+def cxx_toolchain(exe: str | None = None) -> dict[str, str]:
+    """What the C++ compiler is and which C++ runtime library it links against.
+
+    Returns ``{"path", "compiler", "build", "libstdcxx_path", "libstdcxx"}``, e.g.
+    ``{"path": "/usr/bin/g++", "compiler": "gcc 12.2.0", "build": "5d1c33a0",
+    "libstdcxx_path": "/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.30",
+    "libstdcxx": "6.0.30"}``. ``build`` is the sha256 (8 hex) of the lines of
+    ``$CXX -v`` that identify the compiler's build (target, configure options,
+    thread model, full version): two builds of one gcc version differ here (on
+    the H200 image ``/usr/bin/g++`` and ``/opt/gcc/bin/g++`` are both gcc 13.3.0,
+    Ubuntu packages 13.3.0-6ubuntu2~24.04.1 and ~24.04: builds abc044f8 and d25c59f3).
+    The library is what the compiler's linker resolves ``libstdc++.so`` to
+    (``$CXX -print-file-name=libstdc++.so``, symlinks followed); its version is
+    the file name's suffix, ``"unknown"`` if that cannot be read, and
+    ``"static"`` when the compiler links ``libstdc++.a`` into the package (no
+    shared library found, or ``-static-libstdc++`` on its link line): such a
+    package crashes in a process that already has the shared libstdc++, as every
+    torch process has (measured on the H200 image: a ``std::regex`` object built
+    by ``/opt/gcc/bin/g++``, a wrapper script whose objects do not need
+    ``libstdc++.so.6``, ran alone and crashed after ``import torch``).
+    ``compiler`` is ``"none"`` where no compiler is installed (a slim runtime image).
+    """
+    exe = exe or cxx_executable()
+    if not exe:
+        return {
+            "path": "",
+            "compiler": "none",
+            "build": "none",
+            "libstdcxx_path": "",
+            "libstdcxx": "none",
+        }
+    first = (_run([exe, "--version"])[0].splitlines() or [""])[0]
+    if not first:
+        compiler = "unknown"
+    else:
+        family = "clang" if "clang" in first.lower() else "gcc"
+        versions = re.findall(r"\d+\.\d+(?:\.\d+)?", first)
+        compiler = f"{family} {versions[-1] if versions else first.strip()}"
+    verbose = _run([exe, "-v"])[1].splitlines()
+    ident = [line.strip() for line in verbose if line.strip().startswith(_BUILD_LINES)]
+    build = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:8] if ident else "unknown"
+    lib_path, lib = "", "unknown"
+    found = _run([exe, "-print-file-name=libstdc++.so"])[0].strip()
+    if found and os.sep in found and Path(found).exists():
+        lib_path = os.path.realpath(found)
+        m = re.search(r"libstdc\+\+\.so\.(\d+(?:\.\d+)*)$", lib_path)
+        lib = m.group(1) if m else "unknown"
+    # Linked into the package instead of loaded: no shared libstdc++ to link against,
+    # or the driver links the archive (-static-libstdc++, possibly from a wrapper script).
+    link = _run([exe, "-###", "-shared", "-x", "c++", os.devnull, "-o", os.devnull])[1]
+    static = re.search(r"-Bstatic\S*\s+\S*-lstdc\+\+|libstdc\+\+\.a|-static-libstdc\+\+", link)
+    if static or not lib_path:
+        archive = _run([exe, "-print-file-name=libstdc++.a"])[0].strip()
+        if static or (archive and os.sep in archive and Path(archive).exists()):
+            lib = "static"
+            if archive and os.sep in archive and Path(archive).exists():
+                lib_path = os.path.realpath(archive)
+    return {
+        "path": exe,
+        "compiler": compiler,
+        "build": build,
+        "libstdcxx_path": lib_path,
+        "libstdcxx": lib,
+    }
+
+
 @functools.cache
 def cxx_compiler_id() -> str:
-    """The C++ compiler AOTInductor uses (``$CXX`` or ``g++``): "gcc 12.2.0".
+    """The ``cxx`` key component: ``"gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30"``.
 
-    Returns ``"none"`` where no compiler is installed (a slim runtime image).
+    Compiler family, version and build digest, then the version of the libstdc++
+    it links against (:func:`cxx_toolchain`); ``"none"`` where no compiler is
+    installed. No path: the same compiler installed elsewhere hits.
     """
-    cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
-    exe = shutil.which(cxx)
-    if not exe:
+    t = cxx_toolchain()
+    if t["compiler"] == "none":
         return "none"
-    try:
-        first = subprocess.run(
-            [exe, "--version"], capture_output=True, text=True, timeout=10
-        ).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-    family = "clang" if "clang" in first.lower() else "gcc"
-    versions = re.findall(r"\d+\.\d+(?:\.\d+)?", first)
-    return f"{family} {versions[-1] if versions else first.strip()}"
+    return f"{t['compiler']} (build {t['build']}); libstdc++ {t['libstdcxx']}"
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from kernel_cache import _testhooks
-from kernel_cache.buckets import KernelVariant
+from kernel_cache.buckets import BATCHED_DECODE, KernelVariant
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.inputs import make_inputs
@@ -22,14 +22,27 @@ from kernel_cache.keys import COMPILE_OPTIONS, device_arch
 from kernel_cache.launch import launch_for
 
 
+def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
+    """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
+    paged-decode kernel (:class:`kernel_cache.triton_decode.TritonBatchedDecode`);
+    everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels`
+    (also the eager oracle verify compares against), built with ``launch`` (the
+    variant's launch config; None: the kernel's defaults)."""
+    if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
+        from kernel_cache.triton_decode import TritonBatchedDecode
+
+        return TritonBatchedDecode(config.num_heads, config.num_kv_heads, config.head_dim).eval()
+    c = config
+    return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
+
+
 def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
     """``torch.export`` the variant's kernel with its bucket dimensions static and
     ``num_pool_blocks`` (dim 0 of the KV caches) dynamic. ``launch``: the
     variant's launch config (None: the kernel's defaults)."""
     import torch
 
-    c = config
-    mod = build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
+    mod = module_for(config, variant, launch)
     args = make_inputs(config, variant, seed=0)
     pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
     dyn = [None] * len(args)

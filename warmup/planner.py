@@ -13,6 +13,14 @@ waiting and defers the ones another process is compiling to a second,
 waiting pass, so N processes spread over the plan instead of queueing on its
 first key.
 
+New artifacts are published only after a fresh child process has loaded them
+once (:mod:`warmup.loadcheck`, one process per batch of up to ``check_batch``):
+a worker compiles under the key's lock and hands the bytes back; the parent
+checks the batch, then publishes each one that loaded under its lock again
+(keeping an entry another process published meanwhile). An artifact whose load
+kills the child is reported with its variant, the C++ compiler and the fix, and
+never reaches an engine.
+
 A corrupt or untrusted entry is moved to ``quarantine/`` (under its lock) and
 recompiled. A compile failure is reported with the variant and the compiler's
 text while the other variants finish; a full or unwritable cache directory
@@ -79,7 +87,10 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
 
     ``options``: ``blocking`` (wait for the lock, else return ``busy`` at once),
     ``lock_timeout`` (seconds), ``allow_shared``, ``launch`` (the variant's
-    launch config, resolved once per plan by the parent; absent: resolved here).
+    launch config, resolved once per plan by the parent; absent: resolved here),
+    ``stage`` (return the new package's ``data`` and ``meta`` instead of
+    publishing it: the parent loads it in a fresh process first, then publishes
+    it with :func:`check_and_publish`).
 
     Returns a JSON-ready dict: ``variant``, ``key``, ``pid``, ``status``
     (compiled, cached, busy or failed), ``seconds``, ``lock_wait_s``, and
@@ -123,6 +134,8 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
             opts["kernel_cache_test_no_such_option"] = True
         data, timings = compile_variant(config, variant, opts, launch=launch)
         meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
+        if options.get("stage"):
+            return done("compiled", timings=timings, data=data, meta=meta)
         tier.put(key.hexdigest, data, meta)
         return done("compiled", timings=timings)
     except CompileError as e:
@@ -136,6 +149,47 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
             tier.close()
         finally:
             lock.release()
+
+
+def check_and_publish(config: EngineConfig, batch: list[dict], cache_dir: str, options) -> dict:
+    """Load a batch of staged results (``data``, ``meta``) once in a fresh process,
+    publish those that load (under the key's lock, keeping an entry another
+    process published meanwhile), and mark the others failed. Updates each
+    result in place (``status``, ``error``; ``data`` and ``meta`` are dropped)
+    and returns the check's info (:func:`warmup.loadcheck.check_loadable`)."""
+    from warmup.loadcheck import Staged, check_loadable
+
+    checks, info = check_loadable([Staged(r["variant"], r["data"]) for r in batch], config.device)
+    allow_shared = options["allow_shared"]
+    for r, c in zip(batch, checks, strict=True):
+        data, meta = r.pop("data"), r.pop("meta")
+        if not c["ok"]:
+            r.update(status="failed", error=c["error"])
+            log.error("%s not published: %s", r["variant"], r["error"])
+            continue
+        lock = KeyLock(cache_dir, r["key"], variant=r["variant"], shared=allow_shared)
+        try:
+            lock.acquire(options["lock_timeout"])
+        except (LockBusy, LockTimeoutError) as e:
+            r.update(status="failed", error=f"publish: {e}")
+            continue
+        tier = DiskTier(cache_dir, allow_shared=allow_shared)
+        try:
+            why = check_cached(tier, r["key"], config.device)
+            if why is None:
+                r["status"] = "cached"  # another process published it meanwhile
+                continue
+            if why != "missing":
+                quarantine_entry(tier, r["key"], why, r["variant"])
+            tier.put(r["key"], data, meta)
+        except CacheWriteError as e:
+            r.update(status="failed", error=str(e), fatal=True)
+        finally:
+            try:
+                tier.close()
+            finally:
+                lock.release()
+    return info
 
 
 def _precheck(config, plan, cache_dir, allow_shared):
@@ -192,6 +246,7 @@ def warmup(
     max_size: int | None = None,
     lock_timeout: float | None = None,
     allow_shared_dir: bool | None = None,
+    check_batch: int = 32,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
 
@@ -209,15 +264,19 @@ def warmup(
             key (default ``KERNEL_CACHE_LOCK_TIMEOUT`` or 900).
         allow_shared_dir: skip the trust checks (default
             ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
+        check_batch: new artifacts loaded per check process (see
+            :mod:`warmup.loadcheck`); the last batch may be smaller.
 
     Returns:
         ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
         "quarantined": [{"variant", "reason", "path"}], "found_bad", "seconds",
-        "fingerprint", "pid", "repair", "results": [...], "launch": {variant:
+        "fingerprint", "pid", "repair", "load_check": {"batches", "children",
+        "checked", "libstdcxx", "seconds"}, "results": [...], "launch": {variant:
         {"config", "source"}} for the variants a launch table sets}``, plus with
         ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
         "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
-        is larger).
+        is larger). ``compiled`` counts artifacts that passed the load check
+        and were published.
 
     Raises:
         UntrustedCacheError: the directory is writable by others or owned by another user.
@@ -239,9 +298,12 @@ def warmup(
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
     first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
     results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
+    check = {"batches": 0, "children": 0, "checked": 0, "libstdcxx": "", "seconds": 0.0}
     if todo:
-        options = {"lock_timeout": lock_timeout, "allow_shared": allow_shared}
-        results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(plan), options)
+        options = {"lock_timeout": lock_timeout, "allow_shared": allow_shared, "stage": True}
+        results += _run_pool(
+            config, todo, str(cache_dir), jobs, progress, len(plan), options, check_batch, check
+        )
     usage.record(
         cache_dir,
         hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
@@ -272,6 +334,7 @@ def warmup(
         "fingerprint": bucketer.fingerprint(),
         "pid": os.getpid(),
         "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
+        "load_check": check,
         "results": results,
         "launch": describe_plan(resolved),
         **({"gc": gc_report} if gc_report is not None else {}),
@@ -323,7 +386,9 @@ def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
         tier.close()
 
 
-def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[dict]:
+def _run_pool(
+    config, todo, cache_dir, jobs, progress, total, options, check_batch=32, check=None
+) -> list[dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -341,6 +406,27 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[d
         transient=False,
     )
     fatal = None
+    batch: list[dict] = []
+    if check is None:
+        check = {"batches": 0, "children": 0, "checked": 0, "libstdcxx": "", "seconds": 0.0}
+
+    def flush():
+        nonlocal fatal
+        bar.update(task, description=f"loading {len(batch)} new artifacts in a fresh process")
+        info = check_and_publish(config, batch, cache_dir, options)
+        check["batches"] += 1
+        check["children"] += info["children"]
+        check["checked"] += len(batch)
+        check["libstdcxx"] = check["libstdcxx"] or info["libstdcxx"]
+        check["seconds"] = round(check["seconds"] + info["seconds"], 3)
+        for r in batch:
+            if r["status"] == "failed":
+                bar.console.print(f"[red]failed[/] {r['variant']}: {r['error']}")
+                if r.get("fatal") and fatal is None:
+                    fatal = r["error"]
+            bar.advance(task)
+        batch.clear()
+
     with bar, ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
         task = bar.add_task("", total=total, completed=total - len(todo))
 
@@ -379,6 +465,9 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[d
                     pending.add(nf)
                     continue
                 results.append(r)
+                if r["status"] == "compiled" and "data" in r:
+                    batch.append(r)  # checked, published and advanced in flush()
+                    continue
                 if r["status"] == "failed":
                     bar.console.print(f"[red]failed[/] {r['variant']}: {r['error']}")
                     if r.get("fatal") and fatal is None:
@@ -386,5 +475,7 @@ def _run_pool(config, todo, cache_dir, jobs, progress, total, options) -> list[d
                         for p in pending:
                             p.cancel()
                 bar.advance(task)
+            if len(batch) >= max(1, check_batch) or (batch and not pending):
+                flush()
         bar.update(task, description="done")
     return results

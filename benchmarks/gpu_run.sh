@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU session's runs, as they were made on the H200 machine (docs/benchmarks.md).
+# Run from the checkout root with python3 = the image's torch, diskcache and pydantic
+# importable, and OUT set to a folder for logs and JSON:
+#   bash benchmarks/gpu_run.sh probe    # environment + compilers, kernel sweep, the GPU test suite
+#   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
+#   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
+# CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
+# on load (README, "C++ toolchain"); the suite checks that warmup catches that with
+# KERNEL_CACHE_TEST_OTHER_CXX.
+set -uo pipefail
+OUT=${OUT:-/tmp/kc-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+IMAGE_CXX=${CXX:-}
+export CXX=/usr/bin/g++
+OTHER_CXX=${IMAGE_CXX:-/opt/gcc/bin/g++}
+
+env_report() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
+  echo "image CXX=$IMAGE_CXX; using CXX=$CXX; other compiler: $OTHER_CXX"
+  python3 -c "
+from kernel_cache.keys import cxx_toolchain, device_arch
+print('cxx', cxx_toolchain())
+print('other', cxx_toolchain('$OTHER_CXX'))
+print('device_arch', device_arch('cuda'))"
+  nproc
+}
+
+# Why packages built by the image's /opt/gcc/bin/g++ crash on load: the two compilers, the
+# libstdc++ a torch process maps, and a std::regex shared object built by each, dlopen'ed
+# after import torch (the crash site was parse_device_str -> std::regex).
+diag() {
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; echo "LD_PRELOAD=${LD_PRELOAD:-}"
+  for c in /usr/bin/g++ "$OTHER_CXX"; do
+    echo "--- $c -> $(readlink -f "$c")"; file "$(readlink -f "$c")" | cut -c1-200
+    "$c" -v 2>&1 | grep -E "^(Target|Configured with|Thread model|gcc version)" | cut -c1-400
+    echo "libstdc++.so -> $("$c" -print-file-name=libstdc++.so)"
+    echo "libstdc++.so.6 -> $("$c" -print-file-name=libstdc++.so.6)"
+    echo "cc1plus -> $("$c" -print-prog-name=cc1plus)"
+  done
+  ls -la /opt/gcc /opt/gcc/lib64 2>&1 | grep -iE "stdc|total|lib" | head -20
+  python3 -c "import torch; from warmup.loadcheck import loaded_libstdcxx; print('torch process maps:', loaded_libstdcxx())"
+  d=$(mktemp -d)
+  cat > "$d/re.cpp" <<'CPP'
+#include <regex>
+#include <string>
+extern "C" int parse(const char* s) {
+  std::regex re("(cuda|cpu)(:([0-9]+))?");
+  std::cmatch m;
+  if (!std::regex_match(s, m, re)) return -2;
+  return m[3].matched ? std::stoi(m[3].str()) : -1;
+}
+CPP
+  for c in /usr/bin/g++ "$OTHER_CXX"; do
+    n=$(echo "$c" | tr '/' '_')
+    "$c" -shared -fPIC -O1 -std=c++17 "$d/re.cpp" -o "$d/re$n.so" || continue
+    echo "--- regex .so by $c: $(readelf -d "$d/re$n.so" | grep -E 'NEEDED|RPATH|RUNPATH' | tr -s ' ' | tr '\n' ';')"
+    python3 -c "import ctypes; print('  without torch:', ctypes.CDLL('$d/re$n.so').parse(b'cuda:3'))"; echo "  rc=$?"
+    python3 -c "import torch, ctypes; print('  after import torch:', ctypes.CDLL('$d/re$n.so').parse(b'cuda:3'))"; echo "  rc=$?"
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6 python3 -c "import torch, ctypes; print('  LD_PRELOAD system libstdc++, after import torch:', ctypes.CDLL('$d/re$n.so').parse(b'cuda:3'))"; echo "  rc=$?"
+  done
+}
+
+suite() {
+  KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout "${SUITE_TIMEOUT:-450}" \
+    python3 -m pytest -v -rs -m gpu tests/test_gpu.py --durations=15 -p no:cacheprovider
+}
+
+case "${1:-probe}" in
+  probe)
+    { env_report; diag; } 2>&1 | tee "$OUT/env.txt"
+    suite 2>&1 | tee "$OUT/pytest_gpu.log"
+    timeout "${SWEEP_TIMEOUT:-170}" python3 benchmarks/gpu_kernel.py --sweep --out "$OUT" 2>&1 \
+      | tee "$OUT/kernel.log"
+    ;;
+  bench)
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout 290 python3 benchmarks/gpu_restart.py --out "$OUT" 2>&1 | tee "$OUT/restart.log"
+    timeout 110 python3 benchmarks/gpu_kernel.py --inductor --out "$OUT" 2>&1 | tee "$OUT/kernel.log"
+    timeout 160 python3 benchmarks/gpu_decode_buckets.py --out "$OUT" 2>&1 | tee "$OUT/buckets.log"
+    ;;
+  suite)
+    { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
+      2>&1 | tee "$OUT/env.txt"
+    suite 2>&1 | tee "$OUT/pytest_gpu.log"
+    ;;
+  *)
+    echo "usage: $0 probe|bench|suite" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,39 @@
+"""A cache warmed for a GPU is never loaded on the CPU, and explain names why.
+
+Runs on the CPU: the warmed tiny cache is rewritten as if it had been warmed on
+an H200 (``kc_helpers.rekey``, the components recorded there:
+``docs/results/gpu-h200/env.txt``). ``tests/test_gpu.py`` checks the same with
+real CUDA artifacts on a GPU.
+"""
+
+import pytest
+
+from kernel_cache import load_plan
+from kernel_cache.explain import explain
+from kernel_cache.keys import cxx_compiler_id, device_arch
+from kernel_cache.runtime import default_tiers
+
+from .kc_helpers import rekey
+
+pytestmark = pytest.mark.compile
+
+H200 = {"device": "cuda", "device_arch": "sm_90 cuda 13.0 triton 3.6.0"}
+
+
+def test_gpu_warmed_cache_misses_on_cpu_and_explain_names_device(cache_copy, tiny_config):
+    rekey(cache_copy, H200)
+    rt = load_plan(tiny_config, cache_copy, strict=False)
+    assert rt.counters["loads"] == 0
+    report = explain(tiny_config, default_tiers(cache_copy))
+    assert report["misses"] == 6
+    for r in report["results"]:
+        best = r["nearest"][0]
+        assert best["variant"] == r["variant"]
+        assert [d["component"] for d in best["differences"]] == ["device", "device_arch"]
+        assert best["lines"][0] == "device: cpu != cuda"
+        assert best["lines"][1].startswith(f"device_arch: {device_arch('cpu')} != sm_90")
+
+
+def test_cxx_component_names_compiler_build_and_libstdcxx():
+    value = cxx_compiler_id()
+    assert value == "none" or (" (build " in value and "; libstdc++ " in value), value

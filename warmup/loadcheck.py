@@ -1,0 +1,238 @@
+"""Load new artifacts once in a fresh child process before they are published.
+
+Why: an AOTInductor package is native code. One built by a C++ toolchain that
+does not match the engine process's C++ runtime can crash that process on load.
+Seen on the H200 image, whose ``CXX=/opt/gcc/bin/g++`` (a wrapper script around
+gcc 13.3.0) links libstdc++ statically into the package's ``wrapper.so``: a
+torch process already has the shared libstdc++, and loading the package died
+with SIGSEGV in ``parse_device_str`` -> ``std::regex`` (issue 7;
+``benchmarks/gpu_run.sh`` reproduces it with a 10-line ``std::regex`` object).
+The compile workers cannot show this reliably (they have loaded the compile
+stack and other libraries), so warmup starts one fresh process per batch of new
+artifacts, as an engine would start (``kernel_cache.runtime.load_package``, no
+Dynamo or Inductor), and loads each once. An artifact whose load kills the process or is
+rejected is reported and never published; the rest of the batch is checked in
+a new child.
+
+Protocol: the parent writes each artifact to a private staging directory and a
+JSON list ``[{"index", "variant", "path"}]``; the child prints one JSON line per
+event (``start`` with the libstdc++ it loaded, ``loading``, ``ok``, ``rejected``)
+and flushes after each, so a crash is pinned to the artifact being loaded.
+
+Run as ``python -m warmup.loadcheck --device cpu|cuda LIST.json`` (the child).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Seconds a child may take for one batch (process start, imports, CUDA init,
+#: then about 0.02 s per package measured on an H200) before it is killed.
+CHECK_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One new artifact waiting for the check: its variant string and bytes."""
+
+    variant: str
+    data: bytes
+
+
+def loaded_libstdcxx() -> str:
+    """The libstdc++ files this process has mapped (``/proc/self/maps``), real paths
+    joined by ", ", or ''."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    found = re.findall(r"(/\S*libstdc\+\+\.so[.\d]*)", maps)
+    return ", ".join(dict.fromkeys(os.path.realpath(f) for f in found))
+
+
+def _signal_name(rc: int) -> str:
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit status {rc}"
+
+
+def crash_advice(signame: str, child_lib: str) -> str:
+    """The report for an artifact whose load killed a fresh process: what built it,
+    what the process loads, why that can crash, and the fix."""
+    from kernel_cache.keys import cxx_toolchain
+
+    t = cxx_toolchain()
+    built = (
+        f"built by {t['path'] or 'an unknown C++ compiler'} ({t['compiler']}, build "
+        f"{t['build']}, libstdc++ {t['libstdcxx']}"
+        + (f" from {t['libstdcxx_path']}" if t["libstdcxx_path"] else "")
+        + ")"
+    )
+    loads = (
+        f"a fresh process loads {child_lib}" if child_lib else "the process's libstdc++ is unknown"
+    )
+    system = "/usr/bin/g++"
+    other = system if Path(system).exists() and t["path"] != system else "the system's g++"
+    process_lib = child_lib.split(", ")[0] if child_lib else "the runtime's libstdc++.so.6"
+    if t["libstdcxx"] == "static":
+        why = (
+            "The compiler links libstdc++ statically into the package, while the engine "
+            "process already has the shared libstdc++ (torch loads it): two C++ runtimes "
+            "in one process crash (on the H200 image in std::regex)."
+        )
+        preload = process_lib
+    elif t["libstdcxx_path"] and child_lib and t["libstdcxx_path"] not in child_lib:
+        why = "The compiler links another libstdc++ than the engine process loads."
+        preload = t["libstdcxx_path"]
+    else:
+        why = (
+            "The compiler links the libstdc++ the process loads, so another difference of "
+            "this compiler build is the likely cause."
+        )
+        preload = process_lib
+    return (
+        f"loading it killed a fresh process ({signame}); it was not published. It was {built}; "
+        f"{loads}. {why} Fix: warm up with the compiler that links the runtime's shared "
+        f"libstdc++ (e.g. CXX={other} kernel-cache warmup ...), or start every engine "
+        f"process with LD_PRELOAD={preload}"
+    )
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def check_loadable(
+    staged: list[Staged], device: str, *, timeout: float = CHECK_TIMEOUT_S
+) -> tuple[list[dict], dict]:
+    """Load each staged artifact once in fresh child processes (one per batch;
+    a new one only after a crash).
+
+    Returns:
+        ``(results, info)``: one dict per staged artifact, in order, with
+        ``variant``, ``ok`` (bool) and, when not ok, ``error`` (what happened and
+        the fix); ``info`` has ``children`` (processes started), ``libstdcxx``
+        (what the first child loaded) and ``seconds``.
+    """
+    t0 = time.perf_counter()
+    results: list[dict | None] = [None] * len(staged)
+    info = {"children": 0, "libstdcxx": "", "seconds": 0.0}
+    with tempfile.TemporaryDirectory(prefix="kernel_cache-check-") as tmp:
+        items = []
+        for i, s in enumerate(staged):
+            path = Path(tmp) / f"{i}.pt2"
+            path.write_bytes(s.data)
+            items.append({"index": i, "variant": s.variant, "path": str(path)})
+        todo = items
+        while todo:
+            listing = Path(tmp) / f"batch{info['children']}.json"
+            listing.write_text(json.dumps(todo))
+            info["children"] += 1
+            cmd = [sys.executable, "-m", "warmup.loadcheck", "--device", device, str(listing)]
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=timeout, env=_child_env()
+                )
+                out, err, rc, timed_out = proc.stdout, proc.stderr, proc.returncode, False
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+                rc, timed_out = -9, True
+            events = []
+            for line in out.splitlines():
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and "event" in ev:
+                    events.append(ev)
+            child_lib = next((e.get("libstdcxx", "") for e in events if e["event"] == "start"), "")
+            info["libstdcxx"] = info["libstdcxx"] or child_lib
+            loading = None
+            for ev in events:
+                if ev["event"] == "loading":
+                    loading = ev["index"]
+                elif ev["event"] == "ok":
+                    results[ev["index"]] = {"variant": staged[ev["index"]].variant, "ok": True}
+                    loading = None
+                elif ev["event"] == "rejected":
+                    results[ev["index"]] = {
+                        "variant": staged[ev["index"]].variant,
+                        "ok": False,
+                        "error": str(ev.get("error", "rejected by the loader")),
+                    }
+                    loading = None
+            if rc == 0:
+                break
+            if loading is None:
+                # The child died outside a load (import error, CUDA init): nothing after
+                # this point can be trusted, so nothing left is published.
+                tail = " | ".join(err.strip().splitlines()[-3:])
+                why = "timed out" if timed_out else _signal_name(rc)
+                for it in todo:
+                    if results[it["index"]] is None:
+                        results[it["index"]] = {
+                            "variant": it["variant"],
+                            "ok": False,
+                            "error": f"the load check process failed ({why}): {tail}",
+                        }
+                break
+            signame = f"timed out after {timeout:.0f} s" if timed_out else _signal_name(rc)
+            results[loading] = {
+                "variant": staged[loading].variant,
+                "ok": False,
+                "error": crash_advice(signame, child_lib),
+                "signal": signame,
+            }
+            todo = [it for it in todo if results[it["index"]] is None]
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    return [r for r in results if r is not None], info
+
+
+def _child_main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="load artifacts once (kernel-cache warmup's check)")
+    p.add_argument("--device", required=True)
+    p.add_argument("listing")
+    args = p.parse_args(argv)
+
+    def emit(**ev):
+        sys.stdout.write(json.dumps(ev) + "\n")
+        sys.stdout.flush()
+
+    from kernel_cache.errors import CorruptEntryError
+    from kernel_cache.runtime import load_package
+
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.init()
+    emit(event="start", pid=os.getpid(), libstdcxx=loaded_libstdcxx())
+    for it in json.loads(Path(args.listing).read_text()):
+        emit(event="loading", index=it["index"])
+        try:
+            load_package(Path(it["path"]).read_bytes(), args.device, "warmup check")
+        except CorruptEntryError as e:
+            emit(event="rejected", index=it["index"], error=e.reason)
+            continue
+        emit(event="ok", index=it["index"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())
