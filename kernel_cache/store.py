@@ -255,8 +255,8 @@ class DiskTier(Tier):
                     data = snap.value(k, self._files.check_open_file)
                 return data
             handle = self._retry(lambda: self.cache.get(k, read=as_file), "reading an entry")
-            if handle is None or not as_file:
-                return handle
+            if handle is None or not as_file or isinstance(handle, bytes | bytearray):
+                return handle  # diskcache keeps small values inline, not as files
             with handle:
                 if hasattr(handle, "fileno") and hasattr(handle, "name"):
                     self._files.check_open_file(handle.fileno(), handle.name)

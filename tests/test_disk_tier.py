@@ -117,6 +117,19 @@ def test_reader_sees_an_entry_published_by_a_live_writer(tmp_path):
     writer.close()
 
 
+@pytest.mark.parametrize("size", [0, 40, 1 << 16])
+def test_small_entries_kept_inline_by_diskcache_read_back_like_files(tmp_path, size):
+    """diskcache keeps values under its min_file_size in the index row, not in a
+    file; such an entry (a tune result is a few hundred bytes) reads back the same
+    as a large one, from a writable and from a read-only tier."""
+    key, data, meta = entry(3, size)
+    tier = DiskTier(tmp_path)
+    tier.put(key, data, meta)
+    assert tier.get(key).data == data
+    tier.close()
+    assert DiskTier(tmp_path, read_only=True).get(key).data == data
+
+
 def test_pickled_rows_are_refused_never_unpickled(tmp_path):
     key, _ = put(tmp_path, 3)
     marker = tmp_path / "pwned"

@@ -86,11 +86,6 @@ def test_changed_entry_recompiles_exactly_one_variant_and_runtime_loads_it(
     }
 
 
-@pytest.mark.xfail(
-    reason="failed once in the clean-clone run after issue 7's load-check publish path was "
-    "merged with issue 8's tune; cause not yet found (see the closing note)",
-    strict=False,
-)
 def test_tune_writes_a_table_resumes_and_warmup_with_it_compiles_nothing(
     cache_copy, tiny_model, tmp_path
 ):
