@@ -20,8 +20,16 @@ entry; fields it omits take their defaults):
 2. The bundled table of this device architecture, shipped as package data:
    ``kernel_cache/launch_tables/<arch>.json`` (``x86_64-AVX2.json``,
    ``sm_90.json``; see :func:`table_filename`).
-3. The defaults (:func:`default_launch`): ``num_kv_splits = 1`` and
-   ``blocks_per_chunk = num_blocks``, today's single-pass kernel exactly.
+3. The defaults (:func:`default_launch`): on the CPU ``num_kv_splits = 1`` and
+   ``blocks_per_chunk = num_blocks``, today's single-pass kernel exactly; on
+   CUDA the split count of :func:`cuda_default_splits` (the Triton kernel's
+   heuristic).
+
+On CUDA ``batched_decode`` is the Triton kernel of
+:mod:`kernel_cache.triton_decode`, which streams ``BLOCK_N`` tokens per step and
+takes only ``num_kv_splits``: an entry for a CUDA variant must leave
+``blocks_per_chunk`` out (or give the blocks of one split), else it is refused
+at resolution rather than keyed without changing the code.
 
 The resolved config, defaults written out, is the ``launch_config`` component of
 every variant's cache key (:func:`kernel_cache.keys.build_key`): changing one
@@ -95,6 +103,27 @@ _ENTRY_FIELDS = {*KEY_FIELDS, "device_arch", "config", "measured"}
 
 DEFAULT, BUNDLED, OVERRIDE = "default", "bundled", "env"
 
+#: CUDA split-KV heuristic of the Triton decode kernel: aim for about this many
+#: programs per launch (8 per streaming multiprocessor on a 132-SM H100/H200), but
+#: never split below ``MIN_SPLIT_TOKENS`` tokens per program. A pure function of
+#: the variant's shape, so the artifact does not depend on which GPU warmed it.
+#: (Picked on an H200: docs/benchmarks.md, "GPU (H200)", kernel sweep.)
+TARGET_PROGRAMS = 1024
+MIN_SPLIT_TOKENS = 256
+
+
+def cuda_default_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, block_size: int) -> int:
+    """The Triton decode kernel's default ``num_kv_splits`` for a variant.
+
+    Splits of whole KV blocks, at least ``MIN_SPLIT_TOKENS`` tokens each, enough
+    of them that ``num_seqs * num_kv_heads * splits`` is about
+    ``TARGET_PROGRAMS``. Returns an integer in ``[1, num_blocks]``.
+    """
+    want = max(1, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+    tokens = max(MIN_SPLIT_TOKENS, -(-(num_blocks * block_size) // want))
+    per_split = min(num_blocks, max(1, -(-tokens // block_size)))
+    return -(-num_blocks // per_split)
+
 
 def arch_family(device_arch: str) -> str:
     """The device-architecture axis of the lookup key.
@@ -112,13 +141,29 @@ def table_filename(device_arch: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "-", arch_family(device_arch)) + ".json"
 
 
-def default_launch(kernel: str, num_blocks: int) -> dict[str, int]:
+def default_launch(
+    kernel: str,
+    num_blocks: int,
+    *,
+    device: str = "cpu",
+    num_seqs: int = 1,
+    num_kv_heads: int = 1,
+    block_size: int = 1,
+) -> dict[str, int]:
     """The built-in defaults: today's kernels exactly.
 
-    ``batched_decode``: ``{"blocks_per_chunk": num_blocks, "num_kv_splits": 1}``
-    (one split, one chunk: the single-pass softmax). ``paged_attention``: ``{}``.
+    ``batched_decode`` on the CPU: ``{"blocks_per_chunk": num_blocks,
+    "num_kv_splits": 1}`` (one split, one chunk: the single-pass softmax); on
+    CUDA: :func:`cuda_default_splits` splits (``num_seqs``, ``num_kv_heads``,
+    ``block_size`` in tokens are used for it), ``blocks_per_chunk`` the blocks of
+    one split. ``paged_attention``: ``{}``.
     """
-    return check_launch(kernel, num_blocks, {}, "defaults")
+    values = {}
+    if device == "cuda" and kernel == BATCHED_DECODE:
+        values["num_kv_splits"] = cuda_default_splits(
+            num_seqs, num_kv_heads, num_blocks, block_size
+        )
+    return check_launch(kernel, num_blocks, values, "defaults")
 
 
 def check_launch(kernel: str, num_blocks: int, values: Mapping, where: str) -> dict[str, int]:
@@ -379,17 +424,42 @@ class Resolver:
         return self._bundled[fam]
 
     def resolve(self, config: EngineConfig, variant: KernelVariant, device_arch: str) -> Resolved:
+        """Raises ConfigError: on CUDA, an entry setting ``blocks_per_chunk``
+        (the Triton kernel does not take it)."""
         key = variant_lookup_key(config, variant)
+        found = None
         if self.override is not None:
             hit = self.override.lookup(key, device_arch)
             if hit is not None:
-                return Resolved(hit, OVERRIDE)
-        bundled = self.bundled(device_arch)
-        if bundled is not None:
-            hit = bundled.lookup(key, device_arch)
+                found = Resolved(hit, OVERRIDE)
+        if found is None:
+            bundled = self.bundled(device_arch)
+            hit = bundled.lookup(key, device_arch) if bundled is not None else None
             if hit is not None:
-                return Resolved(hit, BUNDLED)
-        return Resolved(default_launch(variant.kernel, variant.num_blocks), DEFAULT)
+                found = Resolved(hit, BUNDLED)
+        if found is None:
+            return Resolved(
+                default_launch(
+                    variant.kernel,
+                    variant.num_blocks,
+                    device=config.device,
+                    num_seqs=variant.num_seqs,
+                    num_kv_heads=config.num_kv_heads,
+                    block_size=config.block_size,
+                ),
+                DEFAULT,
+            )
+        if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
+            per_split = -(-variant.num_blocks // found.config["num_kv_splits"])
+            if found.config["blocks_per_chunk"] != per_split:
+                where = self.override.origin if found.source == OVERRIDE else "bundled table"
+                raise ConfigError(
+                    f"{where}: entry for {variant} sets blocks_per_chunk="
+                    f"{found.config['blocks_per_chunk']}, but on CUDA batched_decode is the "
+                    "Triton kernel, which takes only num_kv_splits; leave blocks_per_chunk "
+                    f"out (or give {per_split}, the blocks of one split)"
+                )
+        return found
 
     def sources(self, device_arch: str) -> str:
         """One line naming the sources consulted, for the log."""
@@ -442,7 +512,8 @@ def format_plan(resolved: Mapping[KernelVariant, Resolved], sources: str = "") -
     n_def = len(resolved) - len(rows)
     lines.append(
         f"  {n_def} variant(s) at defaults (batched_decode: blocks_per_chunk=num_blocks, "
-        "num_kv_splits=1, one pass; paged_attention: no launch parameters)"
+        "num_kv_splits=1, one pass on the CPU, the split heuristic on CUDA; "
+        "paged_attention: no launch parameters)"
     )
     return "\n".join(lines)
 

@@ -43,17 +43,13 @@ import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
 
+from .launch import cuda_default_splits
+
 #: Launch parameters, picked on an H200 (docs/benchmarks.md, "GPU (H200)",
 #: kernel sweep): tokens per inner step, warps per program, pipeline stages.
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-#: Split-KV heuristic: aim for about this many programs per launch (8 per
-#: streaming multiprocessor on a 132-SM H100/H200), but never split below
-#: ``MIN_SPLIT_TOKENS`` tokens per program. A pure function of the variant's
-#: shape, so the artifact does not depend on which GPU of an architecture warmed it.
-TARGET_PROGRAMS = 1024
-MIN_SPLIT_TOKENS = 256
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -72,23 +68,19 @@ def split_plan(
 
     ``tokens_per_split`` is a multiple of ``block_n`` tokens; ``num_splits *
     tokens_per_split >= num_blocks * block_size``. ``num_kv_splits`` (1 to
-    ``num_blocks``) overrides the heuristic: the ``num_blocks`` axis is cut
-    into that many splits of ``ceil(num_blocks / num_kv_splits)`` blocks, as in
-    the plain-torch kernel's split-KV.
+    ``num_blocks``; None: :func:`kernel_cache.launch.cuda_default_splits`) cuts
+    the ``num_blocks`` axis into that many splits of ``ceil(num_blocks /
+    num_kv_splits)`` blocks, as in the plain-torch kernel's split-KV.
 
     Raises:
         ValueError: ``num_kv_splits`` outside ``[1, num_blocks]``.
     """
     cap = num_blocks * block_size
-    if num_kv_splits is not None:
-        if not 1 <= num_kv_splits <= num_blocks:
-            raise ValueError(
-                f"num_kv_splits={num_kv_splits} is outside [1, num_blocks={num_blocks}]"
-            )
-        per = -(-num_blocks // num_kv_splits) * block_size
-    else:
-        want = max(1, -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
-        per = max(MIN_SPLIT_TOKENS, -(-cap // want))
+    if num_kv_splits is None:
+        num_kv_splits = cuda_default_splits(num_seqs, num_kv_heads, num_blocks, block_size)
+    if not 1 <= num_kv_splits <= num_blocks:
+        raise ValueError(f"num_kv_splits={num_kv_splits} is outside [1, num_blocks={num_blocks}]")
+    per = -(-num_blocks // num_kv_splits) * block_size
     per = -(-per // block_n) * block_n
     return -(-cap // per), per
 

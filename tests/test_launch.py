@@ -122,6 +122,52 @@ def test_bundled_lookup_is_ready_for_an_sm_90_table(tmp_path):
     assert "bundled sm_90.json (1 entries)" in res.sources(h200)
 
 
+def _cuda_cfg():
+    return _cfg().model_copy(update={"device": "cuda", "dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "num_kv_heads", "num_blocks", "block_size", "splits"),
+    [
+        (32, 8, 64, 128, 4),  # granite-3.3-8b, 32 x 8192 tokens: 2048 tokens per split
+        (1, 8, 64, 128, 32),  # one sequence: 256 tokens (MIN_SPLIT_TOKENS) per split
+        (64, 8, 64, 128, 2),  # 512 programs already: 4096 tokens per split
+        (4, 2, 2, 16, 1),  # the tiny plan: under 256 tokens, one split
+        (1, 1, 5, 100, 2),  # 256 tokens -> 3 blocks per split: 3 + 2 blocks
+    ],
+)
+def test_cuda_default_splits_whole_blocks_of_at_least_256_tokens(
+    num_seqs, num_kv_heads, num_blocks, block_size, splits
+):
+    from kernel_cache.launch import MIN_SPLIT_TOKENS, cuda_default_splits
+
+    got = cuda_default_splits(num_seqs, num_kv_heads, num_blocks, block_size)
+    assert got == splits
+    per_split = -(-num_blocks // got)
+    assert per_split * block_size >= min(MIN_SPLIT_TOKENS, num_blocks * block_size)
+
+
+def test_cuda_defaults_are_the_triton_heuristic_and_blocks_per_chunk_is_refused(tmp_path):
+    big = KernelVariant(kernel="batched_decode", query_len=1, num_blocks=2, num_seqs=1)
+    cpu = Resolver({}, "/nonexistent").resolve(_cfg(), big, ARCH)
+    assert cpu.config == {"blocks_per_chunk": 2, "num_kv_splits": 1}
+    cuda = Resolver({}, "/nonexistent").resolve(_cuda_cfg(), big, "sm_90 cuda 13.0")
+    assert cuda.source == "default" and cuda.config["num_kv_splits"] == 1  # 32 tokens: 1 split
+    # a table entry for a CUDA variant may set num_kv_splits only
+    ok = Resolver({ENV_TUNING: json.dumps(table(entry(num_kv_splits=2)))}, "/nonexistent")
+    assert ok.resolve(_cuda_cfg(), D8, "sm_90").config == {
+        "blocks_per_chunk": 1,
+        "num_kv_splits": 2,
+    }
+    bad = Resolver(
+        {ENV_TUNING: json.dumps(table(entry(num_kv_splits=1, blocks_per_chunk=1)))},
+        "/nonexistent",
+    )
+    with pytest.raises(ConfigError, match=r"sets blocks_per_chunk=1, but on CUDA.*leave"):
+        bad.resolve(_cuda_cfg(), D8, "sm_90")
+    assert bad.resolve(_cfg(), D8, ARCH).config == {"blocks_per_chunk": 1, "num_kv_splits": 1}
+
+
 BAD = [
     (table(entry(kernel="flash")), r"entries\[0\]: unknown kernel 'flash'"),
     (table({**entry(), "tile": 4}), r"entries\[0\]: unknown field\(s\) \['tile'\]"),

@@ -24,14 +24,18 @@ from kernel_cache.launch import launch_for
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
     """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
-    paged-decode kernel (:class:`kernel_cache.triton_decode.TritonBatchedDecode`);
+    paged-decode kernel (:class:`kernel_cache.triton_decode.TritonBatchedDecode`,
+    taking ``num_kv_splits`` from ``launch``);
     everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels`
     (also the eager oracle verify compares against), built with ``launch`` (the
     variant's launch config; None: the kernel's defaults)."""
     if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
         from kernel_cache.triton_decode import TritonBatchedDecode
 
-        return TritonBatchedDecode(config.num_heads, config.num_kv_heads, config.head_dim).eval()
+        splits = (launch or {}).get("num_kv_splits")  # None: the kernel's default
+        return TritonBatchedDecode(
+            config.num_heads, config.num_kv_heads, config.head_dim, num_kv_splits=splits
+        ).eval()
     c = config
     return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
 

@@ -97,16 +97,34 @@ class TuneSettings(BaseModel):
                 raise ConfigError(f"{name} {vals}: a list of integers >= 1")
 
 
-def candidates(variant: KernelVariant, settings: TuneSettings) -> list[dict]:
-    """The launch configs tried for ``variant``, defaults first, no duplicates."""
+def candidates(
+    variant: KernelVariant, settings: TuneSettings, config: EngineConfig | None = None
+) -> list[dict]:
+    """The launch configs tried for ``variant``, defaults first, no duplicates.
+
+    On CUDA (``config.device``) the Triton kernel takes only ``num_kv_splits``:
+    one candidate per split count, ``--chunks-per-split`` is not used."""
     nb = variant.num_blocks
-    out = [default_launch(variant.kernel, nb)]
+    cuda = config is not None and config.device == "cuda"
+    if cuda:
+        out = [
+            default_launch(
+                variant.kernel,
+                nb,
+                device="cuda",
+                num_seqs=variant.num_seqs,
+                num_kv_heads=config.num_kv_heads,
+                block_size=config.block_size,
+            )
+        ]
+    else:
+        out = [default_launch(variant.kernel, nb)]
     seen = {json.dumps(out[0], sort_keys=True)}
     for splits in sorted(set(settings.num_kv_splits)):
         if splits > nb:
             continue
         per_split = -(-nb // splits)
-        for chunks in sorted(set(settings.chunks_per_split)):
+        for chunks in (1,) if cuda else sorted(set(settings.chunks_per_split)):
             if per_split % chunks:
                 continue
             cfg = check_launch(
@@ -288,7 +306,7 @@ def tune(
     _check_variants(config, variants)
     echo = echo or (lambda msg: None)
     env = environment(config.device)
-    cands = {v: candidates(v, settings) for v in variants}
+    cands = {v: candidates(v, settings, config) for v in variants}
     results_dir = Path(cache_dir) / "tune"
     results = DiskTier(results_dir)
     keys, done = {}, {}
