@@ -52,6 +52,7 @@ ENV_REDIS_URL = "KERNEL_CACHE_REDIS_URL"
 ENV_REDIS_TIMEOUT = "KERNEL_CACHE_REDIS_TIMEOUT"
 ENV_REDIS_TTL = "KERNEL_CACHE_REDIS_TTL"
 ENV_REDIS_LOCK_TTL = "KERNEL_CACHE_REDIS_LOCK_TTL"
+ENV_REDIS_LOCK_WAIT = "KERNEL_CACHE_REDIS_LOCK_WAIT"
 
 _SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -106,7 +107,7 @@ class RedisSettings(BaseModel):
             )
         return v
 
-    @field_validator("timeout_s", "lock_ttl_s", "retry_s")
+    @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
     @classmethod
     def _positive(cls, v: float) -> float:
         if not v > 0:
@@ -125,7 +126,7 @@ class RedisSettings(BaseModel):
         cls, url: str | None = None, environ: Mapping[str, str] | None = None, **overrides
     ) -> RedisSettings | None:
         """Settings from ``url`` (else ``KERNEL_CACHE_REDIS_URL``) and the
-        ``KERNEL_CACHE_REDIS_TIMEOUT`` / ``_TTL`` / ``_LOCK_TTL`` variables;
+        ``KERNEL_CACHE_REDIS_TIMEOUT`` / ``_TTL`` / ``_LOCK_TTL`` / ``_LOCK_WAIT`` variables;
         ``overrides`` (not None) win. None when no URL is set.
 
         Raises:
@@ -140,6 +141,7 @@ class RedisSettings(BaseModel):
             (ENV_REDIS_TIMEOUT, "timeout_s", float),
             (ENV_REDIS_TTL, "ttl_s", int),
             (ENV_REDIS_LOCK_TTL, "lock_ttl_s", float),
+            (ENV_REDIS_LOCK_WAIT, "lock_wait_s", float),
         ):
             if environ.get(var):
                 try:

@@ -22,6 +22,7 @@ import pytest
 
 from kernel_cache import MissingVariantsError, load_plan
 from kernel_cache.buckets import Bucketer
+from kernel_cache.errors import ConfigError
 from kernel_cache.keys import build_key
 from kernel_cache.redis_tier import (
     ACQUIRED,
@@ -125,6 +126,20 @@ def test_password_is_hidden_in_location():
     assert tier.location == "redis://user:***@127.0.0.1:1/0"
 
 
+@pytest.mark.parametrize(
+    "environ,match",
+    [
+        ({"KERNEL_CACHE_REDIS_TTL": "0"}, "TTL must be >= 1 second"),
+        ({"KERNEL_CACHE_REDIS_TIMEOUT": "soon"}, "KERNEL_CACHE_REDIS_TIMEOUT='soon'"),
+        ({"KERNEL_CACHE_REDIS_LOCK_TTL": "-1"}, "must be > 0 seconds"),
+    ],
+)
+def test_bad_redis_settings_name_the_variable(environ, match):
+    with pytest.raises(ConfigError, match=match):
+        RedisSettings.from_env("redis://127.0.0.1:6379/0", environ)
+    assert RedisSettings.from_env(None, {}) is None  # no URL: no Redis tier
+
+
 def test_bad_redis_url_is_a_clear_error(tiny_model, tmp_path):
     proc = run_cli(
         "warmup",
@@ -168,6 +183,7 @@ def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_c
 # -- signing ------------------------------------------------------------------
 
 
+@pytest.mark.compile
 def test_forged_entry_in_redis_is_rejected_and_never_loaded(
     redis_db, warm_cache, tiny_config, tiny_model, tmp_path, monkeypatch, caplog
 ):
@@ -209,6 +225,12 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
     report = json.loads(proc.stdout)
     assert [c["variant"] for c in report["corrupt"]] == [victim]
     assert "signature" in report["corrupt"][0]["reason"] and report["loaded"] == 5
+
+    # warmup recompiles the rejected variant and replaces the forged entry
+    fix = warmup(tiny_config, local, progress=False, remote=RedisSettings(url=redis_db))
+    assert (fix["compiled"], fix["cached"]) == (1, 5) and fix["failed"] == []
+    assert tier.get(keys[victim]).data != payload
+    assert load_plan(tiny_config, tmp_path / "another").stats()["loads"] == 6
 
 
 def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(

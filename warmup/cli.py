@@ -310,6 +310,7 @@ def cmd_verify(args) -> int:
             f"{report['compiled']} compiled, {len(report['missing'])} missing, "
             f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
             f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+            + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
         )
         for name, a in report["build_only_accepted"].items():
             print(
