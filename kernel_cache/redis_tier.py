@@ -499,14 +499,7 @@ class BuildLock:
             pass
 
 
-def tiers_from_env(
-    environ: Mapping[str, str] | None = None, promote_into: Tier | None = None
-) -> list[Tier]:
-    """``[RedisTier]`` when ``KERNEL_CACHE_REDIS_URL`` is set, else ``[]``;
-    its verified hits are copied into ``promote_into`` (the local cache)."""
+def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
+    """``[RedisTier]`` when ``KERNEL_CACHE_REDIS_URL`` is set, else ``[]``."""
     settings = RedisSettings.from_env(environ=environ)
-    if not settings:
-        return []
-    tier = RedisTier(settings)
-    tier.promote_into = promote_into
-    return [tier]
+    return [RedisTier(settings)] if settings else []

@@ -384,8 +384,10 @@ def default_tiers(
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
     if directory.is_dir():
         tiers.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
-    local_copy = DiskTier(directory, allow_shared=allow_shared_dir)  # opened on first put
-    return tiers + tiers_from_env(promote_into=local_copy)
+    remote = tiers_from_env()
+    for r in remote:  # a writable handle on the local cache, opened on the first copy
+        r.promote_into = DiskTier(directory, allow_shared=allow_shared_dir)
+    return tiers + remote
 
 
 def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -> None:

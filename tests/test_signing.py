@@ -41,7 +41,7 @@ class SharedDisk(DiskTier):
     corrupt_is_miss = True
 
 
-def _signed(tiny_config, secret=SECRET, index=0, data=b"artifact bytes " * 1000):
+def _signed(tiny_config, secret=SECRET, index=0, data=b"artifact bytes " * 8000):
     key = build_key(tiny_config, Bucketer(tiny_config).variants[index])
     meta = sign_meta(make_meta(key, "v", data, 1.0), data, secret)
     return key.hexdigest, data, meta
@@ -105,7 +105,7 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     local, shared = DiskTier(tmp_path / "local"), SharedDisk(tmp_path / "shared")
     shared.promote_into = local
     key, data, meta = _signed(tiny_config)
-    forged_data = b"malicious package " * 1000
+    forged_data = b"malicious package " * 8000
     forged = make_meta(_ckey(tiny_config), "v", forged_data, 1)
     forged["signature"] = {**meta["signature"], "mac": mac(OTHER, key, forged_data)}
     shared.put(key, forged_data, forged)
