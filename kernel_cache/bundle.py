@@ -113,6 +113,7 @@ class BundleTier(Tier):
     """
 
     name = "bundle"
+    trusted = False  # with a signing key set, entries need a valid signature
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -199,7 +200,9 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
     from .config import config_to_cli
     from .keys import build_key, environment
     from .lookup import Lookup
+    from .signing import load_signing_key, sign_meta
 
+    secret = load_signing_key()
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(
@@ -259,6 +262,9 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
                     "format": m.get("format"),
                 }
             )
+            signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
+            if "signature" in signed:  # signed now with the key set, or as built
+                entries[-1]["signature"] = signed["signature"]
         manifest = {
             "bundle_format": BUNDLE_FORMAT,
             "created": time.time(),
@@ -294,9 +300,11 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
 
     Raises:
         BundleError: from :func:`read_manifest`.
-        CorruptEntryError: a file fails its sha256 or size check (nothing of it
-            is copied; entries copied before it stay, each whole).
+        CorruptEntryError: a file fails its sha256 or size check, or (with a
+            signing key set) its signature (nothing of it is copied; entries
+            copied before it stay, each whole).
     """
+    from .signing import check_untrusted
     from .store import verify_entry
 
     tier = BundleTier(bundle)
@@ -308,6 +316,7 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             continue
         entry = tier.get(key)
         verify_entry(entry)
+        check_untrusted(entry)  # the local cache is trusted: check before copying in
         record = {k: v for k, v in meta.items() if k != "file"}
         record["imported_from"] = "bundle"
         disk.put(key, entry.data, record)

@@ -14,15 +14,27 @@ A compatible candidate is used only if its recorded key is the hash of its
 recorded components (a record that disagrees with itself is never trusted),
 and, like an exact hit, only after :func:`kernel_cache.store.verify_entry`
 has checked its size and sha256.
+
+An entry of an untrusted tier (``Tier.trusted`` False: bundles, Redis) must
+also pass :func:`kernel_cache.signing.check_untrusted` (its signature, when a
+signing key is set). One that fails is logged as rejected and never returned;
+a tier whose ``corrupt_is_miss`` is True (Redis: a shared cache that warmup
+repairs) then counts as a miss and the lookup goes on, other tiers raise. A hit
+of a tier with ``promote_into`` set (Redis) is copied there (the local disk
+cache), so the next lookup finds it locally.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from .errors import CorruptEntryError
 from .keys import BUILD_ONLY, CacheKey, key_from_components, runtime_digest
+from .signing import check_untrusted
 from .store import Entry, Tier, verify_entry
+
+log = logging.getLogger("kernel_cache")
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,11 @@ class Lookup:
     variants, so a plan that hits exactly never lists a tier.
     """
 
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[Tier], *, exact: bool = False):
         self.tiers = list(tiers)
+        self.exact = exact  # True: exact keys only (warmup), no compatible entries
+        #: entries of untrusted tiers the last :meth:`find` rejected (and skipped)
+        self.rejected: list[CorruptEntryError] = []
         self._index: dict[int, dict[str, list[dict]]] = {}
 
     def _runtime_index(self, tier: Tier) -> dict[str, list[dict]]:
@@ -78,29 +93,57 @@ class Lookup:
             CorruptEntryError: the entry found fails verification (it is never
                 returned, so its code is never loaded).
         """
-        mine = key.as_dict()
+        self.rejected = []
         for tier in self.tiers:
-            entry = tier.get(key.hexdigest)
-            if entry is not None:
-                verify_entry(entry)
-                return Found(entry, tier)
-            for meta in self._runtime_index(tier).get(key.runtime_digest, ()):
-                entry = tier.get(meta["key"])
-                if entry is None:  # removed since the index was built
+            try:
+                found = self._find_in(tier, key)
+            except CorruptEntryError as e:
+                if tier.trusted:
+                    raise
+                log.warning("rejected %s entry %s: %s", tier.name, e.key[:16], e)
+                self.rejected.append(e)
+                if tier.corrupt_is_miss:
                     continue
-                verify_entry(entry)
-                if (
-                    not consistent(entry.meta)
-                    or runtime_digest(entry.meta["components"]) != key.runtime_digest
-                ):
-                    raise CorruptEntryError(
-                        meta["key"], "its record changed while it was read", entry.where
-                    )
-                stored = entry.meta["components"]
-                accepted = {
-                    n: (mine[n], stored[n]) for n in BUILD_ONLY if stored.get(n) != mine.get(n)
-                }
-                return Found(entry, tier, accepted)
+                raise
+            if found is not None:
+                target, e = tier.promote_into, found.entry
+                if target is not None:
+                    try:
+                        target.put(e.key, e.data, e.meta)
+                    except Exception as err:  # an unwritable or full cache must not stop it
+                        log.warning("could not copy %s to %s: %s", e.key[:16], target.location, err)
+                return found
+        return None
+
+    def _check(self, tier: Tier, entry: Entry) -> None:
+        verify_entry(entry)
+        if not tier.trusted:
+            check_untrusted(entry)
+
+    def _find_in(self, tier: Tier, key: CacheKey) -> Found | None:
+        """The verified (and for an untrusted tier, checked) entry in one tier."""
+        mine = key.as_dict()
+        entry = tier.get(key.hexdigest)
+        if entry is not None:
+            self._check(tier, entry)
+            return Found(entry, tier)
+        if self.exact:
+            return None
+        for meta in self._runtime_index(tier).get(key.runtime_digest, ()):
+            entry = tier.get(meta["key"])
+            if entry is None:  # removed since the index was built
+                continue
+            self._check(tier, entry)
+            if (
+                not consistent(entry.meta)
+                or runtime_digest(entry.meta["components"]) != key.runtime_digest
+            ):
+                raise CorruptEntryError(
+                    meta["key"], "its record changed while it was read", entry.where
+                )
+            stored = entry.meta["components"]
+            accepted = {n: (mine[n], stored[n]) for n in BUILD_ONLY if stored.get(n) != mine.get(n)}
+            return Found(entry, tier, accepted)
         return None
 
 

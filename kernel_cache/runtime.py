@@ -29,6 +29,7 @@ from .config import EngineConfig, config_to_cli
 from .errors import CorruptEntryError, MissingVariantsError, ShapeError
 from .keys import build_key, environment
 from .launch import resolve_plan
+from .signing import load_signing_key
 from .store import DiskTier, Tier, default_cache_dir, verify_entry
 
 log = logging.getLogger("kernel_cache")
@@ -362,23 +363,31 @@ def default_tiers(
     cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None
 ) -> list[Tier]:
     """The lookup order at engine start: bundles (``bundles``, i.e. ``--bundle``,
-    then ``$KERNEL_CACHE_BUNDLE``), then the local disk cache.
+    then ``$KERNEL_CACHE_BUNDLE``), then the local disk cache, then Redis when
+    ``KERNEL_CACHE_REDIS_URL`` is set (:mod:`kernel_cache.redis_tier`).
 
     The local cache is opened only if its directory exists: engine start never
     creates a cache directory. It is opened read-only (no lock, database, journal
     or temporary file is created in it) and its trust is checked
-    (:mod:`kernel_cache.trust`; ``allow_shared_dir`` opts out).
+    (:mod:`kernel_cache.trust`; ``allow_shared_dir`` opts out). The one
+    exception is a verified Redis hit, which is copied into the local cache
+    (created if needed) through a separate writable handle, opened only then.
 
     Raises:
         BundleError: a bundle path is not a bundle (names it).
+        ConfigError: a malformed ``KERNEL_CACHE_REDIS_*`` setting.
     """
     from .bundle import BundleTier, bundle_paths
+    from .redis_tier import tiers_from_env
 
     tiers: list[Tier] = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
     if directory.is_dir():
         tiers.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
-    return tiers
+    remote = tiers_from_env()
+    for r in remote:  # a writable handle on the local cache, opened on the first copy
+        r.promote_into = DiskTier(directory, allow_shared=allow_shared_dir)
+    return tiers + remote
 
 
 def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -> None:
@@ -426,11 +435,13 @@ def load_plan(
         BundleError: a bundle path is not a bundle.
         UntrustedCacheError: the directory or an entry file is writable by other
             users or owned by another user (names the path and the fix).
+        SigningKeyError: signed entries are required and no key is set.
     """
     from .lookup import Lookup, merge_accepted
 
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
+    load_signing_key()  # --require-signed without a key fails here, at start
     tiers = (
         default_tiers(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None

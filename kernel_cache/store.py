@@ -106,6 +106,14 @@ class Tier(abc.ABC):
 
     name: str = "tier"
     location: str = ""
+    #: False for shared stores others can write (Redis, bundles): their entries
+    #: must also pass :func:`kernel_cache.signing.check_untrusted`.
+    trusted: bool = True
+    #: Where a verified hit of this tier is copied (Redis: the local cache), or None.
+    promote_into: Tier | None = None
+    #: True where an entry failing its checks is a miss rather than an error
+    #: (Redis: a shared cache that warmup repairs); see kernel_cache.lookup.
+    corrupt_is_miss: bool = False
 
     @abc.abstractmethod
     def get(self, key: str) -> Entry | None:

@@ -88,6 +88,8 @@ def verify_plan(
         key = build_key(config, v, env, launch=cfg)
         try:
             found = lookup.find(key)
+            if found is None and lookup.rejected:  # Redis held a bad or unsigned entry
+                raise lookup.rejected[-1]
             if found is None:
                 report["missing"].append(str(v))
                 continue

@@ -163,8 +163,56 @@ def _plan_launch(cfg, bucketer):
     return {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}, resolver.sources(arch)
 
 
+def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
+    """Options of the shared Redis tier, signing and (warmup) sharding."""
+    g = p.add_argument_group("fleet options (a cache shared across machines)")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="shared Redis tier, e.g. redis://10.0.0.5:6379/0 (env KERNEL_CACHE_REDIS_URL)"
+        + ("" if warmup else "; verify then checks that Redis alone holds the plan"),
+    )
+    g.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=None,
+        help="seconds any Redis call may block (default 2; env KERNEL_CACHE_REDIS_TIMEOUT)",
+    )
+    g.add_argument(
+        "--require-signed",
+        action="store_true",
+        help="fail at start unless KERNEL_CACHE_SIGNING_KEY(_FILE) is set "
+        "(env KERNEL_CACHE_REQUIRE_SIGNED=1)",
+    )
+    if warmup:
+        g.add_argument(
+            "--redis-ttl",
+            type=int,
+            default=None,
+            help="seconds a Redis entry lives (default: no expiry; env KERNEL_CACHE_REDIS_TTL)",
+        )
+        g.add_argument(
+            "--shard",
+            default=None,
+            metavar="I/N",
+            help="compile only shard I (0-based) of N, balanced by expected compile time",
+        )
+
+
+def _remote_settings(args):
+    from kernel_cache.redis_tier import RedisSettings
+
+    return RedisSettings.from_env(
+        url=args.redis_url,
+        timeout_s=args.redis_timeout,
+        ttl_s=getattr(args, "redis_ttl", None),
+    )
+
+
 def cmd_warmup(args) -> int:
+    from kernel_cache.signing import load_signing_key
     from warmup.planner import warmup
+    from warmup.shard import parse_shard, shard_costs, split_plan
 
     cfg = config_from_args(args)
     if args.jobs < 1:
@@ -174,22 +222,40 @@ def cmd_warmup(args) -> int:
     from kernel_cache.housekeeping import format_size, max_size_from_env, parse_size
 
     max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    load_signing_key(required=args.require_signed or None)
+    remote = _remote_settings(args)
+    variants, shard = None, None
+    if args.shard is not None:
+        index, count = parse_shard(args.shard)
+        shards = split_plan(cfg, Bucketer(cfg).variants, count)
+        variants = shards[index]
+        shard = {
+            "index": index,
+            "count": count,
+            "variants": [str(v) for v in variants],
+            "expected_compile_s": shard_costs(cfg, shards)[index],
+        }
     report = warmup(
         cfg,
         _cache_dir(args),
         jobs=args.jobs,
         progress=not args.json,
+        variants=variants,
         max_size=max_size,
         lock_timeout=args.lock_timeout,
         allow_shared_dir=args.insecure_allow_shared_dir or None,
+        remote=remote,
     )
+    report["shard"] = shard
     if args.json:
         print(json.dumps({k: v for k, v in report.items()}, indent=2))
     else:
+        where = _cache_dir(args) + (f" and {report['remote']}" if report["remote"] else "")
+        part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
         print(
-            f"warmup: {report['variants']} variants, {report['compiled']} compiled, "
-            f"{report['cached']} cached, {len(report['failed'])} failed in "
-            f"{report['seconds']:.1f} s -> {_cache_dir(args)}"
+            f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
+            f"{report['cached']} cached, {report['fetched']} fetched from Redis, "
+            f"{len(report['failed'])} failed in {report['seconds']:.1f} s -> {where}"
         )
         for q in report["quarantined"]:
             print(f"  quarantined {q['variant']}: {q['reason']} -> {q['path']}")
@@ -216,15 +282,25 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from kernel_cache.signing import load_signing_key
     from kernel_cache.verify import verify_plan
 
     cfg = config_from_args(args)
+    load_signing_key(required=args.require_signed or None)
+    tiers = None
+    if args.redis_url:  # coverage: Redis alone must hold the whole plan
+        from kernel_cache.redis_tier import RedisTier
+
+        tiers = [RedisTier(_remote_settings(args), fail_open=False)]
     report = verify_plan(
         cfg,
         _cache_dir(args),
         bundles=args.bundle,
+        tiers=tiers,
         allow_shared_dir=args.insecure_allow_shared_dir or None,
     )
+    if tiers:
+        report["tier"] = tiers[0].location
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -234,6 +310,7 @@ def cmd_verify(args) -> int:
             f"{report['compiled']} compiled, {len(report['missing'])} missing, "
             f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
             f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+            + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
         )
         for name, a in report["build_only_accepted"].items():
             print(
@@ -286,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--json", action="store_true")
     trust_option(sw)
+    fleet_options(sw, warmup=True)
     sw.set_defaults(func=cmd_warmup)
 
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
@@ -294,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     bundle_option(sv)
     sv.add_argument("--json", action="store_true")
     trust_option(sv)
+    fleet_options(sv, warmup=False)
     sv.set_defaults(func=cmd_verify)
 
     from warmup.commands import add_commands

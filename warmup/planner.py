@@ -21,6 +21,16 @@ checks the batch, then publishes each one that loaded under its lock again
 kills the child is reported with its variant, the C++ compiler and the fix, and
 never reaches an engine.
 
+With a Redis tier (``remote``, :mod:`kernel_cache.redis_tier`) compiles are
+single-flight across machines too: after the local check, a verified Redis hit
+(checksum, and signature with a signing key set) is copied to the local cache
+(``fetched``); otherwise the worker takes the key's Redis build lock (the first
+pass does not wait for it either: a key another builder holds comes back
+``busy``), checks Redis again and compiles; it hands the lock to the parent,
+which renews it through the load check and releases it once the artifact is
+published to the local cache and to Redis. Redis failing at any point costs
+one warning (from the parent: workers report it back); the local run carries on.
+
 A corrupt or untrusted entry is moved to ``quarantine/`` (under its lock) and
 recompiled. A compile failure is reported with the variant and the compiler's
 text while the other variants finish; a full or unwritable cache directory
@@ -48,7 +58,10 @@ from kernel_cache.errors import (
 from kernel_cache.keys import COMPILE_OPTIONS, build_key, environment
 from kernel_cache.launch import describe_plan, resolve_plan
 from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env
+from kernel_cache.lookup import Lookup
 from kernel_cache.quarantine import quarantine_entry
+from kernel_cache.redis_tier import ACQUIRED, BUSY, PUBLISHED, BuildLock, RedisSettings, RedisTier
+from kernel_cache.signing import load_signing_key, sign_meta
 from kernel_cache.store import DiskTier, make_meta, verify_entry
 from kernel_cache.trust import resolve_allow_shared
 
@@ -82,6 +95,19 @@ def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
     return None
 
 
+_REMOTE_TIERS: dict[str, RedisTier] = {}
+
+
+def _remote_tier(remote_json: str) -> RedisTier:
+    """One quiet RedisTier per worker process (its failures go back in the
+    result; the parent warns once)."""
+    tier = _REMOTE_TIERS.get(remote_json)
+    if tier is None:
+        settings = RedisSettings.model_validate_json(remote_json)
+        tier = _REMOTE_TIERS[remote_json] = RedisTier(settings, warn=False)
+    return tier
+
+
 def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, options: dict) -> dict:
     """Worker body (runs in a child process): lock, check, compile, publish.
 
@@ -90,13 +116,16 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
     launch config, resolved once per plan by the parent; absent: resolved here),
     ``stage`` (return the new package's ``data`` and ``meta`` instead of
     publishing it: the parent loads it in a fresh process first, then publishes
-    it with :func:`check_and_publish`).
+    it with :func:`check_and_publish`), ``remote`` (optional: the Redis tier's
+    :class:`RedisSettings` as JSON; ``blocking`` applies to its build lock too).
 
     Returns a JSON-ready dict: ``variant``, ``key``, ``pid``, ``status``
-    (compiled, cached, busy or failed), ``seconds``, ``lock_wait_s``, and
-    ``timings`` for a compile, ``quarantined`` (the reason and folder) when a
-    bad entry was moved away, ``error`` (and ``fatal`` for a full or unwritable
-    cache) for a failure.
+    (compiled, cached, fetched (from Redis), busy or failed), ``seconds``,
+    ``lock_wait_s``, and ``timings`` for a compile, ``quarantined`` (the reason
+    and folder) when a bad entry was moved away, ``error`` (and ``fatal`` for a
+    full or unwritable cache) for a failure, ``remote_token`` (a staged compile
+    holding the Redis build lock: the parent adopts it) and ``remote_error``
+    (Redis failed).
     """
     from warmup.compiler import compile_variant
 
@@ -109,8 +138,14 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
     t0 = time.perf_counter()
     result = {"variant": str(variant), "key": key.hexdigest, "pid": os.getpid()}
 
+    remote = _remote_tier(options["remote"]) if options.get("remote") else None
+    build_lock = None
+
     def done(status: str, **extra) -> dict:
-        return {**result, "status": status, "seconds": time.perf_counter() - t0, **extra}
+        out = {**result, "status": status, "seconds": time.perf_counter() - t0, **extra}
+        if remote is not None and remote.error:
+            out["remote_error"] = remote.error
+        return out
 
     lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
     try:
@@ -129,14 +164,35 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
         if why != "missing":
             where = quarantine_entry(tier, key.hexdigest, why, str(variant))
             result["quarantined"] = {"reason": why, "path": str(where)}
+        if remote is not None:
+            remote.promote_into = tier  # a verified Redis hit is copied here
+            lookup = Lookup([remote], exact=True)
+            for _ in range(2):  # a second round only if a published entry was rejected
+                if lookup.find(key) is not None:
+                    return done("fetched")
+                build_lock = remote.build_lock(key.hexdigest)
+                outcome = build_lock.acquire(wait=options["blocking"])
+                if outcome == BUSY:
+                    return done("busy")
+                if outcome == ACQUIRED:  # check again: it may have landed before we locked
+                    if lookup.find(key) is not None:
+                        return done("fetched")
+                    break
+                build_lock = None
+                if outcome != PUBLISHED:
+                    break  # TIMEOUT or UNAVAILABLE: compile without the lock
         opts = dict(COMPILE_OPTIONS)
         if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
             opts["kernel_cache_test_no_such_option"] = True
         data, timings = compile_variant(config, variant, opts, launch=launch)
         meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
+        meta = sign_meta(meta, data, load_signing_key())
         if options.get("stage"):
-            return done("compiled", timings=timings, data=data, meta=meta)
+            extra = {"remote_token": build_lock.detach()} if build_lock is not None else {}
+            return done("compiled", timings=timings, data=data, meta=meta, **extra)
         tier.put(key.hexdigest, data, meta)
+        if remote is not None:
+            remote.put(key.hexdigest, data, meta)
         return done("compiled", timings=timings)
     except CompileError as e:
         return done("failed", error=str(e))
@@ -146,6 +202,10 @@ def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, opt
         return done("failed", error=f"{type(e).__name__}: {e}")
     finally:
         try:
+            if build_lock is not None:
+                build_lock.release()  # a no-op once detached for the parent
+            if remote is not None:
+                remote.promote_into = None
             tier.close()
         finally:
             lock.release()
@@ -247,15 +307,18 @@ def warmup(
     lock_timeout: float | None = None,
     allow_shared_dir: bool | None = None,
     check_batch: int = 32,
+    remote: RedisSettings | None = None,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
 
     Args:
         config: the engine configuration; its :class:`Bucketer` gives the plan.
         cache_dir: the local cache directory.
-        jobs: worker processes compiling in parallel (>= 1).
+        jobs: worker processes compiling in parallel (>= 1); 0 compiles in this
+            process and publishes without the load check (an engine that warms
+            itself, as in ``benchmarks/fleet_load.py``).
         progress: show a progress bar on stderr.
-        variants: a subset of the plan (default: all of it).
+        variants: a subset of the plan (default: all of it; a shard).
         max_size: a size limit in artifact bytes (``--max-size`` or
             ``$KERNEL_CACHE_MAX_SIZE``): before and after compiling, entries
             of other plans are removed, least recently used first
@@ -266,6 +329,7 @@ def warmup(
             ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
         check_batch: new artifacts loaded per check process (see
             :mod:`warmup.loadcheck`); the last batch may be smaller.
+        remote: the shared Redis tier, or None (local only).
 
     Returns:
         ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
@@ -276,12 +340,15 @@ def warmup(
         ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
         "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
         is larger). ``compiled`` counts artifacts that passed the load check
-        and were published.
+        and were published. With ``remote``: ``"fetched"`` (copied from Redis),
+        ``"uploaded"`` (local entries Redis lacked, now published), ``"remote"``
+        (its URL, password hidden), ``"remote_error"`` (None or the first failure).
 
     Raises:
         UntrustedCacheError: the directory is writable by others or owned by another user.
         CacheWriteError: the directory cannot be written and variants are missing.
         CacheBusyError: its index stayed locked past ``KERNEL_CACHE_DB_TIMEOUT``.
+        SigningKeyError: signed entries are required and no key is set.
     """
     from kernel_cache import housekeeping, usage
 
@@ -293,17 +360,41 @@ def warmup(
     env = environment(config.device)
     resolved = resolve_plan(config, plan, env["device_arch"])
     items = [(v, resolved[v].config) for v in plan]
+    secret = load_signing_key()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
+    rtier = RedisTier(remote) if remote is not None else None
+    fetched, uploaded = [], 0
+    if rtier is not None:
+        todo, fetched, uploaded = _remote_precheck(
+            config, cached, todo, cache_dir, allow_shared, writable, rtier, secret
+        )
     keep = housekeeping.plan_digests(config) if max_size is not None else set()
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
     first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
     results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
+    results += [{"variant": str(v), "status": "fetched"} for v, _ in fetched]
     check = {"batches": 0, "children": 0, "checked": 0, "libstdcxx": "", "seconds": 0.0}
     if todo:
-        options = {"lock_timeout": lock_timeout, "allow_shared": allow_shared, "stage": True}
+        options = {
+            "lock_timeout": lock_timeout,
+            "allow_shared": allow_shared,
+            "stage": True,
+            "remote": remote.model_dump_json() if remote is not None else None,
+        }
         results += _run_pool(
-            config, todo, str(cache_dir), jobs, progress, len(plan), options, check_batch, check
+            config,
+            todo,
+            str(cache_dir),
+            jobs,
+            progress,
+            len(plan),
+            options,
+            check_batch,
+            check,
+            rtier,
         )
+    if rtier is not None:
+        rtier.close()
     usage.record(
         cache_dir,
         hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
@@ -327,6 +418,8 @@ def warmup(
         "variants": len(plan),
         "compiled": sum(r["status"] == "compiled" for r in results),
         "cached": sum(r["status"] == "cached" for r in results),
+        "fetched": sum(r["status"] == "fetched" for r in results),
+        "uploaded": uploaded,
         "failed": failed,
         "quarantined": quarantined,
         "found_bad": bad,
@@ -335,6 +428,8 @@ def warmup(
         "pid": os.getpid(),
         "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
         "load_check": check,
+        "remote": rtier.location if rtier is not None else None,
+        "remote_error": rtier.error if rtier is not None else None,
         "results": results,
         "launch": describe_plan(resolved),
         **({"gc": gc_report} if gc_report is not None else {}),
@@ -376,6 +471,30 @@ def compile_items(
     }
 
 
+def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
+    """With Redis: publish cached entries Redis lacks (signed when a key is
+    set: the local cache is trusted), and copy verified Redis hits of the
+    to-do items into the local cache. Returns (todo, fetched, uploaded)."""
+    env = environment(config.device)
+    tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
+    rtier.promote_into = tier
+    lookup = Lookup([rtier], exact=True)
+    left, fetched, uploaded = [], [], 0
+    try:
+        for v, launch in cached:
+            key = build_key(config, v, env, launch=launch).hexdigest
+            if not rtier.is_down() and not rtier.contains(key):
+                entry = tier.get(key)
+                uploaded += rtier.put(key, entry.data, sign_meta(entry.meta, entry.data, secret))
+        for item in todo:  # todo is empty when the cache is not writable (_precheck)
+            found = lookup.find(build_key(config, item[0], env, launch=item[1]))
+            (fetched if found else left).append(item)
+    finally:
+        rtier.promote_into = None
+        tier.close()
+    return left, fetched, uploaded
+
+
 def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
     from kernel_cache import housekeeping
 
@@ -387,7 +506,7 @@ def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
 
 
 def _run_pool(
-    config, todo, cache_dir, jobs, progress, total, options, check_batch=32, check=None
+    config, todo, cache_dir, jobs, progress, total, options, check_batch=32, check=None, rtier=None
 ) -> list[dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -395,6 +514,28 @@ def _run_pool(
     cfg_json = config.model_dump_json()
     ctx = multiprocessing.get_context("spawn")
     results = []
+    adopted: dict[str, BuildLock] = {}  # key -> Redis build lock taken over from a worker
+
+    def settle(r: dict) -> dict:
+        """A worker's Redis failure becomes this process's one warning; a staged
+        compile's Redis build lock is renewed here until it is published."""
+        if rtier is not None and r.get("remote_error") and rtier.error is None:
+            rtier.note_failure(r["remote_error"])
+        if rtier is not None and r.get("remote_token"):
+            adopted[r["key"]] = BuildLock.adopt(rtier, r["key"], r.pop("remote_token"))
+        return r
+
+    if jobs == 0:  # in this process: a pass that never waits, then one that does
+        busy = []
+        for blocking in (False, True):
+            for v, launch in todo if not blocking else busy:
+                opts = {**options, "blocking": blocking, "launch": launch, "stage": False}
+                r = settle(compile_and_publish(cfg_json, v.model_dump_json(), cache_dir, opts))
+                if r["status"] == "busy" and not blocking:
+                    busy.append((v, launch))
+                else:
+                    results.append(r)
+        return results
     bar = Progress(
         TextColumn("[bold]warmup[/]"),
         BarColumn(),
@@ -413,7 +554,16 @@ def _run_pool(
     def flush():
         nonlocal fatal
         bar.update(task, description=f"loading {len(batch)} new artifacts in a fresh process")
+        staged = {r["key"]: (r["data"], r["meta"]) for r in batch if r["key"] in adopted}
         info = check_and_publish(config, batch, cache_dir, options)
+        for r in batch:  # publish to Redis what passed the load check, then unlock
+            lk = adopted.pop(r["key"], None)
+            if lk is None:
+                continue
+            if r["status"] in ("compiled", "cached") and r["key"] in staged:
+                data, meta = staged[r["key"]]
+                rtier.put(r["key"], data, meta)
+            lk.release()
         check["batches"] += 1
         check["children"] += info["children"]
         check["checked"] += len(batch)
@@ -457,6 +607,7 @@ def _run_pool(
                             "status": "failed",
                             "error": f"worker process died: {type(e).__name__}: {e}",
                         }
+                settle(r)
                 if r["status"] == "busy" and fatal is not None:
                     r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
                 elif r["status"] == "busy":
@@ -478,4 +629,6 @@ def _run_pool(
             if len(batch) >= max(1, check_batch) or (batch and not pending):
                 flush()
         bar.update(task, description="done")
+    for lk in adopted.values():  # not published (the run stopped): let others build it
+        lk.release()
     return results
