@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh probe    # environment + compilers, kernel sweep, the GPU test suite
 #   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
+#   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (README, "C++ toolchain"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX.
@@ -86,8 +87,22 @@ case "${1:-probe}" in
       2>&1 | tee "$OUT/env.txt"
     suite 2>&1 | tee "$OUT/pytest_gpu.log"
     ;;
+  tune)
+    # The run behind kernel_cache/launch_tables/sm_90.json (docs/launch_tuning.md):
+    # num_seqs buckets 4, 32, 64 x num_blocks buckets 8, 32, 64 (1024-8192 tokens),
+    # every split count 1..64 that fits, against the split heuristic (the defaults).
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout "${TUNE_TIMEOUT:-540}" python3 -m warmup.cli tune --model granite-3.3-8b \
+      --device cuda --dtype bfloat16 --max-model-len 8192 --block-size 128 --max-num-seqs 64 \
+      --variants batched_decode:1:8:4 batched_decode:1:32:4 batched_decode:1:64:4 \
+                 batched_decode:1:8:32 batched_decode:1:32:32 batched_decode:1:64:32 \
+                 batched_decode:1:8:64 batched_decode:1:32:64 batched_decode:1:64:64 \
+      --num-kv-splits 1,2,4,8,16,32,64 --rounds 21 --target-ms 20 --jobs "${JOBS:-6}" \
+      --cache-dir "${CACHE:-/tmp/kc-tune-cache}" --out "$OUT/sm_90.json" --json \
+      >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
+    ;;
   *)
-    echo "usage: $0 probe|bench|suite" >&2
+    echo "usage: $0 probe|bench|suite|tune" >&2
     exit 2
     ;;
 esac
