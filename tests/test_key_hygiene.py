@@ -155,3 +155,15 @@ def test_an_edited_kernel_source_misses_in_a_fresh_process(warm_cache, tiny_mode
         r = json.loads(proc.stdout)["results"][0]
         assert r["status"] == "miss"
         assert [d["component"] for d in r["nearest"][0]["differences"]] == ["kernel_source"]
+
+
+def test_compile_options_this_torch_lacks_are_left_out():
+    """The H200 image's torch 2.11 has no aot_inductor.enable_line_tables: the
+    compiler must drop it there, not fail every compile."""
+    from torch._inductor import config as inductor_config
+
+    from warmup.compiler import _has_option
+
+    assert _has_option(inductor_config, "max_autotune")
+    assert not _has_option(inductor_config, "aot_inductor.no_such_option")
+    assert not _has_option(inductor_config, "no_such_group.option")

@@ -55,6 +55,20 @@ def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | 
     return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
 
 
+def _has_option(cfg, dotted: str) -> bool:
+    """Whether ``torch._inductor.config`` has the option ``dotted`` (``a.b``)."""
+    *parents, name = dotted.split(".")
+    for p in parents:
+        cfg = getattr(cfg, p, None)
+        if cfg is None:
+            return False
+    try:
+        getattr(cfg, name)
+    except AttributeError:
+        return False
+    return True
+
+
 def compile_variant(
     config: EngineConfig,
     variant: KernelVariant,
@@ -79,6 +93,13 @@ def compile_variant(
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
+    if compile_options is None:
+        # An option this torch does not have (enable_line_tables is new in 2.13;
+        # the H200 image's 2.11 lacks it) is left out. The torch version is in
+        # the key, so the same key always means the same options.
+        from torch._inductor import config as inductor_config
+
+        opts = {k: v for k, v in opts.items() if _has_option(inductor_config, k)}
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device))
     t0 = time.perf_counter()
