@@ -93,13 +93,14 @@ def compile_variant(
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
-    if compile_options is None:
-        # An option this torch does not have (enable_line_tables is new in 2.13;
-        # the H200 image's 2.11 lacks it) is left out. The torch version is in
-        # the key, so the same key always means the same options.
-        from torch._inductor import config as inductor_config
+    # An option this torch does not have (enable_line_tables is new in 2.13; the
+    # H200 image's 2.11 lacks it) is left out. The torch version is in the key,
+    # so the same key always means the same options.
+    from torch._inductor import config as inductor_config
 
-        opts = {k: v for k, v in opts.items() if _has_option(inductor_config, k)}
+    opts = {
+        k: v for k, v in opts.items() if k not in COMPILE_OPTIONS or _has_option(inductor_config, k)
+    }
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device))
     t0 = time.perf_counter()
