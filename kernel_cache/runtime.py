@@ -15,6 +15,7 @@ slices the output. It never reads a GPU scalar and never compiles.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import tempfile
 import time
@@ -183,6 +184,31 @@ class AttentionRuntime:
                     f"{name} is {t.dtype} on {t.device}; the plan is "
                     f"{self._dtype} on {self._device.type}"
                 )
+            if not t.is_contiguous():
+                # The artifacts were compiled for the contiguous paged layout; a
+                # strided view (a slice of a larger pool, a permuted tensor) would be
+                # read with the wrong strides.
+                raise ShapeError(
+                    f"{name} is not contiguous (strides {tuple(t.stride())}); the kernels "
+                    "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
+                    "head_dim] layout: pass the pool tensor itself or .contiguous()"
+                )
+
+    def _check_block_ids(self, name: str, table, key_cache) -> None:
+        """On the CPU, every block id a kernel will read must lie in the pool (an
+        out-of-range id would abort the process inside the kernel). On CUDA the
+        table lives on the device and reading it would synchronize: not checked."""
+        if self._device.type == "cuda" or table.numel() == 0:
+            return
+        lo, hi = torch.aminmax(table)
+        lo, hi, pool = int(lo), int(hi), key_cache.shape[0]
+        if lo < 0 or hi >= pool:
+            bad = lo if lo < 0 else hi
+            raise ShapeError(
+                f"{name} holds block id {bad}, outside the KV pool [0, {pool}) "
+                f"(key_cache.shape[0] = num_pool_blocks = {pool}); every id up to the "
+                "bucket's num_blocks columns must be a block of the pool (pad with 0)"
+            )
 
     def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
         key = (kernel, query_len, num_blocks, num_seqs)
@@ -214,12 +240,17 @@ class AttentionRuntime:
         Returns: ``[query_len, num_heads, head_dim]``.
 
         Raises:
-            ShapeError: a shape, dtype or device mismatch, ``query_len > seq_len``,
-                or a length beyond the plan's limits (names the limit).
+            ShapeError: a shape, dtype or device mismatch, non-contiguous KV
+                caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
+                beyond the plan's limits (names the limit), or (CPU only) a block id
+                outside the pool.
         """
         self._check(query, key_cache, value_cache)
         q = query.shape[0]
-        seq_len = int(seq_len)
+        try:
+            seq_len = operator.index(seq_len)
+        except TypeError:
+            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
         if not 1 <= q <= seq_len:
             raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
         if seq_len > self.config.max_model_len:
@@ -253,6 +284,7 @@ class AttentionRuntime:
         slot.lens_arr[1] = q
         if slot.lens is not slot.lens_host:
             slot.lens.copy_(slot.lens_host, non_blocking=True)
+        self._check_block_ids("block_table", btbuf, key_cache)
         lq, lq2 = slot.lens_views
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
@@ -270,8 +302,12 @@ class AttentionRuntime:
         Returns: ``[num_seqs, num_heads, head_dim]``.
 
         Raises:
-            ShapeError: shapes, dtypes, a GPU ``seq_lens``, ``num_seqs > max_num_seqs``
-                or ``seq_len > max_model_len``.
+            ShapeError: shapes, dtypes, non-contiguous KV caches, a GPU ``seq_lens``,
+                a length below 1 or not an integer, ``num_seqs > max_num_seqs``,
+                ``seq_len > max_model_len``, or (CPU only) a block id outside the pool.
+
+        Not thread-safe: a runtime reuses its padding buffers across calls; give
+        each thread its own runtime (``load_plan``) or serialize calls.
         """
         self._check(query, key_cache, value_cache)
         s = query.shape[0]
@@ -283,11 +319,21 @@ class AttentionRuntime:
                 )
             if seq_lens.numel() != s:
                 raise ShapeError(f"seq_lens has {seq_lens.numel()} entries for {s} queries")
-            longest = int(seq_lens.max()) if s else 0
+            if seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+                raise ShapeError(f"seq_lens is {seq_lens.dtype}; expected integers (tokens)")
+            shortest, longest = (int(x) for x in torch.aminmax(seq_lens)) if s else (1, 0)
         else:
             if len(seq_lens) != s:
                 raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
-            longest = max(seq_lens) if s else 0
+            if not all(type(n) is int for n in seq_lens):
+                bad = next(n for n in seq_lens if type(n) is not int)
+                raise ShapeError(f"seq_lens holds {bad!r}; expected Python ints (tokens)")
+            shortest, longest = (min(seq_lens), max(seq_lens)) if s else (1, 0)
+        if shortest < 1:
+            raise ShapeError(
+                f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
+                "token (its query token): drop finished or empty sequences from the batch"
+            )
         if longest > self.config.max_model_len:
             raise ShapeError(
                 f"seq_len {longest} is above max_model_len "
@@ -327,6 +373,7 @@ class AttentionRuntime:
         if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
             btbuf[s : slot.bt_rows].zero_()
         slot.bt_rows = s
+        self._check_block_ids("block_tables", btbuf, key_cache)
         if isinstance(seq_lens, torch.Tensor):
             slot.lens_host[:s].copy_(seq_lens)
         else:

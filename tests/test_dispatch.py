@@ -52,3 +52,42 @@ def test_non_contiguous_inputs_are_copied_not_misread(warm_cache, tiny_config):
     table = torch.tensor([4, 7], dtype=torch.int32)
     out = rt.prefill(qp, kc, vc, table, 32)
     assert float((out - reference_attention(qp, kc, vc, table, 32)).abs().max()) < 1e-5
+
+
+def test_bad_inputs_that_used_to_pass_are_refused_and_the_runtime_still_works(
+    warm_cache, tiny_config
+):
+    """Strided KV caches (once read with the wrong strides), block ids outside the
+    pool (once aborted the process inside the kernel), and seq_lens of 0, negative
+    or non-integer (once accepted) are refused with ShapeError; the next good call
+    still matches the reference."""
+    from kernel_cache import ShapeError
+
+    rt = load_plan(tiny_config, warm_cache[0])
+    g = torch.Generator().manual_seed(9)
+    kc, vc = pool(9, 2)
+    q = torch.randn(3, 4, 8, generator=g)
+    bt = torch.randint(0, 9, (3, 2), generator=g, dtype=torch.int32)
+    lens = [32, 5, 17]
+    big = torch.randn(18, 16, 2, 8, generator=g)
+    cases = [
+        ((q, big[::2], vc, bt, lens), "key_cache is not contiguous"),
+        ((q, kc, vc.transpose(0, 1).contiguous().transpose(0, 1), bt, lens), "value_cache"),
+        ((q, kc, vc, bt.masked_fill(bt == bt[1, 0], 9), lens), "block id 9, outside the KV pool"),
+        ((q, kc, vc, bt.masked_fill(bt == bt[0, 1], -1), lens), "block id -1"),
+        ((q, kc, vc, bt, [32, 0, 17]), "seq_lens holds 0"),
+        ((q, kc, vc, bt, [32, -4, 17]), "seq_lens holds -4"),
+        ((q, kc, vc, bt, [32, 5.5, 17]), "seq_lens holds 5.5"),
+        ((q, kc, vc, bt, torch.tensor([32.0, 5.0, 17.0])), "seq_lens is torch.float32"),
+        ((q, kc, vc, bt, torch.tensor([32, 0, 17])), "seq_lens holds 0"),
+    ]  # fmt: skip
+    for args, match in cases:
+        with pytest.raises(ShapeError, match=match):
+            rt.decode(*args)
+    with pytest.raises(ShapeError, match="block id 9"):
+        rt.prefill(q[:1], kc, vc, torch.tensor([3, 9], dtype=torch.int32), 20)
+    with pytest.raises(ShapeError, match="seq_len 20.0 must be an integer"):
+        rt.prefill(q[:1], kc, vc, torch.tensor([3, 4], dtype=torch.int32), 20.0)
+    out = rt.decode(q, kc, vc, bt, lens)
+    assert float((out - reference_decode(q, kc, vc, bt, lens)).abs().max()) < 1e-5
+    assert rt.stats()["compiles"] == 0
