@@ -234,11 +234,17 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
             f"refusing to export an incomplete plan ({len(bucketer.variants)} variants; "
             f"{'; '.join(parts)}); warm it first: kernel-cache warmup {config_to_cli(config)}"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / "artifacts").mkdir(parents=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "artifacts").mkdir(parents=True)
+    except OSError as e:
+        raise BundleError(
+            f"--out {str(out)!r}: cannot create the bundle directory beside it ({e}); "
+            "choose a writable location"
+        ) from None
     entries, total = [], 0
     try:
         for v, hit in found:

@@ -82,6 +82,17 @@ def test_export_refuses_an_incomplete_plan_and_a_used_out_dir(cache_copy, tiny_m
     assert (used / "x").read_text() == "keep me"
 
 
+def test_export_to_a_place_no_directory_can_be_made(cache_copy, tiny_model, tmp_path):
+    """A file in the way of --out's parent: a clear error, no traceback, no leftovers."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    proc = run_cli(
+        "export", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--out", blocker / "b"
+    )  # fmt: skip
+    assert proc.returncode == 2 and "cannot create the bundle directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and "choose a writable location" in proc.stderr
+
+
 def test_container_recipe_without_docker(bundle, tiny_model):
     """examples/Dockerfile's steps: warm (the session cache), export (the fixture),
     ship only the read-only bundle to another path, then start an engine with

@@ -79,6 +79,12 @@ def test_gc_cli_keep_plan_as_plan_file_or_engine_options(tmp_path, tiny_config, 
         check=True,
     )
     assert [r["key"] for r in json.loads(proc.stdout)["removed"]] == stale[:5]
+    assert "warning" not in proc.stderr
+    # a plan that matches nothing in the cache (another dtype): gc says so
+    other = " ".join(map(str, tiny_args(tiny_model))) + " --dtype bfloat16"
+    proc = run_cli("gc", "--max-size", "1G", "--keep-plan", other, "--cache-dir", tmp_path / "c")
+    assert proc.returncode == 0
+    assert "--dtype bfloat16' matches none of the entries" in proc.stderr
     opts = " ".join(map(str, tiny_args(tiny_model)))
     proc = run_cli("gc", "--max-size", "1K", "--keep-plan", opts, "--cache-dir", tmp_path / "c")
     assert proc.returncode == 2

@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 from kernel_cache.config import EngineConfig
@@ -199,6 +200,7 @@ def cmd_gc(args) -> int:
     from kernel_cache.housekeeping import (
         format_size,
         gc,
+        list_entries,
         max_size_from_env,
         parse_size,
         plan_digests,
@@ -208,10 +210,23 @@ def cmd_gc(args) -> int:
     if max_size is None:
         raise KernelCacheError("gc needs a limit: --max-size SIZE (or $KERNEL_CACHE_MAX_SIZE)")
     keep: set[str] = set()
+    per_spec = []
     for spec in args.keep_plan:
-        keep |= plan_digests(keep_plan_config(spec))
+        digests = plan_digests(keep_plan_config(spec))
+        per_spec.append((spec, digests))
+        keep |= digests
     tier = _existing_disk(args)
     try:
+        stored = {r["runtime_digest"] for r in list_entries(tier)} if per_spec else set()
+        for spec, digests in per_spec:
+            if not digests & stored:
+                print(
+                    f"kernel-cache gc: warning: --keep-plan {spec!r} matches none of the entries "
+                    f"in {tier.location} (none of its {len(digests)} variants is stored: another "
+                    "dtype, device, torch or launch table?); nothing is kept for it. "
+                    "See `kernel-cache ls` and `kernel-cache explain`.",
+                    file=sys.stderr,
+                )
         report = gc(tier, max_size, keep)
     finally:
         tier.close()
