@@ -230,7 +230,12 @@ def cxx_compiler_id() -> str:
 @functools.cache
 def device_arch(device: str) -> str:
     """CPU: ``x86_64/AVX2`` (machine and the ISA torch dispatches to).
-    CUDA: ``sm_90 cuda 13.0 triton 3.6.0``; never the device index."""
+    CUDA: ``sm_90 cuda 13.0 triton 3.6.0``; never the device index.
+
+    Raises:
+        ConfigError: ``cuda`` without a usable GPU (a CPU-only torch build or no
+            visible device), or an unknown device.
+    """
     import torch
 
     if device == "cpu":
@@ -238,6 +243,20 @@ def device_arch(device: str) -> str:
     if device == "cuda":
         from importlib.metadata import PackageNotFoundError, version
 
+        if not torch.cuda.is_available():
+            from .errors import ConfigError
+
+            why = (
+                f"this torch ({torch.__version__}) is a CPU-only build"
+                if torch.version.cuda is None
+                else f"no CUDA device is visible (torch {torch.__version__}, CUDA "
+                f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
+            )
+            raise ConfigError(
+                f"device='cuda': {why}; run on a machine with a GPU and a CUDA build of "
+                "torch, or use --device cpu"
+            )
         major, minor = torch.cuda.get_device_capability()
         try:
             triton = version("triton")

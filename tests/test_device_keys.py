@@ -13,6 +13,7 @@ from kernel_cache.explain import explain
 from kernel_cache.keys import cxx_compiler_id, device_arch
 from kernel_cache.runtime import default_tiers
 
+from .conftest import run_cli
 from .kc_helpers import rekey
 
 pytestmark = pytest.mark.compile
@@ -37,3 +38,20 @@ def test_gpu_warmed_cache_misses_on_cpu_and_explain_names_device(cache_copy, tin
 def test_cxx_component_names_compiler_build_and_libstdcxx():
     value = cxx_compiler_id()
     assert value == "none" or (" (build " in value and "; libstdc++ " in value), value
+
+
+def test_cuda_without_a_gpu_is_a_clear_error_not_a_torch_assertion(tmp_path):
+    """On this CPU-only CI, --device cuda must say why and what to do."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    from kernel_cache import make_config
+    from kernel_cache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"device='cuda': .*use --device cpu"):
+        load_plan(make_config("llama-3.2-1b", device="cuda"), tmp_path)
+    proc = run_cli("warmup", "--device", "cuda", "--max-model-len", "256", "--cache-dir", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "device='cuda'" in proc.stderr and "--device cpu" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
