@@ -14,9 +14,12 @@ slices the output. It never reads a GPU scalar and never compiles.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import operator
 import os
+import re
+import shutil
 import tempfile
 import time
 from array import array
@@ -36,20 +39,70 @@ from .store import DiskTier, Tier, default_cache_dir, verify_entry
 log = logging.getLogger("kernel_cache")
 
 
+_LOAD_PREFIX = "kernel_cache-load-"
+_load_dir: str | None = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_own_load_dir(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child that inherited the handler
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_dir() -> str:
+    """This process's directory for unpacked packages, made on first use.
+
+    AOTInductor's loader unpacks each package (its ``.so`` and data) into a new
+    ``aotinductor_*`` directory under ``$TMPDIR`` and never removes it: a start
+    of a 26-variant plan left 26 such directories behind. Loads therefore unpack
+    into ``$TMPDIR/kernel_cache-load-<pid>-*``, removed when the process exits;
+    directories of processes that died without exiting (SIGKILL) are removed by
+    the next process that loads.
+    """
+    global _load_dir
+    if _load_dir is None:
+        base = tempfile.gettempdir()
+        try:
+            names = os.listdir(base)
+        except OSError:
+            names = []
+        for name in names:
+            m = re.fullmatch(re.escape(_LOAD_PREFIX) + r"(\d+)-\w+", name)
+            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        _load_dir = tempfile.mkdtemp(prefix=f"{_LOAD_PREFIX}{os.getpid()}-", dir=base)
+        atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
+    return _load_dir
+
+
 def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     """Load verified ``.pt2`` bytes with the AOTInductor runtime loader.
 
-    The bytes go to a private temporary file (``tempfile``, never the cache
-    directory, which may be read-only), are loaded, and the file is removed.
+    The bytes go to a private temporary file in :func:`load_dir` (never the
+    cache directory, which may be read-only), are loaded, and the file is
+    removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
+    which is pointed there for the call), so nothing is left behind at exit.
 
     Raises:
         CorruptEntryError: the loader rejected the package.
     """
-    fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-")
+    where_to = load_dir()
+    fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-", dir=where_to)
+    saved = os.environ.get("TMPDIR")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         device_index = torch.cuda.current_device() if device == "cuda" else -1
+        os.environ["TMPDIR"] = where_to
         try:
             return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, device_index)
         except Exception as e:  # the loader raises RuntimeError for bad zips
@@ -57,6 +110,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
                 key, f"the AOTInductor loader rejected it: {e}", where
             ) from None
     finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
         Path(path).unlink(missing_ok=True)
 
 
