@@ -589,6 +589,7 @@ def _run_pool(
         # "busy" and are queued again, waiting, behind the free ones.
         futs = {submit(item, False): item for item in todo}
         pending = set(futs)
+        waiting: set = set()  # second-pass futures: they may wait for another builder
         while pending:
             running = [str(futs[f][0]) for f in pending if f.running()][:3]
             bar.update(task, description="compiling " + ", ".join(running))
@@ -613,6 +614,7 @@ def _run_pool(
                 elif r["status"] == "busy":
                     nf = submit(item, True)
                     futs[nf] = item
+                    waiting.add(nf)
                     pending.add(nf)
                     continue
                 results.append(r)
@@ -626,7 +628,11 @@ def _run_pool(
                         for p in pending:
                             p.cancel()
                 bar.advance(task)
-            if len(batch) >= max(1, check_batch) or (batch and not pending):
+            # With Redis, publish (and unlock) the staged compiles once only waits are
+            # left: holding their build locks while waiting for another builder's
+            # lock deadlocks two builders that wait for each other (until lock_wait_s).
+            only_waits = rtier is not None and pending <= waiting
+            if len(batch) >= max(1, check_batch) or (batch and (not pending or only_waits)):
                 flush()
         bar.update(task, description="done")
     for lk in adopted.values():  # not published (the run stopped): let others build it
