@@ -140,6 +140,22 @@ def test_bad_redis_settings_name_the_variable(environ, match):
     assert RedisSettings.from_env(None, {}) is None  # no URL: no Redis tier
 
 
+@pytest.mark.parametrize(
+    "url,match",
+    [
+        ("redis://127.0.0.1:notaport/0", "the port is not a number"),
+        ("redis://127.0.0.1:99999/0", "the port is not a number"),
+        ("redis://127.0.0.1:6379/zero", "the database 'zero' is not a number"),
+    ],
+)
+def test_malformed_redis_url_is_a_config_error_naming_the_flag(url, match):
+    """Caught when the settings are read, not as a ValueError traceback from
+    redis-py at the first call."""
+    with pytest.raises(ConfigError, match=match) as e:
+        RedisSettings.from_env(url, {})
+    assert "--redis-url / KERNEL_CACHE_REDIS_URL" in str(e.value)
+
+
 def test_bad_redis_url_is_a_clear_error(tiny_model, tmp_path):
     proc = run_cli(
         "warmup",
