@@ -264,7 +264,7 @@ class RedisTier(Tier):
         if self.error is None:
             self.error = text
         self._down_until = time.monotonic() + self.settings.retry_s
-        if self.warn and not self._warned:
+        if self.warn and self.fail_open and not self._warned:  # else the caller raises
             self._warned = True
             log.warning(
                 "Redis at %s is unavailable (%s); carrying on with the local tiers "

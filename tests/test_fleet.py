@@ -311,6 +311,7 @@ def test_verify_redis_url_with_redis_down_is_an_error_naming_it(tiny_model):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     proc = run_cli("verify", *tiny_args(tiny_model), "--redis-url", dead)
     assert proc.returncode == 2 and dead in proc.stderr
+    assert "carrying on" not in proc.stderr  # verify does not carry on: one error, no warning
 
 
 # -- cross-machine single flight ------------------------------------------------
