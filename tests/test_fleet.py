@@ -196,6 +196,27 @@ def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_c
     assert again["uploaded"] == 0
 
 
+def test_warmup_republishes_redis_entries_signed_with_another_key(
+    redis_db, cache_copy, tiny_config, monkeypatch
+):
+    """After a key rotation the builders' local caches hold the plan: warmup must
+    replace Redis's entries signed with the old key (engines reject them), and a
+    builder without a key must not replace signed entries."""
+    remote = RedisSettings(url=redis_db)
+    keys = _publish_warm_cache(cache_copy, redis_db, secret=b"old-secret-0123456789")
+    monkeypatch.setenv(ENV_SIGNING_KEY, SECRET)
+    report = warmup(tiny_config, cache_copy, progress=False, remote=remote)
+    assert (report["compiled"], report["uploaded"]) == (0, len(keys))
+    tier = RedisTier(redis_db, fail_open=False)
+    for k in keys:
+        e = tier.get(k)
+        assert e.meta["signature"]["mac"] == mac(SECRET.encode(), k, e.data)
+    assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
+    monkeypatch.delenv(ENV_SIGNING_KEY)
+    assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
+    assert all("signature" in tier.get_meta(k) for k in keys)
+
+
 # -- signing ------------------------------------------------------------------
 
 
