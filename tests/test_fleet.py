@@ -335,6 +335,17 @@ def test_verify_redis_url_with_redis_down_is_an_error_naming_it(tiny_model):
     assert "carrying on" not in proc.stderr  # verify does not carry on: one error, no warning
 
 
+def test_verify_redis_url_repair_publishes_to_redis(redis_db, tiny_model, tmp_path):
+    """An empty Redis: verify fails and its repair command warms Redis, not only
+    the local cache."""
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path, "--redis-url", redis_db
+    )
+    assert proc.returncode == 1, proc.stderr
+    repair = [line for line in proc.stderr.splitlines() if "repair:" in line]
+    assert repair and repair[0].endswith(f"--redis-url {redis_db}")
+
+
 # -- cross-machine single flight ------------------------------------------------
 
 HOLDER = r"""
