@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -55,6 +56,15 @@ ENV_REDIS_LOCK_TTL = "KERNEL_CACHE_REDIS_LOCK_TTL"
 ENV_REDIS_LOCK_WAIT = "KERNEL_CACHE_REDIS_LOCK_WAIT"
 
 _SCHEMES = ("redis://", "rediss://", "unix://")
+
+#: where each RedisSettings field comes from, for error messages
+_SOURCES = {
+    "url": f"--redis-url / {ENV_REDIS_URL}",
+    "timeout_s": f"--redis-timeout / {ENV_REDIS_TIMEOUT}",
+    "ttl_s": f"--redis-ttl / {ENV_REDIS_TTL}",
+    "lock_ttl_s": ENV_REDIS_LOCK_TTL,
+    "lock_wait_s": ENV_REDIS_LOCK_WAIT,
+}
 
 # BuildLock.acquire outcomes
 ACQUIRED = "acquired"  # we hold the lock: compile and publish
@@ -105,6 +115,21 @@ class RedisSettings(BaseModel):
                 f"Redis URL {redact(v)!r} must start with one of {', '.join(_SCHEMES)}, "
                 "e.g. redis://10.0.0.5:6379/0"
             )
+        if not v.startswith("unix://"):  # what redis-py's from_url would fail on later
+            parts = urlsplit(v)
+            try:
+                parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+            except ValueError:
+                raise ValueError(
+                    f"Redis URL {redact(v)!r}: the port is not a number in 0..65535, "
+                    "e.g. redis://10.0.0.5:6379/0"
+                ) from None
+            db = parts.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(
+                    f"Redis URL {redact(v)!r}: the database {db!r} is not a number, "
+                    "e.g. redis://10.0.0.5:6379/0"
+                )
         return v
 
     @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
@@ -154,7 +179,11 @@ class RedisSettings(BaseModel):
         try:
             return cls(**fields)
         except ValueError as e:  # pydantic's ValidationError is a ValueError
-            msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            msgs = "; ".join(
+                f"{_SOURCES.get(str(x['loc'][0]), x['loc'][0]) if x['loc'] else 'settings'}: "
+                f"{x['msg'].removeprefix('Value error, ')}"
+                for x in e.errors()
+            )
             raise ConfigError(f"Redis settings: {msgs}") from None
 
 
@@ -235,7 +264,7 @@ class RedisTier(Tier):
         if self.error is None:
             self.error = text
         self._down_until = time.monotonic() + self.settings.retry_s
-        if self.warn and not self._warned:
+        if self.warn and self.fail_open and not self._warned:  # else the caller raises
             self._warned = True
             log.warning(
                 "Redis at %s is unavailable (%s); carrying on with the local tiers "

@@ -140,6 +140,22 @@ def test_bad_redis_settings_name_the_variable(environ, match):
     assert RedisSettings.from_env(None, {}) is None  # no URL: no Redis tier
 
 
+@pytest.mark.parametrize(
+    "url,match",
+    [
+        ("redis://127.0.0.1:notaport/0", "the port is not a number"),
+        ("redis://127.0.0.1:99999/0", "the port is not a number"),
+        ("redis://127.0.0.1:6379/zero", "the database 'zero' is not a number"),
+    ],
+)
+def test_malformed_redis_url_is_a_config_error_naming_the_flag(url, match):
+    """Caught when the settings are read, not as a ValueError traceback from
+    redis-py at the first call."""
+    with pytest.raises(ConfigError, match=match) as e:
+        RedisSettings.from_env(url, {})
+    assert "--redis-url / KERNEL_CACHE_REDIS_URL" in str(e.value)
+
+
 def test_bad_redis_url_is_a_clear_error(tiny_model, tmp_path):
     proc = run_cli(
         "warmup",
@@ -178,6 +194,27 @@ def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_c
     assert set(tier.keys()) == set(_plan_keys(tiny_config).values())
     again = warmup(tiny_config, cache_copy, progress=False, remote=RedisSettings(url=redis_db))
     assert again["uploaded"] == 0
+
+
+def test_warmup_republishes_redis_entries_signed_with_another_key(
+    redis_db, cache_copy, tiny_config, monkeypatch
+):
+    """After a key rotation the builders' local caches hold the plan: warmup must
+    replace Redis's entries signed with the old key (engines reject them), and a
+    builder without a key must not replace signed entries."""
+    remote = RedisSettings(url=redis_db)
+    keys = _publish_warm_cache(cache_copy, redis_db, secret=b"old-secret-0123456789")
+    monkeypatch.setenv(ENV_SIGNING_KEY, SECRET)
+    report = warmup(tiny_config, cache_copy, progress=False, remote=remote)
+    assert (report["compiled"], report["uploaded"]) == (0, len(keys))
+    tier = RedisTier(redis_db, fail_open=False)
+    for k in keys:
+        e = tier.get(k)
+        assert e.meta["signature"]["mac"] == mac(SECRET.encode(), k, e.data)
+    assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
+    monkeypatch.delenv(ENV_SIGNING_KEY)
+    assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
+    assert all("signature" in tier.get_meta(k) for k in keys)
 
 
 # -- signing ------------------------------------------------------------------
@@ -295,6 +332,18 @@ def test_verify_redis_url_with_redis_down_is_an_error_naming_it(tiny_model):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     proc = run_cli("verify", *tiny_args(tiny_model), "--redis-url", dead)
     assert proc.returncode == 2 and dead in proc.stderr
+    assert "carrying on" not in proc.stderr  # verify does not carry on: one error, no warning
+
+
+def test_verify_redis_url_repair_publishes_to_redis(redis_db, tiny_model, tmp_path):
+    """An empty Redis: verify fails and its repair command warms Redis, not only
+    the local cache."""
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path, "--redis-url", redis_db
+    )
+    assert proc.returncode == 1, proc.stderr
+    repair = [line for line in proc.stderr.splitlines() if "repair:" in line]
+    assert repair and repair[0].endswith(f"--redis-url {redis_db}")
 
 
 # -- cross-machine single flight ------------------------------------------------
@@ -397,7 +446,10 @@ def test_three_shard_builders_cover_the_plan_once(redis_db, tiny_model, tiny_con
 def test_redis_killed_mid_warmup_local_run_completes(
     private_redis, cache_copy, tiny_model, tiny_config
 ):
-    """Three variants to compile; Redis is SIGKILLed once the first is published."""
+    """Three variants to compile; Redis is SIGKILLed while the first compiles
+    (its build lock is held). Staged compiles are published in one batch at the
+    end, so waiting for the first published entry killed Redis after the last
+    Redis call, and the warmup never saw a failure."""
     keys = list(_plan_keys(tiny_config).values())
     disk = DiskTier(cache_copy)
     for k in keys[:3]:
@@ -429,10 +481,10 @@ def test_redis_killed_mid_warmup_local_run_completes(
     watcher = RedisTier(url, fail_open=False)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(watcher.keys()) >= 4:  # 3 uploaded at start + the first compile
-            break
+        if len(watcher.keys()) >= 3 and any(watcher.client.scan_iter(match="*lock:*")):
+            break  # 3 uploaded at start, and the first compile holds its build lock
         time.sleep(0.1)
-    assert len(watcher.keys()) >= 4 and proc.poll() is None
+    assert len(watcher.keys()) >= 3 and proc.poll() is None
     private_redis.kill()
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err

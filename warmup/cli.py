@@ -301,6 +301,8 @@ def cmd_verify(args) -> int:
     )
     if tiers:
         report["tier"] = tiers[0].location
+        if report.get("repair"):  # the warmup that repairs Redis must publish to it
+            report["repair"] += f" --redis-url {tiers[0].location}"
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -471,6 +471,14 @@ def compile_items(
     }
 
 
+def _same_published(have: dict | None, want: dict, signed: bool) -> bool:
+    """Whether Redis's metadata ``have`` records the bytes (checksum, size) and,
+    with a signing key (``signed``), the signature of the local entry about to be
+    published as ``want`` (a builder without a key never replaces a signed entry)."""
+    fields = ("sha256", "size", "signature") if signed else ("sha256", "size")
+    return have is not None and all(have.get(f) == want.get(f) for f in fields)
+
+
 def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
     """With Redis: publish cached entries Redis lacks (signed when a key is
     set: the local cache is trusted), and copy verified Redis hits of the
@@ -483,9 +491,18 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
     try:
         for v, launch in cached:
             key = build_key(config, v, env, launch=launch).hexdigest
-            if not rtier.is_down() and not rtier.contains(key):
-                entry = tier.get(key)
-                uploaded += rtier.put(key, entry.data, sign_meta(entry.meta, entry.data, secret))
+            if rtier.is_down():
+                continue
+            entry = tier.get(key)
+            want = sign_meta(entry.meta, entry.data, secret)
+            try:
+                have = rtier.get_meta(key)
+            except CorruptEntryError:
+                have = None
+            if not _same_published(
+                have, want, secret is not None
+            ):  # missing, unsigned, other key, other bytes
+                uploaded += rtier.put(key, entry.data, want)
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
             found = lookup.find(build_key(config, item[0], env, launch=item[1]))
             (fetched if found else left).append(item)
@@ -589,6 +606,7 @@ def _run_pool(
         # "busy" and are queued again, waiting, behind the free ones.
         futs = {submit(item, False): item for item in todo}
         pending = set(futs)
+        waiting: set = set()  # second-pass futures: they may wait for another builder
         while pending:
             running = [str(futs[f][0]) for f in pending if f.running()][:3]
             bar.update(task, description="compiling " + ", ".join(running))
@@ -613,6 +631,7 @@ def _run_pool(
                 elif r["status"] == "busy":
                     nf = submit(item, True)
                     futs[nf] = item
+                    waiting.add(nf)
                     pending.add(nf)
                     continue
                 results.append(r)
@@ -626,7 +645,11 @@ def _run_pool(
                         for p in pending:
                             p.cancel()
                 bar.advance(task)
-            if len(batch) >= max(1, check_batch) or (batch and not pending):
+            # With Redis, publish (and unlock) the staged compiles once only waits are
+            # left: holding their build locks while waiting for another builder's
+            # lock deadlocks two builders that wait for each other (until lock_wait_s).
+            only_waits = rtier is not None and pending <= waiting
+            if len(batch) >= max(1, check_batch) or (batch and (not pending or only_waits)):
                 flush()
         bar.update(task, description="done")
     for lk in adopted.values():  # not published (the run stopped): let others build it
