@@ -126,6 +126,43 @@ def test_sigkill_during_compile_and_publish_then_warmup_completes(
     assert verify_json(tiny_model, cache_copy)["ok"] is True
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (absent, or a zombie not reaped yet)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_the_warmup_process_alone_ends_its_compile_workers(
+    cache_copy, tiny_model, tiny_config, sig
+):
+    """Only the warmup process is killed (not its process group): its worker,
+    paused inside a compile, must not run on (the kernel kills it with the parent)."""
+    v = Bucketer(tiny_config).variants[-1]
+    remove_entries(cache_copy, keys_of(tiny_config, [v]))
+    marker = cache_copy.parent / f"paused-{sig.name}"
+    env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env)
+    try:
+        wait_for_pause(marker, proc, "compile")
+        worker = int(marker.read_text().split()[1])
+        assert worker != proc.pid
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        t0 = time.monotonic()
+        while not gone(worker) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        alive = not gone(worker)
+        assert not alive, f"worker {worker} outlived the warmup (killed with {sig.name})"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
 def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, tiny_config):
     variants = Bucketer(tiny_config).variants[:4]
     keys = keys_of(tiny_config, variants)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -522,6 +523,24 @@ def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
         tier.close()
 
 
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: on Linux, have the kernel SIGKILL this worker when the
+    warmup process dies (SIGKILL, SIGTERM, a crash), so no compile outlives it
+    (``prctl(PR_SET_PDEATHSIG)``; elsewhere a worker finishes its current compile
+    and then exits on the broken pipe)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _run_pool(
     config, todo, cache_dir, jobs, progress, total, options, check_batch=32, check=None, rtier=None
 ) -> list[dict]:
@@ -594,7 +613,15 @@ def _run_pool(
             bar.advance(task)
         batch.clear()
 
-    with bar, ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
+    with (
+        bar,
+        ProcessPoolExecutor(
+            max_workers=max(1, jobs),
+            mp_context=ctx,
+            initializer=_die_with_parent,
+            initargs=(os.getpid(),),
+        ) as pool,
+    ):
         task = bar.add_task("", total=total, completed=total - len(todo))
 
         def submit(item, blocking):
