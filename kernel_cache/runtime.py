@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 import time
+import weakref
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -149,6 +150,7 @@ class _Slot:
         "lens_views",
         "bt_rows",
         "rows",
+        "bt_u32",
     )
 
     def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device):
@@ -171,6 +173,13 @@ class _Slot:
         self.lens = self.lens_host if dev.type == "cpu" else self.lens_host.to(dev)
         self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
         self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
+        # On the CPU, btbuf seen as unsigned by numpy (shared memory): one max()
+        # finds an id >= the pool and a negative one (which wraps above 2**31).
+        self.bt_u32 = None
+        if dev.type == "cpu":
+            import numpy
+
+            self.bt_u32 = self.btbuf.numpy().view(numpy.uint32)
         self.rows: dict = {}  # num_seqs -> (qbuf[:num_seqs], btbuf[:num_seqs])
 
     def row_views(self, n: int):
@@ -178,8 +187,16 @@ class _Slot:
         return views
 
 
+def _dead_ref():
+    return None
+
+
 class AttentionRuntime:
     """The attention object an engine calls, holding one loaded kernel per variant.
+
+    The shape, dtype, device and layout checks of ``key_cache``/``value_cache``
+    run once per pair of tensor objects (remembered by weak reference): changing
+    a pool's metadata in place (``resize_``, ``set_``) after a call is not seen.
 
     ``counters``: ``loads`` (artifacts loaded at start), ``calls`` (per variant,
     a :class:`collections.Counter`), ``compiles`` (always 0: this class has no
@@ -204,6 +221,9 @@ class AttentionRuntime:
         c = config
         self._qshape = (c.num_heads, c.head_dim)
         self._kvshape = (c.block_size, c.num_kv_heads, c.head_dim)
+        # The KV pool passed last and found good, as weak references: an engine
+        # passes the same two tensors on every call, so they are checked once.
+        self._kv_ok: tuple = (_dead_ref, _dead_ref)
 
     @property
     def variants(self) -> tuple[KernelVariant, ...]:
@@ -230,6 +250,9 @@ class AttentionRuntime:
                 f"query is {query.dtype} on {query.device}; the plan is "
                 f"{self._dtype} on {self._device.type}"
             )
+        ok = self._kv_ok
+        if ok[0]() is key_cache and ok[1]() is value_cache:
+            return
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
             if t.dim() != 4 or t.shape[1:] != self._kvshape:
                 raise ShapeError(
@@ -250,16 +273,18 @@ class AttentionRuntime:
                     "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
                     "head_dim] layout: pass the pool tensor itself or .contiguous()"
                 )
+        self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
 
-    def _check_block_ids(self, name: str, table, key_cache) -> None:
-        """On the CPU, every block id a kernel will read must lie in the pool (an
-        out-of-range id would abort the process inside the kernel). On CUDA the
-        table lives on the device and reading it would synchronize: not checked."""
-        if self._device.type == "cuda" or table.numel() == 0:
-            return
-        lo, hi = torch.aminmax(table)
-        lo, hi, pool = int(lo), int(hi), key_cache.shape[0]
-        if lo < 0 or hi >= pool:
+    @staticmethod
+    def _check_block_ids(name: str, slot: _Slot, key_cache) -> None:
+        """On the CPU, every block id a kernel will read (the slot's padded block
+        table) must lie in the pool: an out-of-range id would abort the process
+        inside the kernel. On CUDA the table lives on the device and reading it
+        would synchronize: not checked (``slot.bt_u32`` is None)."""
+        u = slot.bt_u32
+        pool = key_cache.shape[0]
+        if u is not None and u.size and int(u.max()) >= pool:
+            lo, hi = (int(x) for x in torch.aminmax(slot.btbuf))
             bad = lo if lo < 0 else hi
             raise ShapeError(
                 f"{name} holds block id {bad}, outside the KV pool [0, {pool}) "
@@ -341,7 +366,7 @@ class AttentionRuntime:
         slot.lens_arr[1] = q
         if slot.lens is not slot.lens_host:
             slot.lens.copy_(slot.lens_host, non_blocking=True)
-        self._check_block_ids("block_table", btbuf, key_cache)
+        self._check_block_ids("block_table", slot, key_cache)
         lq, lq2 = slot.lens_views
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
@@ -382,10 +407,14 @@ class AttentionRuntime:
         else:
             if len(seq_lens) != s:
                 raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
-            if not all(type(n) is int for n in seq_lens):
-                bad = next(n for n in seq_lens if type(n) is not int)
-                raise ShapeError(f"seq_lens holds {bad!r}; expected Python ints (tokens)")
-            shortest, longest = (min(seq_lens), max(seq_lens)) if s else (1, 0)
+            try:  # one C loop: rejects floats and strings, and is what the slot takes
+                lens_arr = array("i", seq_lens)
+            except (TypeError, OverflowError):
+                bad = next((n for n in seq_lens if not isinstance(n, int)), seq_lens)
+                raise ShapeError(
+                    f"seq_lens holds {bad!r}; expected ints (tokens) below 2**31"
+                ) from None
+            shortest, longest = (min(lens_arr), max(lens_arr)) if s else (1, 0)
         if shortest < 1:
             raise ShapeError(
                 f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
@@ -430,11 +459,11 @@ class AttentionRuntime:
         if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
             btbuf[s : slot.bt_rows].zero_()
         slot.bt_rows = s
-        self._check_block_ids("block_tables", btbuf, key_cache)
+        self._check_block_ids("block_tables", slot, key_cache)
         if isinstance(seq_lens, torch.Tensor):
             slot.lens_host[:s].copy_(seq_lens)
         else:
-            slot.lens_arr[:s] = array("i", seq_lens)
+            slot.lens_arr[:s] = lens_arr
         if s < sb:
             slot.lens_arr[s:] = slot.zeros[: sb - s]
         if slot.lens is not slot.lens_host:
