@@ -277,3 +277,24 @@ def test_cli_rejects_a_bad_table_with_exit_2(tiny_model):
     assert proc.returncode == 2
     assert "kernel-cache plan: error: KERNEL_CACHE_TUNING (inline JSON): entries[0]" in proc.stderr
     assert "num_kv_splits=3 is outside [1, num_blocks=2]" in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_tune_refuses_an_unwritable_out_before_compiling(tiny_model, tmp_path, where):
+    """``--out`` is checked before any compile: a file in the way of its parent,
+    or a directory, is a clear error (exit 2), and nothing is compiled or written."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    out = tmp_path / "afile" / "t.json" if where == "under_a_file" else tmp_path / "adir"
+    cache = tmp_path / "cache"
+    proc = run_cli(
+        "tune", *tiny_args(tiny_model), "--variants", "batched_decode:1:2:4",
+        "--num-kv-splits", "1,2", "--chunks-per-split", "1", "--rounds", "3",
+        "--out", out, "--cache-dir", cache,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"kernel-cache tune: error: --out '{out}'" in proc.stderr
+    assert not cache.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "cache"][:2]
+    assert list((tmp_path / "adir").iterdir()) == []

@@ -450,13 +450,48 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(doc: dict, out: str | Path) -> Path:
-    """Write the table atomically (a temporary file beside it, then rename)."""
+def _out_error(out: Path, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"--out {str(out)!r}: cannot write the table there ({e.strerror or e}); "
+        "give a writable file path whose parent is a directory (or can be created)"
+    )
+
+
+def check_out(out: str | Path) -> Path:
+    """Check before any compile that the table can be written to ``out``: its
+    parent directory exists or can be created, ``out`` is not a directory and a
+    file can be created beside it.
+
+    Raises:
+        ConfigError: naming ``--out``, the path and the fix.
+    """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: is a directory; give the table's file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.{os.getpid()}.probe")
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise _out_error(out, e) from None
+    return out
+
+
+def write_table(doc: dict, out: str | Path) -> Path:
+    """Write the table atomically (a temporary file beside it, then rename).
+
+    Raises:
+        ConfigError: ``out`` cannot be written (the temporary file is removed).
+    """
+    out = check_out(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(format_table(doc))
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(format_table(doc))
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _out_error(out, e) from None
     return out
 
 
@@ -488,6 +523,9 @@ def cmd_tune(args) -> int:
         target_ms=args.target_ms,
         min_gain=args.min_gain,
     )
+    settings.check()
+    _check_variants(cfg, variants)
+    check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
         cfg, variants, _cache_dir(args), settings, jobs=args.jobs, progress=not args.json,
