@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -298,3 +299,20 @@ def test_tune_refuses_an_unwritable_out_before_compiling(tiny_model, tmp_path, w
     assert not cache.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "cache"][:2]
     assert list((tmp_path / "adir").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"rounds": 1}, "--rounds 1: at least 3"),
+        ({"target_ms": float("inf")}, "--target-ms inf: must be a finite"),
+        ({"target_ms": float("nan")}, "--target-ms nan: must be a finite"),
+        ({"target_ms": 0.0}, "--target-ms 0.0: must be a finite"),
+        ({"min_gain": -0.1}, "--min-gain -0.1"),
+    ],
+)
+def test_tune_settings_are_checked(kw, match):
+    from warmup.tune import TuneSettings
+
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        TuneSettings(**kw).check()

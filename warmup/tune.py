@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -85,8 +86,10 @@ class TuneSettings(BaseModel):
     def check(self) -> None:
         if self.rounds < 3:
             raise ConfigError(f"--rounds {self.rounds}: at least 3 rounds are needed")
-        if not self.target_ms > 0:
-            raise ConfigError(f"--target-ms {self.target_ms}: must be > 0")
+        if not (math.isfinite(self.target_ms) and self.target_ms > 0):
+            raise ConfigError(
+                f"--target-ms {self.target_ms}: must be a finite number of milliseconds > 0"
+            )
         if not 0 <= self.min_gain < 10:
             raise ConfigError(f"--min-gain {self.min_gain}: must be in [0, 10)")
         for name, vals in (
