@@ -316,3 +316,14 @@ def test_tune_settings_are_checked(kw, match):
 
     with pytest.raises(ConfigError, match=re.escape(match)):
         TuneSettings(**kw).check()
+
+
+def test_tune_split_lists_are_checked_with_a_fitting_example(tiny_model, tmp_path):
+    proc = run_cli(
+        "tune", *tiny_args(tiny_model), "--variants", "batched_decode:1:2:4",
+        "--num-kv-splits", "0", "--out", tmp_path / "t.json", "--cache-dir", tmp_path / "c",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--num-kv-splits: entry '0' is not a positive integer" in proc.stderr
+    assert "such as 1,2,4" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -520,8 +520,8 @@ def cmd_tune(args) -> int:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
     variants = [KernelVariant.parse(t) for a in args.variants for t in a.split(",") if t]
     settings = TuneSettings(
-        num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits"),
-        chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split"),
+        num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits", "1,2,4"),
+        chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split", "1,2,4"),
         rounds=args.rounds,
         target_ms=args.target_ms,
         min_gain=args.min_gain,
