@@ -327,3 +327,18 @@ def test_tune_split_lists_are_checked_with_a_fitting_example(tiny_model, tmp_pat
     assert "--num-kv-splits: entry '0' is not a positive integer" in proc.stderr
     assert "such as 1,2,4" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_field_given_twice_is_refused_not_last_wins(tmp_path):
+    entry = (
+        '{"kernel": "batched_decode", "head_dim": 8, "num_queries_per_kv": 2, '
+        '"num_kv_heads": 2, "num_seqs": 4, "num_blocks": 2, '
+        '"config": {"num_kv_splits": 1, "num_kv_splits": 2}}'
+    )
+    doc = '{"entries": [' + entry + "]}"
+    with pytest.raises(ConfigError, match=r"inline JSON\): field 'num_kv_splits' is given twice"):
+        Resolver({ENV_TUNING: doc})
+    path = tmp_path / "t.json"
+    path.write_text(doc)
+    with pytest.raises(ConfigError, match=r"t.json: field 'num_kv_splits' is given twice"):
+        Resolver({ENV_TUNING: str(path)})
