@@ -29,8 +29,8 @@ DEVICES = ("cpu", "cuda")
 KV_LADDERS = ("4/3", "pow2")
 
 
-def parse_bucket_list(text: str, name: str) -> tuple[int, ...]:
-    """Parse a comma-separated list of positive integers.
+def parse_bucket_list(text: str, name: str, example: str = "128,256,512") -> tuple[int, ...]:
+    """Parse a comma-separated list of positive integers (``example`` is shown in errors).
 
     Raises:
         ConfigError: naming ``name`` (the env variable or flag) and the bad token.
@@ -43,7 +43,7 @@ def parse_bucket_list(text: str, name: str) -> tuple[int, ...]:
         if not tok.isdigit() or int(tok) < 1:
             raise ConfigError(
                 f"{name}: entry {tok!r} is not a positive integer; expected a comma-separated "
-                "list such as 128,256,512"
+                f"list such as {example}"
             )
         out.append(int(tok))
     if not out:

@@ -336,6 +336,28 @@ def parse_table(doc, origin: str, *, require_arch: str | None = None) -> LaunchT
     return table
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"field {k!r} is given twice in one object ({out[k]!r}, {v!r})")
+        out[k] = v
+    return out
+
+
+def _loads(text: str, origin: str):
+    """``json.loads`` that refuses an object with a repeated field (JSON would keep
+    the last silently)."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{origin}: {e}; give each field once") from None
+
+
 def _read_json(path: Path, origin: str):
     try:
         text = path.read_text()
@@ -344,7 +366,7 @@ def _read_json(path: Path, origin: str):
     except OSError as e:
         raise ConfigError(f"{origin}: cannot read {str(path)!r}: {e}") from None
     try:
-        return json.loads(text)
+        return _loads(text, origin)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{origin}: {str(path)!r} is not valid JSON: {e}") from None
 
@@ -366,7 +388,7 @@ def override_table(value: str | None) -> LaunchTable | None:
     if value.lstrip().startswith("{"):
         origin = f"{ENV_TUNING} (inline JSON)"
         try:
-            doc = json.loads(value)
+            doc = _loads(value, origin)
         except json.JSONDecodeError as e:
             raise ConfigError(
                 f"{origin}: not valid JSON ({e}); give a table or a path to a table file"

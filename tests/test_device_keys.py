@@ -55,3 +55,19 @@ def test_cuda_without_a_gpu_is_a_clear_error_not_a_torch_assertion(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "device='cuda'" in proc.stderr and "--device cpu" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_cuda_plan_without_a_gpu_says_the_launch_config_is_not_resolved(tmp_path):
+    """``plan --device cuda`` on a CPU-only machine prints the buckets, says why no
+    launch table follows, and still refuses a bad KERNEL_CACHE_TUNING."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    args = ("plan", "--device", "cuda", "--max-model-len", "256")
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "launch config: not resolved (no usable CUDA device here" in proc.stdout
+    proc = run_cli(*args, env={"KERNEL_CACHE_TUNING": '{"entries": 1}'})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "KERNEL_CACHE_TUNING (inline JSON): 'entries' must be a list" in proc.stderr

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -277,3 +278,67 @@ def test_cli_rejects_a_bad_table_with_exit_2(tiny_model):
     assert proc.returncode == 2
     assert "kernel-cache plan: error: KERNEL_CACHE_TUNING (inline JSON): entries[0]" in proc.stderr
     assert "num_kv_splits=3 is outside [1, num_blocks=2]" in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_tune_refuses_an_unwritable_out_before_compiling(tiny_model, tmp_path, where):
+    """``--out`` is checked before any compile: a file in the way of its parent,
+    or a directory, is a clear error (exit 2), and nothing is compiled or written."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    out = tmp_path / "afile" / "t.json" if where == "under_a_file" else tmp_path / "adir"
+    cache = tmp_path / "cache"
+    proc = run_cli(
+        "tune", *tiny_args(tiny_model), "--variants", "batched_decode:1:2:4",
+        "--num-kv-splits", "1,2", "--chunks-per-split", "1", "--rounds", "3",
+        "--out", out, "--cache-dir", cache,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"kernel-cache tune: error: --out '{out}'" in proc.stderr
+    assert not cache.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "cache"][:2]
+    assert list((tmp_path / "adir").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"rounds": 1}, "--rounds 1: at least 3"),
+        ({"target_ms": float("inf")}, "--target-ms inf: must be a finite"),
+        ({"target_ms": float("nan")}, "--target-ms nan: must be a finite"),
+        ({"target_ms": 0.0}, "--target-ms 0.0: must be a finite"),
+        ({"min_gain": -0.1}, "--min-gain -0.1"),
+    ],
+)
+def test_tune_settings_are_checked(kw, match):
+    from warmup.tune import TuneSettings
+
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        TuneSettings(**kw).check()
+
+
+def test_tune_split_lists_are_checked_with_a_fitting_example(tiny_model, tmp_path):
+    proc = run_cli(
+        "tune", *tiny_args(tiny_model), "--variants", "batched_decode:1:2:4",
+        "--num-kv-splits", "0", "--out", tmp_path / "t.json", "--cache-dir", tmp_path / "c",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--num-kv-splits: entry '0' is not a positive integer" in proc.stderr
+    assert "such as 1,2,4" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_field_given_twice_is_refused_not_last_wins(tmp_path):
+    entry = (
+        '{"kernel": "batched_decode", "head_dim": 8, "num_queries_per_kv": 2, '
+        '"num_kv_heads": 2, "num_seqs": 4, "num_blocks": 2, '
+        '"config": {"num_kv_splits": 1, "num_kv_splits": 2}}'
+    )
+    doc = '{"entries": [' + entry + "]}"
+    with pytest.raises(ConfigError, match=r"inline JSON\): field 'num_kv_splits' is given twice"):
+        Resolver({ENV_TUNING: doc})
+    path = tmp_path / "t.json"
+    path.write_text(doc)
+    with pytest.raises(ConfigError, match=r"t.json: field 'num_kv_splits' is given twice"):
+        Resolver({ENV_TUNING: str(path)})

@@ -145,6 +145,11 @@ def cmd_plan(args) -> int:
     )
     if launch is not None:
         print(format_plan(*launch))
+    else:
+        print(
+            "launch config: not resolved (no usable CUDA device here; the lookup needs the "
+            "GPU architecture): run this plan on the GPU machine to see it"
+        )
     return 0
 
 
@@ -156,10 +161,10 @@ def _plan_launch(cfg, bucketer):
     from kernel_cache.keys import device_arch
     from kernel_cache.launch import Resolver
 
+    resolver = Resolver()  # validates KERNEL_CACHE_TUNING even where nothing resolves
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return None
     arch = device_arch(cfg.device)
-    resolver = Resolver()
     return {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}, resolver.sources(arch)
 
 

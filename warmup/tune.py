@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -85,8 +86,10 @@ class TuneSettings(BaseModel):
     def check(self) -> None:
         if self.rounds < 3:
             raise ConfigError(f"--rounds {self.rounds}: at least 3 rounds are needed")
-        if not self.target_ms > 0:
-            raise ConfigError(f"--target-ms {self.target_ms}: must be > 0")
+        if not (math.isfinite(self.target_ms) and self.target_ms > 0):
+            raise ConfigError(
+                f"--target-ms {self.target_ms}: must be a finite number of milliseconds > 0"
+            )
         if not 0 <= self.min_gain < 10:
             raise ConfigError(f"--min-gain {self.min_gain}: must be in [0, 10)")
         for name, vals in (
@@ -450,13 +453,48 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(doc: dict, out: str | Path) -> Path:
-    """Write the table atomically (a temporary file beside it, then rename)."""
+def _out_error(out: Path, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"--out {str(out)!r}: cannot write the table there ({e.strerror or e}); "
+        "give a writable file path whose parent is a directory (or can be created)"
+    )
+
+
+def check_out(out: str | Path) -> Path:
+    """Check before any compile that the table can be written to ``out``: its
+    parent directory exists or can be created, ``out`` is not a directory and a
+    file can be created beside it.
+
+    Raises:
+        ConfigError: naming ``--out``, the path and the fix.
+    """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: is a directory; give the table's file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.{os.getpid()}.probe")
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise _out_error(out, e) from None
+    return out
+
+
+def write_table(doc: dict, out: str | Path) -> Path:
+    """Write the table atomically (a temporary file beside it, then rename).
+
+    Raises:
+        ConfigError: ``out`` cannot be written (the temporary file is removed).
+    """
+    out = check_out(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(format_table(doc))
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(format_table(doc))
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _out_error(out, e) from None
     return out
 
 
@@ -482,12 +520,15 @@ def cmd_tune(args) -> int:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
     variants = [KernelVariant.parse(t) for a in args.variants for t in a.split(",") if t]
     settings = TuneSettings(
-        num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits"),
-        chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split"),
+        num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits", "1,2,4"),
+        chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split", "1,2,4"),
         rounds=args.rounds,
         target_ms=args.target_ms,
         min_gain=args.min_gain,
     )
+    settings.check()
+    _check_variants(cfg, variants)
+    check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
         cfg, variants, _cache_dir(args), settings, jobs=args.jobs, progress=not args.json,
