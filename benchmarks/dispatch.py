@@ -5,7 +5,8 @@ kernel directly on pre-padded inputs, per call, for decode and prefill shapes.
         [--cache-dir DIR] [--out FILE]
 
 For each case the plan's variant is loaded once (``load_plan``) and called
-three ways, K calls per timed block, R rounds, the three interleaved in each
+three ways, K calls per timed block (at most ``--calls``, fewer for a long
+kernel: about ``--block-seconds`` of direct calls), R rounds, the three interleaved in each
 round (garbage collector off while timing). On the CPU the clock is, by default,
 the calling thread's CPU time (``time.thread_time``) with one intra-op thread
 (``--threads 1``): the kernel then runs on that thread and is counted, while
@@ -152,7 +153,13 @@ def time_block(fn, calls: int, device: str, clock=time.perf_counter) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
-    p.add_argument("--calls", type=int, default=200, help="calls per timed block")
+    p.add_argument("--calls", type=int, default=200, help="calls per timed block (at most)")
+    p.add_argument(
+        "--block-seconds",
+        type=float,
+        default=0.05,
+        help="fewer calls per block for long kernels: about this long per block",
+    )
     p.add_argument("--repeats", type=int, default=15, help="rounds")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="kernel_cache directory")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
@@ -197,13 +204,17 @@ def main(argv=None) -> int:
                 "host_only": lambda h=host, a=c["args"]: h(*a),
             }
             for f in fns.values():  # warm up
-                time_block(f, max(1, args.calls // 10), cfg.device, clock)
+                time_block(f, 3, cfg.device, clock)
+            # Calls per block: at most --calls, fewer for long kernels so that a
+            # block of direct calls takes about --block-seconds.
+            one = time_block(fns["direct"], 3, cfg.device, clock)
+            calls = max(3, min(args.calls, round(args.block_seconds / max(one, 1e-9))))
             t = {k: [] for k in fns}
             gc.disable()
             try:
                 for _ in range(args.repeats):
                     for k, f in fns.items():
-                        t[k].append(time_block(f, args.calls, cfg.device, clock))
+                        t[k].append(time_block(f, calls, cfg.device, clock))
             finally:
                 gc.enable()
             over = [a - d for a, d in zip(t["dispatch"], t["direct"], strict=True)]
@@ -212,6 +223,7 @@ def main(argv=None) -> int:
                 {
                     "case": c["name"],
                     "variant": str(v),
+                    "calls_per_block": calls,
                     "direct_us": summary([x * 1e6 for x in t["direct"]]),
                     "dispatch_us": summary([x * 1e6 for x in t["dispatch"]]),
                     "overhead_us": summary([x * 1e6 for x in over]),
@@ -238,7 +250,7 @@ def main(argv=None) -> int:
     out = write_json(args.out, doc)
     print_table(
         f"Dispatch overhead per call, {cfg.model} ({cfg.dtype}, {cfg.device}), "
-        f"{args.repeats} rounds of {args.calls} calls, {clock_name} clock, "
+        f"{args.repeats} rounds of up to {args.calls} calls, {clock_name} clock, "
         f"{torch.get_num_threads()} thread(s), median (min-max)",
         ["case", "direct us", "dispatch us", "overhead us", "overhead %", "host only us"],
         [
