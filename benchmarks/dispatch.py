@@ -6,7 +6,7 @@ kernel directly on pre-padded inputs, per call, for decode and prefill shapes.
 
 For each case the plan's variant is loaded once (``load_plan``) and called
 three ways, K calls per timed block (at most ``--calls``, fewer for a long
-kernel: about ``--block-seconds`` of direct calls), R rounds, the three interleaved in each
+kernel: about ``--block-seconds`` per block), R rounds, the three interleaved in each
 round (garbage collector off while timing). On the CPU the clock is, by default,
 the calling thread's CPU time (``time.thread_time``) with one intra-op thread
 (``--threads 1``): the kernel then runs on that thread and is counted, while
@@ -244,16 +244,18 @@ def main(argv=None) -> int:
                 fns["host_only_baseline"] = lambda h=bhost, a=c["args"]: h(*a)
             for f in fns.values():  # warm up
                 time_block(f, 3, cfg.device, clock)
-            # Calls per block: at most --calls, fewer for long kernels so that a
-            # block of direct calls takes about --block-seconds.
-            one = time_block(fns["direct"], 3, cfg.device, clock)
-            calls = max(3, min(args.calls, round(args.block_seconds / max(one, 1e-9))))
+            # Calls per block, per way: at most --calls, fewer for a long kernel
+            # so that a block takes about --block-seconds.
+            calls = {}
+            for k, f in fns.items():
+                one = time_block(f, 3, cfg.device, clock)
+                calls[k] = max(3, min(args.calls, round(args.block_seconds / max(one, 1e-9))))
             t = {k: [] for k in fns}
             gc.disable()
             try:
                 for _ in range(args.repeats):
                     for k, f in fns.items():
-                        t[k].append(time_block(f, calls, cfg.device, clock))
+                        t[k].append(time_block(f, calls[k], cfg.device, clock))
             finally:
                 gc.enable()
             over = [a - d for a, d in zip(t["dispatch"], t["direct"], strict=True)]
