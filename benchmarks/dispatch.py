@@ -5,7 +5,8 @@ kernel directly on pre-padded inputs, per call, for decode and prefill shapes.
         [--cache-dir DIR] [--out FILE]
 
 For each case the plan's variant is loaded once (``load_plan``) and called
-three ways, K calls per timed block, R rounds, the three interleaved in each
+three ways, K calls per timed block (at most ``--calls``, fewer for a long
+kernel: about ``--block-seconds`` per block), R rounds, the three interleaved in each
 round (garbage collector off while timing). On the CPU the clock is, by default,
 the calling thread's CPU time (``time.thread_time``) with one intra-op thread
 (``--threads 1``): the kernel then runs on that thread and is counted, while
@@ -20,7 +21,9 @@ synchronization around each block):
   beforehand, i.e. the kernel alone;
 * ``host only``: the same dispatch with the kernel replaced by a runner that
   returns a preallocated output, i.e. everything dispatch adds, without the
-  kernel's noise.
+  kernel's noise;
+* with ``--baseline DIR`` (another checkout, e.g. main before a change), also
+  that checkout's dispatch, host only, interleaved: a before/after in one run.
 
 Overhead = dispatch - direct, per round (median, min-max), in microseconds and
 as a percent of the direct call. Case names: ``decode S/B seqs, kv A-Z`` is S
@@ -35,6 +38,7 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 
 import torch
 from _common import (
@@ -67,6 +71,31 @@ class HostOnlyRunner:
 
     def run(self, args):
         return self.out
+
+
+def load_baseline(root: str):
+    """Another checkout's ``kernel_cache`` package (e.g. main before a change),
+    imported as ``kernel_cache_baseline`` next to this one."""
+    import importlib.util
+
+    pkg = Path(root) / "kernel_cache"
+    name = "kernel_cache_baseline"
+    spec = importlib.util.spec_from_file_location(
+        name, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+    )
+    if spec is None or not (pkg / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {root}: no kernel_cache package there")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def baseline_host_runtime(base, cfg, v, out):
+    """The baseline's AttentionRuntime with a host-only runner for ``v``."""
+    bcfg = base.make_config(None, **cfg.model_dump(exclude={"model"}))
+    bv = base.KernelVariant(**v.model_dump())
+    return base.AttentionRuntime(bcfg, base.Bucketer(bcfg), {bv: HostOnlyRunner(out)})
 
 
 def make_cases(cfg, b: Bucketer, g: torch.Generator):
@@ -152,7 +181,13 @@ def time_block(fn, calls: int, device: str, clock=time.perf_counter) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
-    p.add_argument("--calls", type=int, default=200, help="calls per timed block")
+    p.add_argument("--calls", type=int, default=200, help="calls per timed block (at most)")
+    p.add_argument(
+        "--block-seconds",
+        type=float,
+        default=0.05,
+        help="fewer calls per block for long kernels: about this long per block",
+    )
     p.add_argument("--repeats", type=int, default=15, help="rounds")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="kernel_cache directory")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
@@ -161,6 +196,12 @@ def main(argv=None) -> int:
         choices=("thread", "wall"),
         default=None,
         help="thread CPU time (CPU default) or wall time (CUDA default)",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout (its kernel_cache/): also time its host-only dispatch, "
+        "interleaved, for a before/after in one run",
     )
     p.add_argument("--out", default=str(OUT_DIR / "dispatch.json"))
     args = p.parse_args(argv)
@@ -177,6 +218,7 @@ def main(argv=None) -> int:
     if rep["failed"]:
         raise SystemExit(f"warmup failed: {rep['failed']}")
     rt = load_plan(cfg, args.cache_dir, strict=False)
+    baseline = load_baseline(args.baseline) if args.baseline else None
 
     results = []
     with torch.no_grad():
@@ -196,14 +238,24 @@ def main(argv=None) -> int:
                 "direct": lambda r=runner, a=c["padded"]: r.run(a),
                 "host_only": lambda h=host, a=c["args"]: h(*a),
             }
+            if baseline is not None:
+                brt = baseline_host_runtime(baseline, cfg, v, direct_out)
+                bhost = getattr(brt, c["method"])
+                fns["host_only_baseline"] = lambda h=bhost, a=c["args"]: h(*a)
             for f in fns.values():  # warm up
-                time_block(f, max(1, args.calls // 10), cfg.device, clock)
+                time_block(f, 3, cfg.device, clock)
+            # Calls per block, per way: at most --calls, fewer for a long kernel
+            # so that a block takes about --block-seconds.
+            calls = {}
+            for k, f in fns.items():
+                one = time_block(f, 3, cfg.device, clock)
+                calls[k] = max(3, min(args.calls, round(args.block_seconds / max(one, 1e-9))))
             t = {k: [] for k in fns}
             gc.disable()
             try:
                 for _ in range(args.repeats):
                     for k, f in fns.items():
-                        t[k].append(time_block(f, args.calls, cfg.device, clock))
+                        t[k].append(time_block(f, calls[k], cfg.device, clock))
             finally:
                 gc.enable()
             over = [a - d for a, d in zip(t["dispatch"], t["direct"], strict=True)]
@@ -212,6 +264,7 @@ def main(argv=None) -> int:
                 {
                     "case": c["name"],
                     "variant": str(v),
+                    "calls_per_block": calls,
                     "direct_us": summary([x * 1e6 for x in t["direct"]]),
                     "dispatch_us": summary([x * 1e6 for x in t["dispatch"]]),
                     "overhead_us": summary([x * 1e6 for x in over]),
@@ -219,11 +272,19 @@ def main(argv=None) -> int:
                     "host_only_us": summary([x * 1e6 for x in t["host_only"]]),
                 }
             )
+            if baseline is not None:
+                results[-1]["host_only_baseline_us"] = summary(
+                    [x * 1e6 for x in t["host_only_baseline"]]
+                )
+                results[-1]["host_only_vs_baseline"] = summary(
+                    [a / b for a, b in zip(t["host_only"], t["host_only_baseline"], strict=True)]
+                )
 
     doc = header("dispatch")
     doc["machine"] = machine(cfg.device)
     doc["config"] = {
         "engine": cfg.model_dump(mode="json"),
+        "baseline": str(Path(args.baseline).resolve()) if args.baseline else None,
         "calls_per_block": args.calls,
         "repeats": args.repeats,
         "clock": clock_name,
@@ -238,9 +299,10 @@ def main(argv=None) -> int:
     out = write_json(args.out, doc)
     print_table(
         f"Dispatch overhead per call, {cfg.model} ({cfg.dtype}, {cfg.device}), "
-        f"{args.repeats} rounds of {args.calls} calls, {clock_name} clock, "
+        f"{args.repeats} rounds of up to {args.calls} calls, {clock_name} clock, "
         f"{torch.get_num_threads()} thread(s), median (min-max)",
-        ["case", "direct us", "dispatch us", "overhead us", "overhead %", "host only us"],
+        ["case", "direct us", "dispatch us", "overhead us", "overhead %", "host only us"]
+        + (["baseline host only us", "host only / baseline"] if baseline else []),
         [
             [
                 r["case"],
@@ -250,6 +312,14 @@ def main(argv=None) -> int:
                 fmt(r["overhead_pct"], digits=1),
                 fmt(r["host_only_us"], digits=1),
             ]
+            + (
+                [
+                    fmt(r["host_only_baseline_us"], digits=1),
+                    fmt(r["host_only_vs_baseline"], digits=2),
+                ]
+                if baseline
+                else []
+            )
             for r in results
         ],
     )
