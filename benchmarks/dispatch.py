@@ -238,6 +238,11 @@ def main(argv=None) -> int:
                 "direct": lambda r=runner, a=c["padded"]: r.run(a),
                 "host_only": lambda h=host, a=c["args"]: h(*a),
             }
+            if cfg.device == "cpu":  # the same, without the block-id check
+                nocheck_rt = AttentionRuntime(cfg, b, {v: HostOnlyRunner(direct_out)})
+                nocheck_rt.check_block_ids = False
+                nc = getattr(nocheck_rt, c["method"])
+                fns["host_only_no_id_check"] = lambda h=nc, a=c["args"]: h(*a)
             if baseline is not None:
                 brt = baseline_host_runtime(baseline, cfg, v, direct_out)
                 bhost = getattr(brt, c["method"])
@@ -272,6 +277,10 @@ def main(argv=None) -> int:
                     "host_only_us": summary([x * 1e6 for x in t["host_only"]]),
                 }
             )
+            if "host_only_no_id_check" in t:
+                results[-1]["host_only_no_id_check_us"] = summary(
+                    [x * 1e6 for x in t["host_only_no_id_check"]]
+                )
             if baseline is not None:
                 results[-1]["host_only_baseline_us"] = summary(
                     [x * 1e6 for x in t["host_only_baseline"]]
@@ -302,6 +311,7 @@ def main(argv=None) -> int:
         f"{args.repeats} rounds of up to {args.calls} calls, {clock_name} clock, "
         f"{torch.get_num_threads()} thread(s), median (min-max)",
         ["case", "direct us", "dispatch us", "overhead us", "overhead %", "host only us"]
+        + (["host only, no id check us"] if cfg.device == "cpu" else [])
         + (["baseline host only us", "host only / baseline"] if baseline else []),
         [
             [
@@ -312,6 +322,7 @@ def main(argv=None) -> int:
                 fmt(r["overhead_pct"], digits=1),
                 fmt(r["host_only_us"], digits=1),
             ]
+            + ([fmt(r["host_only_no_id_check_us"], digits=1)] if cfg.device == "cpu" else [])
             + (
                 [
                     fmt(r["host_only_baseline_us"], digits=1),

@@ -224,6 +224,12 @@ class AttentionRuntime:
         # The KV pool passed last and found good, as weak references: an engine
         # passes the same two tensors on every call, so they are checked once.
         self._kv_ok: tuple = (_dead_ref, _dead_ref)
+        #: CPU only: check every block id against the pool before a kernel reads
+        #: it (an id outside the pool aborts the process inside the kernel). One
+        #: reduction over the padded table: about 7-10 us of a decode call's host
+        #: time here (docs/benchmarks.md, "Dispatch overhead"). An engine that
+        #: builds its block tables itself may set it to False.
+        self.check_block_ids = True
 
     @property
     def variants(self) -> tuple[KernelVariant, ...]:
@@ -366,7 +372,8 @@ class AttentionRuntime:
         slot.lens_arr[1] = q
         if slot.lens is not slot.lens_host:
             slot.lens.copy_(slot.lens_host, non_blocking=True)
-        self._check_block_ids("block_table", slot, key_cache)
+        if self.check_block_ids:
+            self._check_block_ids("block_table", slot, key_cache)
         lq, lq2 = slot.lens_views
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
@@ -459,7 +466,8 @@ class AttentionRuntime:
         if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
             btbuf[s : slot.bt_rows].zero_()
         slot.bt_rows = s
-        self._check_block_ids("block_tables", slot, key_cache)
+        if self.check_block_ids:
+            self._check_block_ids("block_tables", slot, key_cache)
         if isinstance(seq_lens, torch.Tensor):
             slot.lens_host[:s].copy_(seq_lens)
         else:
