@@ -34,6 +34,7 @@ splitting" (ISCA 2024).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -273,7 +274,15 @@ def main(argv=None) -> int:
         "4/3 default beats pow2": by[cap_name]["padded_read_fraction"]
         < by["pow2"]["padded_read_fraction"]
     }
-    if args.plot.lower() != "none":
+    want_plot = args.plot.lower() != "none"
+    if want_plot and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "padding: matplotlib is not installed, so no plot "
+            "(pip install -e '.[plot]', or --plot none to silence this)",
+            file=sys.stderr,
+        )
+        want_plot = False
+    if want_plot:
         title = (
             f"KV padding per ladder: block_size {args.block_size}, max_model_len "
             f"{args.max_model_len}, {len(requests)} requests of {Path(args.trace).name}"
