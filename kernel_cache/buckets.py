@@ -70,20 +70,22 @@ class KernelVariant(BaseModel):
         return f"{self.kernel}:{self.query_len}:{self.num_blocks}:{self.num_seqs}"
 
     @classmethod
-    def parse(cls, text: str) -> KernelVariant:
-        """Parse ``KERNEL:QUERY:BLOCKS:SEQS`` (the form ``str()`` prints)."""
+    def parse(cls, text: str, flag: str = "--variant") -> KernelVariant:
+        """Parse ``KERNEL:QUERY:BLOCKS:SEQS`` (the form ``str()`` prints).
+
+        Raises:
+            ConfigError: another form; the message names ``flag``.
+        """
         parts = text.split(":")
         if len(parts) != 4 or parts[0] not in KERNELS:
             raise ConfigError(
-                f"--variant {text!r}: expected KERNEL:QUERY:BLOCKS:SEQS with KERNEL one of "
+                f"{flag} {text!r}: expected KERNEL:QUERY:BLOCKS:SEQS with KERNEL one of "
                 f"{', '.join(KERNELS)}, e.g. batched_decode:1:8:4"
             )
         try:
             q, b, s = (int(x) for x in parts[1:])
         except ValueError:
-            raise ConfigError(
-                f"--variant {text!r}: QUERY, BLOCKS and SEQS must be integers"
-            ) from None
+            raise ConfigError(f"{flag} {text!r}: QUERY, BLOCKS and SEQS must be integers") from None
         return cls(kernel=parts[0], query_len=q, num_blocks=b, num_seqs=s)
 
 

@@ -132,4 +132,7 @@ def test_tune_rejects_variants_it_cannot_tune(tiny_model, tmp_path):
     proc = run_cli("tune", *tiny_args(tiny_model), "--variants", "batched_decode:1:3:4",
                    "--out", tmp_path / "t.json", "--cache-dir", tmp_path / "c")  # fmt: skip
     assert proc.returncode == 2 and "not a variant of the plan" in proc.stderr
+    proc = run_cli("tune", *tiny_args(tiny_model), "--variants", "foo",
+                   "--out", tmp_path / "t.json", "--cache-dir", tmp_path / "c")  # fmt: skip
+    assert proc.returncode == 2 and "--variants 'foo': expected KERNEL:QUERY" in proc.stderr
     assert not (tmp_path / "t.json").exists()

@@ -518,7 +518,9 @@ def cmd_tune(args) -> int:
     cfg = config_from_args(args)
     if args.jobs < 1:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
-    variants = [KernelVariant.parse(t) for a in args.variants for t in a.split(",") if t]
+    variants = [
+        KernelVariant.parse(t, "--variants") for a in args.variants for t in a.split(",") if t
+    ]
     settings = TuneSettings(
         num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits", "1,2,4"),
         chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split", "1,2,4"),
