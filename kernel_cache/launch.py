@@ -483,17 +483,20 @@ class Resolver:
                 )
         return found
 
-    def sources(self, device_arch: str) -> str:
-        """One line naming the sources consulted, for the log."""
+    def sources(self, device_arch: str, used: Mapping[str, int] | None = None) -> str:
+        """One line naming the sources consulted, for the log; with ``used``
+        (``{source: variants it set}``), how many of a table's entries this plan
+        used, so an override entry that matches no variant shows."""
+
+        def n(table, source):
+            u = f", {used.get(source, 0)} used by this plan" if used is not None else ""
+            return f"{table.origin} ({len(table)} entries{u})"
+
         o = self.override
-        parts = [
-            f"{o.origin} ({len(o)} entries)" if o is not None else f"{ENV_TUNING} unset",
-        ]
+        parts = [n(o, OVERRIDE) if o is not None else f"{ENV_TUNING} unset"]
         b = self.bundled(device_arch)
         parts.append(
-            f"{b.origin} ({len(b)} entries)"
-            if b is not None
-            else f"no bundled table for {arch_family(device_arch)}"
+            n(b, BUNDLED) if b is not None else f"no bundled table for {arch_family(device_arch)}"
         )
         return "; ".join(parts)
 
@@ -515,8 +518,16 @@ def resolve_plan(
     """
     resolver = Resolver() if resolver is None else resolver
     out = {v: resolver.resolve(config, v, device_arch) for v in variants}
-    (logger or log).info("%s", format_plan(out, resolver.sources(device_arch)))
+    (logger or log).info("%s", format_plan(out, resolver.sources(device_arch, source_counts(out))))
     return out
+
+
+def source_counts(resolved: Mapping[KernelVariant, Resolved]) -> dict[str, int]:
+    """``{source: number of variants it set}`` for :meth:`Resolver.sources`."""
+    used: dict[str, int] = {}
+    for r in resolved.values():
+        used[r.source] = used.get(r.source, 0) + 1
+    return used
 
 
 def format_plan(resolved: Mapping[KernelVariant, Resolved], sources: str = "") -> str:

@@ -236,6 +236,13 @@ def test_resolve_plan_logs_one_compact_table(caplog, tiny_config):
     assert "batched_decode:1:2:4  env" in text
     assert f"{len(plan) - 1} variant(s) at defaults" in text
     assert [v for v, r in out.items() if r.source != "default"] == [D8]
+    assert "(1 entries, 1 used by this plan)" in text
+    # an entry for a bucket the plan does not have shows as unused
+    res = Resolver({ENV_TUNING: json.dumps(table(entry(num_blocks=7)))}, "/nonexistent")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kernel_cache.launch"):
+        resolve_plan(tiny_config, plan, ARCH, resolver=res)
+    assert "(1 entries, 0 used by this plan)" in caplog.records[-1].getMessage()
 
 
 def test_one_entry_changes_exactly_one_key(monkeypatch, tiny_config):

@@ -159,13 +159,14 @@ def _plan_launch(cfg, bucketer):
     import torch
 
     from kernel_cache.keys import device_arch
-    from kernel_cache.launch import Resolver
+    from kernel_cache.launch import Resolver, source_counts
 
     resolver = Resolver()  # validates KERNEL_CACHE_TUNING even where nothing resolves
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return None
     arch = device_arch(cfg.device)
-    return {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}, resolver.sources(arch)
+    resolved = {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}
+    return resolved, resolver.sources(arch, source_counts(resolved))
 
 
 def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
