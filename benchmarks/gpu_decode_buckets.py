@@ -27,11 +27,20 @@ CC BY 4.0 ("Splitwise", ISCA 2024). Writes ``gpu_decode_buckets.json`` to ``--ou
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import random
 import statistics
+import sys
 
 import torch
+
+if importlib.util.find_spec("triton") is None:  # before the imports that need it
+    sys.exit(
+        f"{sys.argv[0]}: needs a CUDA GPU and Triton (this torch has no Triton); "
+        "run it on the GPU machine: bash benchmarks/gpu_run.sh bench"
+    )
+
 from gpu_common import GRANITE, ROOT, device_info, time_cuda, write_json
 
 from kernel_cache import make_config

@@ -24,10 +24,19 @@ Writes ``gpu_kernel.json`` to ``--out``; prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import math
+import sys
 
 import torch
+
+if importlib.util.find_spec("triton") is None:  # before the imports that need it
+    sys.exit(
+        f"{sys.argv[0]}: needs a CUDA GPU and Triton (this torch has no Triton); "
+        "run it on the GPU machine: bash benchmarks/gpu_run.sh bench"
+    )
+
 from gpu_common import (
     GRANITE,
     copy_bandwidth,
