@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,6 +61,27 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_warned_paths: set[str] = set()
+
+
+def _warn_if_shared(path: str) -> None:
+    """Warn once per file when the key file is readable by group or others:
+    whoever can read the secret can sign artifacts the fleet will load."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077 and path not in _warned_paths:
+        _warned_paths.add(path)
+        logging.getLogger("kernel_cache").warning(
+            "%s=%s is readable by group or others (mode %04o): anyone who can read "
+            "it can sign artifacts; chmod 600 it",
+            ENV_SIGNING_KEY_FILE,
+            path,
+            mode,
+        )
+
+
 def load_signing_key(
     environ: Mapping[str, str] | None = None, *, required: bool | None = None
 ) -> bytes | None:
@@ -91,6 +113,7 @@ def load_signing_key(
                 "point it at a readable file holding the secret"
             ) from None
         source = f"{ENV_SIGNING_KEY_FILE}={path}"
+        _warn_if_shared(path)
     elif value:
         secret = value.encode()
         source = ENV_SIGNING_KEY

@@ -63,7 +63,20 @@ def test_key_from_env_or_file(tmp_path):
     assert load_signing_key({ENV_SIGNING_KEY: SECRET.decode()}) == SECRET
     f = tmp_path / "key"
     f.write_bytes(SECRET + b"\n")
+    f.chmod(0o600)
     assert load_signing_key({ENV_SIGNING_KEY_FILE: str(f)}) == SECRET
+
+
+def test_a_key_file_others_can_read_is_warned_about_once(tmp_path, caplog):
+    f = tmp_path / "shared-key"
+    f.write_bytes(SECRET)
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        for _ in range(3):
+            assert load_signing_key({ENV_SIGNING_KEY_FILE: str(f)}) == SECRET
+    msgs = [r.getMessage() for r in caplog.records]
+    warned = [m for m in msgs if "readable by group or others" in m]
+    assert len(warned) == 1 and "mode 0644" in warned[0] and "chmod 600" in warned[0]
 
 
 @pytest.mark.parametrize(
