@@ -132,6 +132,12 @@ def fetch_entry(tiers: list[Tier], key: str):
     return None
 
 
+#: Block tables up to this many entries are range-checked with Python's max over
+#: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
+#: measured with benchmarks/dispatch.py); larger ones with numpy's.
+SMALL_TABLE = 256
+
+
 class _Slot:
     """One loaded variant with everything its calls reuse: the runner, the padded
     input buffers and views of them, made once (dispatch is a hot path: every
@@ -150,7 +156,7 @@ class _Slot:
         "lens_views",
         "bt_rows",
         "rows",
-        "bt_u32",
+        "bt_max",
     )
 
     def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device):
@@ -173,13 +179,21 @@ class _Slot:
         self.lens = self.lens_host if dev.type == "cpu" else self.lens_host.to(dev)
         self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
         self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
-        # On the CPU, btbuf seen as unsigned by numpy (shared memory): one max()
-        # finds an id >= the pool and a negative one (which wraps above 2**31).
-        self.bt_u32 = None
-        if dev.type == "cpu":
+        # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
+        # no copy): one max() finds an id >= the pool and a negative one (which
+        # wraps above 2**31). Python's max over a memoryview for small tables
+        # (about 2 us in a dispatch loop here), numpy's for large ones; None on CUDA.
+        self.bt_max = None
+        if dev.type == "cpu" and self.btbuf.numel():
+            import functools
+
             import numpy
 
-            self.bt_u32 = self.btbuf.numpy().view(numpy.uint32)
+            u32 = self.btbuf.numpy().view(numpy.uint32)
+            if u32.size <= SMALL_TABLE:
+                self.bt_max = functools.partial(max, memoryview(u32).cast("B").cast("I"))
+            else:
+                self.bt_max = u32.max
         self.rows: dict = {}  # num_seqs -> (qbuf[:num_seqs], btbuf[:num_seqs])
 
     def row_views(self, n: int):
@@ -226,7 +240,7 @@ class AttentionRuntime:
         self._kv_ok: tuple = (_dead_ref, _dead_ref)
         #: CPU only: check every block id against the pool before a kernel reads
         #: it (an id outside the pool aborts the process inside the kernel). One
-        #: reduction over the padded table: about 7-10 us of a decode call's host
+        #: reduction over the padded table: about 2 us of a decode call's host
         #: time here (docs/benchmarks.md, "Dispatch overhead"). An engine that
         #: builds its block tables itself may set it to False.
         self.check_block_ids = True
@@ -286,10 +300,10 @@ class AttentionRuntime:
         """On the CPU, every block id a kernel will read (the slot's padded block
         table) must lie in the pool: an out-of-range id would abort the process
         inside the kernel. On CUDA the table lives on the device and reading it
-        would synchronize: not checked (``slot.bt_u32`` is None)."""
-        u = slot.bt_u32
+        would synchronize: not checked (``slot.bt_max`` is None)."""
+        top = slot.bt_max
         pool = key_cache.shape[0]
-        if u is not None and u.size and int(u.max()) >= pool:
+        if top is not None and int(top()) >= pool:
             lo, hi = (int(x) for x in torch.aminmax(slot.btbuf))
             bad = lo if lo < 0 else hi
             raise ShapeError(
