@@ -166,6 +166,19 @@ def default_launch(
     return check_launch(kernel, num_blocks, values, "defaults")
 
 
+def variant_defaults(config: EngineConfig, variant: KernelVariant) -> dict[str, int]:
+    """:func:`default_launch` for ``variant`` of ``config``'s plan (its device,
+    batch bucket, KV heads and block size)."""
+    return default_launch(
+        variant.kernel,
+        variant.num_blocks,
+        device=config.device,
+        num_seqs=variant.num_seqs,
+        num_kv_heads=config.num_kv_heads,
+        block_size=config.block_size,
+    )
+
+
 def check_launch(kernel: str, num_blocks: int, values: Mapping, where: str) -> dict[str, int]:
     """Validate a (partial) launch config for one variant and fill in defaults.
 
@@ -460,17 +473,7 @@ class Resolver:
             if hit is not None:
                 found = Resolved(hit, BUNDLED)
         if found is None:
-            return Resolved(
-                default_launch(
-                    variant.kernel,
-                    variant.num_blocks,
-                    device=config.device,
-                    num_seqs=variant.num_seqs,
-                    num_kv_heads=config.num_kv_heads,
-                    block_size=config.block_size,
-                ),
-                DEFAULT,
-            )
+            return Resolved(variant_defaults(config, variant), DEFAULT)
         if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
             per_split = -(-variant.num_blocks // found.config["num_kv_splits"])
             if found.config["blocks_per_chunk"] != per_split:

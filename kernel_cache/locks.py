@@ -53,7 +53,8 @@ def lock_timeout_from_env() -> float:
     return value
 
 
-def _alive(pid: int) -> bool | None:
+def pid_alive(pid: int) -> bool | None:
+    """Whether process ``pid`` exists on this machine (None: cannot tell)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,7 +103,7 @@ class KeyLock:
         if not isinstance(rec, dict):
             return None
         if rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int):
-            rec["alive"] = _alive(rec["pid"])
+            rec["alive"] = pid_alive(rec["pid"])
         return rec
 
     def acquire(self, timeout: float) -> None:

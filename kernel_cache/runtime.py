@@ -44,16 +44,6 @@ _LOAD_PREFIX = "kernel_cache-load-"
 _load_dir: str | None = None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_own_load_dir(path: str, owner: int) -> None:
     if os.getpid() == owner:  # not in a forked child that inherited the handler
         shutil.rmtree(path, ignore_errors=True)
@@ -71,6 +61,8 @@ def load_dir() -> str:
     """
     global _load_dir
     if _load_dir is None:
+        from .locks import pid_alive
+
         base = tempfile.gettempdir()
         try:
             names = os.listdir(base)
@@ -78,7 +70,8 @@ def load_dir() -> str:
             names = []
         for name in names:
             m = re.fullmatch(re.escape(_LOAD_PREFIX) + r"(\d+)-\w+", name)
-            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            # pid_alive None (cannot tell): keep the directory
+            if m and int(m.group(1)) != os.getpid() and pid_alive(int(m.group(1))) is False:
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         _load_dir = tempfile.mkdtemp(prefix=f"{_LOAD_PREFIX}{os.getpid()}-", dir=base)
         atexit.register(_remove_own_load_dir, _load_dir, os.getpid())

@@ -55,7 +55,12 @@ from kernel_cache.buckets import BATCHED_DECODE, Bucketer, KernelVariant
 from kernel_cache.config import EngineConfig, config_to_cli
 from kernel_cache.errors import CompileError, ConfigError, CorruptEntryError
 from kernel_cache.keys import CacheKey, build_key, environment
-from kernel_cache.launch import TABLE_FORMAT, arch_family, check_launch, default_launch
+from kernel_cache.launch import (
+    TABLE_FORMAT,
+    arch_family,
+    check_launch,
+    variant_defaults,
+)
 from kernel_cache.store import DiskTier, make_meta, verify_entry
 
 TUNE_FORMAT = "kc-tune1"
@@ -100,28 +105,14 @@ class TuneSettings(BaseModel):
                 raise ConfigError(f"{name} {vals}: a list of integers >= 1")
 
 
-def candidates(
-    variant: KernelVariant, settings: TuneSettings, config: EngineConfig | None = None
-) -> list[dict]:
+def candidates(variant: KernelVariant, settings: TuneSettings, config: EngineConfig) -> list[dict]:
     """The launch configs tried for ``variant``, defaults first, no duplicates.
 
     On CUDA (``config.device``) the Triton kernel takes only ``num_kv_splits``:
     one candidate per split count, ``--chunks-per-split`` is not used."""
     nb = variant.num_blocks
-    cuda = config is not None and config.device == "cuda"
-    if cuda:
-        out = [
-            default_launch(
-                variant.kernel,
-                nb,
-                device="cuda",
-                num_seqs=variant.num_seqs,
-                num_kv_heads=config.num_kv_heads,
-                block_size=config.block_size,
-            )
-        ]
-    else:
-        out = [default_launch(variant.kernel, nb)]
+    cuda = config.device == "cuda"
+    out = [variant_defaults(config, variant)]
     seen = {json.dumps(out[0], sort_keys=True)}
     for splits in sorted(set(settings.num_kv_splits)):
         if splits > nb:
