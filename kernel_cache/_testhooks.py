@@ -10,6 +10,11 @@ these variables; every hook is a dictionary lookup when unset.
 - ``KERNEL_CACHE_TEST_FAULT=enospc@point``: raise ``OSError(ENOSPC)`` at the
   point (where a real small tmpfs cannot be mounted).
 
+- ``KERNEL_CACHE_TEST_COMPILE_LOG=path``: every run of the compiler appends
+  one line (``pid variant``) to that file (``O_APPEND``: lines from
+  concurrent processes never interleave), so a test counts compiles without
+  trusting warmup's own report.
+
 Points: ``compile`` (between ``torch.export`` and AOTInductor, the lock held),
 ``publish-write`` (half of the artifact file written, inside the index
 transaction), ``publish-commit`` (both rows written, before ``COMMIT``).
@@ -24,6 +29,18 @@ import time
 PAUSE_ENV = "KERNEL_CACHE_TEST_PAUSE_AT"
 MARKER_ENV = "KERNEL_CACHE_TEST_PAUSE_MARKER"
 FAULT_ENV = "KERNEL_CACHE_TEST_FAULT"
+COMPILE_LOG_ENV = "KERNEL_CACHE_TEST_COMPILE_LOG"
+
+
+def record_compile(variant: str) -> None:
+    """Append ``pid variant`` to ``KERNEL_CACHE_TEST_COMPILE_LOG`` when a test set it."""
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{os.getpid()} {variant}\n".encode())
+        finally:
+            os.close(fd)
 
 
 def hook(point: str) -> None:

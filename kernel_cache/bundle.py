@@ -210,7 +210,7 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
             "choose a new directory (a bundle is never overwritten in place)"
         )
     bucketer = Bucketer(config)
-    env = environment(config.device)
+    env = environment(config)
     lookup = Lookup(tiers)
     found, missing, corrupt = [], [], []
     for v in bucketer.variants:

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .recipe import CPU_TARGET_NAMES, DEFAULT_CPU_TARGET
 
 #: dtypes a variant can be compiled for. ``float32`` is the CPU default,
 #: ``bfloat16`` the CUDA default.
@@ -127,6 +128,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     device: Literal["cpu", "cuda"] = "cpu"
+    #: CPU artifacts' instruction-set target (``--cpu-target``): an x86-64 level
+    #: or ``native`` (:data:`kernel_cache.recipe.CPU_TARGETS`). Part of the key.
+    cpu_target: str = DEFAULT_CPU_TARGET
     kv_ladder: Literal["4/3", "pow2"] = "4/3"
     kv_dense_cap: int = 4096
     query_step: int = 512
@@ -150,6 +154,13 @@ class EngineConfig(BaseModel):
     def _positive(cls, v: int, info):
         if v < 1:
             raise ValueError(f"{info.field_name} must be an integer >= 1, got {v}")
+        return v
+
+    @field_validator("cpu_target")
+    @classmethod
+    def _cpu_target(cls, v: str):
+        if v not in CPU_TARGET_NAMES:
+            raise ValueError(f"cpu_target must be one of {', '.join(CPU_TARGET_NAMES)}, got {v!r}")
         return v
 
     @field_validator("kv_dense_cap")
@@ -315,6 +326,7 @@ _CLI_FIELDS = (
     ("max_num_batched_tokens", "--max-num-batched-tokens"),
     ("dtype", "--dtype"),
     ("device", "--device"),
+    ("cpu_target", "--cpu-target"),
     ("kv_ladder", "--kv-ladder"),
     ("kv_dense_cap", "--kv-dense-cap"),
     ("query_step", "--query-step"),

@@ -66,7 +66,7 @@ def explain(
     components taken from the record), "reason" (corrupt), "nearest": [{"variant",
     "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
     """
-    env = environment(config.device)
+    env = environment(config)
     wanted = list(Bucketer(config).variants) if variants is None else list(variants)
     lookup = Lookup(tiers)
     stored = [(t.location, m) for t in tiers for m in t.iter_meta()]

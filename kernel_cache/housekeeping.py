@@ -125,7 +125,7 @@ def plan_digests(config) -> set[str]:
     from .buckets import Bucketer
     from .keys import build_key, environment
 
-    env = environment(config.device)
+    env = environment(config)
     return {build_key(config, v, env).runtime_digest for v in Bucketer(config).variants}
 
 

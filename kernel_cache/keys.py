@@ -6,13 +6,19 @@ component (``kernel-cache explain``). The idea follows JAX's
 ``jax/_src/cache_key.py``; the code is ours.
 
 What counts (:data:`COMPONENTS`, in order): the artifact format version, the
-kernel source, the variant, its resolved launch config (defaults written out;
-:mod:`kernel_cache.launch`), the geometry, the dtype, the device type and
-architecture, the torch, Python and C++ compiler versions, and the compile
-options.
+sources (every project file the compile path imports, found by code:
+:func:`source_files`), the variant, its resolved launch config (defaults
+written out; :mod:`kernel_cache.launch`), the geometry, the dtype, the device
+type and architecture (on the CPU, the instruction-set target:
+:mod:`kernel_cache.recipe`), the torch, Python and C++ compiler versions, and
+the compile options.
 
-What must not count (:data:`EXCLUDED`): anything that changes between the
-machine that warms and the pods that load, without changing the code.
+What is pinned and what is ignored: the environment variables torch.export,
+Inductor, Triton and the C++ compiler read are listed, each with its reason, in
+:data:`kernel_cache.recipe.ENV_RULES`; warmup compiles in a worker whose
+environment that list has cleaned. :data:`EXCLUDED` lists what must not count:
+anything that changes between the machine that warms and the pods that load,
+without changing the code.
 
 The ``cxx`` component names the C++ compiler AOTInductor runs (``$CXX``, else
 ``g++``), its build and the C++ runtime library it links against, e.g.
@@ -20,8 +26,8 @@ The ``cxx`` component names the C++ compiler AOTInductor runs (``$CXX``, else
 (build DIGEST); libstdc++ LIBVERSION``, ``"none"`` where no compiler is
 installed; see :func:`cxx_toolchain`). They count because a package's
 ``wrapper.so`` is native code that another toolchain can make crash on load
-(seen on an H200 image with ``CXX=/opt/gcc/bin/g++``: SIGSEGV in
-``std::regex``, issue 7; warmup also loads every new artifact once in a fresh
+(seen on a CUDA image with ``CXX=/opt/gcc/bin/g++``: SIGSEGV in
+``std::regex``; warmup also loads every new artifact once in a fresh
 process before publishing it, see :mod:`warmup.loadcheck`). The name ``cxx`` is
 stable (a build-only component, below).
 
@@ -35,7 +41,7 @@ whose every *other* component equals its own (the runtime digest,
 :attr:`CacheKey.runtime_digest`), taking the build-only values the entry
 records and logging them. Every other component is computed at runtime and
 must match: ``compile_options`` included, since the options are fixed by the
-installed code (:data:`COMPILE_OPTIONS`), so a runtime computes them exactly
+installed code (:func:`kernel_cache.recipe.compile_options`), so a runtime computes them exactly
 and a release that changes an option misses.
 
 What accepting ``cxx`` does not cover: an artifact built against another C++
@@ -55,7 +61,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -65,23 +70,15 @@ from pathlib import Path
 
 from .buckets import KernelVariant
 from .config import EngineConfig
+from .recipe import DEFAULT_CPU_TARGET, compile_options, device_arch
 
-#: Bump when the stored layout (bytes + metadata schema) changes.
-ARTIFACT_FORMAT = "kc1"
-
-#: Inductor options every variant is compiled with (passed to
-#: ``aoti_compile_and_package(inductor_configs=...)``). Part of the key.
-#:
-#: ``aot_inductor.enable_line_tables: False`` drops the ``-g1`` line tables
-#: from the compiled ``.so``: measured here (torch 2.13, gcc 12, CPU, see
-#: docs/benchmarks.md) the package shrinks from 1.63 MB to 0.47 MB, verifying
-#: and loading a variant at engine start takes half the CPU time, the machine
-#: code is identical (same disassembly) and compile time is unchanged.
-COMPILE_OPTIONS: dict = {"aot_inductor.enable_line_tables": False}
+#: Bump when the stored layout (bytes + metadata schema) or the way a key is
+#: computed changes; entries of another format simply miss.
+ARTIFACT_FORMAT = "kc2"
 
 COMPONENTS = (
     "format",
-    "kernel_source",
+    "sources",
     "variant",
     "launch_config",
     "geometry",
@@ -109,22 +106,108 @@ EXCLUDED = {
     "max_model_len, max_num_seqs, max_num_batched_tokens": "they choose which variants exist, "
     "not how one variant compiles",
     "timestamps, compile seconds": "metadata, not identity",
+    "environment variables not in recipe.ENV_RULES as 'counts'": "pinned by warmup or unable "
+    "to change the code (the reason of each rule)",
 }
 
-# inputs.py holds the example inputs export traces with; its bytes count too.
-# triton_decode.py is the CUDA batched_decode kernel (warmup/compiler.module_for).
-_KERNEL_FILES = ("kernels.py", "inputs.py", "triton_decode.py")
+#: Where the compile path starts: the module that exports and compiles a
+#: variant. :func:`source_files` follows its imports, function-level ones
+#: included, through these top-level packages.
+COMPILE_ROOTS = ("warmup.compiler",)
+HASHED_PACKAGES = ("kernel_cache", "warmup")
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of module ``name`` inside :data:`HASHED_PACKAGES`,
+    found without importing it (nor its package); None if there is none."""
+    import importlib.util
+
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level lookup executes nothing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Module names ``path`` (module ``module``) imports anywhere in its body,
+    relative imports resolved; ``from X import Y`` yields X and X.Y."""
+    import ast
+
+    tree = ast.parse(path.read_bytes(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
 
 
 @functools.cache
-def kernel_source_hash() -> str:
-    """sha256 of the kernel source files' bytes (:data:`_KERNEL_FILES`:
-    ``kernels.py``, ``inputs.py`` and ``triton_decode.py``, the CUDA decode kernel)."""
-    h = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in _KERNEL_FILES:
-        h.update(name.encode() + b"\0" + (here / name).read_bytes())
-    return h.hexdigest()
+def source_files(roots: tuple[str, ...] = COMPILE_ROOTS) -> dict[str, str]:
+    """Every source file of :data:`HASHED_PACKAGES` the compile path can run:
+    ``roots`` and, transitively, what they import (function-level imports
+    included), as ``{"warmup/compiler.py": sha256 hex (16 chars)}`` sorted by path.
+
+    The set is found by reading the code (``ast``), not kept by hand, so a new
+    helper module a kernel imports is covered by the next build. A test runs a
+    compile under a profiler and checks that every project file it executed is
+    in this set.
+
+    Raises:
+        ConfigError: a root module cannot be found (e.g. ``warmup`` is not installed).
+    """
+    found: dict[str, str] = {}
+    todo = list(roots)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name.split(".")[0] not in HASHED_PACKAGES:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            if name in roots:
+                from .errors import ConfigError
+
+                raise ConfigError(
+                    f"cannot find module {name!r}, whose sources are part of every cache key; "
+                    "install kernel-cache whole (kernel_cache and warmup)"
+                )
+            continue  # "from pkg import name" where name is not a module
+        rel = f"{name.split('.')[0]}/{path.relative_to(_module_file(name.split('.')[0]).parent)}"
+        found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        parents = name.split(".")
+        # A package's __init__ runs before its modules: its bytes count, but its
+        # imports are re-exports, followed only where a module of the compile
+        # path imports them itself.
+        for i in range(1, len(parents)):
+            init = _module_file(".".join(parents[:i]))
+            if init is not None:
+                rel_init = f"{parents[0]}/{init.relative_to(_module_file(parents[0]).parent)}"
+                found[rel_init] = hashlib.sha256(init.read_bytes()).hexdigest()[:16]
+        if path.name != "__init__.py" or name in roots:
+            todo.extend(_imports(path, name))
+    return dict(sorted(found.items()))
+
+
+def sources_component(roots: tuple[str, ...] = COMPILE_ROOTS) -> str:
+    """The ``sources`` key component: :func:`source_files` as compact JSON, so a
+    stored entry records which file changed (``kernel-cache explain``)."""
+    return json.dumps(source_files(roots), separators=(",", ":"))
 
 
 def cxx_executable() -> str | None:
@@ -227,52 +310,22 @@ def cxx_compiler_id() -> str:
     return f"{t['compiler']} (build {t['build']}); libstdc++ {t['libstdcxx']}"
 
 
-@functools.cache
-def device_arch(device: str) -> str:
-    """CPU: ``x86_64/AVX2`` (machine and the ISA torch dispatches to).
-    CUDA: ``sm_90 cuda 13.0 triton 3.6.0``; never the device index.
+def _target_of(config_or_device) -> tuple[str, str]:
+    if isinstance(config_or_device, str):
+        return config_or_device, DEFAULT_CPU_TARGET
+    return config_or_device.device, config_or_device.cpu_target
 
-    Raises:
-        ConfigError: ``cuda`` without a usable GPU (a CPU-only torch build or no
-            visible device), or an unknown device.
-    """
+
+def environment(config_or_device) -> dict[str, str]:
+    """The environment components of a key, as strings, for an
+    :class:`EngineConfig` (its device and CPU target) or a device name (the
+    default CPU target)."""
     import torch
 
-    if device == "cpu":
-        return f"{platform.machine()}/{torch.backends.cpu.get_cpu_capability()}"
-    if device == "cuda":
-        from importlib.metadata import PackageNotFoundError, version
-
-        if not torch.cuda.is_available():
-            from .errors import ConfigError
-
-            why = (
-                f"this torch ({torch.__version__}) is a CPU-only build"
-                if torch.version.cuda is None
-                else f"no CUDA device is visible (torch {torch.__version__}, CUDA "
-                f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
-            )
-            raise ConfigError(
-                f"device='cuda': {why}; run on a machine with a GPU and a CUDA build of "
-                "torch, or use --device cpu"
-            )
-        major, minor = torch.cuda.get_device_capability()
-        try:
-            triton = version("triton")
-        except PackageNotFoundError:
-            triton = "none"
-        return f"sm_{major}{minor} cuda {torch.version.cuda} triton {triton}"
-    raise ValueError(f"device={device!r}; accepted values: cpu, cuda")
-
-
-def environment(device: str) -> dict[str, str]:
-    """The environment components of a key, as strings."""
-    import torch
-
+    device, target = _target_of(config_or_device)
     return {
         "device": device,
-        "device_arch": device_arch(device),
+        "device_arch": device_arch(device, target),
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "cxx": cxx_compiler_id(),
@@ -336,6 +389,12 @@ class CacheKey:
         return {n: _digest(v)[:16] for n, v in self.components}
 
 
+def recipe_options(config: EngineConfig) -> dict:
+    """The Inductor options ``config``'s variants compile with
+    (:func:`kernel_cache.recipe.compile_options`)."""
+    return compile_options(config.device, config.cpu_target)
+
+
 def build_key(
     config: EngineConfig,
     variant: KernelVariant,
@@ -351,15 +410,15 @@ def build_key(
     config (:func:`kernel_cache.launch.resolve_plan`); when None it is resolved
     here (``KERNEL_CACHE_TUNING`` > bundled table > defaults).
     """
-    env = environment(config.device) if env is None else env
+    env = environment(config) if env is None else env
     if launch is None:
         from .launch import launch_for
 
         launch = launch_for(config, variant, env["device_arch"])
-    opts = COMPILE_OPTIONS if compile_options is None else compile_options
+    opts = recipe_options(config) if compile_options is None else compile_options
     values = {
         "format": ARTIFACT_FORMAT,
-        "kernel_source": kernel_source_hash(),
+        "sources": sources_component(),
         "variant": str(variant),
         "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
         "geometry": json.dumps(config.geometry(), sort_keys=True),

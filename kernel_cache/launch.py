@@ -10,7 +10,7 @@ such settings up per shape in a table; so does this module.
 num_kv_heads, num_seqs, num_blocks, device architecture)``, where ``num_seqs``
 and ``num_blocks`` are the variant's buckets (sequences, KV blocks) and the
 device architecture is :func:`arch_family` of :func:`kernel_cache.keys.device_arch`
-(``x86_64/AVX2`` on a CPU, ``sm_90`` on an H200).
+(``x86_64/x86-64-v3`` on a CPU, ``sm_90`` on an H200).
 
 **Resolution**, per variant, the first source that has an entry wins (the whole
 entry; fields it omits take their defaults):
@@ -18,7 +18,7 @@ entry; fields it omits take their defaults):
 1. ``KERNEL_CACHE_TUNING``: a path to a JSON table, or the JSON text itself
    (a value starting with ``{``).
 2. The bundled table of this device architecture, shipped as package data:
-   ``kernel_cache/launch_tables/<arch>.json`` (``x86_64-AVX2.json``,
+   ``kernel_cache/launch_tables/<arch>.json`` (``x86_64-x86-64-v3.json``,
    ``sm_90.json``; see :func:`table_filename`).
 3. The defaults (:func:`default_launch`): on the CPU ``num_kv_splits = 1`` and
    ``blocks_per_chunk = num_blocks``, today's single-pass kernel exactly; on
@@ -40,12 +40,12 @@ once as a compact table (logger ``kernel_cache.launch``, INFO).
 **Table format** (what ``kernel-cache tune --out`` writes)::
 
     {"format": "kernel-cache-launch/1",
-     "device_arch": "x86_64/AVX2",            # optional in KERNEL_CACHE_TUNING
+     "device_arch": "x86_64/x86-64-v3",            # optional in KERNEL_CACHE_TUNING
      "about": {...},                           # optional, free-form provenance
      "entries": [
        {"kernel": "batched_decode", "head_dim": 128, "num_queries_per_kv": 4,
         "num_kv_heads": 8, "num_seqs": 8, "num_blocks": 32,
-        "device_arch": "x86_64/AVX2",          # optional, overrides the table's
+        "device_arch": "x86_64/x86-64-v3",          # optional, overrides the table's
         "config": {"blocks_per_chunk": 8, "num_kv_splits": 2},
         "measured": {...}}                     # optional, free-form
      ]}
@@ -130,13 +130,13 @@ def arch_family(device_arch: str) -> str:
 
     ``"sm_90 cuda 13.0 triton 3.6.0"`` → ``"sm_90"`` (the compute capability: a
     table measured on an H200 holds across CUDA and Triton versions, which the
-    cache key tracks on its own); ``"x86_64/AVX2"`` is kept whole.
+    cache key tracks on its own); ``"x86_64/x86-64-v3"`` is kept whole.
     """
     return device_arch.split()[0] if device_arch.strip() else device_arch
 
 
 def table_filename(device_arch: str) -> str:
-    """The bundled table's file name: ``"x86_64/AVX2"`` → ``"x86_64-AVX2.json"``,
+    """The bundled table's file name: ``"x86_64/x86-64-v3"`` → ``"x86_64-x86-64-v3.json"``,
     ``"sm_90 cuda 13.0 triton 3.6.0"`` → ``"sm_90.json"``."""
     return re.sub(r"[^A-Za-z0-9_.]+", "-", arch_family(device_arch)) + ".json"
 

@@ -20,8 +20,9 @@ also pass :func:`kernel_cache.signing.check_untrusted` (its signature, when a
 signing key is set). One that fails is logged as rejected and never returned;
 a tier whose ``corrupt_is_miss`` is True (Redis: a shared cache that warmup
 repairs) then counts as a miss and the lookup goes on, other tiers raise. A hit
-of a tier with ``promote_into`` set (Redis) is copied there (the local disk
-cache), so the next lookup finds it locally.
+is copied into the lookup's ``promote_into`` tier (warmup: the local disk
+cache), else into its own tier's ``promote_into`` (engine start sets Redis's to
+the local cache), so the next lookup finds it locally.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class Lookup:
     variants, so a plan that hits exactly never lists a tier.
     """
 
-    def __init__(self, tiers: list[Tier], *, exact: bool = False):
+    def __init__(self, tiers: list[Tier], *, exact: bool = False, promote_into: Tier | None = None):
         self.tiers = list(tiers)
+        self.promote_into = promote_into
         self.exact = exact  # True: exact keys only (warmup), no compatible entries
         #: entries of untrusted tiers the last :meth:`find` rejected (and skipped)
         self.rejected: list[CorruptEntryError] = []
@@ -106,8 +108,9 @@ class Lookup:
                     continue
                 raise
             if found is not None:
-                target, e = tier.promote_into, found.entry
-                if target is not None:
+                target = self.promote_into or tier.promote_into
+                e = found.entry
+                if target is not None and target is not tier:
                     try:
                         target.put(e.key, e.data, e.meta)
                     except Exception as err:  # an unwritable or full cache must not stop it

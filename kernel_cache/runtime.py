@@ -595,7 +595,7 @@ def load_plan(
         if tiers is None
         else tiers
     )
-    env = environment(config.device)
+    env = environment(config)
     lookup = Lookup(tiers)
     launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     runners, missing = {}, []

@@ -67,7 +67,7 @@ def verify_plan(
         if tiers is None
         else tiers
     )
-    env = environment(config.device)
+    env = environment(config)
     lookup = Lookup(tiers)
     launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     modules = {}

@@ -14,12 +14,14 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from kernel_cache.buckets import Bucketer, parse_bucket_list
 from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.launch import describe_plan, format_plan
+from kernel_cache.recipe import CPU_TARGET_NAMES, DEFAULT_CPU_TARGET
 from kernel_cache.store import default_cache_dir
 
 
@@ -47,6 +49,12 @@ def engine_options(p: argparse.ArgumentParser) -> None:
         help="float32 | bfloat16 | float16 (default float32 on cpu, bfloat16 on cuda)",
     )
     g.add_argument("--device", default=DEFAULT_ENGINE["device"], help="cpu | cuda")
+    g.add_argument(
+        "--cpu-target",
+        default=DEFAULT_CPU_TARGET,
+        help=f"instruction set of CPU artifacts: {' | '.join(CPU_TARGET_NAMES)} (default "
+        f"{DEFAULT_CPU_TARGET}; native: this CPU's, runs only on CPUs with the same features)",
+    )
     g.add_argument("--kv-ladder", default="4/3", help="4/3 | pow2")
     g.add_argument(
         "--kv-dense-cap", type=int, default=4096, help="tokens; 0 means no cap (4/3 ladder)"
@@ -96,6 +104,7 @@ def config_from_args(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
         device=args.device,
+        cpu_target=args.cpu_target,
         kv_ladder=args.kv_ladder,
         kv_dense_cap=args.kv_dense_cap,
         query_step=args.query_step,
@@ -164,7 +173,7 @@ def _plan_launch(cfg, bucketer):
     resolver = Resolver()  # validates KERNEL_CACHE_TUNING even where nothing resolves
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return None
-    arch = device_arch(cfg.device)
+    arch = device_arch(cfg.device, cfg.cpu_target)
     resolved = {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}
     return resolved, resolver.sources(arch, source_counts(resolved))
 
@@ -217,7 +226,7 @@ def _remote_settings(args):
 
 def cmd_warmup(args) -> int:
     from kernel_cache.signing import load_signing_key
-    from warmup.planner import warmup
+    from warmup.planner import WarmupInterrupted, warmup
     from warmup.shard import parse_shard, shard_costs, split_plan
 
     cfg = config_from_args(args)
@@ -241,17 +250,28 @@ def cmd_warmup(args) -> int:
             "variants": [str(v) for v in variants],
             "expected_compile_s": shard_costs(cfg, shards)[index],
         }
-    report = warmup(
-        cfg,
-        _cache_dir(args),
-        jobs=args.jobs,
-        progress=not args.json,
-        variants=variants,
-        max_size=max_size,
-        lock_timeout=args.lock_timeout,
-        allow_shared_dir=args.insecure_allow_shared_dir or None,
-        remote=remote,
-    )
+    try:
+        report = warmup(
+            cfg,
+            _cache_dir(args),
+            jobs=args.jobs,
+            progress=not args.quiet,
+            variants=variants,
+            max_size=max_size,
+            lock_timeout=args.lock_timeout,
+            allow_shared_dir=args.insecure_allow_shared_dir or None,
+            remote=remote,
+        )
+    except WarmupInterrupted as e:
+        r = e.report
+        print(
+            f"kernel-cache warmup: {e}; a second warmup compiles only the "
+            f"{r['not_started'] + len(r['failed'])} left",
+            file=sys.stderr,
+        )
+        if args.json:
+            print(json.dumps({**r, "interrupted": signal.Signals(e.signum).name}, indent=2))
+        return 128 + e.signum
     report["shard"] = shard
     if args.json:
         print(json.dumps({k: v for k, v in report.items()}, indent=2))
@@ -370,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(env KERNEL_CACHE_LOCK_TIMEOUT, default 900)",
     )
     sw.add_argument("--json", action="store_true")
+    sw.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (by default a progress bar in a terminal, one line per "
+        "variant otherwise)",
+    )
     trust_option(sw)
     fleet_options(sw, warmup=True)
     sw.set_defaults(func=cmd_warmup)

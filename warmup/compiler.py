@@ -1,7 +1,13 @@
 """Compile one variant: ``torch.export`` then AOTInductor into a ``.pt2`` package.
 
 This is the only module of the project that imports torch's compile stack, and
-it does so lazily, inside :func:`compile_variant`.
+it does so lazily, inside :func:`compile_variant`. It is the root of the
+``sources`` key component (:func:`kernel_cache.keys.source_files`): it and
+every project module it imports are hashed into every key, so an edit to the
+recipe below misses every cached artifact. The options and the environment a
+compile runs under are declared in :mod:`kernel_cache.recipe`; the worker
+process that calls :func:`compile_variant` has already applied
+:func:`kernel_cache.recipe.compile_environment` (:func:`pin_environment`).
 """
 
 from __future__ import annotations
@@ -18,8 +24,49 @@ from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.inputs import make_inputs
 from kernel_cache.kernels import build_module
-from kernel_cache.keys import COMPILE_OPTIONS, device_arch
 from kernel_cache.launch import launch_for
+from kernel_cache.recipe import (
+    BASE_OPTIONS,
+    NATIVE,
+    PINNED,
+    classify,
+    compile_environment,
+    compile_options,
+    cpu_features,
+    device_arch,
+    resolve_cpu_target,
+)
+
+#: Modules that read the pinned environment variables when first imported.
+_READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
+
+
+def pin_environment(device: str, cpu_target: str, scratch: str | None = None) -> None:
+    """Replace this process's environment with the recipe's
+    (:func:`kernel_cache.recipe.compile_environment`). Called first thing in a
+    compile worker, before torch's compile stack is imported.
+
+    Raises:
+        ConfigError: the compile stack was imported already with a pinned
+            variable set (the variable's value is baked into Inductor's config),
+            or an unusable ``cpu_target``.
+    """
+    import sys
+
+    from kernel_cache.errors import ConfigError
+
+    env = compile_environment(os.environ, device, cpu_target, scratch)
+    stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
+    dirty = sorted(
+        k for k in os.environ if classify(k).action == PINNED and env.get(k) != os.environ[k]
+    )
+    if stale and dirty:
+        raise ConfigError(
+            f"cannot pin the compile environment: {', '.join(stale)} was imported with "
+            f"{', '.join(dirty)} set; compile in a worker process (--jobs 1 or more) or unset them"
+        )
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
@@ -38,6 +85,32 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
         ).eval()
     c = config
     return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
+
+
+def required_cpu_features(config: EngineConfig) -> list[str]:
+    """The ``/proc/cpuinfo`` flags a CPU artifact of ``config`` may use (recorded
+    in its metadata; engine start refuses it on a CPU that lacks one); [] on CUDA."""
+    if config.device != "cpu":
+        return []
+    target = resolve_cpu_target(config.cpu_target)
+    return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
+
+
+def _check_vec_isa(config: EngineConfig) -> None:
+    """Inductor's chosen vector ISA must be the target's (it follows
+    ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`)."""
+    target = resolve_cpu_target(config.cpu_target)
+    if config.device != "cpu" or target.capability is None:
+        return
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    chosen = str(pick_vec_isa())
+    want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
+    if chosen != want:
+        raise CompileError(
+            f"cpu_target={target.name}: Inductor chose the {chosen} vector ISA, not {want}; "
+            "was the compile environment pinned (warmup.compiler.pin_environment)?"
+        )
 
 
 def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
@@ -72,12 +145,14 @@ def _has_option(cfg, dotted: str) -> bool:
 def compile_variant(
     config: EngineConfig,
     variant: KernelVariant,
-    compile_options: dict | None = None,
+    compile_options_: dict | None = None,
     launch: dict | None = None,
 ) -> tuple[bytes, dict]:
     """Export and AOT-compile ``variant``; return the package bytes and timings.
 
-    ``launch`` is the variant's resolved launch config (the one in its key;
+    ``compile_options_``: the Inductor options (default: the recipe's,
+    :func:`kernel_cache.recipe.compile_options`). ``launch`` is the variant's
+    resolved launch config (the one in its key;
     :func:`kernel_cache.launch.resolve_plan`); None resolves it here.
 
     Returns:
@@ -92,23 +167,26 @@ def compile_variant(
 
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
-    opts = dict(COMPILE_OPTIONS if compile_options is None else compile_options)
-    # An option this torch does not have (enable_line_tables is new in 2.13; the
-    # H200 image's 2.11 lacks it) is left out. The torch version is in the key,
-    # so the same key always means the same options.
+    base = compile_options(config.device, config.cpu_target)
+    opts = dict(base if compile_options_ is None else compile_options_)
+    # A built-in option this torch does not have (enable_line_tables is new in
+    # 2.13) is left out. The torch version is in the key, so one key always
+    # means one set of options.
     from torch._inductor import config as inductor_config
 
     opts = {
-        k: v for k, v in opts.items() if k not in COMPILE_OPTIONS or _has_option(inductor_config, k)
+        k: v for k, v in opts.items() if k not in BASE_OPTIONS or _has_option(inductor_config, k)
     }
+    _check_vec_isa(config)
     if launch is None:
-        launch = launch_for(config, variant, device_arch(config.device))
+        launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
     t0 = time.perf_counter()
     try:
         ep = export_variant(config, variant, launch)
     except Exception as e:
         raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
     t1 = time.perf_counter()
+    _testhooks.record_compile(str(variant))  # TEST-ONLY count (inert unless a test sets it)
     _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")

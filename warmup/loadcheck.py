@@ -2,24 +2,33 @@
 
 Why: an AOTInductor package is native code. One built by a C++ toolchain that
 does not match the engine process's C++ runtime can crash that process on load.
-Seen on the H200 image, whose ``CXX=/opt/gcc/bin/g++`` (a wrapper script around
+Seen on a CUDA image whose ``CXX=/opt/gcc/bin/g++`` (a wrapper script around
 gcc 13.3.0) links libstdc++ statically into the package's ``wrapper.so``: a
 torch process already has the shared libstdc++, and loading the package died
-with SIGSEGV in ``parse_device_str`` -> ``std::regex`` (issue 7;
-``benchmarks/gpu_run.sh`` reproduces it with a 10-line ``std::regex`` object).
+with SIGSEGV in ``parse_device_str`` -> ``std::regex``
+(``benchmarks/gpu_run.sh`` reproduces it with a 10-line ``std::regex`` object).
 The compile workers cannot show this reliably (they have loaded the compile
-stack and other libraries), so warmup starts one fresh process per batch of new
-artifacts, as an engine would start (``kernel_cache.runtime.load_package``, no
-Dynamo or Inductor), and loads each once. An artifact whose load kills the process or is
-rejected is reported and never published; the rest of the batch is checked in
-a new child.
+stack and other libraries), so each new artifact is loaded once in a process
+that has only what an engine has (``kernel_cache.runtime.load_package``, no
+Dynamo or Inductor) before it is published. An artifact whose load kills that
+process or is rejected is reported and never published.
 
-Protocol: the parent writes each artifact to a private staging directory and a
-JSON list ``[{"index", "variant", "path"}]``; the child prints one JSON line per
-event (``start`` with the libstdc++ it loaded, ``loading``, ``ok``, ``rejected``)
-and flushes after each, so a crash is pinned to the artifact being loaded.
+Two ways to run the check:
 
-Run as ``python -m warmup.loadcheck --device cpu|cuda LIST.json`` (the child).
+- :class:`LoadChecker`: one check process kept running by a compile worker,
+  fed one artifact at a time as soon as it is built (``--serve``: paths on
+  standard input); after a crash the next artifact gets a new process. Warmup
+  uses it, so a new artifact is published seconds after its compile, while the
+  worker still holds the key's lock (:mod:`warmup.planner`).
+- :func:`check_loadable`: a list of artifacts, one process per batch.
+
+Protocol: each artifact is a file in a private staging directory; a request is
+a JSON line ``{"index", "variant", "path"}``. The child prints one JSON line per
+event (``start`` with the libstdc++ it loaded, ``loading``, ``ok``,
+``rejected``) and flushes after each, so a crash is pinned to the artifact being
+loaded.
+
+Run as ``python -m warmup.loadcheck --device cpu|cuda (LIST.json | --serve)`` (the child).
 """
 
 from __future__ import annotations
@@ -205,11 +214,169 @@ def check_loadable(
     return [r for r in results if r is not None], info
 
 
+def die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel SIGKILL this process when process ``parent``
+    dies (``prctl(PR_SET_PDEATHSIG)``), so no compile or check outlives a killed
+    warmup; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class LoadChecker:
+    """A check process kept running for one compile worker (see the module docstring).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        timeout: seconds one artifact may take, process start included
+            (:data:`CHECK_TIMEOUT_S`); past it the process is killed and the
+            artifact reported as not loadable.
+
+    Not thread-safe; one per process. :meth:`close` ends the child.
+    """
+
+    def __init__(self, device: str, *, timeout: float = CHECK_TIMEOUT_S):
+        self.device = device
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.libstdcxx = ""
+        self.started = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="kernel_cache-check-")
+        self._n = 0
+        self._buf = b""
+
+    def _start(self) -> None:
+        cmd = [sys.executable, "-m", "warmup.loadcheck", "--device", self.device, "--serve"]
+        # stderr goes to a file: a pipe nobody reads would block a chatty child.
+        self._err = Path(self._tmp.name) / f"stderr{self.started}.txt"
+        with open(self._err, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=_child_env(),
+            )
+        self._buf = b""
+        self.started += 1
+
+    def _read_event(self, deadline: float) -> dict | None:
+        """The next JSON event line of the child, or None at EOF or the deadline.
+        Reads the pipe's file descriptor directly (``os.read``): a buffered
+        reader could hold a line that ``select`` no longer sees."""
+        import select
+
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            line, sep, rest = self._buf.partition(b"\n")
+            if sep:
+                self._buf = rest
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and "event" in ev:
+                    return ev
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+
+    def _fail(self, why: str, crashed_in_load: bool) -> dict:
+        proc, self.proc = self.proc, None
+        timed_out = proc.poll() is None
+        if timed_out:
+            proc.kill()
+        proc.wait()
+        try:
+            err = self._err.read_text(errors="replace")
+        except OSError:
+            err = ""
+        if crashed_in_load:
+            signame = (
+                f"timed out after {self.timeout:.0f} s"
+                if timed_out
+                else _signal_name(proc.returncode)
+            )
+            return {"ok": False, "error": crash_advice(signame, self.libstdcxx), "signal": signame}
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        return {"ok": False, "error": f"the load check process failed ({why}): {tail}"}
+
+    def check(self, variant: str, data: bytes) -> dict:
+        """Load ``data`` (a ``.pt2`` package of ``variant``) once in the check process.
+
+        Returns:
+            ``{"ok": True}``, or ``{"ok": False, "error": what happened and the fix}``
+            (``"signal"`` too when the load killed the process).
+        """
+        deadline = time.monotonic() + self.timeout
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+            ev = self._read_event(deadline)
+            if ev is None or ev["event"] != "start":
+                return self._fail("no start", crashed_in_load=False)
+            self.libstdcxx = self.libstdcxx or ev.get("libstdcxx", "")
+        self._n += 1
+        path = Path(self._tmp.name) / f"{self._n}.pt2"
+        path.write_bytes(data)
+        try:
+            req = {"index": self._n, "variant": variant, "path": str(path)}
+            assert self.proc is not None and self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                return self._fail("its input closed", crashed_in_load=False)
+            loading = False
+            while True:
+                ev = self._read_event(deadline)
+                if ev is None:
+                    return self._fail("no answer", crashed_in_load=loading)
+                if ev["event"] == "loading":
+                    loading = True
+                elif ev["event"] == "ok":
+                    return {"ok": True}
+                elif ev["event"] == "rejected":
+                    return {"ok": False, "error": str(ev.get("error", "rejected by the loader"))}
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        self._tmp.cleanup()
+
+
 def _child_main(argv=None) -> int:
     p = argparse.ArgumentParser(description="load artifacts once (kernel-cache warmup's check)")
     p.add_argument("--device", required=True)
-    p.add_argument("listing")
+    p.add_argument("--serve", action="store_true", help="read one JSON request per input line")
+    p.add_argument("listing", nargs="?")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the warmup process decides on Ctrl-C
+    die_with_parent(os.getppid())
 
     def emit(**ev):
         sys.stdout.write(json.dumps(ev) + "\n")
@@ -223,7 +390,11 @@ def _child_main(argv=None) -> int:
 
         torch.cuda.init()
     emit(event="start", pid=os.getpid(), libstdcxx=loaded_libstdcxx())
-    for it in json.loads(Path(args.listing).read_text()):
+    if args.serve:
+        requests = (json.loads(line) for line in sys.stdin if line.strip())
+    else:
+        requests = iter(json.loads(Path(args.listing).read_text()))
+    for it in requests:
         emit(event="loading", index=it["index"])
         try:
             load_package(Path(it["path"]).read_bytes(), args.device, "warmup check")

@@ -1,50 +1,57 @@
 """Warmup: compile every missing variant of a plan and publish it to the cache.
 
-For each variant: build its key; skip it if a verified entry is cached (the
-checksum matches and AOTInductor's loader accepts the package); else compile
-it in a worker process and publish bytes + JSON metadata atomically.
+Per variant, in a worker process (:func:`build_variant`), as typed steps:
 
-Many processes may warm one directory at once (one engine per GPU, several
-containers on a node). Compiles are single-flight per key
-(:class:`kernel_cache.locks.KeyLock`): check, lock, check again, compile,
-publish, release; a process that finds the entry published while it waited
-loads it instead of compiling. Each worker first tries the keys without
-waiting and defers the ones another process is compiling to a second,
-waiting pass, so N processes spread over the plan instead of queueing on its
-first key.
+1. **claim**: take the key's lock (:class:`kernel_cache.locks.KeyLock`). The
+   first pass does not wait: a key another process holds comes back ``busy``
+   and is queued again, waiting, behind the free ones, so N processes spread
+   over the plan instead of queueing on its first key.
+2. **check**: a verified cached entry (checksum, trust, AOTInductor's loader
+   accepts it) ends the work as ``cached``; a bad one is moved to
+   ``quarantine/``. With Redis, a verified Redis hit is copied in (``fetched``),
+   else the key's Redis build lock is taken as well.
+3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.compiler`) in
+   the worker, whose environment the recipe pinned
+   (:func:`kernel_cache.recipe.compile_environment`).
+4. **load check**: the new artifact is loaded once in a check process that has
+   only what an engine has (:class:`warmup.loadcheck.LoadChecker`); one that
+   kills that process or is rejected is reported and never published.
+5. **publish**: to the local cache, then to Redis.
+6. **release** the locks.
 
-New artifacts are published only after a fresh child process has loaded them
-once (:mod:`warmup.loadcheck`, one process per batch of up to ``check_batch``):
-a worker compiles under the key's lock and hands the bytes back; the parent
-checks the batch, then publishes each one that loaded under its lock again
-(keeping an entry another process published meanwhile). An artifact whose load
-kills the child is reported with its variant, the C++ compiler and the fix, and
-never reaches an engine.
+The key stays claimed from "missing" until it is published, so a waiter finds
+the entry and reports ``cached``: one compile per key, whatever the number of
+processes, machines (with Redis) or workers. A result row says ``compiled`` if
+and only if this process ran the compiler for it and published the artifact;
+``compiler_ran`` says whether the compiler ran at all (a compile whose artifact
+failed its load check is ``failed`` with ``compiler_ran`` true).
 
-With a Redis tier (``remote``, :mod:`kernel_cache.redis_tier`) compiles are
-single-flight across machines too: after the local check, a verified Redis hit
-(checksum, and signature with a signing key set) is copied to the local cache
-(``fetched``); otherwise the worker takes the key's Redis build lock (the first
-pass does not wait for it either: a key another builder holds comes back
-``busy``), checks Redis again and compiles; it hands the lock to the parent,
-which renews it through the load check and releases it once the artifact is
-published to the local cache and to Redis. Redis failing at any point costs
-one warning (from the parent: workers report it back); the local run carries on.
+Each artifact is published as soon as it has passed its check, so an
+interrupted warmup (SIGINT, SIGTERM) keeps every artifact finished before the
+signal: :class:`WarmupInterrupted` carries the partial report.
 
-A corrupt or untrusted entry is moved to ``quarantine/`` (under its lock) and
-recompiled. A compile failure is reported with the variant and the compiler's
-text while the other variants finish; a full or unwritable cache directory
-stops the remaining work (naming the directory and the bytes needed).
+Redis failing at any point costs one warning (from the parent: workers report
+it back); the local run carries on. A compile failure is reported with the
+variant and the compiler's text while the other variants finish; a full or
+unwritable cache directory stops the remaining work (naming the directory and
+the bytes needed).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 from kernel_cache.buckets import Bucketer, KernelVariant
@@ -53,18 +60,20 @@ from kernel_cache.errors import (
     CacheWriteError,
     CompileError,
     CorruptEntryError,
+    KernelCacheError,
     LockTimeoutError,
     UntrustedCacheError,
 )
-from kernel_cache.keys import COMPILE_OPTIONS, build_key, environment
+from kernel_cache.keys import build_key, environment, recipe_options
 from kernel_cache.launch import describe_plan, resolve_plan
 from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env
 from kernel_cache.lookup import Lookup
 from kernel_cache.quarantine import quarantine_entry
-from kernel_cache.redis_tier import ACQUIRED, BUSY, PUBLISHED, BuildLock, RedisSettings, RedisTier
+from kernel_cache.redis_tier import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
 from kernel_cache.signing import load_signing_key, sign_meta
 from kernel_cache.store import DiskTier, make_meta, verify_entry
 from kernel_cache.trust import resolve_allow_shared
+from warmup.loadcheck import LoadChecker, die_with_parent
 
 log = logging.getLogger("kernel_cache.warmup")
 
@@ -96,7 +105,63 @@ def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
     return None
 
 
+class Status(str, Enum):
+    """The outcome of one variant in a warmup report."""
+
+    COMPILED = "compiled"  #: this process compiled, checked and published it
+    CACHED = "cached"  #: a verified entry was there (maybe published while we waited)
+    FETCHED = "fetched"  #: copied from Redis
+    FAILED = "failed"  #: see ``error``; ``compiler_ran`` says if a compile was discarded
+    BUSY = "busy"  #: first pass only: another process holds the key (queued again)
+    NOT_STARTED = "not started"  #: the run stopped first (interrupt or a full cache)
+
+
+@dataclass
+class VariantResult:
+    """One variant's row of a warmup report (:meth:`as_dict` is its JSON)."""
+
+    variant: str
+    status: Status
+    key: str = ""
+    pid: int = 0
+    compiler_ran: bool = False
+    seconds: float = 0.0
+    lock_wait_s: float = 0.0
+    timings: dict | None = None
+    check_s: float | None = None
+    check_processes: int = 0
+    libstdcxx: str = ""
+    error: str | None = None
+    fatal: bool = False
+    quarantined: dict | None = None
+    remote_error: str | None = None
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        out["status"] = self.status.value
+        return out
+
+
+class WarmupInterrupted(KernelCacheError):
+    """SIGINT or SIGTERM stopped a warmup. ``report`` is the partial report
+    (rows of unfinished variants are ``not started``); ``signum`` the signal."""
+
+    def __init__(self, signum: int, report: dict):
+        self.signum = signum
+        self.report = report
+        super().__init__(
+            f"interrupted by {signal.Signals(signum).name}: {report['compiled']} compiled and "
+            f"kept, {report['cached'] + report['fetched']} already cached, "
+            f"{report['not_started']} not finished"
+        )
+
+
+class _Rejected(Exception):
+    """The load check refused a new artifact."""
+
+
 _REMOTE_TIERS: dict[str, RedisTier] = {}
+_CHECKER: LoadChecker | None = None
 
 
 def _remote_tier(remote_json: str) -> RedisTier:
@@ -109,148 +174,177 @@ def _remote_tier(remote_json: str) -> RedisTier:
     return tier
 
 
-def compile_and_publish(config_json: str, variant_json: str, cache_dir: str, options: dict) -> dict:
-    """Worker body (runs in a child process): lock, check, compile, publish.
+def _checker(device: str) -> LoadChecker:
+    """This worker's load-check process (started on first use, closed at exit)."""
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = LoadChecker(device)
+        atexit.register(_CHECKER.close)
+    return _CHECKER
 
-    ``options``: ``blocking`` (wait for the lock, else return ``busy`` at once),
-    ``lock_timeout`` (seconds), ``allow_shared``, ``launch`` (the variant's
-    launch config, resolved once per plan by the parent; absent: resolved here),
-    ``stage`` (return the new package's ``data`` and ``meta`` instead of
-    publishing it: the parent loads it in a fresh process first, then publishes
-    it with :func:`check_and_publish`), ``remote`` (optional: the Redis tier's
-    :class:`RedisSettings` as JSON; ``blocking`` applies to its build lock too).
 
-    Returns a JSON-ready dict: ``variant``, ``key``, ``pid``, ``status``
-    (compiled, cached, fetched (from Redis), busy or failed), ``seconds``,
-    ``lock_wait_s``, and ``timings`` for a compile, ``quarantined`` (the reason
-    and folder) when a bad entry was moved away, ``error`` (and ``fatal`` for a
-    full or unwritable cache) for a failure, ``remote_token`` (a staged compile
-    holding the Redis build lock: the parent adopts it) and ``remote_error``
-    (Redis failed).
+def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
+    """Compile worker initializer: die with the warmup process, leave Ctrl-C to
+    it, and pin the compile environment before torch's compile stack is imported."""
+    from warmup.compiler import pin_environment
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+    pin_environment(device, cpu_target, scratch)
+
+
+def _claim(lock: KeyLock, blocking: bool, timeout: float, res: VariantResult) -> bool:
+    """Step 1: take the key's lock; on failure set ``res`` (busy or failed)."""
+    try:
+        lock.acquire(timeout if blocking else 0)
+    except LockBusy:
+        if blocking:  # --lock-timeout 0
+            res.status, res.error = Status.FAILED, lock.timeout_message(0)
+        else:
+            res.status = Status.BUSY
+        return False
+    except LockTimeoutError as e:
+        res.status, res.error = Status.FAILED, str(e)
+        return False
+    res.lock_wait_s = round(lock.waited_s, 3)
+    return True
+
+
+def _check_local(tier: DiskTier, key: str, device: str, res: VariantResult) -> bool:
+    """Step 2: True if a verified entry is cached; a bad one is quarantined."""
+    why = check_cached(tier, key, device)
+    if why is None:
+        res.status = Status.CACHED
+        return True
+    if why != "missing":
+        where = quarantine_entry(tier, key, why, res.variant)
+        res.quarantined = {"reason": why, "path": str(where)}
+    return False
+
+
+def _claim_remote(remote: RedisTier, tier: DiskTier, key, blocking: bool, res: VariantResult):
+    """Step 2 with Redis: copy a verified Redis hit in (``fetched``, returns
+    None), or take the key's Redis build lock (returns it; None with
+    ``res.status`` set when another builder holds it on the first pass, or
+    when Redis is down or slow: then this process compiles without it)."""
+    lookup = Lookup([remote], exact=True, promote_into=tier)
+    for _ in range(2):  # a second round only if a published entry was rejected
+        if lookup.find(key) is not None:
+            res.status = Status.FETCHED
+            return None
+        build_lock = remote.build_lock(key.hexdigest)
+        outcome = build_lock.acquire(wait=blocking)
+        if outcome == BUSY:
+            res.status = Status.BUSY
+            return None
+        if outcome == ACQUIRED:  # check again: it may have landed before we locked
+            if lookup.find(key) is not None:
+                build_lock.release()
+                res.status = Status.FETCHED
+                return None
+            return build_lock
+        if outcome != PUBLISHED:
+            return None  # TIMEOUT or UNAVAILABLE: compile without the lock
+    return None
+
+
+def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, dict]:
+    """Step 3: run the compiler; returns the package bytes and its metadata."""
+    from warmup.compiler import compile_variant, required_cpu_features
+
+    opts = recipe_options(config)
+    if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
+        opts["kernel_cache_test_no_such_option"] = True
+    res.compiler_ran = True
+    data, timings = compile_variant(config, variant, opts, launch=launch)
+    res.timings = timings
+    extra = {"timings": timings}
+    if config.device == "cpu":
+        extra["cpu_target"] = config.cpu_target
+        extra["cpu_features"] = required_cpu_features(config)
+    meta = make_meta(key, str(variant), data, timings["total_s"], **extra)
+    return data, sign_meta(meta, data, load_signing_key())
+
+
+def _load_check(device: str, res: VariantResult, data: bytes) -> None:
+    """Step 4: load the artifact once in this worker's check process.
+
+    Raises:
+        _Rejected: it killed that process or the loader refused it.
     """
-    from warmup.compiler import compile_variant
+    checker = _checker(device)
+    before, t0 = checker.started, time.perf_counter()
+    verdict = checker.check(res.variant, data)
+    res.check_s = round(time.perf_counter() - t0, 3)
+    res.check_processes = checker.started - before
+    res.libstdcxx = checker.libstdcxx
+    if not verdict["ok"]:
+        raise _Rejected(verdict["error"])
 
+
+def _publish(tier: DiskTier, remote: RedisTier | None, key: str, data: bytes, meta: dict) -> None:
+    """Step 5: local cache first (atomic), then Redis (a failure there is noted)."""
+    tier.put(key, data, meta)
+    if remote is not None:
+        remote.put(key, data, meta)
+
+
+def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
+    """Worker body: claim, check, compile, load check, publish, release.
+
+    ``options``: ``blocking`` (wait for the locks, else return ``busy`` at
+    once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch`` (the
+    variant's launch config, resolved once per plan by the parent), ``check``
+    (load-check new artifacts before publishing; default True), ``remote``
+    (optional: the Redis tier's :class:`RedisSettings` as JSON).
+
+    Returns:
+        a :class:`VariantResult`. Never raises for one variant's failure.
+    """
     config = EngineConfig.model_validate_json(config_json)
     variant = KernelVariant.model_validate_json(variant_json)
     allow_shared = options["allow_shared"]
-    tier = DiskTier(cache_dir, allow_shared=allow_shared)
-    launch = options.get("launch")
-    key = build_key(config, variant, launch=launch)
+    key = build_key(config, variant, launch=options.get("launch"))
+    res = VariantResult(str(variant), Status.FAILED, key=key.hexdigest, pid=os.getpid())
     t0 = time.perf_counter()
-    result = {"variant": str(variant), "key": key.hexdigest, "pid": os.getpid()}
-
     remote = _remote_tier(options["remote"]) if options.get("remote") else None
-    build_lock = None
-
-    def done(status: str, **extra) -> dict:
-        out = {**result, "status": status, "seconds": time.perf_counter() - t0, **extra}
-        if remote is not None and remote.error:
-            out["remote_error"] = remote.error
-        return out
-
     lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
+    if not _claim(lock, options["blocking"], options["lock_timeout"], res):
+        res.seconds = time.perf_counter() - t0
+        return res
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
+    build_lock = None
     try:
-        lock.acquire(options["lock_timeout"] if options["blocking"] else 0)
-    except LockBusy:
-        if not options["blocking"]:
-            return done("busy")
-        return done("failed", error=lock.timeout_message(0))  # --lock-timeout 0
-    except LockTimeoutError as e:
-        return done("failed", error=str(e))
-    try:
-        result["lock_wait_s"] = round(lock.waited_s, 3)
-        why = check_cached(tier, key.hexdigest, config.device)
-        if why is None:
-            return done("cached")
-        if why != "missing":
-            where = quarantine_entry(tier, key.hexdigest, why, str(variant))
-            result["quarantined"] = {"reason": why, "path": str(where)}
+        if _check_local(tier, key.hexdigest, config.device, res):
+            return res
         if remote is not None:
-            remote.promote_into = tier  # a verified Redis hit is copied here
-            lookup = Lookup([remote], exact=True)
-            for _ in range(2):  # a second round only if a published entry was rejected
-                if lookup.find(key) is not None:
-                    return done("fetched")
-                build_lock = remote.build_lock(key.hexdigest)
-                outcome = build_lock.acquire(wait=options["blocking"])
-                if outcome == BUSY:
-                    return done("busy")
-                if outcome == ACQUIRED:  # check again: it may have landed before we locked
-                    if lookup.find(key) is not None:
-                        return done("fetched")
-                    break
-                build_lock = None
-                if outcome != PUBLISHED:
-                    break  # TIMEOUT or UNAVAILABLE: compile without the lock
-        opts = dict(COMPILE_OPTIONS)
-        if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
-            opts["kernel_cache_test_no_such_option"] = True
-        data, timings = compile_variant(config, variant, opts, launch=launch)
-        meta = make_meta(key, str(variant), data, timings["total_s"], timings=timings)
-        meta = sign_meta(meta, data, load_signing_key())
-        if options.get("stage"):
-            extra = {"remote_token": build_lock.detach()} if build_lock is not None else {}
-            return done("compiled", timings=timings, data=data, meta=meta, **extra)
-        tier.put(key.hexdigest, data, meta)
-        if remote is not None:
-            remote.put(key.hexdigest, data, meta)
-        return done("compiled", timings=timings)
+            build_lock = _claim_remote(remote, tier, key, options["blocking"], res)
+            if res.status in (Status.FETCHED, Status.BUSY):
+                return res
+        data, meta = _compile(config, variant, key, options.get("launch"), res)
+        if options.get("check", True):
+            _load_check(config.device, res, data)
+        _publish(tier, remote, key.hexdigest, data, meta)
+        res.status = Status.COMPILED
+    except _Rejected as e:
+        res.status, res.error = Status.FAILED, f"not published: {e}"
     except CompileError as e:
-        return done("failed", error=str(e))
+        res.status, res.error = Status.FAILED, str(e)
     except CacheWriteError as e:
-        return done("failed", error=str(e), fatal=True)
+        res.status, res.error, res.fatal = Status.FAILED, str(e), True
     except Exception as e:  # report it with the variant; the other variants go on
-        return done("failed", error=f"{type(e).__name__}: {e}")
+        res.status, res.error = Status.FAILED, f"{type(e).__name__}: {e}"
     finally:
         try:
             if build_lock is not None:
-                build_lock.release()  # a no-op once detached for the parent
-            if remote is not None:
-                remote.promote_into = None
+                build_lock.release()
             tier.close()
         finally:
             lock.release()
-
-
-def check_and_publish(config: EngineConfig, batch: list[dict], cache_dir: str, options) -> dict:
-    """Load a batch of staged results (``data``, ``meta``) once in a fresh process,
-    publish those that load (under the key's lock, keeping an entry another
-    process published meanwhile), and mark the others failed. Updates each
-    result in place (``status``, ``error``; ``data`` and ``meta`` are dropped)
-    and returns the check's info (:func:`warmup.loadcheck.check_loadable`)."""
-    from warmup.loadcheck import Staged, check_loadable
-
-    checks, info = check_loadable([Staged(r["variant"], r["data"]) for r in batch], config.device)
-    allow_shared = options["allow_shared"]
-    for r, c in zip(batch, checks, strict=True):
-        data, meta = r.pop("data"), r.pop("meta")
-        if not c["ok"]:
-            r.update(status="failed", error=c["error"])
-            log.error("%s not published: %s", r["variant"], r["error"])
-            continue
-        lock = KeyLock(cache_dir, r["key"], variant=r["variant"], shared=allow_shared)
-        try:
-            lock.acquire(options["lock_timeout"])
-        except (LockBusy, LockTimeoutError) as e:
-            r.update(status="failed", error=f"publish: {e}")
-            continue
-        tier = DiskTier(cache_dir, allow_shared=allow_shared)
-        try:
-            why = check_cached(tier, r["key"], config.device)
-            if why is None:
-                r["status"] = "cached"  # another process published it meanwhile
-                continue
-            if why != "missing":
-                quarantine_entry(tier, r["key"], why, r["variant"])
-            tier.put(r["key"], data, meta)
-        except CacheWriteError as e:
-            r.update(status="failed", error=str(e), fatal=True)
-        finally:
-            try:
-                tier.close()
-            finally:
-                lock.release()
-    return info
+        res.seconds = time.perf_counter() - t0
+        if remote is not None and remote.error:
+            res.remote_error = str(remote.error)
+    return res
 
 
 def _precheck(config, plan, cache_dir, allow_shared):
@@ -261,7 +355,7 @@ def _precheck(config, plan, cache_dir, allow_shared):
     reason its entry is unusable. Raises CacheWriteError when the directory
     cannot be written and something must be compiled.
     """
-    env = environment(config.device)
+    env = environment(config)
     write_error = None
     try:
         tier = DiskTier(cache_dir, allow_shared=allow_shared)
@@ -307,7 +401,6 @@ def warmup(
     max_size: int | None = None,
     lock_timeout: float | None = None,
     allow_shared_dir: bool | None = None,
-    check_batch: int = 32,
     remote: RedisSettings | None = None,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
@@ -317,8 +410,10 @@ def warmup(
         cache_dir: the local cache directory.
         jobs: worker processes compiling in parallel (>= 1); 0 compiles in this
             process and publishes without the load check (an engine that warms
-            itself, as in ``benchmarks/fleet_load.py``).
-        progress: show a progress bar on stderr.
+            itself, as in ``benchmarks/fleet_load.py``; refused if this process
+            imported Inductor with a pinned variable set).
+        progress: report progress on stderr: a progress bar in a terminal, one
+            line per finished variant otherwise (CI and ``docker build`` logs).
         variants: a subset of the plan (default: all of it; a shard).
         max_size: a size limit in artifact bytes (``--max-size`` or
             ``$KERNEL_CACHE_MAX_SIZE``): before and after compiling, entries
@@ -328,24 +423,27 @@ def warmup(
             key (default ``KERNEL_CACHE_LOCK_TIMEOUT`` or 900).
         allow_shared_dir: skip the trust checks (default
             ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
-        check_batch: new artifacts loaded per check process (see
-            :mod:`warmup.loadcheck`); the last batch may be smaller.
         remote: the shared Redis tier, or None (local only).
 
     Returns:
-        ``{"variants", "compiled", "cached", "failed": [{"variant", "error"}],
-        "quarantined": [{"variant", "reason", "path"}], "found_bad", "seconds",
-        "fingerprint", "pid", "repair", "load_check": {"batches", "children",
-        "checked", "libstdcxx", "seconds"}, "results": [...], "launch": {variant:
-        {"config", "source"}} for the variants a launch table sets}``, plus with
+        ``{"variants", "compiled", "compiler_runs", "cached", "fetched",
+        "not_started", "failed": [{"variant", "error"}], "quarantined":
+        [{"variant", "reason", "path"}], "found_bad", "seconds", "fingerprint",
+        "pid", "repair", "load_check": {"checked", "children", "libstdcxx",
+        "seconds"}, "results": [:meth:`VariantResult.as_dict`], "launch":
+        {variant: {"config", "source"}} for the variants a launch table sets}``.
+        ``compiled`` counts the rows this process compiled and published;
+        ``compiler_runs`` the compiles it ran (a compile whose artifact failed
+        the load check is counted there and in ``failed``). Plus with
         ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
         "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
-        is larger). ``compiled`` counts artifacts that passed the load check
-        and were published. With ``remote``: ``"fetched"`` (copied from Redis),
+        is larger). With ``remote``: ``"fetched"`` (copied from Redis),
         ``"uploaded"`` (local entries Redis lacked, now published), ``"remote"``
         (its URL, password hidden), ``"remote_error"`` (None or the first failure).
 
     Raises:
+        WarmupInterrupted: SIGINT or SIGTERM; every artifact finished before it
+            is kept, and the exception carries the partial report.
         UntrustedCacheError: the directory is writable by others or owned by another user.
         CacheWriteError: the directory cannot be written and variants are missing.
         CacheBusyError: its index stayed locked past ``KERNEL_CACHE_DB_TIMEOUT``.
@@ -358,7 +456,7 @@ def warmup(
     plan = list(bucketer.variants if variants is None else variants)
     allow_shared = resolve_allow_shared(allow_shared_dir)
     lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
-    env = environment(config.device)
+    env = environment(config)
     resolved = resolve_plan(config, plan, env["device_arch"])
     items = [(v, resolved[v].config) for v in plan]
     secret = load_signing_key()
@@ -372,68 +470,82 @@ def warmup(
     keep = housekeeping.plan_digests(config) if max_size is not None else set()
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
     first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
-    results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
-    results += [{"variant": str(v), "status": "fetched"} for v, _ in fetched]
-    check = {"batches": 0, "children": 0, "checked": 0, "libstdcxx": "", "seconds": 0.0}
-    if todo:
-        options = {
-            "lock_timeout": lock_timeout,
-            "allow_shared": allow_shared,
-            "stage": True,
-            "remote": remote.model_dump_json() if remote is not None else None,
-        }
-        results += _run_pool(
-            config,
-            todo,
-            str(cache_dir),
-            jobs,
-            progress,
-            len(plan),
-            options,
-            check_batch,
-            check,
-            rtier,
+    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
+    results += [VariantResult(str(v), Status.FETCHED) for v, _ in fetched]
+    options = {
+        "lock_timeout": lock_timeout,
+        "allow_shared": allow_shared,
+        "remote": remote.model_dump_json() if remote is not None else None,
+    }
+
+    def report(results) -> dict:
+        return _report(
+            config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded
         )
+
+    reporter = _Reporter(len(plan), len(plan) - len(todo), progress)
+    try:
+        if todo:
+            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except _Interrupt as e:
+        results += e.results
+        if rtier is not None:
+            rtier.close()
+        raise WarmupInterrupted(e.signum, report(results)) from None
+    finally:
+        reporter.close()
     if rtier is not None:
         rtier.close()
     usage.record(
         cache_dir,
         hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
-        misses=sum(r["status"] == "compiled" for r in results),
+        misses=sum(r.status is Status.COMPILED for r in results),
     )
-    gc_report = None
+    out = report(results)
     if gc_on:
         gc_report = _gc(cache_dir, max_size, keep, allow_shared)
         gc_report["removed"] = first["removed"] + gc_report["removed"]
         gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
         gc_report["before_bytes"] = first["before_bytes"]
+        out["gc"] = gc_report
+    return out
+
+
+def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded) -> dict:
+    """The JSON report of :func:`warmup` (see there) from its result rows."""
+
+    def count(status: Status) -> int:
+        return sum(r.status is status for r in results)
+
     failed = [
-        {"variant": r["variant"], "error": r.get("error", "")}
-        for r in results
-        if r["status"] == "failed"
+        {"variant": r.variant, "error": r.error or ""} for r in results if r.status is Status.FAILED
     ]
-    quarantined = [
-        {"variant": r["variant"], **r["quarantined"]} for r in results if "quarantined" in r
-    ]
+    checked = [r for r in results if r.check_s is not None]
     return {
         "variants": len(plan),
-        "compiled": sum(r["status"] == "compiled" for r in results),
-        "cached": sum(r["status"] == "cached" for r in results),
-        "fetched": sum(r["status"] == "fetched" for r in results),
+        "compiled": count(Status.COMPILED),
+        "compiler_runs": sum(r.compiler_ran for r in results),
+        "cached": count(Status.CACHED),
+        "fetched": count(Status.FETCHED),
+        "not_started": count(Status.NOT_STARTED),
         "uploaded": uploaded,
         "failed": failed,
-        "quarantined": quarantined,
+        "quarantined": [{"variant": r.variant, **r.quarantined} for r in results if r.quarantined],
         "found_bad": bad,
         "seconds": round(time.perf_counter() - t0, 3),
         "fingerprint": bucketer.fingerprint(),
         "pid": os.getpid(),
         "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
-        "load_check": check,
+        "load_check": {
+            "checked": len(checked),
+            "children": sum(r.check_processes for r in checked),
+            "libstdcxx": next((r.libstdcxx for r in checked if r.libstdcxx), ""),
+            "seconds": round(sum(r.check_s for r in checked), 3),
+        },
         "remote": rtier.location if rtier is not None else None,
         "remote_error": rtier.error if rtier is not None else None,
-        "results": results,
+        "results": [r.as_dict() for r in results],
         "launch": describe_plan(resolved),
-        **({"gc": gc_report} if gc_report is not None else {}),
     }
 
 
@@ -446,29 +558,38 @@ def compile_items(
     progress: bool = True,
 ) -> dict:
     """Compile each ``(variant, launch config)`` whose artifact is not cached
-    (``kernel-cache tune`` compiles several configs of one variant this way).
+    (``kernel-cache tune`` compiles several configs of one variant this way),
+    with the same single-flight and load-check steps as :func:`warmup`.
 
-    Returns: ``{"variants", "compiled", "cached", "failed", "results"}`` as :func:`warmup`.
+    Returns: ``{"variants", "compiled", "compiler_runs", "cached", "failed",
+    "results"}`` as :func:`warmup`.
 
     Raises:
         as :func:`warmup`.
     """
     allow_shared = resolve_allow_shared(None)
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
-    results = [{"variant": str(v), "status": "cached"} for v, _ in cached]
-    if todo:
-        options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
-        results += _run_pool(config, todo, str(cache_dir), jobs, progress, len(items), options)
+    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
+    options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
+    reporter = _Reporter(len(items), len(cached), progress)
+    try:
+        if todo:
+            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except _Interrupt as e:
+        raise KernelCacheError(f"interrupted by {signal.Signals(e.signum).name}") from None
+    finally:
+        reporter.close()
     return {
         "variants": len(items),
-        "compiled": sum(r["status"] == "compiled" for r in results),
-        "cached": sum(r["status"] == "cached" for r in results),
+        "compiled": sum(r.status is Status.COMPILED for r in results),
+        "compiler_runs": sum(r.compiler_ran for r in results),
+        "cached": sum(r.status is Status.CACHED for r in results),
         "failed": [
-            {"variant": r["variant"], "error": r.get("error", "")}
+            {"variant": r.variant, "error": r.error or ""}
             for r in results
-            if r["status"] == "failed"
+            if r.status is Status.FAILED
         ],
-        "results": results,
+        "results": [r.as_dict() for r in results],
     }
 
 
@@ -484,10 +605,9 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
     """With Redis: publish cached entries Redis lacks (signed when a key is
     set: the local cache is trusted), and copy verified Redis hits of the
     to-do items into the local cache. Returns (todo, fetched, uploaded)."""
-    env = environment(config.device)
+    env = environment(config)
     tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
-    rtier.promote_into = tier
-    lookup = Lookup([rtier], exact=True)
+    lookup = Lookup([rtier], exact=True, promote_into=tier)
     left, fetched, uploaded = [], [], 0
     try:
         for v, launch in cached:
@@ -508,7 +628,6 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
             found = lookup.find(build_key(config, item[0], env, launch=item[1]))
             (fetched if found else left).append(item)
     finally:
-        rtier.promote_into = None
         tier.close()
     return left, fetched, uploaded
 
@@ -523,162 +642,190 @@ def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
         tier.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Worker initializer: on Linux, have the kernel SIGKILL this worker when the
-    warmup process dies (SIGKILL, SIGTERM, a crash), so no compile outlives it
-    (``prctl(PR_SET_PDEATHSIG)``; elsewhere a worker finishes its current compile
-    and then exits on the broken pipe)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
+class _Interrupt(Exception):
+    """SIGINT/SIGTERM reached :func:`_run_pool`; ``results`` are its rows so far
+    (unfinished variants as ``not started``)."""
 
+    def __init__(self, signum: int, results: list[VariantResult]):
+        super().__init__(signum)
+        self.signum = signum
+        self.results = results
+
+
+class _Reporter:
+    """Progress on stderr: a rich progress bar in a terminal (the variants
+    being compiled, elapsed time, ETA), one line per finished variant
+    otherwise, nothing when ``enabled`` is False."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        from rich.console import Console
+
+        self.total, self.done, self.enabled = total, done, enabled
+        self.console = Console(stderr=True)
+        self.bar = None
+        if enabled and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]warmup[/]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("", total=total, completed=done)
+
+    def running(self, variants: list[str]) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description="compiling " + ", ".join(variants[:3]))
+
+    def finished(self, r: VariantResult) -> None:
+        self.done += 1
+        if r.status is Status.FAILED:
+            self.console.print(f"[red]failed[/] {r.variant}: {r.error}", highlight=False)
+        if self.bar is not None:
+            self.bar.advance(self.task)
+        elif self.enabled:
+            print(
+                f"warmup [{self.done}/{self.total}] {r.variant} {r.status.value} {r.seconds:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
+    """``jobs=0``: a pass that never waits, then one that does, in this process."""
+    from warmup.compiler import pin_environment
+
+    scratch = tempfile.mkdtemp(prefix="kernel_cache-inductor-")
+    saved = dict(os.environ)
+    results, busy = [], []
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _run_pool(
-    config, todo, cache_dir, jobs, progress, total, options, check_batch=32, check=None, rtier=None
-) -> list[dict]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    cfg_json = config.model_dump_json()
-    ctx = multiprocessing.get_context("spawn")
-    results = []
-    adopted: dict[str, BuildLock] = {}  # key -> Redis build lock taken over from a worker
-
-    def settle(r: dict) -> dict:
-        """A worker's Redis failure becomes this process's one warning; a staged
-        compile's Redis build lock is renewed here until it is published."""
-        if rtier is not None and r.get("remote_error") and rtier.error is None:
-            rtier.note_failure(r["remote_error"])
-        if rtier is not None and r.get("remote_token"):
-            adopted[r["key"]] = BuildLock.adopt(rtier, r["key"], r.pop("remote_token"))
-        return r
-
-    if jobs == 0:  # in this process: a pass that never waits, then one that does
-        busy = []
+        pin_environment(config.device, config.cpu_target, scratch)
+        cfg_json = config.model_dump_json()
         for blocking in (False, True):
-            for v, launch in todo if not blocking else busy:
-                opts = {**options, "blocking": blocking, "launch": launch, "stage": False}
-                r = settle(compile_and_publish(cfg_json, v.model_dump_json(), cache_dir, opts))
-                if r["status"] == "busy" and not blocking:
+            for v, launch in busy if blocking else todo:
+                opts = {**options, "blocking": blocking, "launch": launch, "check": False}
+                r = build_variant(cfg_json, v.model_dump_json(), cache_dir, opts)
+                if r.status is Status.BUSY and not blocking:
                     busy.append((v, launch))
-                else:
-                    results.append(r)
-        return results
-    bar = Progress(
-        TextColumn("[bold]warmup[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=Console(stderr=True),
-        disable=not progress,
-        transient=False,
-    )
+                    continue
+                results.append(r)
+                reporter.finished(r)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
+    """The row of a variant whose worker raised instead of returning a result."""
+    if isinstance(e, BrokenProcessPool):
+        why = f"its worker process died (killed, out of memory or crashed): {e}"
+    else:
+        why = f"the worker raised {type(e).__name__}: {e}"
+    return VariantResult(str(v), Status.FAILED, error=why)
+
+
+def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
+    """Build ``todo`` (``[(variant, launch config)]``) in ``jobs`` worker processes.
+
+    Raises:
+        _Interrupt: SIGINT or SIGTERM; the workers are stopped first (their
+            finished artifacts are published already).
+    """
+    if jobs == 0:
+        return _in_process(config, todo, cache_dir, reporter, options)
+    cfg_json = config.model_dump_json()
+    scratch = tempfile.mkdtemp(prefix="kernel_cache-inductor-")
+    results: list[VariantResult] = []
     fatal = None
-    batch: list[dict] = []
-    if check is None:
-        check = {"batches": 0, "children": 0, "checked": 0, "libstdcxx": "", "seconds": 0.0}
+    pool = ProcessPoolExecutor(
+        max_workers=jobs,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(), config.device, config.cpu_target, scratch),
+    )
+    futs: dict = {}
 
-    def flush():
-        nonlocal fatal
-        bar.update(task, description=f"loading {len(batch)} new artifacts in a fresh process")
-        staged = {r["key"]: (r["data"], r["meta"]) for r in batch if r["key"] in adopted}
-        info = check_and_publish(config, batch, cache_dir, options)
-        for r in batch:  # publish to Redis what passed the load check, then unlock
-            lk = adopted.pop(r["key"], None)
-            if lk is None:
-                continue
-            if r["status"] in ("compiled", "cached") and r["key"] in staged:
-                data, meta = staged[r["key"]]
-                rtier.put(r["key"], data, meta)
-            lk.release()
-        check["batches"] += 1
-        check["children"] += info["children"]
-        check["checked"] += len(batch)
-        check["libstdcxx"] = check["libstdcxx"] or info["libstdcxx"]
-        check["seconds"] = round(check["seconds"] + info["seconds"], 3)
-        for r in batch:
-            if r["status"] == "failed":
-                bar.console.print(f"[red]failed[/] {r['variant']}: {r['error']}")
-                if r.get("fatal") and fatal is None:
-                    fatal = r["error"]
-            bar.advance(task)
-        batch.clear()
+    def submit(item, blocking: bool):
+        v, launch = item
+        opts = {**options, "blocking": blocking, "launch": launch}
+        f = pool.submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
+        futs[f] = item
+        return f
 
-    with (
-        bar,
-        ProcessPoolExecutor(
-            max_workers=max(1, jobs),
-            mp_context=ctx,
-            initializer=_die_with_parent,
-            initargs=(os.getpid(),),
-        ) as pool,
-    ):
-        task = bar.add_task("", total=total, completed=total - len(todo))
+    def on_signal(signum, frame):
+        raise _Interrupt(signum, [])
 
-        def submit(item, blocking):
-            v, launch = item
-            opts = {**options, "blocking": blocking, "launch": launch}
-            return pool.submit(compile_and_publish, cfg_json, v.model_dump_json(), cache_dir, opts)
-
-        # First pass: never wait for a lock; keys other processes hold come back
-        # "busy" and are queued again, waiting, behind the free ones.
-        futs = {submit(item, False): item for item in todo}
-        pending = set(futs)
-        waiting: set = set()  # second-pass futures: they may wait for another builder
+    old = signal.signal(signal.SIGTERM, on_signal) if _main_thread() else None
+    pending = {submit(item, False) for item in todo}
+    try:
         while pending:
-            running = [str(futs[f][0]) for f in pending if f.running()][:3]
-            bar.update(task, description="compiling " + ", ".join(running))
+            reporter.running([str(futs[f][0]) for f in pending if f.running()])
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
-                item = futs[f]
-                v = item[0]
+                v = futs[f][0]
                 if f.cancelled():
-                    r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
+                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
                 else:
                     try:
                         r = f.result()
-                    except Exception as e:  # a worker died (segfault, OOM kill)
-                        r = {
-                            "variant": str(v),
-                            "status": "failed",
-                            "error": f"worker process died: {type(e).__name__}: {e}",
-                        }
-                settle(r)
-                if r["status"] == "busy" and fatal is not None:
-                    r = {"variant": str(v), "status": "failed", "error": f"not attempted: {fatal}"}
-                elif r["status"] == "busy":
-                    nf = submit(item, True)
-                    futs[nf] = item
-                    waiting.add(nf)
-                    pending.add(nf)
-                    continue
+                    except Exception as e:
+                        r = _worker_failure(v, e)
+                if r.status is Status.BUSY:
+                    if fatal is None:
+                        pending.add(submit(futs[f], True))
+                        continue
+                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
                 results.append(r)
-                if r["status"] == "compiled" and "data" in r:
-                    batch.append(r)  # checked, published and advanced in flush()
-                    continue
-                if r["status"] == "failed":
-                    bar.console.print(f"[red]failed[/] {r['variant']}: {r['error']}")
-                    if r.get("fatal") and fatal is None:
-                        fatal = r["error"]
-                        for p in pending:
-                            p.cancel()
-                bar.advance(task)
-            # With Redis, publish (and unlock) the staged compiles once only waits are
-            # left: holding their build locks while waiting for another builder's
-            # lock deadlocks two builders that wait for each other (until lock_wait_s).
-            only_waits = rtier is not None and pending <= waiting
-            if len(batch) >= max(1, check_batch) or (batch and (not pending or only_waits)):
-                flush()
-        bar.update(task, description="done")
-    for lk in adopted.values():  # not published (the run stopped): let others build it
-        lk.release()
+                reporter.finished(r)
+                if r.fatal and fatal is None:
+                    fatal = r.error
+                    for p in pending:
+                        p.cancel()
+    except (KeyboardInterrupt, _Interrupt) as e:
+        signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
+        _stop_workers(pool)
+        seen = {r.variant for r in results}
+        left = [VariantResult(str(v), Status.NOT_STARTED) for v, _ in todo if str(v) not in seen]
+        raise _Interrupt(signum, results + left) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+        pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM every worker of this process (their check processes follow them:
+    :func:`warmup.loadcheck.die_with_parent`) and cancel what is queued."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in multiprocessing.active_children():
+        p.terminate()
+    for p in multiprocessing.active_children():
+        p.join(timeout=10)

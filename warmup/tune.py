@@ -299,7 +299,7 @@ def tune(
     variants = list(dict.fromkeys(variants))
     _check_variants(config, variants)
     echo = echo or (lambda msg: None)
-    env = environment(config.device)
+    env = environment(config)
     cands = {v: candidates(v, settings, config) for v in variants}
     results_dir = Path(cache_dir) / "tune"
     results = DiskTier(results_dir)
