@@ -15,6 +15,11 @@ class ConfigError(KernelCacheError, ValueError):
     """An engine configuration or bucket override is invalid (names the field)."""
 
 
+class CpuTargetError(KernelCacheError):
+    """A CPU artifact needs an instruction this CPU lacks (names the variant, the
+    entry, the missing features and the warmup command that builds one for it)."""
+
+
 class ShapeError(KernelCacheError, ValueError):
     """A dispatch input has the wrong shape, dtype or device, or exceeds the plan."""
 

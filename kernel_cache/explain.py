@@ -43,9 +43,32 @@ def differences(here: dict, stored: dict) -> list[dict]:
     return out
 
 
+def source_changes(here: str, stored: str) -> str | None:
+    """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
+    ``"warmup/compiler.py changed; kernel_cache/helper.py new"``; None if either
+    side is not such a mapping."""
+    import json
+
+    try:
+        a, b = json.loads(here), json.loads(stored)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    parts = [f"{f} changed" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
+    parts += [f"{f} new" for f in sorted(set(a) - set(b))]
+    parts += [f"{f} gone" for f in sorted(set(b) - set(a))]
+    return "; ".join(parts) or None
+
+
 def format_difference(d: dict) -> str:
-    """``"torch: 2.13.0 != 2.14.1"``."""
+    """``"torch: 2.13.0 != 2.14.1"``; for ``sources``, the files that differ
+    (``"sources: warmup/compiler.py changed"``)."""
     tag = " (build-only: accepted at load)" if d["build_only"] else ""
+    if d["component"] == "sources":
+        files = source_changes(d["here"], d["stored"])
+        if files:
+            return f"sources: {files}{tag}"
     return f"{d['component']}: {short(d['here'])} != {short(d['stored'])}{tag}"
 
 

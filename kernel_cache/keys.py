@@ -70,6 +70,7 @@ from pathlib import Path
 
 from .buckets import KernelVariant
 from .config import EngineConfig
+from .errors import ConfigError
 from .recipe import DEFAULT_CPU_TARGET, compile_options, device_arch
 
 #: Bump when the stored layout (bytes + metadata schema) or the way a key is
@@ -217,10 +218,27 @@ def cxx_executable() -> str | None:
     return shutil.which(cxx)
 
 
+#: Seconds a compiler probe (``g++ --version`` and friends) may take. A slow
+#: answer on a loaded machine must not turn into another key, so a probe that
+#: times out is an error, not an empty answer.
+PROBE_TIMEOUT_S = 120.0
+
+
 def _run(args: list[str]) -> tuple[str, str]:
+    """``(stdout, stderr)`` of a compiler probe; ``("", "")`` if it cannot run.
+
+    Raises:
+        ConfigError: the probe did not finish within :data:`PROBE_TIMEOUT_S`.
+    """
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
         return proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"the C++ compiler probe {' '.join(args)!r} did not answer within "
+            f"{PROBE_TIMEOUT_S:g} s; its answer is part of every cache key (the 'cxx' "
+            "component), so it is not guessed. Retry on a less loaded machine or check $CXX"
+        ) from None
     except (OSError, subprocess.SubprocessError):
         return "", ""
 

@@ -315,6 +315,12 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "Inductor's scratch and FX-graph cache; warmup points it at a private directory "
         "it removes, so no earlier build's cached code is reused",
     ),
+    EnvRule(
+        "TMPDIR",
+        PINNED,
+        "Inductor keeps precompiled headers in the system temp dir; warmup points it at "
+        "its private scratch directory too",
+    ),
     EnvRule("TORCHINDUCTOR_*", PINNED, "Inductor reads its config from these at import"),
     EnvRule("AOT_INDUCTOR_*", PINNED, "AOTInductor options, e.g. DEBUG_COMPILE builds -O0 -g"),
     EnvRule("AOTINDUCTOR_*", PINNED, "AOTInductor options"),
@@ -382,7 +388,8 @@ def compile_environment(
 ) -> dict[str, str]:
     """The environment a compile worker runs with: ``environ`` less every
     pinned variable, plus the recipe's own values (``ATEN_CPU_CAPABILITY`` from
-    the CPU target, ``TORCHINDUCTOR_CACHE_DIR=scratch``).
+    the CPU target; ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR`` set to
+    ``scratch``, warmup's private directory for everything a compile writes).
 
     Raises:
         ConfigError: an unknown or unusable ``cpu_target``.
@@ -394,6 +401,7 @@ def compile_environment(
             env["ATEN_CPU_CAPABILITY"] = target.capability
     if scratch is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        env["TMPDIR"] = scratch
     return env
 
 
@@ -401,3 +409,11 @@ def pinned_variables(environ=None) -> list[str]:
     """The variables of ``environ`` (default ``os.environ``) warmup removes or replaces."""
     environ = os.environ if environ is None else environ
     return sorted(k for k in environ if classify(k).action == PINNED)
+
+
+def rules_markdown() -> str:
+    """:data:`ENV_RULES` as a Markdown table (``docs/keys.md`` holds it; a test
+    checks the two agree)."""
+    rows = ["| variable | action | reason |", "| --- | --- | --- |"]
+    rows += [f"| `{r.pattern}` | {r.action} | {r.reason} |" for r in ENV_RULES]
+    return "\n".join(rows) + "\n"

@@ -31,7 +31,7 @@ import torch
 
 from .buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 from .config import EngineConfig, config_to_cli
-from .errors import CorruptEntryError, MissingVariantsError, ShapeError
+from .errors import CorruptEntryError, CpuTargetError, MissingVariantsError, ShapeError
 from .keys import build_key, environment
 from .launch import resolve_plan
 from .signing import load_signing_key
@@ -551,6 +551,30 @@ def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -
             first = False
 
 
+def check_cpu_features(config: EngineConfig, variant, entry) -> None:
+    """Refuse a CPU artifact whose recorded ``cpu_features`` (the instruction
+    set it was built for: :mod:`kernel_cache.recipe`) include one this CPU lacks:
+    its first call would die of an illegal instruction.
+
+    Raises:
+        CpuTargetError: names the variant, the entry, its target, the missing
+            features and the warmup command for a target this CPU runs.
+    """
+    from .recipe import cpu_model, missing_cpu_features
+
+    needed = entry.meta.get("cpu_features") or []
+    missing = missing_cpu_features(needed) if isinstance(needed, list) else []
+    if missing:
+        target = entry.meta.get("cpu_target", "?")
+        raise CpuTargetError(
+            f"variant {variant} (entry {entry.key[:16]} in {entry.where}) was built for "
+            f"cpu_target={target} and uses {', '.join(missing)}, which this CPU "
+            f"({cpu_model()}) lacks; its first call would die of an illegal instruction. "
+            f"Build for this CPU: kernel-cache warmup {config_to_cli(config)} "
+            "(--cpu-target x86-64-v2 runs on any x86-64 CPU; native on this one)"
+        )
+
+
 def load_plan(
     config: EngineConfig,
     cache_dir=None,
@@ -580,6 +604,7 @@ def load_plan(
     Raises:
         MissingVariantsError: variants not in any tier, with the warmup command.
         CorruptEntryError: an entry failed verification (names it and the repair).
+        CpuTargetError: an artifact needs an instruction this CPU lacks.
         BundleError: a bundle path is not a bundle.
         UntrustedCacheError: the directory or an entry file is writable by other
             users or owned by another user (names the path and the fix).
@@ -618,6 +643,7 @@ def load_plan(
             missing.append(v)
             continue
         entry = found.entry
+        check_cpu_features(config, v, entry)
         runners[v] = load_package(entry.data, config.device, entry.where, entry.key)
         sources[found.tier.location] += 1
         hits.setdefault(id(found.tier), []).append(entry.key)

@@ -15,13 +15,13 @@ import torch
 
 from .buckets import Bucketer
 from .config import EngineConfig, config_to_cli
-from .errors import CorruptEntryError
+from .errors import CorruptEntryError, CpuTargetError
 from .inputs import make_inputs
 from .kernels import build_module
 from .keys import build_key, environment
 from .launch import describe_plan, launch_json, resolve_plan
 from .lookup import Lookup, merge_accepted
-from .runtime import default_tiers, load_package
+from .runtime import check_cpu_features, default_tiers, load_package
 from .store import Tier
 
 COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codegen")
@@ -50,6 +50,7 @@ def verify_plan(
 
     ``ok`` (bool), ``variants``, ``loaded``, ``compiled``, ``missing`` and
     ``corrupt`` (lists of variant strings; corrupt entries carry the reason),
+    ``unrunnable`` (artifacts needing an instruction this CPU lacks, with the reason),
     ``mismatched`` (variants whose output differs from eager, built with the
     same launch config), ``max_abs_err``, ``launch`` (the variants a launch
     table sets: ``{variant: {"config", "source"}}``),
@@ -76,6 +77,7 @@ def verify_plan(
         "loaded": 0,
         "missing": [],
         "corrupt": [],
+        "unrunnable": [],
         "mismatched": [],
         "max_abs_err": 0.0,
         "sources": {},
@@ -94,11 +96,15 @@ def verify_plan(
                 report["missing"].append(str(v))
                 continue
             entry = found.entry
+            check_cpu_features(config, v, entry)
             runner = load_package(entry.data, config.device, entry.where, entry.key)
         except CorruptEntryError as e:
             report["corrupt"].append(
                 {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
             )
+            continue
+        except CpuTargetError as e:
+            report["unrunnable"].append({"variant": str(v), "reason": str(e)})
             continue
         report["loaded"] += 1
         src = found.tier.location

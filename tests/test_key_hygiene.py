@@ -64,8 +64,8 @@ def test_moved_cache_hits_under_another_home_user_and_gpu_index(cache_copy, tiny
     "component,value",
     [
         ("torch", "2.14.1"),
-        ("device_arch", "x86_64/AVX512"),
-        ("kernel_source", "0" * 64),
+        ("device_arch", "x86_64/native 0badf00d"),
+        ("sources", '{"kernel_cache/kernels.py":"0000000000000000"}'),
         ("dtype", "bfloat16"),
         ("compile_options", '{"max_autotune": true}'),
     ],
@@ -81,7 +81,11 @@ def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config
         assert best["variant"] == r["variant"]
         assert [d["component"] for d in best["differences"]] == [component]
         here = build_key(tiny_config, Bucketer(tiny_config).variants[0]).as_dict()[component]
-        assert best["lines"] == [f"{component}: {short(here)} != {short(value)}"]
+        if component == "sources":  # explain lists the files that differ
+            assert best["lines"][0].startswith("sources: kernel_cache/kernels.py changed; ")
+            assert "warmup/compiler.py new" in best["lines"][0]
+        else:
+            assert best["lines"] == [f"{component}: {short(here)} != {short(value)}"]
 
 
 def test_explain_cli_names_torch_on_a_simulated_upgrade(cache_copy, tiny_model):
@@ -122,44 +126,65 @@ def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny
     assert report["results"][0]["accepted"]["cxx"]["stored"] == "gcc 99.1.0"
 
 
-def test_an_edited_kernel_source_misses_in_a_fresh_process(warm_cache, tiny_model, tmp_path):
-    """kernel_source is the sha256 of kernel_cache/kernels.py: a copy of the package
-    with the file unchanged hits from another install path; with one comment line
-    added (same installed version) it misses everything, never loads the old
-    artifact, and explain names kernel_source."""
-    for name, edit in (("same", False), ("edited", True)):
-        tree = tmp_path / name
-        shutil.copytree(ROOT / "kernel_cache", tree / "kernel_cache")
-        shutil.copytree(ROOT / "warmup", tree / "warmup")
-        if edit:
-            k = tree / "kernel_cache" / "kernels.py"
-            k.write_text(k.read_text() + "\n# an edit that changes no behaviour\n")
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        env.pop("KERNEL_CACHE_BUNDLE", None)
-        doc = engine_start(tiny_model, warm_cache[0], env=env, cwd=tree)
-        assert doc["kernel_cache"].startswith(str(tree)), doc["kernel_cache"]
-        if not edit:
-            assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
-            continue
-        assert len(doc["missing"]) == 6 and "stats" not in doc
-        proc = subprocess.run(
-            [sys.executable, "-m", "warmup.cli", "explain", *map(str, tiny_args(tiny_model))]
-            + ["--cache-dir", str(warm_cache[0]), "--variant", "paged_attention:1:1:1", "--json"],
-            capture_output=True,
-            text=True,
-            cwd=tree,
-            env=env,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr
-        r = json.loads(proc.stdout)["results"][0]
-        assert r["status"] == "miss"
-        assert [d["component"] for d in r["nearest"][0]["differences"]] == ["kernel_source"]
+@pytest.mark.parametrize(
+    "edited",
+    [
+        None,
+        "kernel_cache/kernels.py",  # the kernel
+        "warmup/compiler.py",  # the compile recipe (export and Inductor settings)
+        "kernel_cache/recipe.py",  # the declared options, pinned environment, CPU targets
+    ],
+)
+def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
+    warm_cache, tiny_model, tmp_path, edited
+):
+    """A copy of the project with nothing changed hits from another install path;
+    with one line added to a file of the compile path (same installed version)
+    it misses everything, never loads the old artifact, and explain names the
+    file under the ``sources`` component."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "kernel_cache", tree / "kernel_cache")
+    shutil.copytree(ROOT / "warmup", tree / "warmup")
+    if edited:
+        k = tree / edited
+        k.write_text(k.read_text() + "\n# an edit that changes no behaviour\n")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("KERNEL_CACHE_BUNDLE", None)
+    doc = engine_start(tiny_model, warm_cache[0], env=env, cwd=tree)
+    assert doc["kernel_cache"].startswith(str(tree)), doc["kernel_cache"]
+    if not edited:
+        assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+        return
+    assert len(doc["missing"]) == 6 and "stats" not in doc
+    proc = subprocess.run(
+        [sys.executable, "-m", "warmup.cli", "explain", *map(str, tiny_args(tiny_model))]
+        + ["--cache-dir", str(warm_cache[0]), "--variant", "paged_attention:1:1:1", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)["results"][0]
+    assert r["status"] == "miss"
+    assert [d["component"] for d in r["nearest"][0]["differences"]] == ["sources"]
+    assert r["nearest"][0]["lines"] == [f"sources: {edited} changed"]
+
+
+def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
+    """The closure is read from the code: explain.py is not imported by the
+    compile path, so editing it keeps every key (and kernels.py is in it)."""
+    from kernel_cache.keys import source_files
+
+    files = source_files()
+    assert "kernel_cache/kernels.py" in files and "warmup/compiler.py" in files
+    assert "kernel_cache/explain.py" not in files and "warmup/planner.py" not in files
 
 
 def test_compile_options_this_torch_lacks_are_left_out():
-    """The H200 image's torch 2.11 has no aot_inductor.enable_line_tables: the
-    compiler must drop it there, not fail every compile."""
+    """torch 2.11 has no aot_inductor.enable_line_tables: the compiler must drop
+    it there, not fail every compile."""
     from torch._inductor import config as inductor_config
 
     from warmup.compiler import _has_option

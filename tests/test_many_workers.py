@@ -69,22 +69,62 @@ def verify_json(model, cache, *extra, expect_rc=0) -> dict:
 SUBSET = ["--kv-buckets", "32", "--query-buckets", "1,32"]
 
 
-def test_eight_warmups_started_together_compile_each_variant_once(tmp_path, tiny_model):
-    cache = tmp_path / "cache"
-    args = ("warmup", *tiny_args(tiny_model), *SUBSET, "--cache-dir", cache, "--jobs", "1")
-    procs = [cli(*args, "--json") for _ in range(8)]
-    outs = [p.communicate(timeout=1500) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 8, [err[-2000:] for _, err in outs]
-    reports = [json.loads(out) for out, _ in outs]
-    assert {r["variants"] for r in reports} == {3}
-    assert sum(r["compiled"] for r in reports) == 3  # exactly once in total
-    assert all(r["compiled"] + r["cached"] == 3 and r["failed"] == [] for r in reports)
-    compiled = sorted(
-        x["variant"] for r in reports for x in r["results"] if x["status"] == "compiled"
+def _cxx_wrapper(tmp_path: Path, log: Path) -> Path:
+    """A ``CXX`` that logs each link of a package's ``wrapper.so`` (one per
+    compile) and runs the system compiler. Its ``--version``/``-v`` answers
+    are the real compiler's, so the ``cxx`` key component is unchanged."""
+    real = shutil.which("g++")
+    assert real, "these tests need g++"
+    w = tmp_path / "g++-counting"
+    w.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in *.wrapper.so) '
+        f'echo "$$ $a" >> {log}; break;; esac; done\n'
+        f'exec {real} "$@"\n'
     )
-    assert compiled == ["batched_decode:1:2:4", "paged_attention:1:2:1", "paged_attention:32:2:1"]
-    assert len({r["pid"] for r in reports}) == 8
-    assert verify_json(tiny_model, cache, *SUBSET)["ok"] is True
+    w.chmod(0o755)
+    return w
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tiny_config, tmp_path):
+    cache, links, compiles = tmp_path / "cache", tmp_path / "links.log", tmp_path / "compiles"
+    env = {
+        **os.environ,
+        "CXX": str(_cxx_wrapper(tmp_path, links)),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
+    }
+    cmd = [sys.executable, "-m", "warmup.cli", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd += ["--cache-dir", str(cache), "--jobs", "1", "--json", "--quiet"]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(8)
+    ]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err, err
+    reports = [json.loads(out) for out, _ in outs]
+    n = reports[0]["variants"]
+    assert n == 6
+    # Independent counts: links of a package's .so, and compile_variant calls.
+    linked = [line.split()[1] for line in _lines(links)]
+    assert len(linked) == n, linked
+    compiled_variants = [line.split()[1] for line in _lines(compiles)]
+    assert sorted(compiled_variants) == sorted(str(v) for v in Bucketer(tiny_config).variants)
+    # The reports agree with the counts, row by row.
+    assert sum(r["compiled"] for r in reports) == n
+    assert sum(r["compiler_runs"] for r in reports) == n
+    rows = [x for r in reports for x in r["results"]]
+    assert sorted(x["variant"] for x in rows if x["compiler_ran"]) == sorted(compiled_variants)
+    for r in reports:
+        assert r["compiled"] + r["cached"] == n and not r["failed"], r
+        assert r["compiled"] == sum(x["status"] == "compiled" for x in r["results"])
+    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache, "--json", check=True)
+    assert json.loads(proc.stdout)["ok"]
 
 
 def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900) -> None:

@@ -347,6 +347,8 @@ def cmd_verify(args) -> int:
             )
         for c in report["corrupt"]:
             print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
+        for c in report["unrunnable"]:
+            print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
         if report["missing"]:
             print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
         if not report["ok"]:

@@ -67,6 +67,7 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
         )
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
 
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):

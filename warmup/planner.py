@@ -64,9 +64,9 @@ from kernel_cache.errors import (
     LockTimeoutError,
     UntrustedCacheError,
 )
-from kernel_cache.keys import build_key, environment, recipe_options
+from kernel_cache.keys import build_key, environment, key_from_components, recipe_options
 from kernel_cache.launch import describe_plan, resolve_plan
-from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env
+from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env, pid_alive
 from kernel_cache.lookup import Lookup
 from kernel_cache.quarantine import quarantine_entry
 from kernel_cache.redis_tier import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
@@ -76,6 +76,10 @@ from kernel_cache.trust import resolve_allow_shared
 from warmup.loadcheck import LoadChecker, die_with_parent
 
 log = logging.getLogger("kernel_cache.warmup")
+
+#: Set to 1 to keep the compile scratch directory (Inductor's sources, objects
+#: and precompiled headers) for debugging; its path is logged.
+ENV_KEEP_SCRATCH = "KERNEL_CACHE_KEEP_SCRATCH"
 
 #: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
 #: option that does not exist, so that a real compiler error is reported.
@@ -292,9 +296,10 @@ def _publish(tier: DiskTier, remote: RedisTier | None, key: str, data: bytes, me
 def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
     """Worker body: claim, check, compile, load check, publish, release.
 
-    ``options``: ``blocking`` (wait for the locks, else return ``busy`` at
-    once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch`` (the
-    variant's launch config, resolved once per plan by the parent), ``check``
+    ``options``: ``key`` (the variant's key components, computed once per
+    plan by the parent), ``blocking`` (wait for the locks, else return
+    ``busy`` at once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch``
+    (the variant's launch config, resolved once per plan by the parent), ``check``
     (load-check new artifacts before publishing; default True), ``remote``
     (optional: the Redis tier's :class:`RedisSettings` as JSON).
 
@@ -304,7 +309,9 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     config = EngineConfig.model_validate_json(config_json)
     variant = KernelVariant.model_validate_json(variant_json)
     allow_shared = options["allow_shared"]
-    key = build_key(config, variant, launch=options.get("launch"))
+    # The parent computed the key once for the plan: a worker never re-probes
+    # the toolchain, so every process of a warmup agrees on every key.
+    key = key_from_components(options["key"])
     res = VariantResult(str(variant), Status.FAILED, key=key.hexdigest, pid=os.getpid())
     t0 = time.perf_counter()
     remote = _remote_tier(options["remote"]) if options.get("remote") else None
@@ -713,15 +720,18 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     """``jobs=0``: a pass that never waits, then one that does, in this process."""
     from warmup.compiler import pin_environment
 
-    scratch = tempfile.mkdtemp(prefix="kernel_cache-inductor-")
+    scratch = _new_scratch()
     saved = dict(os.environ)
     results, busy = [], []
     try:
         pin_environment(config.device, config.cpu_target, scratch)
         cfg_json = config.model_dump_json()
+        env = environment(config)
         for blocking in (False, True):
             for v, launch in busy if blocking else todo:
+                key = build_key(config, v, env, launch=launch).as_dict()
                 opts = {**options, "blocking": blocking, "launch": launch, "check": False}
+                opts["key"] = key
                 r = build_variant(cfg_json, v.model_dump_json(), cache_dir, opts)
                 if r.status is Status.BUSY and not blocking:
                     busy.append((v, launch))
@@ -731,8 +741,31 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        shutil.rmtree(scratch, ignore_errors=True)
+        _drop_scratch(scratch)
     return results
+
+
+_SCRATCH_PREFIX = "kernel_cache-inductor-"
+
+
+def _new_scratch() -> str:
+    """A private directory under the system temp dir for one warmup's compiles
+    (Inductor's scratch and temp files), removed by :func:`_drop_scratch`.
+    Those of warmups that died (SIGKILL) are removed here first: the pid is
+    in the name."""
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(f"{_SCRATCH_PREFIX}*-*"):
+        pid = old.name[len(_SCRATCH_PREFIX) :].split("-")[0]
+        if pid.isdigit() and pid_alive(int(pid)) is False and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-")
+
+
+def _drop_scratch(scratch: str) -> None:
+    if os.environ.get(ENV_KEEP_SCRATCH) == "1":
+        log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
+        return
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
@@ -754,7 +787,7 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     if jobs == 0:
         return _in_process(config, todo, cache_dir, reporter, options)
     cfg_json = config.model_dump_json()
-    scratch = tempfile.mkdtemp(prefix="kernel_cache-inductor-")
+    scratch = _new_scratch()
     results: list[VariantResult] = []
     fatal = None
     pool = ProcessPoolExecutor(
@@ -765,9 +798,12 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     )
     futs: dict = {}
 
+    env = environment(config)
+
     def submit(item, blocking: bool):
         v, launch = item
-        opts = {**options, "blocking": blocking, "launch": launch}
+        key = build_key(config, v, env, launch=launch).as_dict()
+        opts = {**options, "blocking": blocking, "launch": launch, "key": key}
         f = pool.submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
         futs[f] = item
         return f
@@ -811,7 +847,7 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
         if old is not None:
             signal.signal(signal.SIGTERM, old)
         pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        _drop_scratch(scratch)
     return results
 
 
