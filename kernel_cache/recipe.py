@@ -328,6 +328,10 @@ ENV_RULES: tuple[EnvRule, ...] = (
     EnvRule("TORCH_COMPILE_*", PINNED, "torch.compile debug switches that reach Inductor"),
     EnvRule("TORCHDYNAMO_*", PINNED, "Dynamo settings read by export's tracer"),
     EnvRule("TORCH_INDUCTOR_*", PINNED, "Inductor install and build switches"),
+    EnvRule("DUMP_AOTI_MINIFIER", PINNED, "read by Inductor's config at import (a debug dump)"),
+    EnvRule("LOG_AUTOTUNE_RESULTS", PINNED, "read by Inductor's config at import"),
+    EnvRule("MAST_HPC_JOB_NAME", PINNED, "read by Inductor's config at import (job identity)"),
+    EnvRule("ROLE_RANK", PINNED, "read by Inductor's config at import (job identity)"),
     EnvRule(
         "TRITON_CACHE_DIR",
         IGNORED,

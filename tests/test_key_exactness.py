@@ -24,7 +24,14 @@ import pytest
 from kernel_cache.buckets import Bucketer
 from kernel_cache.errors import CpuTargetError
 from kernel_cache.keys import build_key, source_files
-from kernel_cache.recipe import ISA_FLAGS, PINNED, classify, compile_environment, cpu_features
+from kernel_cache.recipe import (
+    COUNTS,
+    ISA_FLAGS,
+    PINNED,
+    classify,
+    compile_environment,
+    cpu_features,
+)
 from kernel_cache.runtime import load_plan
 from kernel_cache.store import DiskTier
 from kernel_cache.verify import verify_plan
@@ -139,14 +146,15 @@ def test_every_inductor_environment_variable_is_pinned():
         re.findall(r"""os\.getenv\(\s*["']([A-Z0-9_]+)["']""", Path(cfg.__file__).read_text())
     )
     assert len(names) > 50  # the scan found the config's variables
-    unpinned = sorted(n for n in names if classify(n).action != PINNED)
+    unpinned = sorted(n for n in names if classify(n).action not in (PINNED, COUNTS))
     assert unpinned == [], unpinned
+    assert classify("CXX").action == COUNTS
     env = compile_environment(
         {n: "1" for n in names} | {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"},
         "cpu",
         "x86-64-v3",
     )
-    assert set(env) == {"PATH", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY"}
+    assert set(env) == {"PATH", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CXX"}
     assert env["ATEN_CPU_CAPABILITY"] == "avx2"
 
 

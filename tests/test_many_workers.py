@@ -364,3 +364,50 @@ def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
         report = verify_json(tiny_model, cache, expect_rc=1)
         assert report["loaded"] == 5 and report["missing"] == [str(v)]
         assert report["corrupt"] == []
+
+
+def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, tiny_model):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) after
+    the first variant is published: exit 130, one summary line, no traceback,
+    the published entries kept; a second warmup compiles only the rest. The
+    progress lines (stderr is a pipe, not a terminal) arrive one per variant
+    while the warmup runs."""
+    cache = tmp_path / "cache"
+    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1")
+    proc = cli(*args)
+    first = proc.stderr.readline()  # blocks until the first variant is done
+    assert re.match(r"warmup \[1/6\] \S+ compiled [\d.]+ s$", first.strip()), first
+    assert proc.poll() is None  # a line per variant before the end
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
+    assert len(summary) == 1, err
+    tier = DiskTier(cache)
+    kept = len(list(tier.iter_meta()))
+    tier.close()
+    assert kept >= 1
+    assert f"{kept} compiled and kept" in summary[0]
+    proc = run_cli(*args, "--json", "--quiet", check=True)
+    report = json.loads(proc.stdout)
+    assert report["cached"] == kept and report["compiled"] == 6 - kept
+    assert report["compiler_runs"] == 6 - kept
+
+
+def test_sigterm_stops_a_warmup_with_143_and_no_traceback(tmp_path, tiny_model):
+    cache = tmp_path / "cache"
+    marker = tmp_path / "marker"
+    env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1", env=env)
+    wait_for_pause(marker, proc, "compile")
+    proc.send_signal(signal.SIGTERM)  # the warmup process alone, as `kill` or a pod stop
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert "Traceback" not in err and "interrupted by SIGTERM" in err
+    pid = int(marker.read_text().split()[1])  # the paused compile worker
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), "the compile worker outlived the warmup"

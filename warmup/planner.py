@@ -315,8 +315,13 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     res = VariantResult(str(variant), Status.FAILED, key=key.hexdigest, pid=os.getpid())
     t0 = time.perf_counter()
     remote = _remote_tier(options["remote"]) if options.get("remote") else None
-    lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
-    if not _claim(lock, options["blocking"], options["lock_timeout"], res):
+    try:
+        lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
+        claimed = _claim(lock, options["blocking"], options["lock_timeout"], res)
+    except KernelCacheError as e:  # e.g. locks/ became a link: refused, never followed
+        res.status, res.error = Status.FAILED, str(e)
+        claimed = False
+    if not claimed:
         res.seconds = time.perf_counter() - t0
         return res
     tier = DiskTier(cache_dir, allow_shared=allow_shared)
