@@ -289,16 +289,23 @@ class DiskTier(Tier):
             )
         return Entry(key=key, meta=meta, data=bytes(data), where=self.location)
 
-    def artifact_path(self, key: str) -> Path | None:
-        """The file holding ``key``'s artifact bytes, if it is stored as a file."""
+    def artifact_filename(self, key: str) -> str | None:
+        """The index's file name (relative to the cache directory) of ``key``'s
+        artifact bytes, or None if they are not stored as a file. Opens nothing."""
+        from .disk import IndexSnapshot
+
         if self.read_only:
-            p = self._snap().file_of("art/" + key)
-            return Path(p) if p else None
-        handle = self._retry(lambda: self.cache.get("art/" + key, read=True), "reading an entry")
-        if handle is None:
-            return None
-        with handle:
-            return Path(handle.name) if isinstance(getattr(handle, "name", None), str) else None
+            row = self._snap().rows.get("art/" + key)
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            row = IndexSnapshot(self.directory, timeout=self.timeout).rows.get("art/" + key)
+        return None if row is None or not isinstance(row[1], str) else row[1]
+
+    def artifact_path(self, key: str) -> Path | None:
+        """The file holding ``key``'s artifact bytes, if it is stored as a file
+        (the path as the index names it; nothing is opened or followed)."""
+        name = self.artifact_filename(key)
+        return None if name is None else self.directory / name
 
     def raw_meta(self, key: str) -> bytes | None:
         """The stored metadata bytes, unparsed (for quarantine), or None."""
