@@ -487,20 +487,23 @@ class IndexSnapshot:
     read-only copy of a killed writer's directory) the main file is read
     ``immutable`` and the log's entries are missing (a warning says so).
 
-    ``rows``: ``{key: (mode, filename, value)}`` for rows with raw ``str`` keys.
+    ``rows``: ``{key: (mode, filename, value)}`` for rows with raw ``str`` keys;
+    ``filenames``: the value file names of every row (raw key or not), the
+    files the index references.
     """
 
     def __init__(self, directory: Path, *, timeout: float = DEFAULT_DB_TIMEOUT):
         self.directory = Path(directory)
         self.timeout = timeout
         self.rows: dict[str, tuple] = {}
+        self.filenames: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
         db = self.directory / DBNAME
         st = _lstat(db)
         if st is None or not stat.S_ISREG(st.st_mode):  # a link: refused by the trust check
-            self.rows = {}
+            self.rows, self.filenames = {}, set()
             return
         rows = retry_busy(
             lambda: self._read(db),
@@ -513,6 +516,7 @@ class IndexSnapshot:
             for k, raw, mode, filename, value in rows
             if raw and isinstance(k, str)
         }
+        self.filenames = {r[3] for r in rows if isinstance(r[3], str)}
 
     def _read(self, db: Path) -> list[tuple]:
         wal = db.with_name(DBNAME + "-wal")

@@ -138,6 +138,13 @@ class Tier(abc.ABC):
     def iter_meta(self) -> Iterator[dict]:
         """Every entry's metadata (for ls, stats, explain)."""
 
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
+        reason)`` for one whose metadata cannot be read (the default lists
+        :meth:`iter_meta`, which has none of the latter)."""
+        for m in self.iter_meta():
+            yield m["key"], m, None
+
     def contains(self, key: str) -> bool:
         return self.get_meta(key) is not None
 
@@ -332,6 +339,87 @@ class DiskTier(Tier):
                     yield parse_meta(raw, k[5:], self.location)
             except (CorruptEntryError, UntrustedCacheError):
                 continue
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry, readable or not, for ``ls``/``stats``/``gc``/``clear``:
+        ``(key, metadata, None)``, or ``(key, None, reason)`` where the
+        metadata does not parse, names another key or cannot be read (a link,
+        an untrusted file), the artifact row is missing, or its file is
+        missing, a link, not a regular file or not the recorded size. Checks
+        use ``lstat``; no artifact is read.
+        """
+        from .disk import IndexSnapshot
+
+        if self.read_only:
+            rows = self._snap().rows
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        keys = sorted({k.split("/", 1)[1] for k in rows if k.startswith(("meta/", "art/"))})
+        for key in keys:
+            if "meta/" + key not in rows:
+                yield key, None, "artifact bytes without metadata"
+                continue
+            try:
+                raw = self._value("meta/" + key)
+                if raw is None:
+                    continue  # removed since the index was read
+                meta = parse_meta(raw, key, self.location)
+            except CorruptEntryError as e:
+                yield key, None, e.reason
+                continue
+            except UntrustedCacheError as e:
+                yield key, None, f"untrusted: {e}"
+                continue
+            why = None
+            if meta.get("key") != key:
+                why = f"metadata is for key {str(meta.get('key'))[:16]}"
+            elif "art/" + key not in rows:
+                why = "metadata present but artifact bytes missing"
+            else:
+                why = self._file_problem(rows["art/" + key][1], meta.get("size"))
+            yield (key, None, why) if why else (key, meta, None)
+
+    def _file_problem(self, filename, size) -> str | None:
+        """Why the value file ``filename`` cannot hold an entry of ``size`` bytes
+        (``lstat`` only), or None (also for bytes kept inline in the index)."""
+        import stat as stat_
+
+        if not isinstance(filename, str):
+            return None
+        path = self.directory / filename
+        try:
+            st = path.lstat()
+        except OSError:
+            return f"artifact file {path} is missing"
+        if stat_.S_ISLNK(st.st_mode):
+            return f"artifact file {path} is a symbolic link (never followed)"
+        if not stat_.S_ISREG(st.st_mode):
+            return f"artifact file {path} is not a regular file"
+        if st.st_size != size:
+            return f"size {st.st_size} bytes != recorded {size} (truncated?)"
+        return None
+
+    def record_size(self, key: str) -> int:
+        """Bytes of ``key``'s artifact file on disk (``lstat``; 0 if none or not a
+        regular file), for an entry whose metadata cannot say."""
+        from .disk import IndexSnapshot
+
+        rows = (
+            self._snap().rows
+            if self.read_only
+            else IndexSnapshot(self.directory, timeout=self.timeout).rows
+        )
+        row = rows.get("art/" + key)
+        if row is None or not isinstance(row[1], str):
+            return 0
+        import stat as stat_
+
+        try:
+            st = (self.directory / row[1]).lstat()
+        except OSError:
+            return 0
+        return st.st_size if stat_.S_ISREG(st.st_mode) else 0
 
     # -- writing -------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: dict) -> None:
