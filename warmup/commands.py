@@ -152,7 +152,7 @@ def cmd_ls(args) -> int:
             _when(r["last_used"]),
         ]
         table.add_row(*cells, *((r["status"],) if corrupt else ()))
-    Console(width=max(130, shutil.get_terminal_size().columns)).print(table)
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
     for r in corrupt:
         print(f"  corrupt {r['key'][:12]}: {r['reason']}")
     if corrupt:
