@@ -148,7 +148,8 @@ def open_entry_file(directory: str | os.PathLike, filename: str):
 
     Raises:
         UnsafeValueError: ``filename`` is absolute or has a ``..`` component.
-        LinkInCacheError: the file or a folder holding it is a symbolic link.
+        LinkInCacheError: the file or a folder holding it is a symbolic link,
+            or the file is not a regular file.
         FileNotFoundError: the file or a folder is gone.
     """
     path = safe_relpath(directory, filename)
@@ -162,6 +163,9 @@ def open_entry_file(directory: str | os.PathLike, filename: str):
         raise
     finally:
         os.close(dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
+        os.close(fd)
+        raise LinkInCacheError(path, "cache entry file")
     return open(path, "rb", opener=lambda _p, _f: fd)  # noqa: SIM115 - the caller closes it
 
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -383,8 +384,6 @@ class DiskTier(Tier):
     def _file_problem(self, filename, size) -> str | None:
         """Why the value file ``filename`` cannot hold an entry of ``size`` bytes
         (``lstat`` only), or None (also for bytes kept inline in the index)."""
-        import stat as stat_
-
         if not isinstance(filename, str):
             return None
         path = self.directory / filename
@@ -392,9 +391,9 @@ class DiskTier(Tier):
             st = path.lstat()
         except OSError:
             return f"artifact file {path} is missing"
-        if stat_.S_ISLNK(st.st_mode):
+        if stat.S_ISLNK(st.st_mode):
             return f"artifact file {path} is a symbolic link (never followed)"
-        if not stat_.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):
             return f"artifact file {path} is not a regular file"
         if st.st_size != size:
             return f"size {st.st_size} bytes != recorded {size} (truncated?)"
@@ -413,13 +412,11 @@ class DiskTier(Tier):
         row = rows.get("art/" + key)
         if row is None or not isinstance(row[1], str):
             return 0
-        import stat as stat_
-
         try:
             st = (self.directory / row[1]).lstat()
         except OSError:
             return 0
-        return st.st_size if stat_.S_ISREG(st.st_mode) else 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     # -- writing -------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: dict) -> None:

@@ -62,7 +62,7 @@ def no_traceback(proc) -> None:
 # -- entry files -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["link-to-copy", "link-loop", "linked-folder"])
+@pytest.mark.parametrize("how", ["link-to-copy", "link-loop", "linked-folder", "fifo"])
 def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path, tiny_config, how):
     cache = tmp_path / "c"
     (variant, key), *_ = fill_plan(cache, tiny_config)
@@ -77,6 +77,10 @@ def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path
         f.unlink()
         f.symlink_to(f.name)
         link = f
+    elif how == "fifo":  # not a link, not a file: never opened for reading (it would block)
+        f.unlink()
+        os.mkfifo(f)
+        link = f
     else:  # the xx folder holding the file is a link to a copy of it
         xx = f.parent.parent
         shutil.copytree(xx, outside / "xx")
@@ -84,10 +88,15 @@ def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path
         xx.symlink_to(outside / "xx")
         link = xx
     before = tree_state(outside)
-    for tier in (DiskTier(cache, read_only=True), DiskTier(cache)):
+    expect = "is not a regular file" if how == "fifo" else "symbolic link"
+    for tier in (
+        DiskTier(cache, read_only=True),
+        DiskTier(cache),
+        DiskTier(cache, allow_shared=True),
+    ):
         with pytest.raises(CorruptEntryError) as e:
             tier.get(key)
-        assert str(link) in str(e.value) and "symbolic link" in str(e.value)
+        assert str(link) in str(e.value) and expect in str(e.value)
         tier.close()
 
     # warmup's check finds it bad; quarantine moves the link itself, not its target
@@ -95,11 +104,13 @@ def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path
 
     tier = DiskTier(cache)
     why = check_cached(tier, key, "cpu")
-    assert why is not None and "symbolic link" in why and str(link) in why
+    assert why is not None and expect in why and str(link) in why
     dest = quarantine_entry(tier, key, why, variant)
     tier.close()
     moved = dest / ("linked-folder" if how == "linked-folder" else "artifact.pt2")
-    assert moved.is_symlink() and not link.exists() and not link.is_symlink()
+    assert moved.is_symlink() or how == "fifo"
+    assert moved.exists() or moved.is_symlink()
+    assert not link.exists() and not link.is_symlink()
     assert json.loads((dest / "reason.json").read_text())["reason"] == why
     assert tree_state(outside) == before  # nothing outside the cache moved or written
     assert DiskTier(cache, read_only=True).get(key) is None  # a miss: warmup rebuilds it
