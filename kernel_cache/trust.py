@@ -22,13 +22,14 @@ Ownership of the directories *above* the cache is not checked (containers
 often mount volumes owned by another uid); only their write bits are.
 
 Symbolic links are never followed inside the cache, opt-out or not: a link
-where the index (``cache.db``, ``-wal``, ``-shm``), ``locks/`` or
-``quarantine/`` belongs is refused (:func:`check_no_links`), and entry files and
-their folders are opened component by component with ``O_NOFOLLOW``
-(:mod:`kernel_cache.disk`). Writing through such a link (warmup often runs as
-root) would change files elsewhere, and a trust check of the link would judge
-the wrong file. The cache directory itself may be a link: that path is the
-user's choice, and the checks apply to what it names.
+where the index (``cache.db``, ``-wal``, ``-shm``), ``locks/``,
+``quarantine/`` or the usage record belongs is refused
+(:func:`check_no_links`), and entry files and their folders are opened
+component by component with ``O_NOFOLLOW`` (:mod:`kernel_cache.disk`).
+Writing through such a link (warmup often runs as root) would change files
+elsewhere, and a trust check of the link would judge the wrong file. The
+cache directory itself may be a link: that path is the user's choice, and the
+checks apply to what it names.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ CACHE_PATHS: dict[str, tuple[str, str]] = {
     "cache.db-shm": ("cache index log", "rm {p} (SQLite creates a real one)"),
     "locks": ("lock folder", "rm {p} (the link only; warmup creates a real folder)"),
     "quarantine": ("quarantine folder", "rm {p} (the link only; warmup creates a real folder)"),
+    "usage.json": ("usage record", "rm {p} (the link only; usage counts start again)"),
+    "usage.json.lock": ("usage record lock", "rm {p} (the link only)"),
 }
 
 

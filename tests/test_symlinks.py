@@ -255,3 +255,23 @@ def test_linked_index_is_refused_as_a_link_not_for_its_mode(tmp_path, tiny_confi
     os.unlink(cache / "cache.db")
     shutil.copy(real, cache / "cache.db")
     assert len(list(DiskTier(cache, read_only=True).iter_meta())) == 6
+
+
+@pytest.mark.parametrize("name", ["usage.json", "usage.json.lock"])
+def test_usage_record_never_written_through_a_link(tmp_path, tiny_config, name):
+    from kernel_cache import usage
+
+    cache = tmp_path / "c"
+    (_, key), *_ = fill_plan(cache, tiny_config)
+    outside = other_dir(tmp_path)
+    (cache / name).symlink_to(outside / "precious")
+    before = tree_state(outside)
+    assert usage.record(cache, hits=[key]) is False  # filelock would truncate the target
+    proc = run_cli("stats", "--cache-dir", cache)
+    no_traceback(proc)
+    assert proc.returncode == 2
+    assert f"refusing usage record{' lock' if name.endswith('lock') else ''} {cache / name}" in (
+        proc.stderr
+    )
+    assert f"fix: rm {cache / name}" in proc.stderr
+    assert tree_state(outside) == before
