@@ -121,7 +121,7 @@ def list_entries(tier: Tier) -> list[dict]:
     ``runtime_digest``, ``status`` (``ok`` or ``corrupt``) and, for a corrupt
     entry, ``reason`` (its size is its artifact file's, its other fields None).
     Sorted naturally by variant (:func:`variant_sort_key`), then model, dtype,
-    device and creation."""
+    device and creation; corrupt entries last."""
     d = _directory(tier)
     last = usage.read_usage(d)["last_used"] if d is not None else {}
     rows = []
@@ -164,6 +164,7 @@ def list_entries(tier: Tier) -> list[dict]:
         )
     rows.sort(
         key=lambda r: (
+            r["status"] != "ok",
             variant_sort_key(r["variant"]),
             r["model"],
             r["dtype"] or "",

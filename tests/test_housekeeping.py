@@ -244,6 +244,7 @@ def test_ls_and_stats_list_entries_with_unreadable_metadata_as_corrupt(tmp_path)
     rows = json.loads(run_cli("ls", "--cache-dir", tmp_path, "--json", check=True).stdout)
     by_key = {r["key"]: r for r in rows}
     assert set(by_key) == {good, garbage, linked}
+    assert [r["status"] for r in rows] == ["ok", "corrupt", "corrupt"]  # corrupt ones last
     assert by_key[good]["status"] == "ok"
     assert by_key[garbage]["status"] == "corrupt" and "not JSON" in by_key[garbage]["reason"]
     assert by_key[linked]["status"] == "corrupt" and str(f) in by_key[linked]["reason"]
