@@ -275,3 +275,26 @@ def test_usage_record_never_written_through_a_link(tmp_path, tiny_config, name):
     )
     assert f"fix: rm {cache / name}" in proc.stderr
     assert tree_state(outside) == before
+
+
+def test_publish_never_writes_through_a_linked_value_folder(tmp_path):
+    cache = tmp_path / "c"
+    tier = DiskTier(cache)
+    tier.cache  # noqa: B018 - create it
+    outside = other_dir(tmp_path)
+    for i in range(256):  # every xx folder a value file can land in is a link
+        (cache / f"{i:02x}").symlink_to(outside)
+    before = tree_state(outside)
+    key = "cd" * 32
+
+    class K:
+        hexdigest = key
+
+        def as_dict(self):
+            return {}
+
+    with pytest.raises(UntrustedCacheError, match=r"refusing cache entry folder .* symbolic link"):
+        tier.put(key, DATA, make_meta(K(), "v", DATA, 0.0))
+    tier.close()
+    assert tree_state(outside) == before
+    assert DiskTier(cache, read_only=True).get(key) is None  # nothing half-published
