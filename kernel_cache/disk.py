@@ -13,6 +13,12 @@ Writers (warmup) open a :class:`diskcache.Cache` through :func:`open_cache`:
   60), then :class:`~kernel_cache.errors.CacheBusyError` names the index.
   diskcache's own constructor retries each statement for 60 s (its issue #85),
   so a probe takes the write lock once, within our bound, before it runs.
+- Symbolic links are never followed below the cache directory: value files and
+  their ``xx/yy`` folders are opened, created and removed one component at a
+  time relative to the parent's descriptor, with ``O_NOFOLLOW``
+  (:func:`open_dir_nofollow`, :func:`open_entry_file`). A link there raises
+  :class:`LinkInCacheError`: a read makes the entry corrupt (warmup quarantines
+  and rebuilds it), a write is refused.
 - :class:`SafeDisk` writes a value file with ``O_EXCL``, mode ``0644``, fsyncs
   it before the row that names it can commit, removes it if the write fails,
   and remembers it so a rolled back publish removes it too. It never pickles
@@ -32,6 +38,7 @@ import os
 import random
 import shutil
 import sqlite3
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +65,132 @@ T = TypeVar("T")
 class UnsafeValueError(ValueError):
     """An index row that kernel-cache refuses to decode (pickled, or a file name
     that points outside the cache)."""
+
+
+class LinkInCacheError(UnsafeValueError):
+    """A path below the cache directory is a symbolic link (or not the kind of
+    file expected there); it was not followed. ``path`` is the offending path."""
+
+    def __init__(self, path: str | os.PathLike, kind: str):
+        self.path = str(path)
+        self.kind = kind
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            why = f"is a symbolic link (to {target}); kernel-cache never follows links in the cache"
+        else:
+            why = "is not a directory" if kind.endswith("folder") else "is not a regular file"
+        self.why = why
+        super().__init__(f"{kind} {path} {why}")
+
+
+def _lstat(path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOT_FOLLOWED = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
+
+
+def open_dir_nofollow(
+    root: str | os.PathLike, parts, *, create_mode: int | None = None, kind: str = "cache folder"
+) -> int:
+    """A descriptor of ``root/parts[0]/.../parts[-1]``, each component opened
+    relative to its parent with ``O_NOFOLLOW | O_DIRECTORY``, so no symbolic
+    link below ``root`` is followed (``root`` itself may be one: the user chose
+    that path). With ``create_mode``, missing components are created with it
+    (before the umask). The caller closes the descriptor.
+
+    Raises:
+        LinkInCacheError: a component is a symbolic link or not a directory.
+        FileNotFoundError: ``root`` or a component is missing (without ``create_mode``).
+    """
+    fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    path = Path(root)
+    try:
+        for name in parts:
+            path = path / name
+            if create_mode is not None:
+                try:
+                    os.mkdir(name, create_mode, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                nfd = os.open(
+                    name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd
+                )
+            except OSError as e:
+                if e.errno in _NOT_FOLLOWED:
+                    raise LinkInCacheError(path, kind) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_entry_file(directory: str | os.PathLike, filename: str):
+    """Open the value file ``filename`` (relative, from an index row) for reading,
+    following no symbolic link below ``directory`` (``O_NOFOLLOW`` on every
+    component; ``O_NONBLOCK`` so a FIFO cannot hang the reader). Returns a
+    binary file object whose ``name`` is the full path.
+
+    Raises:
+        UnsafeValueError: ``filename`` is absolute or has a ``..`` component.
+        LinkInCacheError: the file or a folder holding it is a symbolic link,
+            or the file is not a regular file.
+        FileNotFoundError: the file or a folder is gone.
+    """
+    path = safe_relpath(directory, filename)
+    parts = Path(filename).parts
+    dfd = open_dir_nofollow(directory, parts[:-1], kind="cache entry folder")
+    try:
+        fd = os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=dfd)
+    except OSError as e:
+        if e.errno in _NOT_FOLLOWED:
+            raise LinkInCacheError(path, "cache entry file") from None
+        raise
+    finally:
+        os.close(dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
+        os.close(fd)
+        raise LinkInCacheError(path, "cache entry file")
+    return open(path, "rb", opener=lambda _p, _f: fd)  # noqa: SIM115 - the caller closes it
+
+
+def remove_entry_file(directory: str | os.PathLike, filename: str) -> None:
+    """Remove the value file ``filename`` and its ``xx/yy`` folders if now empty,
+    following no symbolic link below ``directory`` (a link where a folder
+    belongs is left alone; a link where the file belongs is removed itself)."""
+    parts = Path(filename).parts
+    if not parts or os.path.isabs(filename) or ".." in parts:
+        return
+    fds = []
+    try:
+        fds.append(os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC))
+        for name in parts[:-1]:
+            fds.append(
+                os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fds[-1])
+            )
+        os.unlink(parts[-1], dir_fd=fds[-1])
+        for i in range(len(parts) - 1, 0, -1):  # prune empty xx/yy
+            os.rmdir(parts[i - 1], dir_fd=fds[i - 1])
+    except OSError:
+        pass  # gone already, not empty, or a link: nothing more to remove
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def db_timeout_from_env() -> float:
@@ -164,7 +297,10 @@ def retry_busy(fn: Callable[[], T], *, directory: Path, timeout: float, what: st
 
 
 def makedirs(path: Path, mode: int) -> None:
-    """Create ``path`` and missing parents, each with ``mode`` (before the umask)."""
+    """Create ``path`` and missing parents, each with ``mode`` (before the umask).
+
+    For the cache directory itself (a user-chosen path, which may be or pass
+    through a link); folders inside the cache use :func:`open_dir_nofollow`."""
     missing = []
     p = Path(path)
     while not p.is_dir():
@@ -199,26 +335,18 @@ def safe_relpath(directory: str | os.PathLike, filename: str) -> str:
     return os.path.join(directory, filename)
 
 
-def _remove_value_file(full_path: str) -> None:
-    """Remove a value file and its ``xx/yy`` directories if they are now empty."""
-    Path(full_path).unlink(missing_ok=True)
-    d = Path(full_path).parent
-    for _ in range(2):
-        try:
-            d.rmdir()
-        except OSError:
-            return
-        d = d.parent
-
-
 class SafeDisk(diskcache.Disk):
     """diskcache's :class:`~diskcache.Disk` for kernel-cache's bytes-only values.
 
     Keys are ``str`` (stored raw), values ``bytes``. Never pickles, never
     unpickles. Value files are created ``O_EXCL`` with mode ``0644`` (group and
     others can never write them, whatever the umask), fsynced, and removed when
-    the write fails. :attr:`new_files` lists the files written since the owner
-    last cleared it, so a publish whose transaction rolls back removes them.
+    the write fails. Value files and their folders are created, read and
+    removed without following a symbolic link (:func:`open_dir_nofollow`): a
+    read through one raises :class:`LinkInCacheError`, a write
+    :class:`~kernel_cache.errors.UntrustedCacheError`. :attr:`new_files` lists
+    the files (relative names) written since the owner last cleared it, so a
+    publish whose transaction rolls back removes them.
     """
 
     #: Mode for the ``xx/yy`` directories (0755, or 0777 minus the umask for a
@@ -239,18 +367,26 @@ class SafeDisk(diskcache.Disk):
             raise TypeError(f"kernel-cache stores bytes, not {type(value).__name__}")
         if len(value) < self.min_file_size:
             return 0, MODE_RAW, None, sqlite3.Binary(value)
-        filename, full_path = self.filename(key, value)
-        self._write_value(full_path, value)
-        self.new_files.append(full_path)
+        filename, _ = self.filename(key, value)
+        self._write_value(filename, value)
+        self.new_files.append(filename)
         return len(value), MODE_BINARY, filename, None
 
-    def _write_value(self, full_path: str, data: bytes) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    def _write_value(self, filename: str, data: bytes) -> None:
+        from .trust import refuse_link
+
+        parts = Path(filename).parts
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
         for attempt in range(10):
-            makedirs(Path(full_path).parent, self.dir_mode)
             try:
-                fd = os.open(full_path, flags, 0o644)
+                dfd = open_dir_nofollow(self._directory, parts[:-1], create_mode=self.dir_mode)
+                try:
+                    fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
                 break
+            except LinkInCacheError as e:
+                raise refuse_link("cache entry folder", e.path, "rm {p} (the link only)") from None
             except FileNotFoundError:  # another process's remove() pruned the empty xx/yy
                 if attempt == 9:
                     raise
@@ -265,21 +401,35 @@ class SafeDisk(diskcache.Disk):
             finally:
                 os.close(fd)
         except BaseException:
-            _remove_value_file(full_path)
+            remove_entry_file(self._directory, filename)
             raise
 
     def discard_new_files(self, start: int = 0) -> None:
         """Remove the files written since index ``start`` of :attr:`new_files`."""
-        for p in self.new_files[start:]:
-            _remove_value_file(p)
+        for filename in self.new_files[start:]:
+            remove_entry_file(self._directory, filename)
         del self.new_files[start:]
 
     def fetch(self, mode, filename, value, read):
+        """A row's value: bytes, or with ``read`` an open file for a value file.
+
+        Raises:
+            UnsafeValueError: a pickled value or an unsafe file name.
+            LinkInCacheError: the value file or a folder holding it is a link.
+            OSError: the file cannot be read (diskcache treats it as a miss).
+        """
         if mode == MODE_PICKLE:
             raise UnsafeValueError("index row holds a pickled value (refused: never unpickled)")
-        if filename is not None:
-            safe_relpath(self._directory, filename)
+        if mode in (MODE_BINARY, MODE_TEXT) and filename is not None:
+            f = open_entry_file(self._directory, filename)
+            if read:
+                return f
+            with f:
+                return f.read()
         return super().fetch(mode, filename, value, read)
+
+    def remove(self, file_path):
+        remove_entry_file(self._directory, file_path)
 
 
 def open_cache(directory: Path, *, timeout: float, shared: bool = False) -> diskcache.Cache:
@@ -341,19 +491,23 @@ class IndexSnapshot:
     read-only copy of a killed writer's directory) the main file is read
     ``immutable`` and the log's entries are missing (a warning says so).
 
-    ``rows``: ``{key: (mode, filename, value)}`` for rows with raw ``str`` keys.
+    ``rows``: ``{key: (mode, filename, value)}`` for rows with raw ``str`` keys;
+    ``filenames``: the value file names of every row (raw key or not), the
+    files the index references.
     """
 
     def __init__(self, directory: Path, *, timeout: float = DEFAULT_DB_TIMEOUT):
         self.directory = Path(directory)
         self.timeout = timeout
         self.rows: dict[str, tuple] = {}
+        self.filenames: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
         db = self.directory / DBNAME
-        if not db.is_file():
-            self.rows = {}
+        st = _lstat(db)
+        if st is None or not stat.S_ISREG(st.st_mode):  # a link: refused by the trust check
+            self.rows, self.filenames = {}, set()
             return
         rows = retry_busy(
             lambda: self._read(db),
@@ -366,6 +520,7 @@ class IndexSnapshot:
             for k, raw, mode, filename, value in rows
             if raw and isinstance(k, str)
         }
+        self.filenames = {r[3] for r in rows if isinstance(r[3], str)}
 
     def _read(self, db: Path) -> list[tuple]:
         wal = db.with_name(DBNAME + "-wal")
@@ -373,7 +528,7 @@ class IndexSnapshot:
             wal_pending = wal.stat().st_size > 0
         except FileNotFoundError:
             wal_pending = False
-        uri = db.resolve().as_uri()
+        uri = (db.parent.resolve() / DBNAME).as_uri()  # never resolves a link at cache.db
         attempts = (["?mode=ro"] if wal_pending else []) + ["?mode=ro&immutable=1"]
         last: Exception | None = None
         for tries in range(3):
@@ -413,6 +568,8 @@ class IndexSnapshot:
 
         Raises:
             UnsafeValueError: a pickled value, an unknown mode or an unsafe file name.
+            LinkInCacheError: the value file or a folder holding it is a symbolic
+                link (not followed).
         """
         row = self.rows.get(key)
         if row is None:
@@ -421,14 +578,13 @@ class IndexSnapshot:
         if mode == MODE_RAW:
             return value.encode() if isinstance(value, str) else bytes(value)
         if mode in (MODE_BINARY, MODE_TEXT) and filename is not None:
-            path = safe_relpath(self.directory, filename)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                f = open_entry_file(self.directory, filename)
             except FileNotFoundError:
                 return None
-            with os.fdopen(fd, "rb") as f:
+            with f:
                 if check_fd is not None:
-                    check_fd(f.fileno(), path)
+                    check_fd(f.fileno(), f.name)
                 return f.read()
         if mode == MODE_PICKLE:
             raise UnsafeValueError("index row holds a pickled value (refused: never unpickled)")

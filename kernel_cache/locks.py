@@ -1,10 +1,15 @@
 """Single-flight per key across processes: one compile per key, however many workers.
 
-:class:`KeyLock` is a :class:`filelock.FileLock` (``flock(2)`` on Linux) on
-``<cache>/locks/<key>.lock``. The kernel drops an ``flock`` when its holder
-exits, however it exits (``SIGKILL``, OOM kill), so a dead holder never blocks
-a later start. (``flock`` is not reliable on every network file system; keep
-the cache on a local disk.)
+:class:`KeyLock` is an ``flock(2)`` on ``<cache>/locks/<key>.lock``. The kernel
+drops an ``flock`` when its holder exits, however it exits (``SIGKILL``, OOM
+kill), so a dead holder never blocks a later start. (``flock`` is not reliable
+on every network file system; keep the cache on a local disk.)
+
+No symbolic link is followed: ``locks/`` is opened with ``O_NOFOLLOW |
+O_DIRECTORY`` and each file in it with ``O_NOFOLLOW``, so a link there (to
+another user's folder or file) is refused with
+:class:`~kernel_cache.errors.UntrustedCacheError` naming it and the fix, and
+nothing is created or truncated through it.
 
 The holder writes ``<cache>/locks/<key>.owner`` (JSON: ``pid``, ``host``,
 ``since``, ``variant``) after it acquires the lock and removes it before it
@@ -18,14 +23,19 @@ compiling), compile, publish, release.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
-from .disk import makedirs
+from .disk import LinkInCacheError, makedirs, open_dir_nofollow
 from .errors import ConfigError, LockTimeoutError
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 LOCKS_DIR = "locks"
 ENV_LOCK_TIMEOUT = "KERNEL_CACHE_LOCK_TIMEOUT"
@@ -70,36 +80,65 @@ class LockBusy(Exception):
     """A non-blocking :meth:`KeyLock.acquire` found the key locked."""
 
 
+def _refuse_link(path) -> Exception:
+    from .trust import refuse_link
+
+    return refuse_link("lock path", path, "rm {p} (the link only; warmup creates a real one)")
+
+
 class KeyLock:
     """The compile lock of one key in one cache directory (a context manager).
 
     Args:
-        cache_dir: the cache directory (``locks/`` is created in it).
+        cache_dir: the cache directory (``locks/`` is created in it on acquire).
         key: the entry key (sha256 hex).
         variant: for the owner record and error messages.
-        shared: create ``locks/`` group-writable (a deliberately shared directory).
+        shared: create ``locks/`` and lock files group-writable (the umask
+            decides; a deliberately shared directory), else ``0755``/``0644``.
     """
 
     def __init__(self, cache_dir, key: str, *, variant: str = "", shared: bool = False):
-        from filelock import FileLock
-
-        self.dir = Path(cache_dir) / LOCKS_DIR
+        self.root = Path(cache_dir)
+        self.dir = self.root / LOCKS_DIR
         self.key = key
         self.variant = variant
+        self.shared = shared
         self.path = self.dir / f"{key}.lock"
         self.owner_path = self.dir / f"{key}.owner"
-        makedirs(self.dir, 0o777 if shared else 0o755)
-        # A shared directory's lock files must be openable read-write by the group:
-        # there the umask decides; otherwise 0644.
-        self._lock = FileLock(str(self.path)) if shared else FileLock(str(self.path), mode=0o644)
+        self._fd: int | None = None
         self.waited_s = 0.0
 
-    def holder(self) -> dict | None:
-        """The owner record of the current holder, with ``alive``, or None."""
+    def _open_dir(self) -> int:
+        """A descriptor of ``locks/`` (created if missing), never through a link.
+
+        Raises:
+            UntrustedCacheError: ``locks/`` is a symbolic link or not a folder.
+        """
+        mode = 0o777 if self.shared else 0o755
+        makedirs(self.root, mode)
         try:
-            rec = json.loads(self.owner_path.read_text())
+            return open_dir_nofollow(self.root, [LOCKS_DIR], create_mode=mode, kind="lock folder")
+        except LinkInCacheError:
+            from .trust import CACHE_PATHS, refuse_link
+
+            kind, fix = CACHE_PATHS[LOCKS_DIR]
+            raise refuse_link(kind, self.dir, fix) from None
+
+    def holder(self) -> dict | None:
+        """The owner record of the current holder, with ``alive``, or None
+        (also when the record is a link: never followed)."""
+        try:
+            dfd = self._open_dir()
+        except Exception:
+            return None
+        try:
+            fd = os.open(self.owner_path.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                rec = json.loads(f.read(65536))
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(dfd)
         if not isinstance(rec, dict):
             return None
         if rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int):
@@ -113,35 +152,82 @@ class KeyLock:
             LockBusy: ``timeout`` is 0 and another process holds the key.
             LockTimeoutError: waited ``timeout`` seconds; names the key, the lock
                 file and the holder's pid if known.
+            UntrustedCacheError: ``locks/`` or the lock file is a symbolic link.
         """
-        from filelock import Timeout
-
         t0 = time.monotonic()
+        dfd = self._open_dir()
         try:
-            self._lock.acquire(timeout=timeout, poll_interval=0.05)
-        except Timeout:
-            if timeout == 0:
-                raise LockBusy(self.key) from None
-            raise LockTimeoutError(self.timeout_message(timeout)) from None
-        self.waited_s = time.monotonic() - t0
+            try:
+                fd = os.open(
+                    self.path.name,
+                    os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC,
+                    0o666 if self.shared else 0o644,
+                    dir_fd=dfd,
+                )
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.EMLINK):
+                    raise _refuse_link(self.path) from None
+                raise
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        os.close(fd)
+                        raise
+                if timeout == 0 or time.monotonic() - t0 >= timeout:
+                    os.close(fd)
+                    if timeout == 0:
+                        raise LockBusy(self.key)
+                    raise LockTimeoutError(self.timeout_message(timeout))
+                time.sleep(0.05)
+            self._fd = fd
+            self.waited_s = time.monotonic() - t0
+            self._write_owner(dfd)
+        finally:
+            os.close(dfd)
+
+    def _write_owner(self, dfd: int) -> None:
         rec = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "since": time.time(),
             "variant": self.variant,
         }
-        tmp = self.owner_path.with_name(f"{self.owner_path.name}.{os.getpid()}.tmp")
+        tmp = f"{self.owner_path.name}.{os.getpid()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC
         try:
-            tmp.write_text(json.dumps(rec))
-            os.replace(tmp, self.owner_path)
+            fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(rec).encode())
+            os.replace(tmp, self.owner_path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError:  # the record is a courtesy; the flock is the lock
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
 
     def release(self) -> None:
+        """Drop the lock (and the owner record if it is this process's); a no-op
+        if it is not held."""
+        if self._fd is None:
+            return
         rec = self.holder()
         if rec is not None and rec.get("pid") == os.getpid():
-            self.owner_path.unlink(missing_ok=True)
-        self._lock.release()
+            try:
+                dfd = self._open_dir()
+                try:
+                    os.unlink(self.owner_path.name, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+            except Exception:  # noqa: BLE001 - the flock below is what matters
+                pass
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def timeout_message(self, timeout: float) -> str:
         """The error text for a wait of ``timeout`` seconds: key, lock file, holder."""

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,6 +138,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def iter_meta(self) -> Iterator[dict]:
         """Every entry's metadata (for ls, stats, explain)."""
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
+        reason)`` for one whose metadata cannot be read (the default lists
+        :meth:`iter_meta`, which has none of the latter)."""
+        for m in self.iter_meta():
+            yield m["key"], m, None
 
     def contains(self, key: str) -> bool:
         return self.get_meta(key) is not None
@@ -289,16 +297,23 @@ class DiskTier(Tier):
             )
         return Entry(key=key, meta=meta, data=bytes(data), where=self.location)
 
-    def artifact_path(self, key: str) -> Path | None:
-        """The file holding ``key``'s artifact bytes, if it is stored as a file."""
+    def artifact_filename(self, key: str) -> str | None:
+        """The index's file name (relative to the cache directory) of ``key``'s
+        artifact bytes, or None if they are not stored as a file. Opens nothing."""
+        from .disk import IndexSnapshot
+
         if self.read_only:
-            p = self._snap().file_of("art/" + key)
-            return Path(p) if p else None
-        handle = self._retry(lambda: self.cache.get("art/" + key, read=True), "reading an entry")
-        if handle is None:
-            return None
-        with handle:
-            return Path(handle.name) if isinstance(getattr(handle, "name", None), str) else None
+            row = self._snap().rows.get("art/" + key)
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            row = IndexSnapshot(self.directory, timeout=self.timeout).rows.get("art/" + key)
+        return None if row is None or not isinstance(row[1], str) else row[1]
+
+    def artifact_path(self, key: str) -> Path | None:
+        """The file holding ``key``'s artifact bytes, if it is stored as a file
+        (the path as the index names it; nothing is opened or followed)."""
+        name = self.artifact_filename(key)
+        return None if name is None else self.directory / name
 
     def raw_meta(self, key: str) -> bytes | None:
         """The stored metadata bytes, unparsed (for quarantine), or None."""
@@ -325,6 +340,83 @@ class DiskTier(Tier):
                     yield parse_meta(raw, k[5:], self.location)
             except (CorruptEntryError, UntrustedCacheError):
                 continue
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry, readable or not, for ``ls``/``stats``/``gc``/``clear``:
+        ``(key, metadata, None)``, or ``(key, None, reason)`` where the
+        metadata does not parse, names another key or cannot be read (a link,
+        an untrusted file), the artifact row is missing, or its file is
+        missing, a link, not a regular file or not the recorded size. Checks
+        use ``lstat``; no artifact is read.
+        """
+        from .disk import IndexSnapshot
+
+        if self.read_only:
+            rows = self._snap().rows
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        keys = sorted({k.split("/", 1)[1] for k in rows if k.startswith(("meta/", "art/"))})
+        for key in keys:
+            if "meta/" + key not in rows:
+                yield key, None, "artifact bytes without metadata"
+                continue
+            try:
+                raw = self._value("meta/" + key)
+                if raw is None:
+                    continue  # removed since the index was read
+                meta = parse_meta(raw, key, self.location)
+            except CorruptEntryError as e:
+                yield key, None, e.reason
+                continue
+            except UntrustedCacheError as e:
+                yield key, None, f"untrusted: {e}"
+                continue
+            why = None
+            if meta.get("key") != key:
+                why = f"metadata is for key {str(meta.get('key'))[:16]}"
+            elif "art/" + key not in rows:
+                why = "metadata present but artifact bytes missing"
+            else:
+                why = self._file_problem(rows["art/" + key][1], meta.get("size"))
+            yield (key, None, why) if why else (key, meta, None)
+
+    def _file_problem(self, filename, size) -> str | None:
+        """Why the value file ``filename`` cannot hold an entry of ``size`` bytes
+        (``lstat`` only), or None (also for bytes kept inline in the index)."""
+        if not isinstance(filename, str):
+            return None
+        path = self.directory / filename
+        try:
+            st = path.lstat()
+        except OSError:
+            return f"artifact file {path} is missing"
+        if stat.S_ISLNK(st.st_mode):
+            return f"artifact file {path} is a symbolic link (never followed)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"artifact file {path} is not a regular file"
+        if st.st_size != size:
+            return f"size {st.st_size} bytes != recorded {size} (truncated?)"
+        return None
+
+    def record_size(self, key: str) -> int:
+        """Bytes of ``key``'s artifact file on disk (``lstat``; 0 if none or not a
+        regular file), for an entry whose metadata cannot say."""
+        from .disk import IndexSnapshot
+
+        rows = (
+            self._snap().rows
+            if self.read_only
+            else IndexSnapshot(self.directory, timeout=self.timeout).rows
+        )
+        row = rows.get("art/" + key)
+        if row is None or not isinstance(row[1], str):
+            return 0
+        try:
+            st = (self.directory / row[1]).lstat()
+        except OSError:
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     # -- writing -------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: dict) -> None:

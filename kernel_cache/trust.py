@@ -20,6 +20,16 @@ accidents, nothing catches a malicious group member).
 
 Ownership of the directories *above* the cache is not checked (containers
 often mount volumes owned by another uid); only their write bits are.
+
+Symbolic links are never followed inside the cache, opt-out or not: a link
+where the index (``cache.db``, ``-wal``, ``-shm``), ``locks/``,
+``quarantine/`` or the usage record belongs is refused
+(:func:`check_no_links`), and entry files and their folders are opened
+component by component with ``O_NOFOLLOW`` (:mod:`kernel_cache.disk`).
+Writing through such a link (warmup often runs as root) would change files
+elsewhere, and a trust check of the link would judge the wrong file. The
+cache directory itself may be a link: that path is the user's choice, and the
+checks apply to what it names.
 """
 
 from __future__ import annotations
@@ -114,8 +124,77 @@ def _opted_out(root: Path, allow_shared: bool) -> bool:
     return allow_shared
 
 
+#: The files and folders of a cache that must never be symbolic links, with
+#: the kind named in the error and the fix (``{p}``: the path, ``{t}``: the
+#: link's target).
+CACHE_PATHS: dict[str, tuple[str, str]] = {
+    "cache.db": (
+        "cache index",
+        "replace the link with the file it names (cp --remove-destination {t} {p}), or "
+        "remove the link (rm {p}) and warm up again",
+    ),
+    "cache.db-wal": ("cache index log", "rm {p} (SQLite creates a real one)"),
+    "cache.db-shm": ("cache index log", "rm {p} (SQLite creates a real one)"),
+    "locks": ("lock folder", "rm {p} (the link only; warmup creates a real folder)"),
+    "quarantine": ("quarantine folder", "rm {p} (the link only; warmup creates a real folder)"),
+    "usage.json": ("usage record", "rm {p} (the link only; usage counts start again)"),
+    "usage.json.lock": ("usage record lock", "rm {p} (the link only)"),
+}
+
+
+def link_target(path: str | os.PathLike) -> str:
+    """What the symbolic link ``path`` points to (``?`` if it cannot be read)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def refuse_link(kind: str, path: str | os.PathLike, fix: str) -> UntrustedCacheError:
+    """The error for a symbolic link found where ``kind`` belongs (names the
+    path, the target and ``fix``; ``{p}`` and ``{t}`` in ``fix`` are filled in),
+    or for a file where a folder belongs (and the reverse)."""
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        is_link = True
+    if not is_link:  # opened with O_NOFOLLOW | O_DIRECTORY and found a file
+        what = "a folder" if "folder" in kind else "a regular file"
+        return UntrustedCacheError(
+            f"refusing {kind} {path}: it is not {what}; fix: rm {path} (warmup creates it again)"
+        )
+    target = link_target(path)
+    absolute = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    return UntrustedCacheError(
+        f"refusing {kind} {path}: it is a symbolic link (to {target}); kernel-cache never "
+        f"follows a link inside the cache (writing through it would change files elsewhere, "
+        f"and a trust check would judge the wrong file); fix: {fix.format(p=path, t=absolute)}"
+    )
+
+
+def check_no_links(root: str | os.PathLike) -> None:
+    """Refuse a symbolic link where a file or folder of :data:`CACHE_PATHS` belongs.
+
+    Applies with the shared-directory opt-out too. A missing path passes.
+
+    Raises:
+        UntrustedCacheError: names the path, the link's target and the fix.
+    """
+    root = Path(root)
+    for name, (kind, fix) in CACHE_PATHS.items():
+        p = root / name
+        try:
+            st = p.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise refuse_link(kind, p, fix)
+
+
 def check_cache_dir(root: str | os.PathLike, *, allow_shared: bool = False) -> None:
-    """Check the cache directory, its SQLite index and the directories above it.
+    """Check the cache directory, its SQLite index and the directories above it,
+    and that no file or folder of the cache is a symbolic link (:func:`check_no_links`,
+    also with ``allow_shared``).
 
     A directory that does not exist passes (nothing to load from it).
 
@@ -123,6 +202,8 @@ def check_cache_dir(root: str | os.PathLike, *, allow_shared: bool = False) -> N
         UntrustedCacheError: names the path, why and the fix.
     """
     root = Path(root)
+    if root.is_dir():
+        check_no_links(root)
     if _opted_out(root, allow_shared):
         return
     try:
@@ -142,7 +223,7 @@ def _check_root(root: Path, st: os.stat_result) -> None:
     why = problem(st)
     if why:
         _refuse("cache directory", root, st, why, recursive=True)
-    for name in ("cache.db", "cache.db-wal"):
+    for name in ("cache.db", "cache.db-wal"):  # links: refused by check_no_links
         p = root / name
         try:
             fst = p.lstat()

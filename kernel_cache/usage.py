@@ -11,7 +11,8 @@ each variant already cached and a miss for each it compiled. ``kernel-cache
 ls`` shows "last used", ``stats`` the counters, ``gc`` evicts the least
 recently used entries (an entry never used counts from its creation).
 
-Recording never fails and never writes where it may not: a cache directory
+Recording never fails and never writes where it may not (nor through a
+symbolic link at ``usage.json`` or its lock file): a cache directory
 that does not exist or is not writable (a read-only image layer or mount,
 ``os.access(dir, W_OK)`` false) is left untouched, and an error while writing
 (a full disk, a lock held longer than :data:`LOCK_TIMEOUT`) is logged at debug
@@ -86,6 +87,9 @@ def record(
     from filelock import FileLock, Timeout
 
     d = Path(directory)
+    if any(os.path.islink(d / n) for n in (LOCK_FILE, USAGE_FILE)):
+        log.debug("usage record in %s skipped: a symbolic link is never written through", d)
+        return False
     now = time.time() if now is None else now
     try:
         with FileLock(str(d / LOCK_FILE), timeout=LOCK_TIMEOUT):

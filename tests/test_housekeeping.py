@@ -2,13 +2,21 @@
 
 import json
 import os
+import time
 
 import pytest
 
 from kernel_cache import load_plan, usage
 from kernel_cache.buckets import Bucketer
 from kernel_cache.errors import KernelCacheError
-from kernel_cache.housekeeping import cache_stats, gc, list_entries, parse_size, plan_digests
+from kernel_cache.housekeeping import (
+    ORPHAN_GRACE_S,
+    cache_stats,
+    gc,
+    list_entries,
+    parse_size,
+    plan_digests,
+)
 from kernel_cache.keys import build_key
 from kernel_cache.store import DiskTier, make_meta
 
@@ -116,7 +124,7 @@ def test_ls_stats_and_clear_after_a_real_engine_start(cache_copy, tiny_config):
     assert json.loads(proc.stdout)["removed"] == 6
     s = json.loads(run_cli("stats", "--cache-dir", cache_copy, "--json", check=True).stdout)
     assert (s["entries"], s["bytes"], s["hits"], s["misses"]) == (0, 0, 0, 0)
-    proc = run_cli("stats", "--cache-dir", cache_copy / "absent")
+    proc = run_cli("clear", "--cache-dir", cache_copy / "absent")
     assert proc.returncode == 2 and "no cache at" in proc.stderr
     assert not (cache_copy / "absent").exists()
 
@@ -166,3 +174,139 @@ def test_usage_records_are_best_effort(tmp_path):
         assert usage.record(ro, hits=["k"]) is False and list(ro.iterdir()) == []
     finally:
         os.chmod(ro, 0o755)
+
+
+# -- corrupt entries, orphan files, natural order, a missing directory ----------------
+
+
+class Key:
+    """A stand-in for CacheKey with chosen components (make_meta reads both)."""
+
+    def __init__(self, i: int, geometry: dict, dtype="float32", device="cpu"):
+        self.hexdigest = f"{i:064x}"
+        self.comps = {"geometry": json.dumps(geometry), "dtype": dtype, "device": device}
+
+    def as_dict(self):
+        return dict(self.comps)
+
+
+LLAMA_1B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 64, "block_size": 16}
+TINY = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 16}
+
+
+def _put(cache, i, variant, geometry=TINY, size=40_000):
+    key = Key(i, geometry)
+    data = bytes([i % 256]) * size
+    tier = DiskTier(cache)
+    tier.put(key.hexdigest, data, make_meta(key, variant, data, 1.0))
+    tier.close()
+    return key.hexdigest
+
+
+def test_ls_sorts_variants_naturally_and_names_the_model(tmp_path):
+    variants = [
+        "paged_attention:1024:64:1",
+        "paged_attention:1:2:1",
+        "batched_decode:1:8:4",
+        "paged_attention:512:32:1",
+        "batched_decode:1:8:16",
+    ]
+    for i, v in enumerate(variants):
+        _put(tmp_path, i, v, TINY)
+        _put(tmp_path, 100 + i, v, LLAMA_1B)  # the same variants of another model
+    rows = json.loads(run_cli("ls", "--cache-dir", tmp_path, "--json", check=True).stdout)
+    assert [(r["variant"], r["model"]) for r in rows] == [
+        (v, m)
+        for v in [
+            "batched_decode:1:8:4",
+            "batched_decode:1:8:16",
+            "paged_attention:1:2:1",
+            "paged_attention:512:32:1",
+            "paged_attention:1024:64:1",
+        ]
+        for m in ("4h/2kv/d8 bs16", "llama-3.2-1b bs16")
+    ]
+    table = run_cli("ls", "--cache-dir", tmp_path, check=True).stdout
+    assert "model" in table and "llama-3.2-1b bs16" in table and "4h/2kv/d8 bs16" in table
+    assert table.index("paged_attention:1:2:1") < table.index("paged_attention:1024:64:1")
+
+
+def test_ls_and_stats_list_entries_with_unreadable_metadata_as_corrupt(tmp_path):
+    good = _put(tmp_path, 1, "paged_attention:1:1:1")
+    garbage = _put(tmp_path, 2, "paged_attention:1:2:1")
+    linked = _put(tmp_path, 3, "paged_attention:1:3:1")
+    tier = DiskTier(tmp_path)
+    tier.cache.set("meta/" + garbage, b"\x00not json{")
+    f = tier.artifact_path(linked)
+    f.unlink()
+    f.symlink_to(f.name)
+    tier.close()
+    rows = json.loads(run_cli("ls", "--cache-dir", tmp_path, "--json", check=True).stdout)
+    by_key = {r["key"]: r for r in rows}
+    assert set(by_key) == {good, garbage, linked}
+    assert [r["status"] for r in rows] == ["ok", "corrupt", "corrupt"]  # corrupt ones last
+    assert by_key[good]["status"] == "ok"
+    assert by_key[garbage]["status"] == "corrupt" and "not JSON" in by_key[garbage]["reason"]
+    assert by_key[linked]["status"] == "corrupt" and str(f) in by_key[linked]["reason"]
+    assert "symbolic link" in by_key[linked]["reason"]
+    table = run_cli("ls", "--cache-dir", tmp_path, check=True).stdout
+    assert "3 entries, 2 corrupt" in table and f"corrupt {garbage[:12]}: metadata is not" in table
+    s = json.loads(run_cli("stats", "--cache-dir", tmp_path, "--json", check=True).stdout)
+    assert (s["entries"], s["corrupt"]) == (3, 2)
+    assert s["bytes"] == 40_000 * 2  # a link holds no artifact bytes
+    proc = run_cli("clear", "--cache-dir", tmp_path, "--json", check=True)
+    assert json.loads(proc.stdout)["removed"] == 3
+    assert json.loads(run_cli("ls", "--cache-dir", tmp_path, "--json", check=True).stdout) == []
+
+
+def test_stats_and_ls_on_a_missing_directory_show_zeros_and_create_nothing(tmp_path):
+    proc = run_cli("stats", "--cache-dir", tmp_path / "absent", "--json", check=True)
+    s = json.loads(proc.stdout)
+    assert (s["entries"], s["bytes"], s["hits"], s["misses"], s["exists"]) == (0, 0, 0, 0, False)
+    proc = run_cli("stats", "--cache-dir", tmp_path / "absent", check=True)
+    assert "0 entries" in proc.stdout and "no cache directory there yet" in proc.stdout
+    assert json.loads(run_cli("ls", "--cache-dir", tmp_path / "absent", "--json").stdout) == []
+    assert not (tmp_path / "absent").exists()
+
+
+def test_gc_and_clear_remove_orphan_files_but_keep_young_ones_and_quarantine(tmp_path):
+    cache = tmp_path / "c"
+    key = _put(cache, 1, "paged_attention:1:1:1")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious.val").write_bytes(b"x" * 100)
+    old = time.time() - 2 * ORPHAN_GRACE_S
+
+    def orphan(rel, data=b"o" * 50_000, age=old, link=None):
+        p = cache / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if link:
+            p.symlink_to(link)
+            os.utime(p, (age, age), follow_symlinks=False)
+        else:
+            p.write_bytes(data)
+            os.utime(p, (age, age))
+        return p
+
+    stale = orphan("aa/bb/" + "1" * 28 + ".val")  # a publisher killed before its row
+    young = orphan("aa/cc/" + "2" * 28 + ".val", age=time.time())  # being published now
+    link = orphan("dd/ee/" + "3" * 28 + ".val", link=outside / "precious.val")
+    other = orphan("aa/bb/notes.txt")  # not a value file: not ours to judge
+    proc = run_cli("gc", "--max-size", "1G", "--cache-dir", cache, "--json", check=True)
+    report = json.loads(proc.stdout)
+    assert report["removed"] == []  # under the limit: no entry removed
+    assert report["orphans"] == {"removed": 2, "removed_bytes": 50_000, "kept_young": 1}
+    assert not stale.exists() and not link.is_symlink() and young.exists() and other.exists()
+    assert not (cache / "dd").exists()  # emptied xx/yy folders pruned
+    assert (outside / "precious.val").read_bytes() == b"x" * 100  # never followed
+    assert DiskTier(cache, read_only=True).get(key) is not None  # referenced file kept
+
+    stale2 = orphan("ab/cd/" + "4" * 28 + ".val")
+    (cache / "quarantine" / f"{key}.20260101T000000Z.1").mkdir(parents=True)
+    (cache / "quarantine" / f"{key}.20260101T000000Z.1" / "reason.json").write_text("{}")
+    proc = run_cli("clear", "--cache-dir", cache, check=True)
+    assert "removed 1 entries" in proc.stdout and "1 quarantined" in proc.stdout
+    assert "removed 1 orphan artifact files" in proc.stdout
+    assert "kept 1 unreferenced artifact files younger than 60 minutes" in proc.stdout
+    assert not stale2.exists() and young.exists() and not (cache / "quarantine").exists()
+    assert DiskTier(cache, read_only=True).get(key) is None

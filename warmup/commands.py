@@ -28,7 +28,7 @@ def _when(ts) -> str:
     return dt.datetime.fromtimestamp(float(ts)).strftime("%Y-%m-%d %H:%M") if ts else "-"
 
 
-def _existing_disk(args):
+def _existing_disk(args, *, read_only: bool = False):
     """The local cache tier, or a clear error if the directory does not exist
     (housekeeping never creates a cache)."""
     from kernel_cache.store import DiskTier
@@ -39,7 +39,7 @@ def _existing_disk(args):
             f"no cache at {str(d)!r} (--cache-dir / $KERNEL_CACHE_DIR); warm one with "
             "kernel-cache warmup"
         )
-    return DiskTier(d)
+    return DiskTier(d, read_only=read_only)
 
 
 def _tiers(args):
@@ -100,13 +100,18 @@ def cmd_explain(args) -> int:
 
 # -- ls / stats / gc / clear ---------------------------------------------------
 def _rows(args):
+    """``(location, rows)`` of ``ls``: a bundle's, else the local cache's, read
+    without writing; a cache directory that does not exist has no rows."""
     from kernel_cache.bundle import BundleTier
     from kernel_cache.housekeeping import list_entries
 
     if args.bundle:
         tier = BundleTier(args.bundle)
         return tier.location, list_entries(tier)
-    tier = _existing_disk(args)
+    d = Path(_cache_dir(args))
+    if not d.is_dir():
+        return str(d), []
+    tier = _existing_disk(args, read_only=True)
     try:
         return tier.location, list_entries(tier)
     finally:
@@ -123,38 +128,62 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title=f"{where}: {len(rows)} entries", title_justify="left")
-    for col in ("variant", "key", "size", "compile s", "created", "last used"):
+    corrupt = [r for r in rows if r["status"] == "corrupt"]
+    title = f"{where}: {len(rows)} entries" + (f", {len(corrupt)} corrupt" if corrupt else "")
+    if not rows and not args.bundle and not Path(where).is_dir():
+        title += " (no cache directory there yet)"
+    table = Table(title=title, title_justify="left")
+    cols = ("variant", "model", "dtype", "key", "size", "compile s", "created", "last used")
+    for col in cols + (("status",) if corrupt else ()):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
     for r in rows:
         cs = r["compile_seconds"]
-        table.add_row(
+        dtype = r["dtype"] or "-"
+        if r["device"] and r["device"] != "cpu":
+            dtype += f" {r['device']}"
+        cells = [
             r["variant"],
+            r["model"],
+            dtype,
             r["key"][:12],
             format_size(r["size"]),
             f"{cs:.1f}" if isinstance(cs, (int, float)) else "-",
             _when(r["created"]),
             _when(r["last_used"]),
+        ]
+        table.add_row(*cells, *((r["status"],) if corrupt else ()))
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
+    for r in corrupt:
+        print(f"  corrupt {r['key'][:12]}: {r['reason']}")
+    if corrupt:
+        print(
+            "  kernel-cache warmup quarantines and rebuilds a corrupt entry of its plan; "
+            "gc and clear remove them"
         )
-    Console(width=max(110, shutil.get_terminal_size().columns)).print(table)
     return 0
 
 
 def cmd_stats(args) -> int:
-    from kernel_cache.housekeeping import cache_stats, format_size
+    from kernel_cache.housekeeping import cache_stats, empty_stats, format_size
 
-    tier = _existing_disk(args)
-    try:
-        s = cache_stats(tier)
-    finally:
-        tier.close()
+    d = Path(_cache_dir(args))
+    if d.is_dir():
+        tier = _existing_disk(args, read_only=True)
+        try:
+            s = cache_stats(tier)
+        finally:
+            tier.close()
+    else:
+        s = empty_stats(d)
     if args.json:
         print(json.dumps(s, indent=2))
     else:
+        corrupt = f" ({s['corrupt']} corrupt: see kernel-cache ls)" if s["corrupt"] else ""
+        none = "" if s.get("exists", True) else " (no cache directory there yet)"
         print(
-            f"{s['location']}: {s['entries']} entries, {format_size(s['bytes'])} of artifacts "
-            f"({format_size(s['disk_bytes'])} on disk); {s['hits']} hits, {s['misses']} misses "
-            f"since {_when(s['since'])}"
+            f"{s['location']}: {s['entries']} entries{corrupt}, {format_size(s['bytes'])} of "
+            f"artifacts ({format_size(s['disk_bytes'])} on disk); {s['hits']} hits, "
+            f"{s['misses']} misses since {_when(s['since'])}{none}"
         )
     return 0
 
@@ -240,6 +269,7 @@ def cmd_gc(args) -> int:
         )
         for r in report["removed"]:
             print(f"  removed {r['variant']} {r['key'][:12]} {format_size(r['size'])}")
+        _print_orphans(report["orphans"])
     if not report["under_limit"]:
         raise KernelCacheError(
             f"the kept plans alone hold {report['kept_bytes']} bytes, above --max-size "
@@ -261,9 +291,25 @@ def cmd_clear(args) -> int:
     else:
         print(
             f"clear: removed {report['removed']} entries ({format_size(report['removed_bytes'])})"
-            f" from {tier.location}"
+            f" and {report['quarantine_removed']} quarantined from {tier.location}"
         )
+        _print_orphans(report["orphans"])
     return 0
+
+
+def _print_orphans(o: dict) -> None:
+    from kernel_cache.housekeeping import ORPHAN_GRACE_S, format_size
+
+    if o["removed"]:
+        print(
+            f"  removed {o['removed']} orphan artifact files ({format_size(o['removed_bytes'])}) "
+            "that no entry referenced"
+        )
+    if o["kept_young"]:
+        print(
+            f"  kept {o['kept_young']} unreferenced artifact files younger than "
+            f"{ORPHAN_GRACE_S / 60:.0f} minutes (possibly being published)"
+        )
 
 
 def add_commands(sub) -> None:
@@ -304,7 +350,9 @@ def add_commands(sub) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_ls)
 
-    s = sub.add_parser("stats", help="entries, bytes, hits and misses of the cache")
+    s = sub.add_parser(
+        "stats", help="entries, bytes, hits and misses of the cache (zeros if it does not exist)"
+    )
     s.add_argument("--cache-dir", default=None, help=cache_help)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
@@ -328,7 +376,9 @@ def add_commands(sub) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
 
-    s = sub.add_parser("clear", help="remove every entry of the local cache")
+    s = sub.add_parser(
+        "clear", help="remove every entry, quarantined entry and orphan file of the local cache"
+    )
     s.add_argument("--cache-dir", default=None, help=cache_help)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_clear)
