@@ -4,7 +4,7 @@ for ``benchmarks/warmup_throughput.py``.
     python benchmarks/_compile_child.py SPEC_JSON
 
 SPEC: ``config`` (EngineConfig JSON), ``variants`` (variant strings),
-``compile_options`` (Inductor options, as in ``kernel_cache.keys.COMPILE_OPTIONS``),
+``compile_options`` (Inductor options, as in ``kernel_cache.recipe.compile_options``),
 ``kernel_calls`` (timed calls of each compiled kernel, 0 to skip).
 
 Phases of one compile (seconds), measured by wrapping Inductor's own functions:

@@ -6,7 +6,7 @@ compile options.
         [--jobs 1,2] [--phase-variants M] [--candidates JSON ...]
         [--kernel-calls K] [--work-dir DIR] [--out FILE]
 
-1. Phases: for the current ``kernel_cache.keys.COMPILE_OPTIONS`` and each
+1. Phases: for the recipe's options (``kernel_cache.recipe.compile_options``) and each
    ``--candidates`` set, a fresh process with empty Inductor cache and temp
    directories (torch 2.13 keeps precompiled headers in the temp dir) compiles
    M variants (benchmarks/_compile_child.py). The first compile of a process
@@ -49,7 +49,7 @@ from _common import (
 )
 
 from kernel_cache.buckets import Bucketer
-from kernel_cache.keys import COMPILE_OPTIONS
+from kernel_cache.keys import recipe_options
 from warmup.cli import config_from_args, engine_options
 from warmup.planner import warmup
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         "--candidates",
         nargs="*",
         default=list(DEFAULT_CANDIDATES),
-        help="Inductor option sets (JSON) to compare with the current COMPILE_OPTIONS",
+        help="Inductor option sets (JSON) to compare with the recipe's options",
     )
     p.add_argument("--kernel-calls", type=int, default=30, help="timed calls per kernel")
     p.add_argument("--work-dir", default=str(OUT_DIR / "warmup-work"))
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     jobs = [] if skip_jobs else [int(j) for j in args.jobs.split(",") if j.strip()]
     if not skip_jobs and (not jobs or min(jobs) < 1):
         raise SystemExit(f"--jobs {args.jobs!r}: comma-separated integers >= 1, or none")
-    option_sets = [dict(COMPILE_OPTIONS)]
+    option_sets = [recipe_options(cfg)]
     for c in args.candidates:
         opts = json.loads(c)
         if opts not in option_sets:
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
 
-    # 1. Phases per option set (the first is the current COMPILE_OPTIONS).
+    # 1. Phases per option set (the first is the recipe's).
     phase_variants = pick_variants(plan, args.phase_variants)
     phases = []
     for i, opts in enumerate(option_sets):
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     doc["machine"] = machine(cfg.device)
     doc["config"] = {
         "engine": cfg.model_dump(mode="json"),
-        "compile_options_current": COMPILE_OPTIONS,
+        "compile_options_current": recipe_options(cfg),
         "jobs_variants": [str(v) for v in variants],
         "phase_variants": [str(v) for v in phase_variants],
     }
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
 
     print_table(
         f"Warmup throughput: {len(variants)} variants of {cfg.model} ({cfg.dtype}, "
-        f"{cfg.device}), compile options {json.dumps(COMPILE_OPTIONS)}",
+        f"{cfg.device}), compile options {json.dumps(recipe_options(cfg))}",
         [
             "jobs",
             "wall s",
