@@ -3,8 +3,9 @@
 Subcommands: plan, warmup, verify here; export, import, explain, ls, stats, gc,
 clear in :mod:`warmup.commands`; tune in :mod:`warmup.tune`.
 
-ENGINE OPTIONS default to the built-in default
-(:data:`kernel_cache.config.DEFAULT_ENGINE`): ``kernel-cache warmup`` with no
+ENGINE OPTIONS default to the built-in default plan
+(:data:`kernel_cache.config.DEFAULT_MODEL` with :class:`EngineConfig`'s
+defaults, as ``make_config(DEFAULT_MODEL)``): ``kernel-cache warmup`` with no
 options warms it.
 """
 
@@ -15,58 +16,52 @@ import json
 import logging
 import os
 import sys
+import typing
 
 from kernel_cache.buckets import Bucketer, parse_bucket_list
-from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
+from kernel_cache.config import (
+    DEFAULT_MODEL,
+    ENGINE_OPTION_FIELDS,
+    PRESETS,
+    EngineConfig,
+    make_config,
+    option_flag,
+)
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.launch import describe_plan, format_plan
 from kernel_cache.store import default_cache_dir
 
 
 def engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine options")
+    """Add the ENGINE OPTIONS: ``--model`` and one flag per :class:`EngineConfig`
+    field (:data:`~kernel_cache.config.ENGINE_OPTION_FIELDS`), with the model's
+    defaults, descriptions and accepted values."""
+    g = p.add_argument_group(
+        "engine options",
+        "the plan's model and limits; make_config() takes the same names and defaults",
+    )
     g.add_argument(
         "--model",
-        default=DEFAULT_ENGINE["model"],
-        help="preset name or path to a Hugging Face config.json "
-        f"(default {DEFAULT_ENGINE['model']})",
+        default=DEFAULT_MODEL,
+        metavar="NAME|PATH",
+        help=f"a preset ({', '.join(PRESETS)}) or a path to a Hugging Face config.json "
+        "(default %(default)s)",
     )
-    g.add_argument(
-        "--max-model-len", type=int, default=DEFAULT_ENGINE["max_model_len"], help="tokens"
-    )
-    g.add_argument(
-        "--block-size", type=int, default=DEFAULT_ENGINE["block_size"], help="tokens per KV block"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_ENGINE["max_num_seqs"])
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_ENGINE["max_num_batched_tokens"]
-    )
-    g.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 | bfloat16 | float16 (default float32 on cpu, bfloat16 on cuda)",
-    )
-    g.add_argument("--device", default=DEFAULT_ENGINE["device"], help="cpu | cuda")
-    g.add_argument("--kv-ladder", default="4/3", help="4/3 | pow2")
-    g.add_argument(
-        "--kv-dense-cap", type=int, default=4096, help="tokens; 0 means no cap (4/3 ladder)"
-    )
-    g.add_argument("--query-step", type=int, default=None, help="tokens (default 512)")
-    g.add_argument(
-        "--kv-buckets",
-        default=None,
-        help="comma-separated KV buckets in tokens (env KERNEL_CACHE_KV_BUCKETS)",
-    )
-    g.add_argument(
-        "--query-buckets",
-        default=None,
-        help="comma-separated query buckets (env KERNEL_CACHE_QUERY_BUCKETS)",
-    )
-    g.add_argument(
-        "--num-seqs-buckets",
-        default=None,
-        help="comma-separated decode batch buckets (env KERNEL_CACHE_NUM_SEQS_BUCKETS)",
-    )
+    for field in ENGINE_OPTION_FIELDS:
+        info = EngineConfig.model_fields[field]
+        kw: dict = {"dest": field, "help": info.description}
+        if typing.get_origin(info.annotation) is typing.Literal:
+            kw["choices"] = typing.get_args(info.annotation)
+        elif info.annotation is int:
+            kw["type"] = int
+            kw["metavar"] = "N"
+        else:  # a bucket list, parsed by config_from_args to name the flag in errors
+            kw["metavar"] = "N,N,..."
+        # dtype's default follows the device (make_config picks it)
+        kw["default"] = None if field == "dtype" else info.default
+        if kw["default"] is not None:
+            kw["help"] += " (default %(default)s)"
+        g.add_argument(option_flag(field), **kw)
 
 
 def trust_option(p: argparse.ArgumentParser) -> None:
@@ -80,27 +75,13 @@ def trust_option(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> EngineConfig:
     """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
-    overrides = {}
-    for attr, flag in (
-        ("kv_buckets", "--kv-buckets"),
-        ("query_buckets", "--query-buckets"),
-        ("num_seqs_buckets", "--num-seqs-buckets"),
-    ):
-        if getattr(args, attr):
-            overrides[attr] = parse_bucket_list(getattr(args, attr), flag)
-    cfg = make_config(
-        args.model,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        kv_ladder=args.kv_ladder,
-        kv_dense_cap=args.kv_dense_cap,
-        query_step=args.query_step,
-        **overrides,
-    )
+    fields = {}
+    for field in ENGINE_OPTION_FIELDS:
+        value = getattr(args, field)
+        if field.endswith("_buckets"):
+            value = parse_bucket_list(value, option_flag(field)) if value else None
+        fields[field] = value
+    cfg = make_config(args.model, **fields)
     Bucketer(cfg)  # validate overrides against the limits now, with a clear error
     return cfg
 
