@@ -318,6 +318,7 @@ def cmd_verify(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=version())
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
@@ -371,11 +372,51 @@ def build_parser() -> argparse.ArgumentParser:
     from warmup.tune import add_tune_command
 
     add_tune_command(sub)
+    for sp in sub.choices.values():
+        # before or after the subcommand; SUPPRESS: absent here unless given, so a
+        # -v before the subcommand is not reset by the subcommand's default
+        sp.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log at INFO level",
+        )
+        sp.set_defaults(parser=sp)
     return p
 
 
+def version() -> str:
+    """``kernel-cache 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)``: the versions that
+    are key components too."""
+    import platform
+
+    import torch
+
+    from kernel_cache import __version__
+
+    py = platform.python_version()
+    return f"kernel-cache {__version__} (torch {torch.__version__}, Python {py})"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown argument is reported with the
+    subcommand's usage and the nearest option it has (``did you mean --jobs?``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        import difflib
+
+        sp = args.parser
+        flags = [f for f in sp._option_string_actions if f.startswith("--")]
+        first = next((a for a in extra if a.startswith("-")), "")
+        near = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1)
+        hint = f"; did you mean {near[0]}?" if near else f"; see kernel-cache {args.command} -h"
+        sp.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
