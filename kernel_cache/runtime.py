@@ -569,8 +569,8 @@ def load_plan(
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
-        cache_dir: the local cache (default ``$KERNEL_CACHE_DIR`` or
-            ``~/.cache/kernel_cache``); ignored when ``tiers`` is given.
+        cache_dir: the local cache (default
+            :func:`~kernel_cache.store.default_cache_dir`); ignored when ``tiers`` is given.
         bundles: bundle directories searched before the local cache, in
             addition to ``$KERNEL_CACHE_BUNDLE``; ignored when ``tiers`` is given.
         strict: raise on missing variants (default); with False, load what is there.

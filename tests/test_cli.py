@@ -59,3 +59,44 @@ def test_help_shows_the_engine_limits_defaults(capsys):
         flag = "--" + field.replace("_", "-")
         default = EngineConfig.model_fields[field].default
         assert flag in out and f"(default {default})" in out.split(flag + " N ", 1)[1][:200]
+
+
+TINY = [
+    "--model", "llama-3.2-1b", "--max-model-len", "128", "--block-size", "64",
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("below", [False, True])
+@pytest.mark.parametrize("command", [["warmup", *TINY], ["verify", *TINY], ["import", "DIR"]])
+def test_cache_dir_that_is_a_file_is_named_with_the_fix(
+    tmp_path, monkeypatch, capsys, command, below
+):
+    """Not a NotADirectoryError traceback, and verify suggests no repair that would
+    fail the same way."""
+    f = tmp_path / "a-file"
+    f.write_text("")
+    cache = f / "cache" if below else f
+    monkeypatch.setenv("KERNEL_CACHE_DIR", str(cache))
+    argv = [str(tmp_path) if a == "DIR" else a for a in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kernel-cache {command[0]}: error: cache directory {cache} ")
+    assert "(from $KERNEL_CACHE_DIR)" in err and "a file, not a directory" in err
+    assert f"move {f} out of the way" in err and "repair" not in err
+    assert f.read_text() == ""
+
+
+def test_default_cache_dir_honours_xdg_cache_home(tmp_path, monkeypatch):
+    from kernel_cache.store import default_cache_dir
+
+    monkeypatch.delenv("KERNEL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "kernel_cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # invalid per the spec: ignored
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kernel_cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kernel_cache"
+    monkeypatch.setenv("KERNEL_CACHE_DIR", str(tmp_path / "kc"))
+    assert default_cache_dir() == tmp_path / "kc"

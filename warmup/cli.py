@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import typing
+from pathlib import Path
 
 from kernel_cache.buckets import Bucketer, parse_bucket_list
 from kernel_cache.config import (
@@ -29,7 +30,7 @@ from kernel_cache.config import (
 )
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.launch import describe_plan, format_plan
-from kernel_cache.store import default_cache_dir
+from kernel_cache.store import ENV_CACHE_DIR, default_cache_dir
 
 
 def engine_options(p: argparse.ArgumentParser) -> None:
@@ -86,8 +87,42 @@ def config_from_args(args) -> EngineConfig:
     return cfg
 
 
+#: ``--cache-dir``'s help.
+CACHE_DIR_HELP = (
+    "the local cache (default $KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/kernel_cache, "
+    "else ~/.cache/kernel_cache)"
+)
+
+
 def _cache_dir(args) -> str:
-    return str(args.cache_dir or default_cache_dir())
+    """The cache directory of ``--cache-dir`` or :func:`default_cache_dir`.
+
+    Raises:
+        KernelCacheError: the path, or a folder above it, exists and is not a
+            directory (names both, where the path came from, and the fix).
+    """
+    d = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if args.cache_dir:
+        source = "--cache-dir"
+    elif os.environ.get(ENV_CACHE_DIR):
+        source = f"${ENV_CACHE_DIR}"
+    else:
+        source = "the default"
+    for p in (d, *d.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:
+            break
+        if not p.is_dir():
+            what = "it is" if p == d else f"{p} is"
+            raise KernelCacheError(
+                f"cache directory {d} (from {source}): {what} a file, not a directory; fix: "
+                f"point --cache-dir or ${ENV_CACHE_DIR} at a directory (a new one or a "
+                f"kernel-cache cache), or move {p} out of the way"
+            )
+        break
+    return str(d)
 
 
 def bundle_option(p: argparse.ArgumentParser) -> None:
@@ -328,9 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
     engine_options(sw)
-    sw.add_argument(
-        "--cache-dir", default=None, help="default $KERNEL_CACHE_DIR or ~/.cache/kernel_cache"
-    )
+    sw.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     sw.add_argument(
         "--jobs",
         type=int,
@@ -358,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
     engine_options(sv)
-    sv.add_argument("--cache-dir", default=None)
+    sv.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     bundle_option(sv)
     sv.add_argument("--json", action="store_true")
     trust_option(sv)
