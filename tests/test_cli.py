@@ -1,4 +1,9 @@
-"""The command line itself: options, help, errors (no compiles)."""
+"""The command line itself: options, help, errors (no compiles but one)."""
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -100,3 +105,75 @@ def test_default_cache_dir_honours_xdg_cache_home(tmp_path, monkeypatch):
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "kernel_cache"
     monkeypatch.setenv("KERNEL_CACHE_DIR", str(tmp_path / "kc"))
     assert default_cache_dir() == tmp_path / "kc"
+
+
+def run_with_closed_stdout(*argv):
+    """Run ``python ARGV`` with stdout a pipe whose reader has already gone (as in
+    ``| head`` once head has exited): every write to stdout fails."""
+    from .conftest import ROOT
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(
+            [sys.executable, *map(str, argv)],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize(
+    "args,rc",
+    [
+        (["plan", "--json"], 141),
+        (["ls", "--json", "--cache-dir", "DIR"], 141),
+        (["ls", "--cache-dir", "DIR"], 1),  # rich's own handling: quiet, exit 1
+        (["plan", "--help"], 0),  # argparse ignores a failed write of the help
+    ],
+)
+def test_closed_stdout_exits_quietly(tmp_path, args, rc):
+    args = [tmp_path if a == "DIR" else a for a in args]
+    proc = run_with_closed_stdout("-m", "warmup.cli", *args)
+    assert (proc.returncode, proc.stderr) == (rc, "")
+
+
+def test_replay_without_its_trace_names_trace_before_loading_anything(tmp_path):
+    """A clone without ../shared: the error names the default, --trace and where to
+    get a trace, before any plan is loaded (none is warm here)."""
+    from .conftest import ROOT
+
+    clone = tmp_path / "clone"
+    (clone / "examples").mkdir(parents=True)
+    shutil.copy(ROOT / "examples" / "replay_trace.py", clone / "examples")
+    proc = subprocess.run(
+        [sys.executable, "examples/replay_trace.py", "--cache-dir", tmp_path / "empty"],
+        capture_output=True,
+        text=True,
+        cwd=clone,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = proc.stderr
+    assert f"trace {tmp_path / 'shared/data/azure-llm-trace-2023/conv.csv'}: no such file" in err
+    assert "../shared/data/azure-llm-trace-2023/conv.csv relative to the repository" in err
+    assert "--trace PATH" in err and "AzurePublicDataset" in err
+    assert "not cached" not in err
+
+
+@pytest.mark.compile
+def test_replay_to_a_closed_stdout_exits_quietly(warm_cache, tiny_model):
+    from .conftest import TRACE, tiny_args
+
+    if not TRACE.is_file():
+        pytest.skip(f"no trace at {TRACE}")
+    proc = run_with_closed_stdout(
+        "examples/replay_trace.py", *tiny_args(tiny_model), "--cache-dir", warm_cache[0],
+        "--trace", TRACE, "--limit", "8",
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -12,6 +12,7 @@ options warms it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -448,6 +449,36 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
+#: Exit status after the reader of stdout went away (``| head``): 128 + SIGPIPE,
+#: what a shell reports for a command the closed pipe killed.
+EXIT_CLOSED_STDOUT = 141
+
+
+def quiet_on_closed_stdout(main_fn):
+    """Wrap a command's ``main``: when stdout's reader has gone (``kernel-cache ls
+    --json | head``), exit with :data:`EXIT_CLOSED_STDOUT` and no traceback.
+
+    stdout is flushed before returning, so the error surfaces here rather than
+    at interpreter exit, then pointed at ``/dev/null`` so that the final flush
+    of what is still buffered succeeds."""
+
+    @functools.wraps(main_fn)
+    def wrapper(*args, **kwargs):
+        try:
+            try:
+                return main_fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_CLOSED_STDOUT
+
+    return wrapper
+
+
+@quiet_on_closed_stdout
 def main(argv=None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(
