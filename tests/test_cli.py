@@ -177,3 +177,36 @@ def test_replay_to_a_closed_stdout_exits_quietly(warm_cache, tiny_model):
         "--trace", TRACE, "--limit", "8",
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_explain_a_variant_outside_the_plan_says_so(tmp_path, capsys):
+    import json
+
+    argv = ["explain", *TINY, "--cache-dir", tmp_path]
+    argv += ["--variant", "batched_decode:1:1:3", "--variant", "batched_decode:1:1:4"]
+    assert main(list(map(str, argv))) == 0
+    out = capsys.readouterr().out
+    assert "1 miss, 1 not in the plan" in out
+    line = next(x for x in out.splitlines() if x.startswith("batched_decode:1:1:3"))
+    assert "not in the plan: num_seqs 3 is not a decode-batch bucket of this plan (4)" in line
+    assert "warmup never builds it" in line and "dispatch runs that shape as " in line
+    assert "batched_decode:1:1:4" in line and " miss " not in line
+    assert main(list(map(str, [*argv, "--json"]))) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in doc["results"]] == ["not_in_plan", "miss"]
+    assert (doc["hits"], doc["misses"], doc["not_in_plan"]) == (0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "variant,says",
+    [
+        # the default plan: query buckets 1, 512, 1024; 128-token blocks
+        ("paged_attention:1024:1:1", "no prefill chunk of 513 to 1024 tokens fits in 1 block"),
+        ("batched_decode:2:1:4", "batched_decode variants have query_len 1"),
+        ("batched_decode:1:1:16", "beyond the plan's limits: num_seqs 16 is above"),
+    ],
+)
+def test_explain_says_why_no_call_has_the_shape(tmp_path, capsys, variant, says):
+    argv = ["explain", "--cache-dir", str(tmp_path), "--variant", variant]
+    assert main(argv) == 0
+    assert says in capsys.readouterr().out
