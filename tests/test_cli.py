@@ -210,3 +210,33 @@ def test_explain_says_why_no_call_has_the_shape(tmp_path, capsys, variant, says)
     argv = ["explain", "--cache-dir", str(tmp_path), "--variant", variant]
     assert main(argv) == 0
     assert says in capsys.readouterr().out
+
+
+def test_verify_names_the_kind_of_each_source():
+    from warmup.cli import source_lines
+
+    report = {
+        "sources": {"/opt/b": 4, "/c": 1, "redis://h:6379/0": 1},
+        "source_kinds": {"/opt/b": "bundle", "/c": "disk", "redis://h:6379/0": "redis"},
+    }
+    assert source_lines(report) == [
+        "  4 from bundle /opt/b",
+        "  1 from local cache /c",
+        "  1 from Redis redis://h:6379/0",
+    ]
+
+
+@pytest.mark.compile
+def test_verify_says_whether_the_plan_came_from_a_bundle_or_the_cache(
+    warm_cache, tiny_model, tmp_path
+):
+    from .conftest import run_cli, tiny_args
+
+    cache = warm_cache[0]
+    engine = tiny_args(tiny_model)
+    out = run_cli("verify", *engine, "--cache-dir", cache, check=True).stdout
+    assert f"\n  6 from local cache {cache}\n" in out
+    bundle = tmp_path / "bundle"
+    run_cli("export", *engine, "--cache-dir", cache, "--out", bundle, check=True)
+    out = run_cli("verify", *engine, "--cache-dir", cache, "--bundle", bundle, check=True).stdout
+    assert f"\n  6 from bundle {bundle}\n" in out and "local cache" not in out

@@ -337,6 +337,8 @@ def cmd_verify(args) -> int:
             f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
             + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
         )
+        for line in source_lines(report):
+            print(line)
         for name, a in report["build_only_accepted"].items():
             print(
                 f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
@@ -349,6 +351,20 @@ def cmd_verify(args) -> int:
         if not report["ok"]:
             print(f"  repair: {report['repair']}", file=sys.stderr)
     return 0 if report["ok"] else 1
+
+
+#: How verify names the kind of tier an entry came from.
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis"}
+
+
+def source_lines(report: dict) -> list[str]:
+    """Where verify loaded the plan from, one line per tier:
+    ``"  6 from bundle /opt/kernel-cache-bundle"``."""
+    kinds = report.get("source_kinds", {})
+    return [
+        f"  {n} from {TIER_KINDS.get(kinds.get(where), kinds.get(where, 'tier'))} {where}"
+        for where, n in report["sources"].items()
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
