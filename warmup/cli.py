@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help="log at INFO level",
         )
-        sp.set_defaults(parser=sp)
+        sp.set_defaults(_subparser=sp)
     return p
 
 
@@ -456,7 +456,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     if extra:
         import difflib
 
-        sp = args.parser
+        sp = args._subparser
         flags = [f for f in sp._option_string_actions if f.startswith("--")]
         first = next((a for a in extra if a.startswith("-")), "")
         near = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1)
