@@ -32,7 +32,13 @@ from kernel_cache.buckets import PAGED_ATTENTION
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.trace import fit_request, kv_blocks_read, read_trace, schedule
 from kernel_cache.verify import compile_stack_loaded
-from warmup.cli import config_from_args, engine_options, quiet_on_closed_stdout
+from warmup.cli import (
+    CACHE_DIR_HELP,
+    _cache_dir,
+    config_from_args,
+    engine_options,
+    quiet_on_closed_stdout,
+)
 
 #: The trace's place relative to the repository (the root is this file's parent's parent).
 TRACE_IN_REPO = "../shared/data/azure-llm-trace-2023/conv.csv"
@@ -103,7 +109,7 @@ def replay(config, cache_dir, trace, limit, start=0, seed=0) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     p.add_argument(
         "--trace",
         default=str(DEFAULT_TRACE),
@@ -116,7 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        report = replay(config_from_args(args), args.cache_dir, args.trace, args.limit, args.start)
+        cfg, cache = config_from_args(args), _cache_dir(args)
+        report = replay(cfg, cache, args.trace, args.limit, args.start)
     except KernelCacheError as e:
         print(f"replay_trace: error: {e}", file=sys.stderr)
         return 2
