@@ -240,3 +240,18 @@ def test_verify_says_whether_the_plan_came_from_a_bundle_or_the_cache(
     run_cli("export", *engine, "--cache-dir", cache, "--out", bundle, check=True)
     out = run_cli("verify", *engine, "--cache-dir", cache, "--bundle", bundle, check=True).stdout
     assert f"\n  6 from bundle {bundle}\n" in out and "local cache" not in out
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["warmpu"], "unknown subcommand 'warmpu'; did you mean warmup?"),
+        (["-v", "expalin", "--json"], "unknown subcommand 'expalin'; did you mean explain?"),
+        (["frobnicate"], "unknown subcommand 'frobnicate'; choose from plan, warmup, verify"),
+    ],
+)
+def test_unknown_subcommand_gets_the_nearest_name(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"kernel-cache: error: {says}" in capsys.readouterr().err

@@ -433,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="log at INFO level",
         )
         sp.set_defaults(_subparser=sp)
+    p.set_defaults(_subcommands=tuple(sub.choices))
     return p
 
 
@@ -450,12 +451,23 @@ def version() -> str:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """``parser.parse_args``, but an unknown argument is reported with the
-    subcommand's usage and the nearest option it has (``did you mean --jobs?``)."""
+    """``parser.parse_args``, but an unknown subcommand or argument is reported
+    with the nearest name there is (``did you mean --jobs?``), an argument with
+    the subcommand's usage."""
+    import difflib
+
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    commands = parser.get_default("_subcommands") or ()
+    # the top-level options take no value: the first other word is the subcommand
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is not None and commands and word not in commands:
+        near = difflib.get_close_matches(word, commands, n=1)
+        parser.error(
+            f"unknown subcommand {word!r}"
+            + (f"; did you mean {near[0]}?" if near else f"; choose from {', '.join(commands)}")
+        )
     args, extra = parser.parse_known_args(argv)
     if extra:
-        import difflib
-
         sp = args._subparser
         flags = [f for f in sp._option_string_actions if f.startswith("--")]
         first = next((a for a in extra if a.startswith("-")), "")
