@@ -154,8 +154,8 @@ def _blocks(n: int, block_size: int) -> str:
 
 def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
     """Why ``v`` is not a variant of the plan, and what dispatch runs instead:
-    ``"not in the plan: num_blocks 5 is not a KV bucket of this plan (blocks: 1, 2,
-    3, 4, 6, 8); ...; dispatch runs that shape as batched_decode:1:6:4 ..."``."""
+    ``"not in the plan: num_blocks 5 is not a KV bucket of this plan (1, 2, 3, 4,
+    6, 8); ...; dispatch runs that shape as batched_decode:1:6:4 ..."``."""
     bs = bucketer.block_size
     prefill = v.kernel == PAGED_ATTENTION
     fixed = ("num_seqs", v.num_seqs) if prefill else ("query_len", v.query_len)
@@ -163,11 +163,14 @@ def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
     if fixed[1] != 1:
         why.append(f"{v.kernel} variants have {fixed[0]} 1")
     else:
-        axes = [("num_blocks", v.num_blocks, bucketer.num_blocks_buckets, "a KV bucket")]
-        axes.insert(0, ("query_len", v.query_len, bucketer.query_buckets, "a query bucket"))
-        if not prefill:
-            axes[0] = ("num_seqs", v.num_seqs, bucketer.num_seqs_buckets, "a decode-batch bucket")
-        for name, value, buckets, what in axes:
+        if prefill:
+            first = ("query_len", v.query_len, bucketer.query_buckets, "a query bucket")
+        else:
+            first = ("num_seqs", v.num_seqs, bucketer.num_seqs_buckets, "a decode-batch bucket")
+        for name, value, buckets, what in (
+            first,
+            ("num_blocks", v.num_blocks, bucketer.num_blocks_buckets, "a KV bucket"),
+        ):
             if value not in buckets:
                 listed = ", ".join(map(str, buckets)) or "none: decode runs sequence by sequence"
                 why.append(f"{name} {value} is not {what} of this plan ({listed})")
@@ -180,6 +183,8 @@ def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
                 f"no prefill chunk of {tokens} tokens fits in {_blocks(v.num_blocks, bs)}, "
                 "so no call has that shape"
             )
+        elif not prefill and not bucketer.num_seqs_buckets:
+            then = "dispatch runs each sequence of a decode batch through paged_attention"
         elif why:
             try:
                 if prefill:
