@@ -1,7 +1,10 @@
 """Replay real request lengths through a warmed plan, with zero compiles.
 
     python examples/replay_trace.py [ENGINE OPTIONS] [--cache-dir DIR] \
-        --trace ../shared/data/azure-llm-trace-2023/conv.csv --limit 64 [--json]
+        [--trace CSV] [--limit 64] [--json]
+
+``--trace`` defaults to ``../shared/data/azure-llm-trace-2023/conv.csv``
+relative to the repository (:data:`DEFAULT_TRACE`); elsewhere pass the CSV.
 
 Loads the plan (engine start), then serves each request of the trace: its
 prefill chunks through ``paged_attention`` and its decode steps through
@@ -29,14 +32,42 @@ from kernel_cache.buckets import PAGED_ATTENTION
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.trace import fit_request, kv_blocks_read, read_trace, schedule
 from kernel_cache.verify import compile_stack_loaded
-from warmup.cli import config_from_args, engine_options
+from warmup.cli import (
+    CACHE_DIR_HELP,
+    _cache_dir,
+    config_from_args,
+    engine_options,
+    quiet_on_closed_stdout,
+)
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/azure-llm-trace-2023/conv.csv"
+#: The trace's place relative to the repository (the root is this file's parent's parent).
+TRACE_IN_REPO = "../shared/data/azure-llm-trace-2023/conv.csv"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / TRACE_IN_REPO.removeprefix("../")
+TRACE_SOURCE = (
+    "AzureLLMInferenceTrace_conv.csv from https://github.com/Azure/AzurePublicDataset (CC BY 4.0)"
+)
+
+
+def check_trace(path) -> None:
+    """Fail early, before the plan is loaded, when the trace is not there.
+
+    Raises:
+        KernelCacheError: names the path, the default and ``--trace``.
+    """
+    if not Path(path).is_file():
+        default = Path(path) == DEFAULT_TRACE
+        raise KernelCacheError(
+            f"trace {path}: no such file"
+            + (f" (the default: {TRACE_IN_REPO} relative to the repository)" if default else "")
+            + "; pass --trace PATH, a CSV with ContextTokens and GeneratedTokens columns such "
+            f"as {TRACE_SOURCE}"
+        )
 
 
 def replay(config, cache_dir, trace, limit, start=0, seed=0) -> dict:
-    rt = load_plan(config, cache_dir)
+    check_trace(trace)
     requests = read_trace(trace, limit=limit, start=start)
+    rt = load_plan(config, cache_dir)
     c = config
     dev, dt = torch.device(c.device), c.torch_dtype()
     g = torch.Generator().manual_seed(seed)
@@ -74,22 +105,25 @@ def replay(config, cache_dir, trace, limit, start=0, seed=0) -> dict:
     }
 
 
+@quiet_on_closed_stdout
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
-    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     p.add_argument(
         "--trace",
         default=str(DEFAULT_TRACE),
-        help="CSV with ContextTokens,"
-        "GeneratedTokens (default: the Azure conv trace beside the checkout)",
+        metavar="CSV",
+        help="requests: a CSV with ContextTokens and GeneratedTokens columns (default "
+        f"{TRACE_IN_REPO} relative to the repository: {TRACE_SOURCE})",
     )
     p.add_argument("--limit", type=int, default=64, help="requests to replay (default 64)")
     p.add_argument("--start", type=int, default=0, help="first row of the trace")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        report = replay(config_from_args(args), args.cache_dir, args.trace, args.limit, args.start)
+        cfg, cache = config_from_args(args), _cache_dir(args)
+        report = replay(cfg, cache, args.trace, args.limit, args.start)
     except KernelCacheError as e:
         print(f"replay_trace: error: {e}", file=sys.stderr)
         return 2

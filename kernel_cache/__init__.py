@@ -4,7 +4,7 @@ The runtime an engine imports. It never compiles, and importing it does not
 import torch's compile stack (Dynamo, Inductor). Engine start::
 
     from kernel_cache import make_config, load_plan
-    attn = load_plan(make_config("llama-3.2-1b", max_model_len=1024, block_size=128))
+    attn = load_plan(make_config("llama-3.2-1b"))  # what `kernel-cache warmup` warms
     out = attn.decode(query, key_cache, value_cache, block_tables, seq_lens)
 """
 

@@ -14,10 +14,17 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
-from .recipe import CPU_TARGET_NAMES, DEFAULT_CPU_TARGET
+from .recipe import DEFAULT_CPU_TARGET
 
 #: dtypes a variant can be compiled for. ``float32`` is the CPU default,
 #: ``bfloat16`` the CUDA default.
@@ -93,17 +100,15 @@ PRESETS: dict[str, ModelGeometry] = {
     "llama-3.2-1b": ModelGeometry(name="llama-3.2-1b", num_heads=32, num_kv_heads=8, head_dim=64),
 }
 
-#: The built-in default the README's main command warms: a real preset with a
-#: modest max_model_len so that warmup + verify finish within 10 minutes on a
-#: 2-core CPU (measured: see README).
-DEFAULT_ENGINE = {
-    "model": "llama-3.2-1b",
-    "max_model_len": 1024,
-    "block_size": 128,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 1024,
-    "device": "cpu",
-}
+#: The model the built-in default plan is for (``kernel-cache warmup`` with no
+#: options). Its engine limits are :class:`EngineConfig`'s field defaults, the
+#: one set of defaults the CLI, :func:`make_config` and the README share; they
+#: are kept small so that warmup + verify of the default plan finish within a
+#: few minutes on a 2-core CPU (measured: see README).
+DEFAULT_MODEL = "llama-3.2-1b"
+
+#: EngineConfig fields that come from the model (``--model``), not an option.
+GEOMETRY_FIELDS = ("model", "num_heads", "num_kv_heads", "head_dim")
 
 
 class EngineConfig(BaseModel):
@@ -111,9 +116,14 @@ class EngineConfig(BaseModel):
 
     Units: ``max_model_len``, ``max_num_batched_tokens``, ``kv_dense_cap``,
     ``query_step`` and ``kv_buckets`` are in tokens; ``block_size`` is tokens
-    per KV block; ``max_num_seqs`` and ``num_seqs_buckets`` are sequences.
-    ``kv_buckets``, ``query_buckets`` and ``num_seqs_buckets`` override the
-    computed ladders (``KERNEL_CACHE_KV_BUCKETS`` and friends).
+    per KV block; ``max_num_seqs``, ``min_batched_seqs`` and
+    ``num_seqs_buckets`` are sequences. ``kv_buckets``, ``query_buckets`` and
+    ``num_seqs_buckets`` override the computed ladders
+    (``KERNEL_CACHE_KV_BUCKETS`` and friends).
+
+    Every field but the geometry is an ENGINE OPTION of the ``kernel-cache``
+    command (``--max-model-len`` for ``max_model_len``...), with the default
+    and description given here.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -122,22 +132,47 @@ class EngineConfig(BaseModel):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_model_len: int = 1024
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    device: Literal["cpu", "cuda"] = "cpu"
-    #: CPU artifacts' instruction-set target (``--cpu-target``): an x86-64 level
-    #: or ``native`` (:data:`kernel_cache.recipe.CPU_TARGETS`). Part of the key.
-    cpu_target: str = DEFAULT_CPU_TARGET
-    kv_ladder: Literal["4/3", "pow2"] = "4/3"
-    kv_dense_cap: int = 4096
-    query_step: int = 512
-    min_batched_seqs: int = 4
-    kv_buckets: tuple[int, ...] | None = None
-    query_buckets: tuple[int, ...] | None = None
-    num_seqs_buckets: tuple[int, ...] | None = None
+    max_model_len: int = Field(
+        1024, description="tokens a sequence can hold, prompt and output together"
+    )
+    block_size: int = Field(128, description="tokens per KV block")
+    max_num_seqs: int = Field(8, description="sequences in one decode batch")
+    max_num_batched_tokens: int = Field(
+        1024, description="tokens of one prefill chunk (caps the query buckets)"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="element type of query and KV (default float32 on cpu, bfloat16 on cuda)",
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the kernels run")
+    cpu_target: Literal["x86-64-v2", "x86-64-v3", "native"] = Field(
+        DEFAULT_CPU_TARGET,
+        description="instruction set of CPU artifacts (part of the key; native: this CPU's "
+        "model and features, loads only on the same; see docs/keys.md)",
+    )
+    kv_ladder: Literal["4/3", "pow2"] = Field(
+        "4/3",
+        description="KV bucket ladder: 4/3 grows by a third up to --kv-dense-cap, "
+        "then doubles; pow2 doubles",
+    )
+    kv_dense_cap: int = Field(
+        4096, description="tokens where the 4/3 ladder starts doubling; 0 means no cap"
+    )
+    query_step: int = Field(512, description="tokens between prefill query buckets")
+    min_batched_seqs: int = Field(
+        4,
+        description="smallest decode-batch bucket (sequences); with --max-num-seqs below "
+        "it, decode runs sequence by sequence",
+    )
+    kv_buckets: tuple[int, ...] | None = Field(
+        None, description="KV buckets in tokens, replacing the ladder (env KERNEL_CACHE_KV_BUCKETS)"
+    )
+    query_buckets: tuple[int, ...] | None = Field(
+        None, description="prefill query buckets in tokens (env KERNEL_CACHE_QUERY_BUCKETS)"
+    )
+    num_seqs_buckets: tuple[int, ...] | None = Field(
+        None, description="decode-batch buckets in sequences (env KERNEL_CACHE_NUM_SEQS_BUCKETS)"
+    )
 
     @field_validator(
         "num_heads",
@@ -154,13 +189,6 @@ class EngineConfig(BaseModel):
     def _positive(cls, v: int, info):
         if v < 1:
             raise ValueError(f"{info.field_name} must be an integer >= 1, got {v}")
-        return v
-
-    @field_validator("cpu_target")
-    @classmethod
-    def _cpu_target(cls, v: str):
-        if v not in CPU_TARGET_NAMES:
-            raise ValueError(f"cpu_target must be one of {', '.join(CPU_TARGET_NAMES)}, got {v!r}")
         return v
 
     @field_validator("kv_dense_cap")
@@ -268,7 +296,9 @@ def resolve_model(model: str) -> ModelGeometry:
 def make_config(model: str | None = None, *, use_env: bool = True, **fields) -> EngineConfig:
     """Build an :class:`EngineConfig` from a preset or config path plus limits.
 
-    ``fields`` left as ``None`` take the defaults. ``dtype`` defaults to float32
+    ``fields`` left as ``None`` take :class:`EngineConfig`'s defaults, the same
+    as the ``kernel-cache`` command's: ``make_config(DEFAULT_MODEL)`` is the
+    plan ``kernel-cache warmup`` warms with no options. ``dtype`` defaults to float32
     on the CPU and bfloat16 on CUDA. With ``use_env`` (the default), bucket
     lists not given here come from ``KERNEL_CACHE_KV_BUCKETS``,
     ``KERNEL_CACHE_QUERY_BUCKETS`` and ``KERNEL_CACHE_NUM_SEQS_BUCKETS``, so an
@@ -319,34 +349,30 @@ def _explain_validation(e: ValidationError) -> str:
     return "invalid engine configuration: " + "; ".join(lines)
 
 
-_CLI_FIELDS = (
-    ("max_model_len", "--max-model-len"),
-    ("block_size", "--block-size"),
-    ("max_num_seqs", "--max-num-seqs"),
-    ("max_num_batched_tokens", "--max-num-batched-tokens"),
-    ("dtype", "--dtype"),
-    ("device", "--device"),
-    ("cpu_target", "--cpu-target"),
-    ("kv_ladder", "--kv-ladder"),
-    ("kv_dense_cap", "--kv-dense-cap"),
-    ("query_step", "--query-step"),
-)
+#: The ENGINE OPTIONS of the ``kernel-cache`` command: every
+#: :class:`EngineConfig` field but the geometry, each as ``--field-name``.
+ENGINE_OPTION_FIELDS = tuple(f for f in EngineConfig.model_fields if f not in GEOMETRY_FIELDS)
+
+
+def option_flag(field: str) -> str:
+    """The command-line flag of an :class:`EngineConfig` field: ``--max-model-len``."""
+    return "--" + field.replace("_", "-")
 
 
 def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
     """ENGINE OPTIONS (and ``--cache-dir`` if given) that rebuild ``config``: the
-    command an error message tells the user to run."""
+    command an error message tells the user to run. Every option is spelled out,
+    so the command warms this plan even where the defaults differ."""
     import shlex
 
     parts = [f"--model {shlex.quote(config.model)}"]
-    parts += [f"{flag} {getattr(config, f)}" for f, flag in _CLI_FIELDS]
-    for f, flag in (
-        ("kv_buckets", "--kv-buckets"),
-        ("query_buckets", "--query-buckets"),
-        ("num_seqs_buckets", "--num-seqs-buckets"),
-    ):
-        if getattr(config, f) is not None:
-            parts.append(f"{flag} {','.join(map(str, getattr(config, f)))}")
+    for field in ENGINE_OPTION_FIELDS:
+        value = getattr(config, field)
+        if value is None:
+            continue
+        if isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        parts.append(f"{option_flag(field)} {shlex.quote(str(value))}")
     if cache_dir is not None:
         parts.append(f"--cache-dir {shlex.quote(str(Path(cache_dir).resolve()))}")
     return " ".join(parts)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from .buckets import Bucketer, KernelVariant
-from .errors import CorruptEntryError
+from .buckets import PAGED_ATTENTION, Bucketer, KernelVariant
+from .errors import CorruptEntryError, ShapeError
 from .keys import BUILD_ONLY, COMPONENTS, build_key, environment
 from .lookup import Lookup
 from .store import Tier
@@ -83,20 +83,29 @@ def explain(
         variants: explain these (hits included); default: the plan's misses.
         nearest: stored entries listed per miss.
 
-    Returns: ``{"variants" (checked), "hits", "misses", "stored" (entries
-    compared), "tiers": [locations], "results": [{"variant", "key", "status"
-    ("hit" | "miss" | "corrupt"), "where", "accepted" (hit: build-only
-    components taken from the record), "reason" (corrupt), "nearest": [{"variant",
+    Returns: ``{"variants" (checked), "hits", "misses", "not_in_plan" (given
+    variants the plan does not hold), "stored" (entries compared), "tiers":
+    [locations], "results": [{"variant", "key", "status" ("hit" | "miss" |
+    "corrupt" | "not_in_plan"), "where", "accepted" (hit: build-only components
+    taken from the record), "reason" (corrupt, not_in_plan), "nearest": [{"variant",
     "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
     """
     env = environment(config)
-    wanted = list(Bucketer(config).variants) if variants is None else list(variants)
+    bucketer = Bucketer(config)
+    plan = set(bucketer.variants)
+    wanted = list(bucketer.variants) if variants is None else list(variants)
     lookup = Lookup(tiers)
     stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
-    results, hits = [], 0
+    results, hits, outside = [], 0, 0
     for v in wanted:
         key = build_key(config, v, env)
         r = {"variant": str(v), "key": key.hexdigest}
+        if v not in plan:
+            # a hit or a miss means nothing here: warmup never builds it, dispatch never runs it
+            outside += 1
+            r.update(status="not_in_plan", reason=not_in_plan(bucketer, v))
+            results.append(r)
+            continue
         try:
             found = lookup.find(key)
         except CorruptEntryError as e:
@@ -154,11 +163,67 @@ def explain(
     return {
         "variants": len(wanted),
         "hits": hits,
-        "misses": len(wanted) - hits,
+        "misses": len(wanted) - hits - outside,
+        "not_in_plan": outside,
         "stored": len(stored),
         "tiers": [t.location for t in tiers],
         "results": results,
     }
+
+
+def _blocks(n: int, block_size: int) -> str:
+    return f"{n} block{'s' if n != 1 else ''} of {block_size} tokens"
+
+
+def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
+    """Why ``v`` is not a variant of the plan, and what dispatch runs instead:
+    ``"not in the plan: num_blocks 5 is not a KV bucket of this plan (1, 2, 3, 4,
+    6, 8); ...; dispatch runs that shape as batched_decode:1:6:4 ..."``."""
+    bs = bucketer.block_size
+    prefill = v.kernel == PAGED_ATTENTION
+    fixed = ("num_seqs", v.num_seqs) if prefill else ("query_len", v.query_len)
+    why, then = [], None
+    if fixed[1] != 1:
+        why.append(f"{v.kernel} variants have {fixed[0]} 1")
+    else:
+        if prefill:
+            first = ("query_len", v.query_len, bucketer.query_buckets, "a query bucket")
+        else:
+            first = ("num_seqs", v.num_seqs, bucketer.num_seqs_buckets, "a decode-batch bucket")
+        for name, value, buckets, what in (
+            first,
+            ("num_blocks", v.num_blocks, bucketer.num_blocks_buckets, "a KV bucket"),
+        ):
+            if value not in buckets:
+                listed = ", ".join(map(str, buckets)) or "none: decode runs sequence by sequence"
+                why.append(f"{name} {value} is not {what} of this plan ({listed})")
+        # a prefill chunk in query bucket Q has more tokens than the bucket below Q
+        below = [q for q in bucketer.query_buckets if q < v.query_len]
+        smallest = below[-1] + 1 if below and v.query_len in bucketer.query_buckets else v.query_len
+        if prefill and smallest > v.num_blocks * bs:
+            tokens = f"{smallest} to {v.query_len}" if smallest < v.query_len else f"{smallest}"
+            why.append(
+                f"no prefill chunk of {tokens} tokens fits in {_blocks(v.num_blocks, bs)}, "
+                "so no call has that shape"
+            )
+        elif not prefill and not bucketer.num_seqs_buckets:
+            then = "dispatch runs each sequence of a decode batch through paged_attention"
+        elif why:
+            try:
+                if prefill:
+                    q, s = bucketer.query_bucket(v.query_len), 1
+                else:
+                    q, s = 1, bucketer.num_seqs_bucket(v.num_seqs)
+                nb = bucketer.blocks_bucket(v.num_blocks)
+            except ShapeError as e:
+                then = f"that shape is beyond the plan's limits: {e}"
+            else:
+                runs = KernelVariant(kernel=v.kernel, query_len=q, num_blocks=nb, num_seqs=s)
+                then = f"dispatch runs that shape as {runs}"
+    return (
+        f"not in the plan: {'; '.join(why)}; warmup never builds it and engine start never "
+        f"loads it" + (f"; {then}" if then else "") + " (the plan's variants: kernel-cache plan)"
+    )
 
 
 def _when(ts) -> str:
@@ -175,12 +240,18 @@ def render(report: dict) -> str:
         else "no cache or bundle found (--cache-dir / $KERNEL_CACHE_DIR, "
         "--bundle / $KERNEL_CACHE_BUNDLE)"
     )
+    outside = report.get("not_in_plan", 0)
     lines = [
         f"explain: {report['variants']} variant(s) checked, {report['hits']} hit, "
-        f"{report['misses']} miss; {where}",
+        f"{report['misses']} miss"
+        + (f", {outside} not in the plan" if outside else "")
+        + f"; {where}",
         "differences read: component: this process != stored entry",
     ]
     for r in report["results"]:
+        if r["status"] == "not_in_plan":
+            lines.append(f"{r['variant']}  {r['reason']}")
+            continue
         head = f"{r['variant']}  {r['status']}  key {r['key'][:16]}"
         if r["status"] == "hit":
             lines.append(f"{head}  in {r['where']}")

@@ -342,6 +342,8 @@ class AttentionRuntime:
         """
         self._check(query, key_cache, value_cache)
         q = query.shape[0]
+        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
+            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
         try:
             seq_len = operator.index(seq_len)
         except TypeError:
@@ -350,7 +352,8 @@ class AttentionRuntime:
             raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
         if seq_len > self.config.max_model_len:
             raise ShapeError(
-                f"seq_len {seq_len} is above max_model_len {self.config.max_model_len}"
+                f"seq_len {seq_len} is above max_model_len {self.config.max_model_len}; "
+                "raise --max-model-len and warm up"
             )
         need = -(-seq_len // self.config.block_size)
         nb = self.bucketer.blocks_bucket(need)
@@ -429,6 +432,10 @@ class AttentionRuntime:
                     f"seq_lens holds {bad!r}; expected ints (tokens) below 2**31"
                 ) from None
             shortest, longest = (min(lens_arr), max(lens_arr)) if s else (1, 0)
+            # bool is an int subclass (True == 1): looked for only where one could hide
+            if shortest <= 1 and any(n is True or n is False for n in seq_lens):
+                bad = next(n for n in seq_lens if n is True or n is False)
+                raise ShapeError(f"seq_lens holds {bad!r}, a bool; expected ints (tokens)")
         if shortest < 1:
             raise ShapeError(
                 f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
@@ -440,7 +447,10 @@ class AttentionRuntime:
                 f"{self.config.max_model_len}; raise --max-model-len and warm up"
             )
         if s > self.config.max_num_seqs:
-            raise ShapeError(f"num_seqs {s} is above max_num_seqs {self.config.max_num_seqs}")
+            raise ShapeError(
+                f"num_seqs {s} is above max_num_seqs {self.config.max_num_seqs}; "
+                "raise --max-num-seqs and warm up"
+            )
         need = max(1, -(-longest // self.config.block_size))
         shape = block_tables.shape
         if len(shape) != 2 or shape[0] != s or shape[1] < need or block_tables.dtype != torch.int32:
@@ -593,8 +603,8 @@ def load_plan(
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
-        cache_dir: the local cache (default ``$KERNEL_CACHE_DIR`` or
-            ``~/.cache/kernel_cache``); ignored when ``tiers`` is given.
+        cache_dir: the local cache (default
+            :func:`~kernel_cache.store.default_cache_dir`); ignored when ``tiers`` is given.
         bundles: bundle directories searched before the local cache, in
             addition to ``$KERNEL_CACHE_BUNDLE``; ignored when ``tiers`` is given.
         strict: raise on missing variants (default); with False, load what is there.

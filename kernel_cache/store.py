@@ -35,9 +35,14 @@ ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
 
 
 def default_cache_dir() -> Path:
-    """``$KERNEL_CACHE_DIR``, else ``~/.cache/kernel_cache``."""
+    """``$KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernel_cache``, else
+    ``~/.cache/kernel_cache`` (a relative ``XDG_CACHE_HOME`` is ignored, as the
+    XDG Base Directory spec says)."""
     env = os.environ.get(ENV_CACHE_DIR)
-    return Path(env) if env else Path.home() / ".cache" / "kernel_cache"
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,7 @@ class DiskTier(Tier):
     disappears behind the user's back.
 
     Args:
-        directory: default ``$KERNEL_CACHE_DIR`` or ``~/.cache/kernel_cache``.
+        directory: default :func:`default_cache_dir`.
         read_only: read through :class:`~kernel_cache.disk.IndexSnapshot` and
             never write, lock or create anything in the directory (engine
             start, verify); :meth:`put` and :meth:`delete` raise.

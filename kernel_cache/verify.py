@@ -54,7 +54,8 @@ def verify_plan(
     ``mismatched`` (variants whose output differs from eager, built with the
     same launch config), ``max_abs_err``, ``launch`` (the variants a launch
     table sets: ``{variant: {"config", "source"}}``),
-    ``sources`` (``{tier location: variants loaded from it}``),
+    ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
+    (``{tier location: "bundle" | "disk" | "redis"}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
 
     Raises:
@@ -81,6 +82,7 @@ def verify_plan(
         "mismatched": [],
         "max_abs_err": 0.0,
         "sources": {},
+        "source_kinds": {},
         "build_only_accepted": {},
         "launch": describe_plan(launch),
     }
@@ -109,6 +111,7 @@ def verify_plan(
         report["loaded"] += 1
         src = found.tier.location
         report["sources"][src] = report["sources"].get(src, 0) + 1
+        report["source_kinds"][src] = found.tier.name
         merge_accepted(report["build_only_accepted"], found.accepted)
         args = make_inputs(config, v, seed=1)
         out = runner.run(list(args))[0]

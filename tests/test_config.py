@@ -124,3 +124,64 @@ def test_repair_command_rebuilds_the_config(tmp_path):
     cmd = config_to_cli(c, tmp_path)
     assert "--query-step 256" in cmd and "--max-model-len 2048" in cmd
     assert f"--cache-dir {tmp_path.resolve()}" in cmd
+
+
+def test_cli_and_make_config_share_the_defaults(capsys):
+    """`kernel-cache plan` with no options and make_config(preset) give one plan."""
+    from kernel_cache.buckets import Bucketer
+    from kernel_cache.config import DEFAULT_MODEL
+    from warmup.cli import main
+
+    assert main(["plan", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    cfg = make_config(DEFAULT_MODEL)
+    assert cli["fingerprint"] == Bucketer(cfg).fingerprint()
+    assert len(cli["variants"]) == 26  # the README's main job: minutes on a 2-core CPU
+
+
+def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
+    """config_to_cli's command rebuilds a config whose every field differs from the
+    default (min_batched_seqs and the bucket lists included)."""
+    import argparse
+    import shlex
+
+    from kernel_cache.config import ENGINE_OPTION_FIELDS, EngineConfig, config_to_cli
+    from warmup.cli import config_from_args, engine_options
+
+    c = make_config(
+        "llama-3.2-1b",
+        max_model_len=512,
+        block_size=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        dtype="bfloat16",
+        kv_ladder="pow2",
+        kv_dense_cap=1024,
+        query_step=128,
+        min_batched_seqs=2,
+        kv_buckets=(128, 512),
+        query_buckets=(1, 64, 256),
+        num_seqs_buckets=(2, 16),
+        use_env=False,
+    )
+    defaults = EngineConfig.model_fields
+    differ = {f for f in ENGINE_OPTION_FIELDS if getattr(c, f) != defaults[f].default}
+    assert differ == set(ENGINE_OPTION_FIELDS) - {"device"}  # no CUDA here
+    p = argparse.ArgumentParser()
+    engine_options(p)
+    again = config_from_args(p.parse_args(shlex.split(config_to_cli(c))))
+    assert again == c
+
+
+def test_readme_states_the_defaults():
+    from kernel_cache.config import DEFAULT_MODEL, EngineConfig
+
+    from .conftest import ROOT
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    f = EngineConfig.model_fields
+    stated = f"`--model {DEFAULT_MODEL} " + " ".join(
+        f"--{n.replace('_', '-')} {f[n].default}"
+        for n in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens")
+    )
+    assert stated + "`" in readme

@@ -218,3 +218,16 @@ def test_docs_list_the_environment_rules_the_code_applies():
     from kernel_cache.recipe import rules_markdown
 
     assert rules_markdown() in (ROOT / "docs" / "keys.md").read_text()
+
+
+def test_the_config_accepts_exactly_the_recipes_cpu_targets():
+    import typing
+
+    from kernel_cache.config import EngineConfig, make_config
+    from kernel_cache.errors import ConfigError
+    from kernel_cache.recipe import CPU_TARGET_NAMES
+
+    ann = EngineConfig.model_fields["cpu_target"].annotation
+    assert typing.get_args(ann) == CPU_TARGET_NAMES
+    with pytest.raises(ConfigError, match="cpu_target"):
+        make_config("llama-3.2-1b", cpu_target="x86-64-v4")

@@ -3,78 +3,68 @@
 Subcommands: plan, warmup, verify here; export, import, explain, ls, stats, gc,
 clear in :mod:`warmup.commands`; tune in :mod:`warmup.tune`.
 
-ENGINE OPTIONS default to the built-in default
-(:data:`kernel_cache.config.DEFAULT_ENGINE`): ``kernel-cache warmup`` with no
+ENGINE OPTIONS default to the built-in default plan
+(:data:`kernel_cache.config.DEFAULT_MODEL` with :class:`EngineConfig`'s
+defaults, as ``make_config(DEFAULT_MODEL)``): ``kernel-cache warmup`` with no
 options warms it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import signal
 import sys
+import typing
+from pathlib import Path
 
 from kernel_cache.buckets import Bucketer, parse_bucket_list
-from kernel_cache.config import DEFAULT_ENGINE, EngineConfig, make_config
+from kernel_cache.config import (
+    DEFAULT_MODEL,
+    ENGINE_OPTION_FIELDS,
+    PRESETS,
+    EngineConfig,
+    make_config,
+    option_flag,
+)
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.launch import describe_plan, format_plan
-from kernel_cache.recipe import CPU_TARGET_NAMES, DEFAULT_CPU_TARGET
-from kernel_cache.store import default_cache_dir
+from kernel_cache.store import ENV_CACHE_DIR, default_cache_dir
 
 
 def engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine options")
+    """Add the ENGINE OPTIONS: ``--model`` and one flag per :class:`EngineConfig`
+    field (:data:`~kernel_cache.config.ENGINE_OPTION_FIELDS`), with the model's
+    defaults, descriptions and accepted values."""
+    g = p.add_argument_group(
+        "engine options",
+        "the plan's model and limits; make_config() takes the same names and defaults",
+    )
     g.add_argument(
         "--model",
-        default=DEFAULT_ENGINE["model"],
-        help="preset name or path to a Hugging Face config.json "
-        f"(default {DEFAULT_ENGINE['model']})",
+        default=DEFAULT_MODEL,
+        metavar="NAME|PATH",
+        help=f"a preset ({', '.join(PRESETS)}) or a path to a Hugging Face config.json "
+        "(default %(default)s)",
     )
-    g.add_argument(
-        "--max-model-len", type=int, default=DEFAULT_ENGINE["max_model_len"], help="tokens"
-    )
-    g.add_argument(
-        "--block-size", type=int, default=DEFAULT_ENGINE["block_size"], help="tokens per KV block"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_ENGINE["max_num_seqs"])
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_ENGINE["max_num_batched_tokens"]
-    )
-    g.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 | bfloat16 | float16 (default float32 on cpu, bfloat16 on cuda)",
-    )
-    g.add_argument("--device", default=DEFAULT_ENGINE["device"], help="cpu | cuda")
-    g.add_argument(
-        "--cpu-target",
-        default=DEFAULT_CPU_TARGET,
-        help=f"instruction set of CPU artifacts: {' | '.join(CPU_TARGET_NAMES)} (default "
-        f"{DEFAULT_CPU_TARGET}; native: this CPU's, runs only on CPUs with the same features)",
-    )
-    g.add_argument("--kv-ladder", default="4/3", help="4/3 | pow2")
-    g.add_argument(
-        "--kv-dense-cap", type=int, default=4096, help="tokens; 0 means no cap (4/3 ladder)"
-    )
-    g.add_argument("--query-step", type=int, default=None, help="tokens (default 512)")
-    g.add_argument(
-        "--kv-buckets",
-        default=None,
-        help="comma-separated KV buckets in tokens (env KERNEL_CACHE_KV_BUCKETS)",
-    )
-    g.add_argument(
-        "--query-buckets",
-        default=None,
-        help="comma-separated query buckets (env KERNEL_CACHE_QUERY_BUCKETS)",
-    )
-    g.add_argument(
-        "--num-seqs-buckets",
-        default=None,
-        help="comma-separated decode batch buckets (env KERNEL_CACHE_NUM_SEQS_BUCKETS)",
-    )
+    for field in ENGINE_OPTION_FIELDS:
+        info = EngineConfig.model_fields[field]
+        kw: dict = {"dest": field, "help": info.description}
+        if typing.get_origin(info.annotation) is typing.Literal:
+            kw["choices"] = typing.get_args(info.annotation)
+        elif info.annotation is int:
+            kw["type"] = int
+            kw["metavar"] = "N"
+        else:  # a bucket list, parsed by config_from_args to name the flag in errors
+            kw["metavar"] = "N,N,..."
+        # dtype's default follows the device (make_config picks it)
+        kw["default"] = None if field == "dtype" else info.default
+        if kw["default"] is not None:
+            kw["help"] += " (default %(default)s)"
+        g.add_argument(option_flag(field), **kw)
 
 
 def trust_option(p: argparse.ArgumentParser) -> None:
@@ -88,34 +78,53 @@ def trust_option(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> EngineConfig:
     """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
-    overrides = {}
-    for attr, flag in (
-        ("kv_buckets", "--kv-buckets"),
-        ("query_buckets", "--query-buckets"),
-        ("num_seqs_buckets", "--num-seqs-buckets"),
-    ):
-        if getattr(args, attr):
-            overrides[attr] = parse_bucket_list(getattr(args, attr), flag)
-    cfg = make_config(
-        args.model,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        cpu_target=args.cpu_target,
-        kv_ladder=args.kv_ladder,
-        kv_dense_cap=args.kv_dense_cap,
-        query_step=args.query_step,
-        **overrides,
-    )
+    fields = {}
+    for field in ENGINE_OPTION_FIELDS:
+        value = getattr(args, field)
+        if field.endswith("_buckets"):
+            value = parse_bucket_list(value, option_flag(field)) if value else None
+        fields[field] = value
+    cfg = make_config(args.model, **fields)
     Bucketer(cfg)  # validate overrides against the limits now, with a clear error
     return cfg
 
 
+#: ``--cache-dir``'s help.
+CACHE_DIR_HELP = (
+    "the local cache (default $KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/kernel_cache, "
+    "else ~/.cache/kernel_cache)"
+)
+
+
 def _cache_dir(args) -> str:
-    return str(args.cache_dir or default_cache_dir())
+    """The cache directory of ``--cache-dir`` or :func:`default_cache_dir`.
+
+    Raises:
+        KernelCacheError: the path, or a folder above it, exists and is not a
+            directory (names both, where the path came from, and the fix).
+    """
+    d = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if args.cache_dir:
+        source = "--cache-dir"
+    elif os.environ.get(ENV_CACHE_DIR):
+        source = f"${ENV_CACHE_DIR}"
+    else:
+        source = "the default"
+    for p in (d, *d.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:
+            break
+        if not p.is_dir():
+            what = "it is" if p == d else f"{p} is"
+            raise KernelCacheError(
+                f"cache directory {d} (from {source}): {what} a file, not a directory; fix: "
+                f"point --cache-dir or ${ENV_CACHE_DIR} at a directory (a new one or a "
+                f"kernel-cache cache), or move {p} out of the way"
+            )
+        break
+    return str(d)
 
 
 def bundle_option(p: argparse.ArgumentParser) -> None:
@@ -340,6 +349,8 @@ def cmd_verify(args) -> int:
             f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
             + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
         )
+        for line in source_lines(report):
+            print(line)
         for name, a in report["build_only_accepted"].items():
             print(
                 f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
@@ -356,9 +367,24 @@ def cmd_verify(args) -> int:
     return 0 if report["ok"] else 1
 
 
+#: How verify names the kind of tier an entry came from.
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis"}
+
+
+def source_lines(report: dict) -> list[str]:
+    """Where verify loaded the plan from, one line per tier:
+    ``"  6 from bundle /opt/kernel-cache-bundle"``."""
+    kinds = report.get("source_kinds", {})
+    return [
+        f"  {n} from {TIER_KINDS.get(kinds.get(where), kinds.get(where, 'tier'))} {where}"
+        for where, n in report["sources"].items()
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=version())
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
@@ -368,9 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
     engine_options(sw)
-    sw.add_argument(
-        "--cache-dir", default=None, help="default $KERNEL_CACHE_DIR or ~/.cache/kernel_cache"
-    )
+    sw.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     sw.add_argument(
         "--jobs",
         type=int,
@@ -405,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
     engine_options(sv)
-    sv.add_argument("--cache-dir", default=None)
+    sv.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     bundle_option(sv)
     sv.add_argument("--json", action="store_true")
     trust_option(sv)
@@ -419,11 +443,93 @@ def build_parser() -> argparse.ArgumentParser:
     from warmup.tune import add_tune_command
 
     add_tune_command(sub)
+    for sp in sub.choices.values():
+        # before or after the subcommand; SUPPRESS: absent here unless given, so a
+        # -v before the subcommand is not reset by the subcommand's default
+        sp.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log at INFO level",
+        )
+        sp.set_defaults(_subparser=sp)
+    p.set_defaults(_subcommands=tuple(sub.choices))
     return p
 
 
+def version() -> str:
+    """``kernel-cache 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)``: the versions that
+    are key components too."""
+    import platform
+
+    import torch
+
+    from kernel_cache import __version__
+
+    py = platform.python_version()
+    return f"kernel-cache {__version__} (torch {torch.__version__}, Python {py})"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown subcommand or argument is reported
+    with the nearest name there is (``did you mean --jobs?``), an argument with
+    the subcommand's usage."""
+    import difflib
+
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    commands = parser.get_default("_subcommands") or ()
+    # the top-level options take no value: the first other word is the subcommand
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is not None and commands and word not in commands:
+        near = difflib.get_close_matches(word, commands, n=1)
+        parser.error(
+            f"unknown subcommand {word!r}"
+            + (f"; did you mean {near[0]}?" if near else f"; choose from {', '.join(commands)}")
+        )
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sp = args._subparser
+        flags = [f for f in sp._option_string_actions if f.startswith("--")]
+        first = next((a for a in extra if a.startswith("-")), "")
+        near = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1)
+        hint = f"; did you mean {near[0]}?" if near else f"; see kernel-cache {args.command} -h"
+        sp.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+#: Exit status after the reader of stdout went away (``| head``): 128 + SIGPIPE,
+#: what a shell reports for a command the closed pipe killed.
+EXIT_CLOSED_STDOUT = 141
+
+
+def quiet_on_closed_stdout(main_fn):
+    """Wrap a command's ``main``: when stdout's reader has gone (``kernel-cache ls
+    --json | head``), exit with :data:`EXIT_CLOSED_STDOUT` and no traceback.
+
+    stdout is flushed before returning, so the error surfaces here rather than
+    at interpreter exit, then pointed at ``/dev/null`` so that the final flush
+    of what is still buffered succeeds."""
+
+    @functools.wraps(main_fn)
+    def wrapper(*args, **kwargs):
+        try:
+            try:
+                return main_fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_CLOSED_STDOUT
+
+    return wrapper
+
+
+@quiet_on_closed_stdout
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import KernelCacheError
 
-from .cli import _cache_dir, bundle_option, config_from_args, engine_options
+from .cli import CACHE_DIR_HELP, _cache_dir, bundle_option, config_from_args, engine_options
 
 
 def _when(ts) -> str:
@@ -314,7 +314,7 @@ def _print_orphans(o: dict) -> None:
 
 def add_commands(sub) -> None:
     """Register the subcommands on the ``kernel-cache`` parser's subparsers."""
-    cache_help = "default $KERNEL_CACHE_DIR or ~/.cache/kernel_cache"
+    cache_help = CACHE_DIR_HELP
 
     s = sub.add_parser("export", help="write a read-only bundle of exactly the plan's artifacts")
     engine_options(s)

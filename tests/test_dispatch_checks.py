@@ -1,0 +1,48 @@
+"""Dispatch's argument checks, which run before any kernel (no compile: an empty
+runtime; every call here is refused before a variant is looked up)."""
+
+import pytest
+import torch
+
+from kernel_cache import Bucketer, ShapeError, make_config
+from kernel_cache.runtime import AttentionRuntime
+
+CFG = make_config(
+    "llama-3.2-1b", max_model_len=128, block_size=64, max_num_seqs=4, max_num_batched_tokens=128
+)
+KC = torch.zeros(3, 64, 8, 64)
+
+
+def runtime():
+    return AttentionRuntime(CFG, Bucketer(CFG), {})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_prefill_refuses_a_bool_length(value):
+    with pytest.raises(ShapeError, match=f"seq_len {value} is a bool; expected an int"):
+        runtime().prefill(torch.zeros(1, 32, 64), KC, KC, torch.zeros(2, dtype=torch.int32), value)
+
+
+@pytest.mark.parametrize("lens", [[True], [5, True], [False, 7]])
+def test_decode_refuses_a_bool_length(lens):
+    q = torch.zeros(len(lens), 32, 64)
+    bt = torch.zeros(len(lens), 2, dtype=torch.int32)
+    bad = next(n for n in lens if isinstance(n, bool))
+    with pytest.raises(ShapeError, match=f"seq_lens holds {bad}, a bool; expected ints"):
+        runtime().decode(q, KC, KC, bt, lens)
+
+
+def test_over_length_messages_say_how_to_warm_a_larger_plan():
+    rt = runtime()
+    with pytest.raises(
+        ShapeError, match="seq_len 129 is above max_model_len 128; raise --max-model-len and warm"
+    ):
+        rt.prefill(torch.zeros(1, 32, 64), KC, KC, torch.zeros(3, dtype=torch.int32), 129)
+    with pytest.raises(
+        ShapeError, match="seq_len 129 is above max_model_len 128; raise --max-model-len and warm"
+    ):
+        rt.decode(torch.zeros(1, 32, 64), KC, KC, torch.zeros(1, 3, dtype=torch.int32), [129])
+    with pytest.raises(
+        ShapeError, match="num_seqs 5 is above max_num_seqs 4; raise --max-num-seqs and warm"
+    ):
+        rt.decode(torch.zeros(5, 32, 64), KC, KC, torch.zeros(5, 1, dtype=torch.int32), [1] * 5)
