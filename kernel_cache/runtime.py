@@ -86,6 +86,16 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
     which is pointed there for the call), so nothing is left behind at exit.
 
+    On CUDA the runner is created in AOTInductor's single-threaded mode
+    (``AOTIModelPackageLoader(path, model_name, run_single_threaded=True,
+    num_runners=1, device_index)``): a call only enqueues its kernels on the
+    current stream and returns, and it can be captured in a CUDA graph. The
+    thread-safe mode waits, in every call, for the previous call's kernels to
+    finish on the GPU (host time per call = GPU time; measured on an H200: 374
+    us of host time per decode call against 34 us) and cannot be captured.
+    Single-threaded runners must not be called from two threads at once, which
+    :class:`AttentionRuntime` already requires.
+
     Raises:
         CorruptEntryError: the loader rejected the package.
     """
@@ -98,7 +108,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         device_index = torch.cuda.current_device() if device == "cuda" else -1
         os.environ["TMPDIR"] = where_to
         try:
-            return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, device_index)
+            single_threaded = device == "cuda"
+            return torch._C._aoti.AOTIModelPackageLoader(
+                path, "model", single_threaded, 1, device_index
+            )
         except Exception as e:  # the loader raises RuntimeError for bad zips
             raise CorruptEntryError(
                 key, f"the AOTInductor loader rejected it: {e}", where
@@ -305,6 +318,36 @@ class AttentionRuntime:
                 "bucket's num_blocks columns must be a block of the pool (pad with 0)"
             )
 
+    def _check_device_lens(self, name: str, t, n: int) -> None:
+        """``t`` must be ``[n]`` int32 on the plan's CUDA device (metadata only:
+        its values are never read here)."""
+        if self._device.type != "cuda":
+            raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
+            raise ShapeError(
+                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
+                "torch.int32 on the plan's CUDA device"
+            )
+
+    @staticmethod
+    def _upload_lens(slot: _Slot, name: str) -> None:
+        """Copy the slot's host lengths to its device buffer without waiting.
+
+        The source is ordinary (pageable) host memory: the driver stages it at
+        the call, so the next call may rewrite it at once. Such a copy cannot be
+        captured in a CUDA graph, and a captured copy would replay stale
+        lengths anyway: under capture the lengths must come from the device.
+
+        Raises: ShapeError under CUDA-graph capture (names ``name``).
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise ShapeError(
+                f"capturing a CUDA graph: pass the lengths as a device tensor ({name}=...) "
+                "that the engine rewrites before each replay; host lengths are baked "
+                "into a graph (README, 'CUDA graphs')"
+            )
+        slot.lens.copy_(slot.lens_host, non_blocking=True)
+
     def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
         key = (kernel, query_len, num_blocks, num_seqs)
         slot = self._slots.get(key)
@@ -323,7 +366,9 @@ class AttentionRuntime:
         return slot
 
     # -- dispatch ----------------------------------------------------------
-    def prefill(self, query, key_cache, value_cache, block_table, seq_len: int):
+    def prefill(
+        self, query, key_cache, value_cache, block_table, seq_len: int, *, device_lens=None
+    ):
         """Attention for one sequence's chunk of ``query_len`` new tokens.
 
         Args:
@@ -331,14 +376,20 @@ class AttentionRuntime:
             key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
             block_table: 1-D int32 tensor, at least ``ceil(seq_len / block_size)`` blocks.
             seq_len: host int, KV tokens of the sequence including this chunk (tokens).
+            device_lens: CUDA only, optional: ``[2]`` int32 on the device holding
+                ``(seq_len, real query_len)``, which the kernel then reads instead
+                of a copy of the host values (``seq_len`` still picks the bucket and
+                is checked; ``device_lens`` is never read on the host). For CUDA
+                graphs: see the README, "CUDA graphs".
 
         Returns: ``[query_len, num_heads, head_dim]``.
 
         Raises:
             ShapeError: a shape, dtype or device mismatch, non-contiguous KV
                 caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
-                beyond the plan's limits (names the limit), or (CPU only) a block id
-                outside the pool.
+                beyond the plan's limits (names the limit), a bad ``device_lens``,
+                a CUDA-graph capture without ``device_lens``, or (CPU only) a block
+                id outside the pool.
         """
         self._check(query, key_cache, value_cache)
         q = query.shape[0]
@@ -375,17 +426,23 @@ class AttentionRuntime:
         else:
             btbuf[:width].copy_(block_table)
             btbuf[width:].zero_()
-        slot.lens_arr[0] = seq_len
-        slot.lens_arr[1] = q
-        if slot.lens is not slot.lens_host:
-            slot.lens.copy_(slot.lens_host, non_blocking=True)
+        if device_lens is not None:
+            self._check_device_lens("device_lens", device_lens, 2)
+            lq, lq2 = device_lens[0:1], device_lens[1:2]
+        else:
+            slot.lens_arr[0] = seq_len
+            slot.lens_arr[1] = q
+            if slot.lens is not slot.lens_host:
+                self._upload_lens(slot, "device_lens")
+            lq, lq2 = slot.lens_views
         if self.check_block_ids:
             self._check_block_ids("block_table", slot, key_cache)
-        lq, lq2 = slot.lens_views
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
 
-    def decode(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, *, device_seq_lens=None
+    ):
         """One decode step for a batch of sequences.
 
         Args:
@@ -394,13 +451,21 @@ class AttentionRuntime:
             block_tables: ``[num_seqs, >= max blocks]`` int32.
             seq_lens: host-side KV lengths in tokens (list of ints or a CPU tensor),
                 the query token included. Never a GPU tensor (reading it would sync).
+            device_seq_lens: CUDA only, optional: ``[num_seqs]`` int32 on the device
+                holding the lengths the kernel reads instead of a copy of
+                ``seq_lens`` (which still picks the bucket and is checked;
+                ``device_seq_lens`` is never read on the host). A 0 in it makes
+                that row's output zeros. For CUDA graphs: see the README,
+                "CUDA graphs".
 
         Returns: ``[num_seqs, num_heads, head_dim]``.
 
         Raises:
             ShapeError: shapes, dtypes, non-contiguous KV caches, a GPU ``seq_lens``,
                 a length below 1 or not an integer, ``num_seqs > max_num_seqs``,
-                ``seq_len > max_model_len``, or (CPU only) a block id outside the pool.
+                ``seq_len > max_model_len``, a bad ``device_seq_lens``, a CUDA-graph
+                capture without ``device_seq_lens``, or (CPU only) a block id
+                outside the pool.
 
         Not thread-safe: a runtime reuses its padding buffers across calls; give
         each thread its own runtime (``load_plan``) or serialize calls.
@@ -449,6 +514,11 @@ class AttentionRuntime:
                 f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
             )
         if not self.bucketer.num_seqs_buckets:
+            if device_seq_lens is not None:
+                raise ShapeError(
+                    "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
+                    "this plan decodes one sequence at a time through prefill"
+                )
             return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
         nb = self.bucketer.blocks_bucket(need)
         sb = self.bucketer.num_seqs_bucket(s)
@@ -475,15 +545,25 @@ class AttentionRuntime:
         slot.bt_rows = s
         if self.check_block_ids:
             self._check_block_ids("block_tables", slot, key_cache)
-        if isinstance(seq_lens, torch.Tensor):
-            slot.lens_host[:s].copy_(seq_lens)
+        if device_seq_lens is not None:
+            self._check_device_lens("device_seq_lens", device_seq_lens, s)
+            if s == sb:
+                lens = device_seq_lens
+            else:  # rows past the batch: length 0, nothing read
+                lens = slot.lens
+                lens[:s].copy_(device_seq_lens)
+                lens[s:].zero_()
         else:
-            slot.lens_arr[:s] = lens_arr
-        if s < sb:
-            slot.lens_arr[s:] = slot.zeros[: sb - s]
-        if slot.lens is not slot.lens_host:
-            slot.lens.copy_(slot.lens_host, non_blocking=True)
-        out = slot.runner.run([qin, key_cache, value_cache, btbuf, slot.lens])[0]
+            if isinstance(seq_lens, torch.Tensor):
+                slot.lens_host[:s].copy_(seq_lens)
+            else:
+                slot.lens_arr[:s] = lens_arr
+            if s < sb:
+                slot.lens_arr[s:] = slot.zeros[: sb - s]
+            if slot.lens is not slot.lens_host:
+                self._upload_lens(slot, "device_seq_lens")
+            lens = slot.lens
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
         return out[:s] if s != sb else out
 
     def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):
