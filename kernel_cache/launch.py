@@ -142,26 +142,27 @@ PREFILL_NUM_WARPS = 8
 PREFILL_NUM_STAGES = 3
 
 
-def cuda_prefill_defaults(query_len: int, num_queries_per_kv: int, head_dim: int) -> dict[str, int]:
+def cuda_prefill_defaults(
+    query_len: int, num_queries_per_kv: int, head_dim: int, itemsize: int = 2
+) -> dict[str, int]:
     """The Triton prefill kernel's default launch config for a variant.
 
     ``block_m`` score rows per program (query tokens x the GQA group padded to a
     power of two): :data:`PREFILL_BLOCK_M`, but no more rows than the query
     bucket fills (a 1-token bucket of a 4-head group gets 16); ``block_n`` KV
-    tokens per step, halved above head_dim 128 (shared memory). Returns
-    ``{"block_m", "block_n", "num_stages", "num_warps"}``.
+    tokens per step, halved above head_dim 128 and again for 4-byte dtypes
+    (``itemsize``, bytes per element; shared memory), which also take 2 stages.
+    Returns ``{"block_m", "block_n", "num_stages", "num_warps"}``.
     """
     g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
     q_pad = 1 << max(0, query_len - 1).bit_length()
     block_m = max(16, g_pad, min(PREFILL_BLOCK_M, g_pad * q_pad))
     block_n = PREFILL_BLOCK_N if head_dim <= 128 else PREFILL_BLOCK_N // 2
+    stages = PREFILL_NUM_STAGES
+    if itemsize > 2:
+        block_n, stages = max(16, block_n // 2), 2
     warps = PREFILL_NUM_WARPS if block_m >= 128 else 4
-    return {
-        "block_m": block_m,
-        "block_n": block_n,
-        "num_stages": PREFILL_NUM_STAGES,
-        "num_warps": warps,
-    }
+    return {"block_m": block_m, "block_n": block_n, "num_stages": stages, "num_warps": warps}
 
 
 def arch_family(device_arch: str) -> str:
@@ -191,6 +192,7 @@ def default_launch(
     query_len: int = 1,
     num_queries_per_kv: int = 1,
     head_dim: int = 128,
+    itemsize: int = 2,
 ) -> dict[str, int]:
     """The built-in defaults: today's kernels exactly.
 
@@ -199,8 +201,8 @@ def default_launch(
     CUDA: :func:`cuda_default_splits` splits (``num_seqs``, ``num_kv_heads``,
     ``block_size`` in tokens are used for it), ``blocks_per_chunk`` the blocks of
     one split. ``paged_attention``: ``{}`` on the CPU; on CUDA the tiles of
-    :func:`cuda_prefill_defaults` (``query_len``, ``num_queries_per_kv`` and
-    ``head_dim`` are used for it).
+    :func:`cuda_prefill_defaults` (``query_len``, ``num_queries_per_kv``,
+    ``head_dim`` and ``itemsize``, the dtype's bytes, are used for it).
     """
     values = {}
     if device == "cuda" and kernel == BATCHED_DECODE:
@@ -208,7 +210,7 @@ def default_launch(
             num_seqs, num_kv_heads, num_blocks, block_size
         )
     if device == "cuda" and kernel == PAGED_ATTENTION:
-        values = cuda_prefill_defaults(query_len, num_queries_per_kv, head_dim)
+        values = cuda_prefill_defaults(query_len, num_queries_per_kv, head_dim, itemsize)
     return check_launch(kernel, num_blocks, values, "defaults")
 
 
@@ -225,6 +227,7 @@ def variant_defaults(config: EngineConfig, variant: KernelVariant) -> dict[str, 
         query_len=variant.query_len,
         num_queries_per_kv=config.num_queries_per_kv,
         head_dim=config.head_dim,
+        itemsize=4 if config.dtype == "float32" else 2,
     )
 
 

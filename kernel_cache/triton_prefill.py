@@ -336,7 +336,8 @@ class TritonPagedAttention(nn.Module):
         block_m: score rows per program (query tokens x the padded GQA group), a
             power of two >= 16; block_n: KV tokens per step, a power of two >= 16;
             num_warps, num_stages: Triton's. Defaults:
-            :func:`kernel_cache.launch.cuda_prefill_defaults`.
+            :func:`kernel_cache.launch.cuda_prefill_defaults` for ``query_len``
+            (the query bucket) and ``itemsize`` (bytes per element of the dtype).
 
     Returns: ``[query_len, num_heads, head_dim]`` in the query's dtype.
 
@@ -352,6 +353,7 @@ class TritonPagedAttention(nn.Module):
         head_dim: int,
         *,
         query_len: int = 1,
+        itemsize: int = 2,
         block_m: int | None = None,
         block_n: int | None = None,
         num_warps: int | None = None,
@@ -365,7 +367,7 @@ class TritonPagedAttention(nn.Module):
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
         g = num_heads // num_kv_heads
-        d = cuda_prefill_defaults(query_len, g, head_dim)
+        d = cuda_prefill_defaults(query_len, g, head_dim, itemsize)
         self.block_m = block_m or d["block_m"]
         self.block_n = block_n or d["block_n"]
         self.num_warps = num_warps or d["num_warps"]

@@ -41,11 +41,11 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
     if config.device == "cuda" and variant.kernel == PAGED_ATTENTION:
         from kernel_cache.triton_prefill import TritonPagedAttention
 
-        tiles = launch or {}  # None: the kernel's defaults for this query bucket
-        c = config
+        c, size = config, config.torch_dtype().itemsize  # launch None: default tiles
         return TritonPagedAttention(
-            c.num_heads, c.num_kv_heads, c.head_dim, query_len=variant.query_len, **tiles
-        ).eval()
+            c.num_heads, c.num_kv_heads, c.head_dim, query_len=variant.query_len, itemsize=size,
+            **(launch or {}),
+        ).eval()  # fmt: skip
     c = config
     return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
 
