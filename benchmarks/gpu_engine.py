@@ -283,13 +283,13 @@ def dispatch(cache_dir: str, ceiling: float) -> dict:
                 return rt.decode(q, kc, vc, t, h, device_seq_lens=d)
         else:
             tables = bt[0, :nb].contiguous()
-            dev_lens = torch.tensor([kv, n], dtype=torch.int32, device="cuda")
+            dev_lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (kv, n)]
 
             def call(q=q, t=tables, kv=kv):
                 return rt.prefill(q, kc, vc, t, kv)
 
             def gcall(q=q, t=tables, kv=kv, d=dev_lens):
-                return rt.prefill(q, kc, vc, t, kv, device_lens=d)
+                return rt.prefill(q, kc, vc, t, kv, device_seq_len=d[0], device_query_len=d[1])
 
         row = {"kind": kind, "shape": f"{n}x{kv}" if kind == "decode" else f"{n}@{kv}"}
         row["dispatch"] = time_cuda(call, reps=30)

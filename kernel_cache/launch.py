@@ -134,12 +134,17 @@ def cuda_default_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, block
     return -(-num_blocks // per_split)
 
 
-#: Default tiles of the Triton prefill kernel for head_dim <= 128 (picked on an
-#: H200: docs/benchmarks.md, "GPU (H200)", prefill sweep).
+#: Default tiles of the Triton prefill kernel (picked on an H200 with the tile
+#: sweep of benchmarks/gpu_engine.py, granite-3.3-8b bf16: 128 x 128 tiles, 8
+#: warps, 3 stages took 0.112 ms at 512 query tokens over 4096 KV tokens and
+#: 0.653 ms at 2048 over 8192, the fastest of 12 configurations at 2048 @ 8192
+#: and within 2% of the fastest at 512 @ 4096; docs/benchmarks.md, "GPU (H200)").
 PREFILL_BLOCK_M = 128
-PREFILL_BLOCK_N = 64
+PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
 PREFILL_NUM_STAGES = 3
+#: Shared memory per program on sm_90 (227 KiB of opt-in dynamic shared memory).
+PREFILL_SMEM_BYTES = 227 * 1024
 
 
 def cuda_prefill_defaults(
@@ -149,18 +154,27 @@ def cuda_prefill_defaults(
 
     ``block_m`` score rows per program (query tokens x the GQA group padded to a
     power of two): :data:`PREFILL_BLOCK_M`, but no more rows than the query
-    bucket fills (a 1-token bucket of a 4-head group gets 16); ``block_n`` KV
-    tokens per step, halved above head_dim 128 and again for 4-byte dtypes
-    (``itemsize``, bytes per element; shared memory), which also take 2 stages.
-    Returns ``{"block_m", "block_n", "num_stages", "num_warps"}``.
+    bucket fills (a 1-token bucket of a 4-head group gets 16), with 8 warps from
+    128 rows on, else 4. ``block_n`` (KV tokens per step) and the pipeline stages
+    start at :data:`PREFILL_BLOCK_N` and :data:`PREFILL_NUM_STAGES` and shrink
+    (stages to 2 first, then ``block_n`` by halves, not below 16) until the
+    estimated shared memory, ``(stages * 2 * block_n + block_m) * head_dim_pad *
+    itemsize`` bytes (``itemsize``: bytes per element), fits
+    :data:`PREFILL_SMEM_BYTES`. Returns ``{"block_m", "block_n", "num_stages",
+    "num_warps"}``.
     """
     g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
     q_pad = 1 << max(0, query_len - 1).bit_length()
+    d_pad = max(16, 1 << max(0, head_dim - 1).bit_length())
     block_m = max(16, g_pad, min(PREFILL_BLOCK_M, g_pad * q_pad))
-    block_n = PREFILL_BLOCK_N if head_dim <= 128 else PREFILL_BLOCK_N // 2
-    stages = PREFILL_NUM_STAGES
-    if itemsize > 2:
-        block_n, stages = max(16, block_n // 2), 2
+    block_n, stages = PREFILL_BLOCK_N, PREFILL_NUM_STAGES
+    while (stages * 2 * block_n + block_m) * d_pad * itemsize > PREFILL_SMEM_BYTES:
+        if stages > 2:
+            stages = 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
     warps = PREFILL_NUM_WARPS if block_m >= 128 else 4
     return {"block_m": block_m, "block_n": block_n, "num_stages": stages, "num_warps": warps}
 

@@ -138,6 +138,12 @@ def fetch_entry(tiers: list[Tier], key: str):
     return None
 
 
+#: Pinned staging rows per slot for the lengths a CUDA call copies to the device;
+#: a row is rewritten only after the GPU has run the copy that read it, so the
+#: host may run up to RING / 2 calls of one variant ahead of the GPU before a
+#: call waits.
+RING = 64
+
 #: Block tables up to this many entries are range-checked with Python's max over
 #: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
 #: measured with benchmarks/dispatch.py); larger ones with numpy's.
@@ -160,6 +166,11 @@ class _Slot:
         "lens_arr",
         "zeros",
         "lens_views",
+        "ring",
+        "ring_np",
+        "ring_rows",
+        "ring_i",
+        "ring_events",
         "bt_rows",
         "rows",
         "bt_max",
@@ -182,8 +193,22 @@ class _Slot:
         self.lens_arr = array("i", bytes(4 * n))
         self.zeros = array("i", bytes(4 * n))
         self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
-        self.lens = self.lens_host if dev.type == "cpu" else self.lens_host.to(dev)
-        self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        self.ring = self.ring_np = self.ring_rows = self.ring_events = None
+        self.ring_i = 0
+        if dev.type == "cpu":
+            self.lens = self.lens_host
+            self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        else:
+            # Prefill's two lengths 16 bytes apart: AOTInductor compiled each [1]
+            # input as 16-byte aligned and copies an unaligned one on every call.
+            width = 8 if n == 2 else n
+            self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
+            self.lens_views = (self.lens[0:1], self.lens[4:5]) if n == 2 else (self.lens,)
+            # Pinned staging rows, used in turn (see AttentionRuntime._upload_lens).
+            self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
+            self.ring_np = self.ring.numpy()
+            self.ring_rows = list(self.ring)
+            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
         self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
         # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
         # no copy): one max() finds an id >= the pool and a negative one (which
@@ -323,6 +348,10 @@ class AttentionRuntime:
         its values are never read here)."""
         if self._device.type != "cuda":
             raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
+        if t is None:
+            raise ShapeError(
+                f"{name} is missing: give device_seq_len and device_query_len together"
+            )
         if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
             raise ShapeError(
                 f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
@@ -330,23 +359,39 @@ class AttentionRuntime:
             )
 
     @staticmethod
-    def _upload_lens(slot: _Slot, name: str) -> None:
-        """Copy the slot's host lengths to its device buffer without waiting.
+    def _staging_row(slot: _Slot, name: str):
+        """The next pinned staging row of ``slot`` (a numpy int32 view) to write
+        host lengths into; :meth:`_upload_lens` then copies it to the device.
 
-        The source is ordinary (pageable) host memory: the driver stages it at
-        the call, so the next call may rewrite it at once. Such a copy cannot be
-        captured in a CUDA graph, and a captured copy would replay stale
-        lengths anyway: under capture the lengths must come from the device.
+        The ring's two halves each have an event, recorded after the copy out
+        of the half's last row; entering a half waits for that event of the
+        previous lap, which has long completed unless the host is RING / 2 calls
+        of this variant ahead of the GPU (then it waits, bounding the queue).
+        Under CUDA-graph capture the copy would replay the lengths of the
+        capture, so the lengths must come from the device instead.
 
         Raises: ShapeError under CUDA-graph capture (names ``name``).
         """
         if torch.cuda.is_current_stream_capturing():
             raise ShapeError(
-                f"capturing a CUDA graph: pass the lengths as a device tensor ({name}=...) "
-                "that the engine rewrites before each replay; host lengths are baked "
-                "into a graph (README, 'CUDA graphs')"
+                f"capturing a CUDA graph: pass the lengths as device tensors ({name}=...) "
+                "that the engine rewrites before each replay; host lengths would be baked "
+                "into the graph (README, 'CUDA graphs')"
             )
-        slot.lens.copy_(slot.lens_host, non_blocking=True)
+        i = slot.ring_i
+        if i % (RING // 2) == 0:
+            slot.ring_events[i // (RING // 2)].synchronize()
+        return slot.ring_np[i]
+
+    @staticmethod
+    def _upload_lens(slot: _Slot) -> None:
+        """Copy the row :meth:`_staging_row` returned to the slot's device lengths
+        (pinned source: the copy is enqueued and the call returns)."""
+        i = slot.ring_i
+        slot.lens.copy_(slot.ring_rows[i], non_blocking=True)
+        if i % (RING // 2) == RING // 2 - 1:
+            slot.ring_events[i // (RING // 2)].record()
+        slot.ring_i = (i + 1) % RING
 
     def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
         key = (kernel, query_len, num_blocks, num_seqs)
@@ -367,7 +412,15 @@ class AttentionRuntime:
 
     # -- dispatch ----------------------------------------------------------
     def prefill(
-        self, query, key_cache, value_cache, block_table, seq_len: int, *, device_lens=None
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len: int,
+        *,
+        device_seq_len=None,
+        device_query_len=None,
     ):
         """Attention for one sequence's chunk of ``query_len`` new tokens.
 
@@ -376,10 +429,13 @@ class AttentionRuntime:
             key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
             block_table: 1-D int32 tensor, at least ``ceil(seq_len / block_size)`` blocks.
             seq_len: host int, KV tokens of the sequence including this chunk (tokens).
-            device_lens: CUDA only, optional: ``[2]`` int32 on the device holding
-                ``(seq_len, real query_len)``, which the kernel then reads instead
-                of a copy of the host values (``seq_len`` still picks the bucket and
-                is checked; ``device_lens`` is never read on the host). For CUDA
+            device_seq_len, device_query_len: CUDA only, optional, both or
+                neither: ``[1]`` int32 tensors on the device (each its own
+                allocation: an input not 16-byte aligned is copied by the
+                artifact) holding the KV length and the real query length, which
+                the kernel then reads instead of a copy of the host values
+                (``seq_len`` and ``query.shape[0]`` still pick the buckets and are
+                checked; the device tensors are never read on the host). For CUDA
                 graphs: see the README, "CUDA graphs".
 
         Returns: ``[query_len, num_heads, head_dim]``.
@@ -387,8 +443,8 @@ class AttentionRuntime:
         Raises:
             ShapeError: a shape, dtype or device mismatch, non-contiguous KV
                 caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
-                beyond the plan's limits (names the limit), a bad ``device_lens``,
-                a CUDA-graph capture without ``device_lens``, or (CPU only) a block
+                beyond the plan's limits (names the limit), bad device lengths, a
+                CUDA-graph capture without device lengths, or (CPU only) a block
                 id outside the pool.
         """
         self._check(query, key_cache, value_cache)
@@ -419,21 +475,28 @@ class AttentionRuntime:
             qin = slot.qbuf
             qin[:q].copy_(query)
         btbuf = slot.btbuf
-        if width == nb:
+        if width == nb and slot.ring is not None and block_table.is_contiguous():
+            btbuf = block_table  # CUDA: the engine's table as it is (ids not checked)
+        elif width == nb:
             btbuf.copy_(block_table)
         elif width > nb:
             btbuf.copy_(block_table[:nb])
         else:
             btbuf[:width].copy_(block_table)
             btbuf[width:].zero_()
-        if device_lens is not None:
-            self._check_device_lens("device_lens", device_lens, 2)
-            lq, lq2 = device_lens[0:1], device_lens[1:2]
+        if device_seq_len is not None or device_query_len is not None:
+            self._check_device_lens("device_seq_len", device_seq_len, 1)
+            self._check_device_lens("device_query_len", device_query_len, 1)
+            lq, lq2 = device_seq_len, device_query_len
         else:
-            slot.lens_arr[0] = seq_len
-            slot.lens_arr[1] = q
-            if slot.lens is not slot.lens_host:
-                self._upload_lens(slot, "device_lens")
+            if slot.ring is None:  # CPU: the kernel reads the host buffer itself
+                slot.lens_arr[0] = seq_len
+                slot.lens_arr[1] = q
+            else:
+                row = self._staging_row(slot, "device_seq_len, device_query_len")
+                row[0] = seq_len
+                row[4] = q
+                self._upload_lens(slot)
             lq, lq2 = slot.lens_views
         if self.check_block_ids:
             self._check_block_ids("block_table", slot, key_cache)
@@ -531,18 +594,21 @@ class AttentionRuntime:
             rows[0].copy_(query)
         btbuf = slot.btbuf
         width = shape[1]
-        src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
-        if s == sb and src is not None:
-            btbuf.copy_(src)
-        elif src is not None:
-            rows = slot.rows.get(s) or slot.row_views(s)
-            rows[1].copy_(src)
+        if s == sb and width == nb and slot.ring is not None and block_tables.is_contiguous():
+            btbuf = block_tables  # CUDA: the engine's tables as they are (ids not checked)
         else:
-            btbuf[:s, :width].copy_(block_tables)
-            btbuf[:s, width:].zero_()
-        if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
-            btbuf[s : slot.bt_rows].zero_()
-        slot.bt_rows = s
+            src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
+            if s == sb and src is not None:
+                btbuf.copy_(src)
+            elif src is not None:
+                rows = slot.rows.get(s) or slot.row_views(s)
+                rows[1].copy_(src)
+            else:
+                btbuf[:s, :width].copy_(block_tables)
+                btbuf[:s, width:].zero_()
+            if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
+                btbuf[s : slot.bt_rows].zero_()
+            slot.bt_rows = s
         if self.check_block_ids:
             self._check_block_ids("block_tables", slot, key_cache)
         if device_seq_lens is not None:
@@ -553,15 +619,20 @@ class AttentionRuntime:
                 lens = slot.lens
                 lens[:s].copy_(device_seq_lens)
                 lens[s:].zero_()
-        else:
+        elif slot.ring is None:  # CPU: the kernel reads the host buffer itself
             if isinstance(seq_lens, torch.Tensor):
                 slot.lens_host[:s].copy_(seq_lens)
             else:
                 slot.lens_arr[:s] = lens_arr
             if s < sb:
                 slot.lens_arr[s:] = slot.zeros[: sb - s]
-            if slot.lens is not slot.lens_host:
-                self._upload_lens(slot, "device_seq_lens")
+            lens = slot.lens
+        else:
+            row = self._staging_row(slot, "device_seq_lens")
+            row[:s] = seq_lens.numpy() if isinstance(seq_lens, torch.Tensor) else lens_arr
+            if s < sb:
+                row[s:] = 0
+            self._upload_lens(slot)
             lens = slot.lens
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
         return out[:s] if s != sb else out

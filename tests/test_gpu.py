@@ -469,15 +469,16 @@ def _prefill_case(rt, pool, qb, nb, seed):
     kc, vc, bt = pool
     q = _q(qb, seed)
     table = bt[seed % 32, :nb].contiguous()
-    lens = torch.tensor([nb * BS, qb], dtype=torch.int32, device="cuda")
+    lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (nb * BS, qb)]
+    kw = {"device_seq_len": lens[0], "device_query_len": lens[1]}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        rt.prefill(q, kc, vc, table, nb * BS, device_lens=lens)
+        rt.prefill(q, kc, vc, table, nb * BS, **kw)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = rt.prefill(q, kc, vc, table, nb * BS, device_lens=lens)
+        out = rt.prefill(q, kc, vc, table, nb * BS, **kw)
     return g, out, q, table, lens
 
 
@@ -507,7 +508,8 @@ def test_gpu_cuda_graphs_of_decode_and_prefill_replay_new_inputs(granite_rt, gra
             for (qb, nb), (_, _, q, table, lens) in pre.items():
                 q.copy_(_q(qb, 200 + qb))
                 table.copy_(bt[5, :nb])
-                lens.copy_(torch.tensor([nb * BS - 37, qb // 2], dtype=torch.int32))
+                lens[0].fill_(nb * BS - 37)
+                lens[1].fill_(qb // 2)
         for g, *_ in (*dec.values(), *pre.values()):
             g.replay()
         torch.cuda.synchronize()
@@ -515,7 +517,7 @@ def test_gpu_cuda_graphs_of_decode_and_prefill_replay_new_inputs(granite_rt, gra
             ref = reference_decode(q, kc, vc, tables, lens.tolist())
             assert rel_err(out, ref) < REL_TOL[torch.bfloat16], (step, s, nb)
         for (qb, nb), (_, out, q, table, lens) in pre.items():
-            seq_len, real = lens.tolist()
+            seq_len, real = (int(x) for x in lens)
             ref = reference_attention(q[:real], kc, vc, table, seq_len)
             assert rel_err(out[:real], ref) < REL_TOL[torch.bfloat16], (step, qb, nb)
             assert real == qb or out[real:].abs().max() == 0
