@@ -29,7 +29,14 @@ On CUDA ``batched_decode`` is the Triton kernel of
 :mod:`kernel_cache.triton_decode`, which streams ``BLOCK_N`` tokens per step and
 takes only ``num_kv_splits``: an entry for a CUDA variant must leave
 ``blocks_per_chunk`` out (or give the blocks of one split), else it is refused
-at resolution rather than keyed without changing the code.
+at resolution rather than keyed without changing the code. On CUDA
+``paged_attention`` is the Triton prefill kernel of
+:mod:`kernel_cache.triton_prefill`, which takes its tiles (``block_m``,
+``block_n``, ``num_warps``, ``num_stages``; defaults
+:func:`cuda_prefill_defaults`, per query bucket); an entry may set some of them
+and the rest take their defaults. The lookup key has no query length: an entry
+applies to every query bucket of its KV bucket. On the CPU ``paged_attention``
+takes none, and an entry that sets one is refused at resolution.
 
 The resolved config, defaults written out, is the ``launch_config`` component of
 every variant's cache key (:func:`kernel_cache.keys.build_key`): changing one
@@ -56,7 +63,9 @@ architecture wins over it.
 
 **Validation** (:class:`~kernel_cache.errors.ConfigError` naming the source,
 the entry and the rule): an unknown kernel, top-level field, entry field or
-config field; a value that is not an integer; ``num_kv_splits`` outside
+config field; a value that is not an integer; a prefill tile that is not a
+power of two in ``[16, 256]`` (``block_m``, ``block_n``), ``num_warps`` not a
+power of two in ``[1, 16]``, ``num_stages`` outside ``[1, 8]``; ``num_kv_splits`` outside
 ``[1, num_blocks]``; ``blocks_per_chunk`` that does not divide the blocks of one
 split (``ceil(num_blocks / num_kv_splits)``); two entries for one key; a bundled
 table whose ``device_arch`` is not its file's.
@@ -138,7 +147,7 @@ def cuda_default_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, block
 #: sweep of benchmarks/gpu_engine.py, granite-3.3-8b bf16: 128 x 128 tiles, 8
 #: warps, 3 stages took 0.112 ms at 512 query tokens over 4096 KV tokens and
 #: 0.653 ms at 2048 over 8192, the fastest of 12 configurations at 2048 @ 8192
-#: and within 2% of the fastest at 512 @ 4096; docs/benchmarks.md, "GPU (H200)").
+#: and 2-4% behind the fastest at 512 @ 4096; docs/benchmarks.md, "Prefill kernel").
 PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
