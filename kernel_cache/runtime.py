@@ -9,7 +9,11 @@ picks buckets from host-side lengths (Python ints, lists, CPU tensors) with a
 bisect, checks the inputs against the variant's static shapes (a static
 AOTInductor kernel would run a wrong-shaped input silently), pads into
 per-variant buffers that are reused across calls, runs the loaded kernel and
-slices the output. It never reads a GPU scalar and never compiles.
+slices the output. It never reads a GPU scalar and never compiles. On CUDA a
+call only enqueues its work (single-threaded AOTInductor runners, lengths copied
+from pinned staging rows) and can be captured in a CUDA graph when the lengths
+are passed as device tensors (``device_seq_lens``; ``device_seq_len`` and
+``device_query_len``): README, "The hot path on CUDA, and CUDA graphs".
 """
 
 from __future__ import annotations
@@ -475,7 +479,8 @@ class AttentionRuntime:
             qin = slot.qbuf
             qin[:q].copy_(query)
         btbuf = slot.btbuf
-        if width == nb and slot.ring is not None and block_table.is_contiguous():
+        cuda_table = slot.ring is not None and block_table.is_cuda
+        if width == nb and cuda_table and block_table.is_contiguous():
             btbuf = block_table  # CUDA: the engine's table as it is (ids not checked)
         elif width == nb:
             btbuf.copy_(block_table)
@@ -594,7 +599,8 @@ class AttentionRuntime:
             rows[0].copy_(query)
         btbuf = slot.btbuf
         width = shape[1]
-        if s == sb and width == nb and slot.ring is not None and block_tables.is_contiguous():
+        cuda_table = slot.ring is not None and block_tables.is_cuda
+        if s == sb and width == nb and cuda_table and block_tables.is_contiguous():
             btbuf = block_tables  # CUDA: the engine's tables as they are (ids not checked)
         else:
             src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
