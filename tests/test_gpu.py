@@ -1,8 +1,11 @@
 """The CPU path's guarantees on a CUDA GPU (marker ``gpu``; skipped without CUDA).
 
 Run on a GPU machine with ``python -m pytest -q -m gpu tests/test_gpu.py``. Plans
-are tiny (an AOTInductor CUDA build takes about 70 s for the first variant of a
-process and 8-9 s for each further one on an H200). Set ``CXX`` to a C++
+are tiny, except one 8-variant granite-3.3-8b plan for prefill, host-time and
+CUDA-graph tests, warmed into ``KERNEL_CACHE_TEST_GPU_CACHE`` when that is set
+(``benchmarks/gpu_run.sh`` shares it with ``gpu_engine.py``); an AOTInductor CUDA
+build takes about 70 s for the first variant of a process and 8-13 s for each
+further one on an H200. Set ``CXX`` to a C++
 compiler whose libstdc++ matches the runtime's (see the README); set
 ``KERNEL_CACHE_TEST_OTHER_CXX`` to another compiler to also check that warmup
 never publishes an artifact that crashes on load.
