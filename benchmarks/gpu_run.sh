@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
+#   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (README, "C++ toolchain"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX.
@@ -13,6 +14,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kc-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The checkout itself, so that every child process (tests' subprocesses, the replay
+# example) imports this kernel_cache without an install.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
+# A granite-3.3-8b plan warmed once and shared by gpu_engine.py and the suite's tests.
+export CACHE=${CACHE:-/tmp/kc-gpu-engine}
+export KERNEL_CACHE_TEST_GPU_CACHE=$CACHE
 IMAGE_CXX=${CXX:-}
 export CXX=/usr/bin/g++
 OTHER_CXX=${IMAGE_CXX:-/opt/gcc/bin/g++}
@@ -65,7 +74,7 @@ CPP
 }
 
 suite() {
-  KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout "${SUITE_TIMEOUT:-450}" \
+  KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout "${SUITE_TIMEOUT:-570}" \
     python3 -m pytest -v -rs -m gpu tests/test_gpu.py --durations=15 -p no:cacheprovider
 }
 
@@ -81,6 +90,11 @@ case "${1:-probe}" in
     timeout 290 python3 benchmarks/gpu_restart.py --out "$OUT" 2>&1 | tee "$OUT/restart.log"
     timeout 110 python3 benchmarks/gpu_kernel.py --inductor --out "$OUT" 2>&1 | tee "$OUT/kernel.log"
     timeout 160 python3 benchmarks/gpu_decode_buckets.py --out "$OUT" 2>&1 | tee "$OUT/buckets.log"
+    ;;
+  engine)
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/gpu_engine.py --sweep --out "$OUT" 2>&1 \
+      | tee "$OUT/engine.log"
     ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
@@ -102,7 +116,7 @@ case "${1:-probe}" in
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|tune" >&2
+    echo "usage: $0 probe|bench|suite|tune|engine" >&2
     exit 2
     ;;
 esac

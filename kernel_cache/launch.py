@@ -29,7 +29,14 @@ On CUDA ``batched_decode`` is the Triton kernel of
 :mod:`kernel_cache.triton_decode`, which streams ``BLOCK_N`` tokens per step and
 takes only ``num_kv_splits``: an entry for a CUDA variant must leave
 ``blocks_per_chunk`` out (or give the blocks of one split), else it is refused
-at resolution rather than keyed without changing the code.
+at resolution rather than keyed without changing the code. On CUDA
+``paged_attention`` is the Triton prefill kernel of
+:mod:`kernel_cache.triton_prefill`, which takes its tiles (``block_m``,
+``block_n``, ``num_warps``, ``num_stages``; defaults
+:func:`cuda_prefill_defaults`, per query bucket); an entry may set some of them
+and the rest take their defaults. The lookup key has no query length: an entry
+applies to every query bucket of its KV bucket. On the CPU ``paged_attention``
+takes none, and an entry that sets one is refused at resolution.
 
 The resolved config, defaults written out, is the ``launch_config`` component of
 every variant's cache key (:func:`kernel_cache.keys.build_key`): changing one
@@ -56,7 +63,9 @@ architecture wins over it.
 
 **Validation** (:class:`~kernel_cache.errors.ConfigError` naming the source,
 the entry and the rule): an unknown kernel, top-level field, entry field or
-config field; a value that is not an integer; ``num_kv_splits`` outside
+config field; a value that is not an integer; a prefill tile that is not a
+power of two in ``[16, 256]`` (``block_m``, ``block_n``), ``num_warps`` not a
+power of two in ``[1, 16]``, ``num_stages`` outside ``[1, 8]``; ``num_kv_splits`` outside
 ``[1, num_blocks]``; ``blocks_per_chunk`` that does not divide the blocks of one
 split (``ceil(num_blocks / num_kv_splits)``); two entries for one key; a bundled
 table whose ``device_arch`` is not its file's.
@@ -85,8 +94,17 @@ BUNDLED_DIR = Path(__file__).parent / "launch_tables"
 
 #: Launch parameters each kernel takes (keyword arguments of its module).
 FIELDS: dict[str, tuple[str, ...]] = {
-    PAGED_ATTENTION: (),
+    PAGED_ATTENTION: ("block_m", "block_n", "num_stages", "num_warps"),
     BATCHED_DECODE: ("blocks_per_chunk", "num_kv_splits"),
+}
+
+#: ``paged_attention`` takes launch parameters on CUDA only (the Triton kernel of
+#: :mod:`kernel_cache.triton_prefill`); the CPU kernel takes none.
+PREFILL_RANGES = {
+    "block_m": (16, 256),
+    "block_n": (16, 256),
+    "num_warps": (1, 16),
+    "num_stages": (1, 8),
 }
 
 #: The lookup key of an entry, besides the device architecture.
@@ -125,6 +143,51 @@ def cuda_default_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, block
     return -(-num_blocks // per_split)
 
 
+#: Default tiles of the Triton prefill kernel (picked on an H200 with the tile
+#: sweep of benchmarks/gpu_engine.py, granite-3.3-8b bf16: 128 x 128 tiles, 8
+#: warps, 3 stages took 0.112 ms at 512 query tokens over 4096 KV tokens and
+#: 0.653 ms at 2048 over 8192, the fastest of 12 configurations at 2048 @ 8192
+#: and 2-4% behind the fastest at 512 @ 4096; docs/benchmarks.md, "Prefill kernel").
+PREFILL_BLOCK_M = 128
+PREFILL_BLOCK_N = 128
+PREFILL_NUM_WARPS = 8
+PREFILL_NUM_STAGES = 3
+#: Shared memory per program on sm_90 (227 KiB of opt-in dynamic shared memory).
+PREFILL_SMEM_BYTES = 227 * 1024
+
+
+def cuda_prefill_defaults(
+    query_len: int, num_queries_per_kv: int, head_dim: int, itemsize: int = 2
+) -> dict[str, int]:
+    """The Triton prefill kernel's default launch config for a variant.
+
+    ``block_m`` score rows per program (query tokens x the GQA group padded to a
+    power of two): :data:`PREFILL_BLOCK_M`, but no more rows than the query
+    bucket fills (a 1-token bucket of a 4-head group gets 16), with 8 warps from
+    128 rows on, else 4. ``block_n`` (KV tokens per step) and the pipeline stages
+    start at :data:`PREFILL_BLOCK_N` and :data:`PREFILL_NUM_STAGES` and shrink
+    (stages to 2 first, then ``block_n`` by halves, not below 16) until the
+    estimated shared memory, ``(stages * 2 * block_n + block_m) * head_dim_pad *
+    itemsize`` bytes (``itemsize``: bytes per element), fits
+    :data:`PREFILL_SMEM_BYTES`. Returns ``{"block_m", "block_n", "num_stages",
+    "num_warps"}``.
+    """
+    g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
+    q_pad = 1 << max(0, query_len - 1).bit_length()
+    d_pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+    block_m = max(16, g_pad, min(PREFILL_BLOCK_M, g_pad * q_pad))
+    block_n, stages = PREFILL_BLOCK_N, PREFILL_NUM_STAGES
+    while (stages * 2 * block_n + block_m) * d_pad * itemsize > PREFILL_SMEM_BYTES:
+        if stages > 2:
+            stages = 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
+    warps = PREFILL_NUM_WARPS if block_m >= 128 else 4
+    return {"block_m": block_m, "block_n": block_n, "num_stages": stages, "num_warps": warps}
+
+
 def arch_family(device_arch: str) -> str:
     """The device-architecture axis of the lookup key.
 
@@ -149,6 +212,10 @@ def default_launch(
     num_seqs: int = 1,
     num_kv_heads: int = 1,
     block_size: int = 1,
+    query_len: int = 1,
+    num_queries_per_kv: int = 1,
+    head_dim: int = 128,
+    itemsize: int = 2,
 ) -> dict[str, int]:
     """The built-in defaults: today's kernels exactly.
 
@@ -156,13 +223,17 @@ def default_launch(
     "num_kv_splits": 1}`` (one split, one chunk: the single-pass softmax); on
     CUDA: :func:`cuda_default_splits` splits (``num_seqs``, ``num_kv_heads``,
     ``block_size`` in tokens are used for it), ``blocks_per_chunk`` the blocks of
-    one split. ``paged_attention``: ``{}``.
+    one split. ``paged_attention``: ``{}`` on the CPU; on CUDA the tiles of
+    :func:`cuda_prefill_defaults` (``query_len``, ``num_queries_per_kv``,
+    ``head_dim`` and ``itemsize``, the dtype's bytes, are used for it).
     """
     values = {}
     if device == "cuda" and kernel == BATCHED_DECODE:
         values["num_kv_splits"] = cuda_default_splits(
             num_seqs, num_kv_heads, num_blocks, block_size
         )
+    if device == "cuda" and kernel == PAGED_ATTENTION:
+        values = cuda_prefill_defaults(query_len, num_queries_per_kv, head_dim, itemsize)
     return check_launch(kernel, num_blocks, values, "defaults")
 
 
@@ -176,6 +247,10 @@ def variant_defaults(config: EngineConfig, variant: KernelVariant) -> dict[str, 
         num_seqs=variant.num_seqs,
         num_kv_heads=config.num_kv_heads,
         block_size=config.block_size,
+        query_len=variant.query_len,
+        num_queries_per_kv=config.num_queries_per_kv,
+        head_dim=config.head_dim,
+        itemsize=4 if config.dtype == "float32" else 2,
     )
 
 
@@ -211,7 +286,13 @@ def check_launch(kernel: str, num_blocks: int, values: Mapping, where: str) -> d
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{where}: {name}={value!r} must be an integer")
     if kernel == PAGED_ATTENTION:
-        return {}
+        for name, value in values.items():
+            lo, hi = PREFILL_RANGES[name]
+            pow2 = name.startswith("block_") or name == "num_warps"
+            if not lo <= value <= hi or (pow2 and value & (value - 1)):
+                kind = "a power of two" if pow2 else "an integer"
+                raise ConfigError(f"{where}: {name}={value} must be {kind} in [{lo}, {hi}]")
+        return dict(sorted(values.items()))
     splits = values.get("num_kv_splits", 1)
     if not 1 <= splits <= num_blocks:
         raise ConfigError(
@@ -474,6 +555,18 @@ class Resolver:
                 found = Resolved(hit, BUNDLED)
         if found is None:
             return Resolved(variant_defaults(config, variant), DEFAULT)
+        if variant.kernel == PAGED_ATTENTION:
+            if config.device != "cuda" and found.config:
+                where = self.override.origin if found.source == OVERRIDE else "bundled table"
+                raise ConfigError(
+                    f"{where}: entry for {variant} sets {sorted(found.config)}, but on the "
+                    "CPU paged_attention is the plain-PyTorch kernel, which takes no launch "
+                    "parameters"
+                )
+            if config.device == "cuda":  # fields the entry leaves out take their defaults
+                merged = {**variant_defaults(config, variant), **found.config}
+                check_prefill_tiles(config, variant, merged, found.source)
+                return Resolved(dict(sorted(merged.items())), found.source)
         if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
             per_split = -(-variant.num_blocks // found.config["num_kv_splits"])
             if found.config["blocks_per_chunk"] != per_split:
@@ -502,6 +595,19 @@ class Resolver:
             n(b, BUNDLED) if b is not None else f"no bundled table for {arch_family(device_arch)}"
         )
         return "; ".join(parts)
+
+
+def check_prefill_tiles(config: EngineConfig, variant: KernelVariant, cfg: Mapping, where) -> None:
+    """A CUDA ``paged_attention`` config must give ``block_m`` at least the GQA
+    group padded to a power of two (one query token per program).
+
+    Raises: ConfigError naming the variant."""
+    g_pad = 1 << max(0, config.num_queries_per_kv - 1).bit_length()
+    if cfg["block_m"] < g_pad:
+        raise ConfigError(
+            f"{where}: entry for {variant} sets block_m={cfg['block_m']}, below the GQA group "
+            f"of {config.num_queries_per_kv} query heads per KV head (padded to {g_pad})"
+        )
 
 
 def resolve_plan(
@@ -542,6 +648,9 @@ def format_plan(resolved: Mapping[KernelVariant, Resolved], sources: str = "") -
         w = max(len(str(v)) for v, _ in rows)
         lines.append(f"  {'variant':<{w}}  source   blocks_per_chunk  num_kv_splits")
         for v, r in rows:
+            if v.kernel == PAGED_ATTENTION:  # the CUDA prefill tiles
+                lines.append(f"  {str(v):<{w}}  {r.source:<7}  {launch_json(r.config)}")
+                continue
             bpc = r.config.get("blocks_per_chunk", "-")
             spl = r.config.get("num_kv_splits", "-")
             lines.append(f"  {str(v):<{w}}  {r.source:<7}  {bpc!s:<16}  {spl}")
@@ -549,7 +658,7 @@ def format_plan(resolved: Mapping[KernelVariant, Resolved], sources: str = "") -
     lines.append(
         f"  {n_def} variant(s) at defaults (batched_decode: blocks_per_chunk=num_blocks, "
         "num_kv_splits=1, one pass on the CPU, the split heuristic on CUDA; "
-        "paged_attention: no launch parameters)"
+        "paged_attention: no launch parameters on the CPU, the default tiles on CUDA)"
     )
     return "\n".join(lines)
 

@@ -9,7 +9,11 @@ picks buckets from host-side lengths (Python ints, lists, CPU tensors) with a
 bisect, checks the inputs against the variant's static shapes (a static
 AOTInductor kernel would run a wrong-shaped input silently), pads into
 per-variant buffers that are reused across calls, runs the loaded kernel and
-slices the output. It never reads a GPU scalar and never compiles.
+slices the output. It never reads a GPU scalar and never compiles. On CUDA a
+call only enqueues its work (single-threaded AOTInductor runners, lengths copied
+from pinned staging rows) and can be captured in a CUDA graph when the lengths
+are passed as device tensors (``device_seq_lens``; ``device_seq_len`` and
+``device_query_len``): README, "The hot path on CUDA, and CUDA graphs".
 """
 
 from __future__ import annotations
@@ -86,6 +90,16 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
     which is pointed there for the call), so nothing is left behind at exit.
 
+    On CUDA the runner is created in AOTInductor's single-threaded mode
+    (``AOTIModelPackageLoader(path, model_name, run_single_threaded=True,
+    num_runners=1, device_index)``): a call only enqueues its kernels on the
+    current stream and returns, and it can be captured in a CUDA graph. The
+    thread-safe mode waits, in every call, for the previous call's kernels to
+    finish on the GPU (host time per call = GPU time; measured on an H200: 374
+    us of host time per decode call against 34 us) and cannot be captured.
+    Single-threaded runners must not be called from two threads at once, which
+    :class:`AttentionRuntime` already requires.
+
     Raises:
         CorruptEntryError: the loader rejected the package.
     """
@@ -98,7 +112,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         device_index = torch.cuda.current_device() if device == "cuda" else -1
         os.environ["TMPDIR"] = where_to
         try:
-            return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, device_index)
+            single_threaded = device == "cuda"
+            return torch._C._aoti.AOTIModelPackageLoader(
+                path, "model", single_threaded, 1, device_index
+            )
         except Exception as e:  # the loader raises RuntimeError for bad zips
             raise CorruptEntryError(
                 key, f"the AOTInductor loader rejected it: {e}", where
@@ -125,6 +142,12 @@ def fetch_entry(tiers: list[Tier], key: str):
     return None
 
 
+#: Pinned staging rows per slot for the lengths a CUDA call copies to the device;
+#: a row is rewritten only after the GPU has run the copy that read it, so the
+#: host may run up to RING / 2 calls of one variant ahead of the GPU before a
+#: call waits.
+RING = 64
+
 #: Block tables up to this many entries are range-checked with Python's max over
 #: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
 #: measured with benchmarks/dispatch.py); larger ones with numpy's.
@@ -147,6 +170,11 @@ class _Slot:
         "lens_arr",
         "zeros",
         "lens_views",
+        "ring",
+        "ring_np",
+        "ring_rows",
+        "ring_i",
+        "ring_events",
         "bt_rows",
         "rows",
         "bt_max",
@@ -169,8 +197,22 @@ class _Slot:
         self.lens_arr = array("i", bytes(4 * n))
         self.zeros = array("i", bytes(4 * n))
         self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
-        self.lens = self.lens_host if dev.type == "cpu" else self.lens_host.to(dev)
-        self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        self.ring = self.ring_np = self.ring_rows = self.ring_events = None
+        self.ring_i = 0
+        if dev.type == "cpu":
+            self.lens = self.lens_host
+            self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        else:
+            # Prefill's two lengths 16 bytes apart: AOTInductor compiled each [1]
+            # input as 16-byte aligned and copies an unaligned one on every call.
+            width = 8 if n == 2 else n
+            self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
+            self.lens_views = (self.lens[0:1], self.lens[4:5]) if n == 2 else (self.lens,)
+            # Pinned staging rows, used in turn (see AttentionRuntime._upload_lens).
+            self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
+            self.ring_np = self.ring.numpy()
+            self.ring_rows = list(self.ring)
+            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
         self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
         # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
         # no copy): one max() finds an id >= the pool and a negative one (which
@@ -305,6 +347,56 @@ class AttentionRuntime:
                 "bucket's num_blocks columns must be a block of the pool (pad with 0)"
             )
 
+    def _check_device_lens(self, name: str, t, n: int) -> None:
+        """``t`` must be ``[n]`` int32 on the plan's CUDA device (metadata only:
+        its values are never read here)."""
+        if self._device.type != "cuda":
+            raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
+        if t is None:
+            raise ShapeError(
+                f"{name} is missing: give device_seq_len and device_query_len together"
+            )
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
+            raise ShapeError(
+                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
+                "torch.int32 on the plan's CUDA device"
+            )
+
+    @staticmethod
+    def _staging_row(slot: _Slot, name: str):
+        """The next pinned staging row of ``slot`` (a numpy int32 view) to write
+        host lengths into; :meth:`_upload_lens` then copies it to the device.
+
+        The ring's two halves each have an event, recorded after the copy out
+        of the half's last row; entering a half waits for that event of the
+        previous lap, which has long completed unless the host is RING / 2 calls
+        of this variant ahead of the GPU (then it waits, bounding the queue).
+        Under CUDA-graph capture the copy would replay the lengths of the
+        capture, so the lengths must come from the device instead.
+
+        Raises: ShapeError under CUDA-graph capture (names ``name``).
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise ShapeError(
+                f"capturing a CUDA graph: pass the lengths as device tensors ({name}=...) "
+                "that the engine rewrites before each replay; host lengths would be baked "
+                "into the graph (README, 'CUDA graphs')"
+            )
+        i = slot.ring_i
+        if i % (RING // 2) == 0:
+            slot.ring_events[i // (RING // 2)].synchronize()
+        return slot.ring_np[i]
+
+    @staticmethod
+    def _upload_lens(slot: _Slot) -> None:
+        """Copy the row :meth:`_staging_row` returned to the slot's device lengths
+        (pinned source: the copy is enqueued and the call returns)."""
+        i = slot.ring_i
+        slot.lens.copy_(slot.ring_rows[i], non_blocking=True)
+        if i % (RING // 2) == RING // 2 - 1:
+            slot.ring_events[i // (RING // 2)].record()
+        slot.ring_i = (i + 1) % RING
+
     def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
         key = (kernel, query_len, num_blocks, num_seqs)
         slot = self._slots.get(key)
@@ -323,7 +415,17 @@ class AttentionRuntime:
         return slot
 
     # -- dispatch ----------------------------------------------------------
-    def prefill(self, query, key_cache, value_cache, block_table, seq_len: int):
+    def prefill(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len: int,
+        *,
+        device_seq_len=None,
+        device_query_len=None,
+    ):
         """Attention for one sequence's chunk of ``query_len`` new tokens.
 
         Args:
@@ -331,14 +433,23 @@ class AttentionRuntime:
             key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
             block_table: 1-D int32 tensor, at least ``ceil(seq_len / block_size)`` blocks.
             seq_len: host int, KV tokens of the sequence including this chunk (tokens).
+            device_seq_len, device_query_len: CUDA only, optional, both or
+                neither: ``[1]`` int32 tensors on the device (each its own
+                allocation: an input not 16-byte aligned is copied by the
+                artifact) holding the KV length and the real query length, which
+                the kernel then reads instead of a copy of the host values
+                (``seq_len`` and ``query.shape[0]`` still pick the buckets and are
+                checked; the device tensors are never read on the host). For CUDA
+                graphs: see the README, "CUDA graphs".
 
         Returns: ``[query_len, num_heads, head_dim]``.
 
         Raises:
             ShapeError: a shape, dtype or device mismatch, non-contiguous KV
                 caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
-                beyond the plan's limits (names the limit), or (CPU only) a block id
-                outside the pool.
+                beyond the plan's limits (names the limit), bad device lengths, a
+                CUDA-graph capture without device lengths, or (CPU only) a block
+                id outside the pool.
         """
         self._check(query, key_cache, value_cache)
         q = query.shape[0]
@@ -371,24 +482,38 @@ class AttentionRuntime:
             qin = slot.qbuf
             qin[:q].copy_(query)
         btbuf = slot.btbuf
-        if width == nb:
+        cuda_table = slot.ring is not None and block_table.is_cuda
+        if width == nb and cuda_table and block_table.is_contiguous():
+            btbuf = block_table  # CUDA: the engine's table as it is (ids not checked)
+        elif width == nb:
             btbuf.copy_(block_table)
         elif width > nb:
             btbuf.copy_(block_table[:nb])
         else:
             btbuf[:width].copy_(block_table)
             btbuf[width:].zero_()
-        slot.lens_arr[0] = seq_len
-        slot.lens_arr[1] = q
-        if slot.lens is not slot.lens_host:
-            slot.lens.copy_(slot.lens_host, non_blocking=True)
+        if device_seq_len is not None or device_query_len is not None:
+            self._check_device_lens("device_seq_len", device_seq_len, 1)
+            self._check_device_lens("device_query_len", device_query_len, 1)
+            lq, lq2 = device_seq_len, device_query_len
+        else:
+            if slot.ring is None:  # CPU: the kernel reads the host buffer itself
+                slot.lens_arr[0] = seq_len
+                slot.lens_arr[1] = q
+            else:
+                row = self._staging_row(slot, "device_seq_len, device_query_len")
+                row[0] = seq_len
+                row[4] = q
+                self._upload_lens(slot)
+            lq, lq2 = slot.lens_views
         if self.check_block_ids:
             self._check_block_ids("block_table", slot, key_cache)
-        lq, lq2 = slot.lens_views
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         return out[:q] if q != qb else out
 
-    def decode(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, *, device_seq_lens=None
+    ):
         """One decode step for a batch of sequences.
 
         Args:
@@ -397,13 +522,21 @@ class AttentionRuntime:
             block_tables: ``[num_seqs, >= max blocks]`` int32.
             seq_lens: host-side KV lengths in tokens (list of ints or a CPU tensor),
                 the query token included. Never a GPU tensor (reading it would sync).
+            device_seq_lens: CUDA only, optional: ``[num_seqs]`` int32 on the device
+                holding the lengths the kernel reads instead of a copy of
+                ``seq_lens`` (which still picks the bucket and is checked;
+                ``device_seq_lens`` is never read on the host). A 0 in it makes
+                that row's output zeros. For CUDA graphs: see the README,
+                "CUDA graphs".
 
         Returns: ``[num_seqs, num_heads, head_dim]``.
 
         Raises:
             ShapeError: shapes, dtypes, non-contiguous KV caches, a GPU ``seq_lens``,
                 a length below 1 or not an integer, ``num_seqs > max_num_seqs``,
-                ``seq_len > max_model_len``, or (CPU only) a block id outside the pool.
+                ``seq_len > max_model_len``, a bad ``device_seq_lens``, a CUDA-graph
+                capture without ``device_seq_lens``, or (CPU only) a block id
+                outside the pool.
 
         Not thread-safe: a runtime reuses its padding buffers across calls; give
         each thread its own runtime (``load_plan``) or serialize calls.
@@ -459,6 +592,11 @@ class AttentionRuntime:
                 f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
             )
         if not self.bucketer.num_seqs_buckets:
+            if device_seq_lens is not None:
+                raise ShapeError(
+                    "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
+                    "this plan decodes one sequence at a time through prefill"
+                )
             return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
         nb = self.bucketer.blocks_bucket(need)
         sb = self.bucketer.num_seqs_bucket(s)
@@ -471,29 +609,48 @@ class AttentionRuntime:
             rows[0].copy_(query)
         btbuf = slot.btbuf
         width = shape[1]
-        src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
-        if s == sb and src is not None:
-            btbuf.copy_(src)
-        elif src is not None:
-            rows = slot.rows.get(s) or slot.row_views(s)
-            rows[1].copy_(src)
+        cuda_table = slot.ring is not None and block_tables.is_cuda
+        if s == sb and width == nb and cuda_table and block_tables.is_contiguous():
+            btbuf = block_tables  # CUDA: the engine's tables as they are (ids not checked)
         else:
-            btbuf[:s, :width].copy_(block_tables)
-            btbuf[:s, width:].zero_()
-        if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
-            btbuf[s : slot.bt_rows].zero_()
-        slot.bt_rows = s
+            src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
+            if s == sb and src is not None:
+                btbuf.copy_(src)
+            elif src is not None:
+                rows = slot.rows.get(s) or slot.row_views(s)
+                rows[1].copy_(src)
+            else:
+                btbuf[:s, :width].copy_(block_tables)
+                btbuf[:s, width:].zero_()
+            if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
+                btbuf[s : slot.bt_rows].zero_()
+            slot.bt_rows = s
         if self.check_block_ids:
             self._check_block_ids("block_tables", slot, key_cache)
-        if isinstance(seq_lens, torch.Tensor):
-            slot.lens_host[:s].copy_(seq_lens)
+        if device_seq_lens is not None:
+            self._check_device_lens("device_seq_lens", device_seq_lens, s)
+            if s == sb:
+                lens = device_seq_lens
+            else:  # rows past the batch: length 0, nothing read
+                lens = slot.lens
+                lens[:s].copy_(device_seq_lens)
+                lens[s:].zero_()
+        elif slot.ring is None:  # CPU: the kernel reads the host buffer itself
+            if isinstance(seq_lens, torch.Tensor):
+                slot.lens_host[:s].copy_(seq_lens)
+            else:
+                slot.lens_arr[:s] = lens_arr
+            if s < sb:
+                slot.lens_arr[s:] = slot.zeros[: sb - s]
+            lens = slot.lens
         else:
-            slot.lens_arr[:s] = lens_arr
-        if s < sb:
-            slot.lens_arr[s:] = slot.zeros[: sb - s]
-        if slot.lens is not slot.lens_host:
-            slot.lens.copy_(slot.lens_host, non_blocking=True)
-        out = slot.runner.run([qin, key_cache, value_cache, btbuf, slot.lens])[0]
+            row = self._staging_row(slot, "device_seq_lens")
+            row[:s] = seq_lens.numpy() if isinstance(seq_lens, torch.Tensor) else lens_arr
+            if s < sb:
+                row[s:] = 0
+            self._upload_lens(slot)
+            lens = slot.lens
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
         return out[:s] if s != sb else out
 
     def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):

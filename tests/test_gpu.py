@@ -1,8 +1,11 @@
 """The CPU path's guarantees on a CUDA GPU (marker ``gpu``; skipped without CUDA).
 
 Run on a GPU machine with ``python -m pytest -q -m gpu tests/test_gpu.py``. Plans
-are tiny (an AOTInductor CUDA build takes about 70 s for the first variant of a
-process and 8-9 s for each further one on an H200). Set ``CXX`` to a C++
+are tiny, except one 8-variant granite-3.3-8b plan for prefill, host-time and
+CUDA-graph tests, warmed into ``KERNEL_CACHE_TEST_GPU_CACHE`` when that is set
+(``benchmarks/gpu_run.sh`` shares it with ``gpu_engine.py``); an AOTInductor CUDA
+build takes about 70 s for the first variant of a process and 8-13 s for each
+further one on an H200. Set ``CXX`` to a C++
 compiler whose libstdc++ matches the runtime's (see the README); set
 ``KERNEL_CACHE_TEST_OTHER_CXX`` to another compiler to also check that warmup
 never publishes an artifact that crashes on load.
@@ -80,6 +83,67 @@ def test_triton_decode_matches_reference(h, kvh, d, bs, nb, s, dtype):
         assert err < REL_TOL[dtype], (splits, split_plan(s, kvh, nb, bs, splits), err)
         pad = [i for i, n in enumerate(lens) if n == 0]
         assert not pad or out[pad].abs().max() == 0  # padded rows read nothing
+
+
+PREFILL_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, num_blocks, query bucket,
+    #  [(seq_len, real query_len), ...]): bucket edges, one token, partial chunks
+    (32, 8, 128, 16, 64, 512, [(1024, 512), (512, 512), (1, 1), (1024, 1), (700, 300)]),
+    (32, 8, 128, 128, 3, 256, [(384, 256), (257, 1), (129, 129)]),  # large blocks
+    (4, 2, 8, 16, 2, 32, [(32, 32), (17, 5), (16, 16), (1, 1)]),  # the tiny test geometry
+    (8, 1, 64, 7, 40, 100, [(280, 100), (100, 100), (150, 37)]),  # MQA, block_size 7
+    (28, 4, 128, 16, 20, 64, [(320, 64), (70, 3)]),  # qwen2.5-7b: 7 heads per KV head
+]
+
+
+def _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    p = nb + 7
+    kc = torch.randn(p, bs, kvh, d, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(p, bs, kvh, d, generator=g, device="cuda").to(dtype)
+    bt = torch.randperm(p, generator=g, device="cuda")[:nb].to(torch.int32)
+    q = torch.randn(qb, h, d, generator=g, device="cuda").to(dtype)
+    return q, kc, vc, bt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h,kvh,d,bs,nb,qb,cases", PREFILL_CASES)
+def test_triton_prefill_matches_reference(h, kvh, d, bs, nb, qb, cases, dtype):
+    """The Triton prefill kernel against the float32 SDPA reference, with the
+    default tiles and others; bucket-padding rows are zeros."""
+    from kernel_cache.launch import cuda_prefill_defaults
+    from kernel_cache.triton_prefill import TritonPagedAttention
+
+    q, kc, vc, bt = _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed=h + nb)
+    g = h // kvh
+    size = torch.tensor([], dtype=dtype).element_size()
+    tiles = [cuda_prefill_defaults(qb, g, d, size), {"block_m": 64, "block_n": 32, "num_warps": 4}]
+    if dtype != torch.float32:  # float32 tiles of 128 x 128 exceed shared memory
+        tiles.append({"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2})
+    for seq_len, real_q in cases:
+        ref = reference_attention(q[:real_q], kc, vc, bt, seq_len)
+        lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (seq_len, real_q)]
+        for t in tiles:
+            mod = TritonPagedAttention(h, kvh, d, query_len=qb, itemsize=size, **t)
+            out = mod(q, kc, vc, bt, *lens)
+            assert out.dtype == dtype and out.shape == (qb, h, d)
+            err = rel_err(out[:real_q], ref)
+            assert err < REL_TOL[dtype], (seq_len, real_q, t, err)
+            assert real_q == qb or out[real_q:].abs().max() == 0  # padding rows: zeros
+
+
+def test_triton_prefill_at_max_model_len_matches_reference():
+    """granite-3.3-8b's largest prefill variant: a 2048-token chunk ending at
+    max_model_len 8192 (block_size 16, 512 blocks), bf16."""
+    from kernel_cache.triton_prefill import TritonPagedAttention
+
+    q, kc, vc, bt = _prefill_inputs(32, 8, 128, 16, 512, 2048, torch.bfloat16, seed=5)
+    mod = TritonPagedAttention(32, 8, 128, query_len=2048)
+    for seq_len, real_q in [(8192, 2048), (8192, 1), (2048, 2048)]:
+        lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (seq_len, real_q)]
+        out = mod(q, kc, vc, bt, *lens)
+        ref = reference_attention(q[:real_q], kc, vc, bt, seq_len)
+        assert rel_err(out[:real_q], ref) < REL_TOL[torch.bfloat16], (seq_len, real_q)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -213,8 +277,10 @@ def test_gpu_cache_is_never_loaded_on_cpu_or_another_arch(gpu_cache, gpu_config)
     assert len(e.value.missing) == len(Bucketer(gpu_config).variants)
     v = Bucketer(gpu_config).variants[0]
     gpu_key, cpu_key = build_key(gpu_config, v), build_key(cpu_config, v)
-    diff = diff_components(gpu_key.as_dict(), cpu_key.as_dict())
-    assert [d.split(":")[0] for d in diff] == ["device", "device_arch"]
+    diff = {d.split(":")[0] for d in diff_components(gpu_key.as_dict(), cpu_key.as_dict())}
+    # On CUDA paged_attention is the Triton prefill kernel, whose tiles are keyed.
+    assert v.kernel == "paged_attention"
+    assert diff == {"device", "device_arch", "launch_config"}
     other = build_key(gpu_config, v, overrides={"device_arch": "sm_80 cuda 12.4 triton 3.1.0"})
     tier = DiskTier(gpu_cache[0])
     try:
@@ -290,3 +356,193 @@ def test_gpu_warmup_with_other_compiler_never_publishes_a_crashing_artifact(tmp_
     verify = json.loads(run_cli("verify", *args, "--json", env={"CXX": cxx}).stdout)
     assert verify["loaded"] == report["compiled"]  # only what passed the check is there
     assert len(verify["missing"]) == len(report["failed"])
+
+
+# -- granite-3.3-8b through dispatch: prefill, host time, CUDA graphs -----------------
+
+#: 8 variants: prefill chunks of 512 and 2048 tokens and decode batches of 8 and 32
+#: sequences, each at 4096 and 8192 KV tokens (block_size 16).
+GRANITE_PLAN = [
+    "--model", "granite-3.3-8b", "--device", "cuda", "--max-model-len", "8192",
+    "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
+    "--kv-buckets", "4096,8192", "--query-buckets", "512,2048", "--num-seqs-buckets", "8,32",
+]  # fmt: skip
+GRANITE_LIMITS = dict(
+    max_model_len=8192,
+    block_size=16,
+    max_num_seqs=32,
+    max_num_batched_tokens=2048,
+    kv_buckets=(4096, 8192),
+    query_buckets=(512, 2048),
+    num_seqs_buckets=(8, 32),
+)
+BS, H, KVH, D = 16, 32, 8, 128
+
+
+@pytest.fixture(scope="module")
+def granite_rt(tmp_path_factory):
+    """The granite plan warmed (in ``KERNEL_CACHE_TEST_GPU_CACHE`` when set, so a
+    benchmark run can share it; else a fresh directory) and loaded."""
+    cache = os.environ.get("KERNEL_CACHE_TEST_GPU_CACHE") or tmp_path_factory.mktemp("granite")
+    run_cli("warmup", *GRANITE_PLAN, "--cache-dir", cache, "--jobs", "4", check=True)
+    cfg = make_config("granite-3.3-8b", device="cuda", **GRANITE_LIMITS)
+    return load_plan(cfg, cache)
+
+
+@pytest.fixture(scope="module")
+def granite_pool():
+    """A KV pool of 32 x 512 blocks and 32 block tables over a permutation of it."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    p = 32 * 512
+    kc = torch.randn(p, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(p, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(p, generator=g, device="cuda").to(torch.int32).reshape(32, 512)
+    return kc, vc, bt
+
+
+def _q(n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
+def test_gpu_prefill_through_dispatch_matches_reference(granite_rt, granite_pool):
+    """Bucket edges (512 @ 4096, 2048 @ 8192 = max_model_len), one token, and
+    chunks padded inside their bucket, through load_plan's dispatch."""
+    kc, vc, bt = granite_pool
+    for seq_len, q in [(4096, 512), (8192, 2048), (1, 1), (8192, 1), (4097, 513), (600, 100)]:
+        query = _q(q, seq_len + q)
+        out = granite_rt.prefill(query, kc, vc, bt[3], seq_len)
+        assert out.shape == (q, H, D)
+        ref = reference_attention(query, kc, vc, bt[3], seq_len)
+        assert rel_err(out, ref) < REL_TOL[torch.bfloat16], (seq_len, q)
+    assert granite_rt.stats()["compiles"] == 0
+
+
+def _host_and_gpu_ms(call, n=40):
+    """(host ms per call while enqueuing n calls back to back, GPU ms per call)."""
+    import time
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    a.record()
+    for _ in range(n):
+        call()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    b.record()
+    b.synchronize()
+    return host, a.elapsed_time(b) / n
+
+
+def test_gpu_dispatch_never_waits_for_the_gpu(granite_rt, granite_pool):
+    """A call returns once its work is enqueued: host time per call is below the
+    GPU time per call (decode 32 x 8192, prefill 2048 @ 8192)."""
+    kc, vc, bt = granite_pool
+    q32, lens = _q(32, 1), [8192] * 32
+    q2k = _q(2048, 2)
+    calls = {
+        "decode": lambda: granite_rt.decode(q32, kc, vc, bt, lens),
+        "prefill": lambda: granite_rt.prefill(q2k, kc, vc, bt[0], 8192),
+    }
+    for name, call in calls.items():
+        host, gpu = _host_and_gpu_ms(call)
+        print(f"{name}: host {host * 1e3:.1f} us per call, GPU {gpu * 1e3:.1f} us per call")
+        assert host < gpu, (name, host, gpu)
+
+
+def _decode_case(rt, pool, s, nb, seed):
+    """Static buffers for one decode bucket, a graph captured over them, its output."""
+    kc, vc, bt = pool
+    q = _q(s, seed)
+    tables = bt[:s, :nb].contiguous()
+    lens = torch.full((s,), nb * BS, dtype=torch.int32, device="cuda")
+    host = [nb * BS] * s  # the bucket's edge: picks the bucket, passes the checks
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rt.decode(q, kc, vc, tables, host, device_seq_lens=lens)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = rt.decode(q, kc, vc, tables, host, device_seq_lens=lens)
+    return g, out, q, tables, lens
+
+
+def _prefill_case(rt, pool, qb, nb, seed):
+    kc, vc, bt = pool
+    q = _q(qb, seed)
+    table = bt[seed % 32, :nb].contiguous()
+    lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (nb * BS, qb)]
+    kw = {"device_seq_len": lens[0], "device_query_len": lens[1]}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rt.prefill(q, kc, vc, table, nb * BS, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = rt.prefill(q, kc, vc, table, nb * BS, **kw)
+    return g, out, q, table, lens
+
+
+def test_gpu_cuda_graphs_of_decode_and_prefill_replay_new_inputs(granite_rt, granite_pool):
+    """Capture decode (8 x 4096, 32 x 8192) and prefill (512 @ 4096, 2048 @ 8192)
+    in CUDA graphs; replay; then write new queries, block tables, lengths and KV
+    contents into the captured buffers and replay again: each output matches the
+    reference for the inputs of that replay."""
+    kc, vc, bt = granite_pool
+    dec = {
+        (s, nb): _decode_case(granite_rt, granite_pool, s, nb, s) for s, nb in [(8, 256), (32, 512)]
+    }
+    pre = {
+        (q, nb): _prefill_case(granite_rt, granite_pool, q, nb, q)
+        for q, nb in [(512, 256), (2048, 512)]
+    }
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for step in range(2):
+        if step:  # new contents in every captured buffer, and in the KV pool
+            kc.copy_(torch.randn(kc.shape, generator=gen, device="cuda", dtype=kc.dtype))
+            for (s, nb), (_, _, q, tables, lens) in dec.items():
+                q.copy_(_q(s, 100 + s))
+                tables.copy_(bt[torch.randperm(32, generator=gen, device="cuda")[:s], :nb])
+                cap = nb * BS
+                lens.copy_(torch.randint(1, cap + 1, (s,), generator=gen, device="cuda"))
+                lens[0] = cap
+            for (qb, nb), (_, _, q, table, lens) in pre.items():
+                q.copy_(_q(qb, 200 + qb))
+                table.copy_(bt[5, :nb])
+                lens[0].fill_(nb * BS - 37)
+                lens[1].fill_(qb // 2)
+        for g, *_ in (*dec.values(), *pre.values()):
+            g.replay()
+        torch.cuda.synchronize()
+        for (s, nb), (_, out, q, tables, lens) in dec.items():
+            ref = reference_decode(q, kc, vc, tables, lens.tolist())
+            assert rel_err(out, ref) < REL_TOL[torch.bfloat16], (step, s, nb)
+        for (qb, nb), (_, out, q, table, lens) in pre.items():
+            seq_len, real = (int(x) for x in lens)
+            ref = reference_attention(q[:real], kc, vc, table, seq_len)
+            assert rel_err(out[:real], ref) < REL_TOL[torch.bfloat16], (step, qb, nb)
+            assert real == qb or out[real:].abs().max() == 0
+    assert granite_rt.stats()["compiles"] == 0
+
+
+def test_gpu_capture_with_host_lengths_is_refused(granite_rt, granite_pool):
+    """Host lengths would be baked into a graph: under capture dispatch asks for
+    device lengths instead (and a later eager call still works)."""
+    from kernel_cache import ShapeError
+
+    kc, vc, bt = granite_pool
+    q = _q(8, 3)
+    tables = bt[:8, :256].contiguous()
+    granite_rt.decode(q, kc, vc, tables, [4096] * 8)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(ShapeError, match="device_seq_lens"):
+        with torch.cuda.graph(g):
+            granite_rt.decode(q, kc, vc, tables, [4096] * 8)
+    out = granite_rt.decode(q, kc, vc, tables, [4096] * 8)
+    ref = reference_decode(q, kc, vc, tables, [4096] * 8)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]

@@ -169,6 +169,28 @@ def test_cuda_defaults_are_the_triton_heuristic_and_blocks_per_chunk_is_refused(
     assert bad.resolve(_cfg(), D8, ARCH).config == {"blocks_per_chunk": 1, "num_kv_splits": 1}
 
 
+def test_cuda_prefill_tiles_default_per_query_bucket_and_merge_table_entries():
+    """On CUDA paged_attention is the Triton prefill kernel: its tiles default per
+    query bucket, a table entry may set some of them (the rest take defaults); on
+    the CPU the plain kernel takes none, and an entry setting one is refused."""
+    from kernel_cache.launch import cuda_prefill_defaults
+
+    p1 = KernelVariant(kernel="paged_attention", query_len=1, num_blocks=2, num_seqs=1)
+    p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
+    none = Resolver({}, "/nonexistent")
+    assert none.resolve(_cfg(), p32, ARCH).config == {}  # the CPU keys are unchanged
+    # tiny geometry: 2 query heads per KV head; 1 token -> 16 rows, 32 tokens -> 64 rows
+    assert none.resolve(_cuda_cfg(), p1, "sm_90").config == cuda_prefill_defaults(1, 2, 8)
+    assert none.resolve(_cuda_cfg(), p1, "sm_90").config["block_m"] == 16
+    assert none.resolve(_cuda_cfg(), p32, "sm_90").config["block_m"] == 64
+    assert cuda_prefill_defaults(512, 4, 128)["block_m"] == 128
+    doc = table(entry(kernel="paged_attention", num_seqs=1, block_n=32))
+    got = Resolver({ENV_TUNING: json.dumps(doc)}, "/nonexistent").resolve(_cuda_cfg(), p32, "sm_90")
+    assert got.source == "env" and got.config == {**cuda_prefill_defaults(32, 2, 8), "block_n": 32}
+    with pytest.raises(ConfigError, match=r"on the CPU paged_attention is the plain-PyTorch"):
+        Resolver({ENV_TUNING: json.dumps(doc)}, "/nonexistent").resolve(_cfg(), p32, ARCH)
+
+
 BAD = [
     (table(entry(kernel="flash")), r"entries\[0\]: unknown kernel 'flash'"),
     (table({**entry(), "tile": 4}), r"entries\[0\]: unknown field\(s\) \['tile'\]"),
@@ -176,7 +198,11 @@ BAD = [
     (
         table(entry(kernel="paged_attention", num_seqs=1, num_kv_splits=2)),
         r"unknown field\(s\) \['num_kv_splits'\] for kernel paged_attention; accepted fields: "
-        "none",
+        "block_m, block_n, num_stages, num_warps",
+    ),
+    (
+        table(entry(kernel="paged_attention", num_seqs=1, block_m=48)),
+        r"block_m=48 must be a power of two in \[16, 256\]",
     ),
     (
         table(entry(num_blocks=8, blocks_per_chunk=3)),

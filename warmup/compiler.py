@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from kernel_cache import _testhooks
-from kernel_cache.buckets import BATCHED_DECODE, KernelVariant
+from kernel_cache.buckets import BATCHED_DECODE, PAGED_ATTENTION, KernelVariant
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.inputs import make_inputs
@@ -73,7 +73,9 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
     """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
     paged-decode kernel (:class:`kernel_cache.triton_decode.TritonBatchedDecode`,
-    taking ``num_kv_splits`` from ``launch``);
+    taking ``num_kv_splits`` from ``launch``) and ``paged_attention`` the Triton
+    paged-prefill kernel (:class:`kernel_cache.triton_prefill.TritonPagedAttention`,
+    taking its tiles from ``launch``);
     everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels`
     (also the eager oracle verify compares against), built with ``launch`` (the
     variant's launch config; None: the kernel's defaults)."""
@@ -84,6 +86,14 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
         return TritonBatchedDecode(
             config.num_heads, config.num_kv_heads, config.head_dim, num_kv_splits=splits
         ).eval()
+    if config.device == "cuda" and variant.kernel == PAGED_ATTENTION:
+        from kernel_cache.triton_prefill import TritonPagedAttention
+
+        c, size = config, config.torch_dtype().itemsize  # launch None: default tiles
+        return TritonPagedAttention(
+            c.num_heads, c.num_kv_heads, c.head_dim, query_len=variant.query_len, itemsize=size,
+            **(launch or {}),
+        ).eval()  # fmt: skip
     c = config
     return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
 
