@@ -30,7 +30,7 @@ keeps it and AOTInductor compiles both kernels into the variant's ``.pt2``
 package; loading that package needs neither Triton nor this module.
 
 Only the warmup (the compiler) and tests import this module: it imports Triton.
-Its bytes are hashed into every cache key (``kernel_cache.keys._KERNEL_FILES``).
+Its bytes are hashed into every cache key (``kernel_cache.keys.source_files``).
 """
 
 from __future__ import annotations
