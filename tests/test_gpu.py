@@ -194,7 +194,8 @@ def test_gpu_warmup_compiles_checks_and_publishes_the_plan(gpu_cache, gpu_config
     _, report = gpu_cache
     n = len(Bucketer(gpu_config).variants)
     assert (report["compiled"], report["failed"]) == (n, [])
-    assert report["load_check"]["checked"] == n and report["load_check"]["children"] == 1
+    # one check process per compile worker that built something (--jobs 2)
+    assert report["load_check"]["checked"] == n and 1 <= report["load_check"]["children"] <= 2
     tier = DiskTier(gpu_cache[0])
     try:
         metas = list(tier.iter_meta())
@@ -278,9 +279,10 @@ def test_gpu_cache_is_never_loaded_on_cpu_or_another_arch(gpu_cache, gpu_config)
     v = Bucketer(gpu_config).variants[0]
     gpu_key, cpu_key = build_key(gpu_config, v), build_key(cpu_config, v)
     diff = {d.split(":")[0] for d in diff_components(gpu_key.as_dict(), cpu_key.as_dict())}
-    # On CUDA paged_attention is the Triton prefill kernel, whose tiles are keyed.
+    # On CUDA paged_attention is the Triton prefill kernel, whose tiles are keyed;
+    # the CPU recipe adds its target's options (cpp.march, threads).
     assert v.kernel == "paged_attention"
-    assert diff == {"device", "device_arch", "launch_config"}
+    assert diff == {"device", "device_arch", "launch_config", "compile_options"}
     other = build_key(gpu_config, v, overrides={"device_arch": "sm_80 cuda 12.4 triton 3.1.0"})
     tier = DiskTier(gpu_cache[0])
     try:
