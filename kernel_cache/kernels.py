@@ -23,9 +23,9 @@ Two kinds of kernel live here:
 All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
 ``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
 the input dtype. In the plain kernels masked scores use the float32 minimum
-rather than ``-inf`` so a row with nothing visible (a padded decode row,
-``seq_len == 0``) yields a finite average instead of NaN; the flex decode kernel
-writes zeros for such a row.
+rather than ``-inf`` so a row with nothing visible stays finite instead of
+NaN. Every decode kernel (plain, flex, and the CUDA one in ``triton_decode.py``)
+returns zeros for a padded row (``seq_len == 0``).
 
 The bytes of this file are hashed into every cache key
 (:func:`kernel_cache.keys.kernel_source_hash`): any edit here misses the cache.
@@ -88,6 +88,13 @@ class PagedAttention(nn.Module):
         return out.reshape(q_len, kvh * g, d).to(query.dtype)
 
 
+def _zero_padded_rows(out, seq_lens):
+    """``out [num_seqs, ...]`` with the rows of ``seq_len == 0`` set to 0 (what the
+    CUDA and the compiled CPU decode kernels return for a padded row)."""
+    keep = (seq_lens > 0).reshape(-1, *([1] * (out.dim() - 1)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 class BatchedDecode(nn.Module):
     """One query token per sequence, a batch of sequences.
 
@@ -97,7 +104,7 @@ class BatchedDecode(nn.Module):
         block_tables: ``[num_seqs, num_blocks]`` int32.
         seq_lens: ``[num_seqs]`` int32; the query token is at position ``seq_len - 1``
             and sees KV positions ``< seq_len``. Padded rows have ``seq_len == 0``
-            and produce finite output.
+            and return zeros.
 
     Launch parameters (set per variant by :mod:`kernel_cache.launch`):
         num_kv_splits: the ``num_blocks`` axis is cut into this many KV splits of
@@ -172,8 +179,8 @@ class BatchedDecode(nn.Module):
         visible = t[None, :] < seq_lens[:, None]  # [s, t]
         scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("skgt,stkd->skgd", probs, v)
-        return out.reshape(s, kvh * g, d).to(query.dtype)
+        out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
+        return _zero_padded_rows(out, seq_lens).to(query.dtype)
 
     def _split_kv(self, query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc):
         s, nb = block_tables.shape
@@ -211,7 +218,7 @@ class BatchedDecode(nn.Module):
         lse = m + torch.log(l_sum)  # [s, splits, kvh, g]; l_sum >= 1
         weights = torch.softmax(lse, dim=1)
         out = (weights[..., None] * (acc / l_sum[..., None])).sum(dim=1)  # [s, kvh, g, d]
-        return out.reshape(s, kvh * g, d).to(query.dtype)
+        return _zero_padded_rows(out.reshape(s, kvh * g, d), seq_lens).to(query.dtype)
 
 
 class RealKVPagedAttention(PagedAttention):
@@ -281,8 +288,14 @@ class RealKVBatchedDecode(BatchedDecode):
     and returns zeros. The flex block size is the KV block size.
 
     Compiled, the kernel reads no block past ``seq_len`` and copies nothing of
-    the pool. The launch parameters (``num_kv_splits``, ``blocks_per_chunk``)
-    shape only the plain path; the compiled flex kernel parallelizes over
+    the pool. It relies on what an engine's block tables guarantee: a sequence
+    holds a pool block at most once. torch 2.13's CPU flex template applies
+    ``mask_mod`` to every block whose id is in the partial list, so a last,
+    partial block also listed earlier as a full block would be masked in both
+    places (``kernel_cache.inputs.make_inputs`` draws distinct blocks per row).
+
+    The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
+    the plain path; the compiled flex kernel parallelizes over
     sequences and KV heads itself. Run eagerly (``verify``'s oracle, tests) or on
     another device it is the plain :class:`BatchedDecode`: eager
     ``flex_attention`` computes every score of the pool and ignores the block

@@ -78,6 +78,22 @@ def test_real_kv_decode_eager_is_the_plain_kernel():
     assert torch.equal(mod(q, kc, vc, bt, lens), BatchedDecode(4, 2, 8)(q, kc, vc, bt, lens))
 
 
+def test_make_inputs_covers_the_edge_lengths_with_distinct_blocks(tmp_path):
+    """verify's inputs: a bucket edge, length 1 and a padded row for decode, a
+    padded query row for prefill, and no pool block twice in one table."""
+    from kernel_cache.buckets import KernelVariant
+    from kernel_cache.inputs import make_inputs
+
+    cfg = _config(tmp_path, 16)
+    dec = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=2, num_seqs=4)
+    _, _, _, bt, lens = make_inputs(cfg, dec, seed=1)
+    assert lens.tolist()[0] == 32 and lens.tolist()[1] == 1 and lens.tolist()[-1] == 0
+    assert all(len(set(row)) == len(row) for row in bt.tolist())
+    pre = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
+    q, _, _, bt, seq_len, real_q = make_inputs(cfg, pre, seed=1)
+    assert int(real_q) == 31 and len(set(bt.tolist())) == bt.numel()
+
+
 # --- compiled through the real warmup path -------------------------------------------
 
 GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
