@@ -28,7 +28,13 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
 Clock: on the CPU, by default, one intra-op thread (``--threads 1``) and that
 thread's CPU time (``time.thread_time``), which other people's processes on a
 shared machine barely move; ``--clock wall --threads N`` measures wall time
-with N threads (CUDA: always wall time, synchronized).
+with N threads (CUDA: always wall time, synchronized); ``--clock process
+--threads N`` measures the CPU time of all of the process's threads (the work
+N threads spend, spin-waits included; robust to other load, but not latency).
+With several threads on a loaded machine, set ``OMP_WAIT_POLICY=PASSIVE``: the
+AOTInductor kernels and torch run separate OpenMP thread pools (the system's
+libgomp and torch's), and their threads spinning after each parallel region
+take the cores from each other (recorded in the JSON).
 
 Reported: milliseconds per call (median, min-max); the compiled kernel's time
 over sdpa's (the target's measure: median and min-max of per-round ratios) and
@@ -173,9 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     p.add_argument(
         "--clock",
-        choices=("thread", "wall"),
+        choices=("thread", "wall", "process"),
         default=None,
-        help="thread CPU time (CPU default) or wall time (CUDA default)",
+        help="thread CPU time (CPU default), wall time (CUDA default) or the "
+        "process's CPU time (all threads)",
     )
     p.add_argument("--out", default=str(OUT_DIR / "kernel_speed.json"))
     args = p.parse_args(argv)
@@ -183,7 +190,9 @@ def main(argv=None) -> int:
     clock_name = args.clock or ("wall" if cfg.device == "cuda" else "thread")
     if clock_name == "thread" and args.threads != 1:
         raise SystemExit("--clock thread counts one thread: use it with --threads 1")
-    clock = time.perf_counter if clock_name == "wall" else time.thread_time
+    clock = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}[
+        clock_name
+    ]
     b = Bucketer(cfg)
     g = torch.Generator().manual_seed(0)
     cases = make_cases(cfg, b, g)
@@ -265,6 +274,7 @@ def main(argv=None) -> int:
         "clock": clock_name,
         "torch_threads": torch.get_num_threads(),
         "loadavg_before_after": [load_before, [round(x, 2) for x in os.getloadavg()]],
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
     }
     doc["results"] = results
     out = write_json(args.out, doc)
