@@ -1,5 +1,5 @@
-"""Kernel speed: the compiled bucketed kernels against eager PyTorch on the same
-padded inputs and against scaled_dot_product_attention on unpadded inputs.
+"""Kernel speed: the compiled bucketed kernels against the plain eager kernels on the
+same padded inputs and against scaled_dot_product_attention on unpadded inputs.
 
     python benchmarks/kernel_speed.py [ENGINE OPTIONS] [--repeats R] [--calls K]
         [--cache-dir DIR] [--out FILE]
@@ -18,8 +18,9 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
 
 * ``compiled``: the AOTInductor kernel of the variant (loaded from the
   kernel_cache directory; warmed first if missing) on bucket-padded inputs;
-* ``eager``: the same module (``kernel_cache.kernels``) in eager PyTorch on the
-  same padded inputs;
+* ``eager``: the module of ``kernel_cache.kernels.build_module`` run eagerly on
+  the same padded inputs (for decode that is the plain kernel, which reads the
+  whole bucket; for prefill the gather of the real blocks and SDPA);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on unpadded,
   contiguous K/V (gathered from the paged cache beforehand, outside the clock;
   GQA with ``enable_gqa=True``; a causal mask for prefill).
@@ -27,17 +28,30 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
 Clock: on the CPU, by default, one intra-op thread (``--threads 1``) and that
 thread's CPU time (``time.thread_time``), which other people's processes on a
 shared machine barely move; ``--clock wall --threads N`` measures wall time
-with N threads (CUDA: always wall time, synchronized).
+with N threads (CUDA: always wall time, synchronized); ``--clock process
+--threads N`` measures the CPU time of all of the process's threads (the work
+N threads spend, spin-waits included; robust to other load, but not latency).
+With several threads on a loaded machine, set ``OMP_WAIT_POLICY=PASSIVE``: the
+AOTInductor kernels and torch run separate OpenMP thread pools (the system's
+libgomp and torch's), and their threads spinning after each parallel region
+take the cores from each other (recorded in the JSON).
 
-Reported: milliseconds per call (median, min-max) and speed-ups of compiled
-over eager and over sdpa (median and min-max of per-round ratios), plus the
-largest difference between compiled and sdpa outputs.
+Reported: milliseconds per call (median, min-max); the compiled kernel's time
+over sdpa's (the target's measure: median and min-max of per-round ratios) and
+speed-ups of compiled over eager and over sdpa; the largest difference between
+compiled and sdpa outputs; minor page faults per call (``ru_minflt`` of the
+process over 10 calls or ``--calls`` if more, after the timing: memory the call maps afresh);
+and the same real lengths run through the largest bucket of the same kernel
+among the cases (its ms and page faults per call: they should not grow with
+the bucket). The load average is recorded before and after the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import resource
 import sys
 import time
 
@@ -121,6 +135,24 @@ def make_cases(cfg, b: Bucketer, g: torch.Generator) -> list[dict]:
     return cases
 
 
+def in_bucket(case: dict, nb: int) -> list:
+    """``case``'s padded inputs with the block table(s) padded to ``nb`` blocks
+    (block 0; the kernel must not read them), for the variant of ``nb`` blocks."""
+    args = list(case["padded"])
+    bt = args[3]
+    extra = nb - bt.shape[-1]
+    args[3] = torch.cat([bt, bt.new_zeros((*bt.shape[:-1], extra))], dim=-1)
+    return args
+
+
+def faults_per_call(fn, calls: int) -> float:
+    """Minor page faults of this process per call of ``fn`` (ru_minflt)."""
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / calls
+
+
 def sdpa(q, k, v, mask):
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -147,9 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     p.add_argument(
         "--clock",
-        choices=("thread", "wall"),
+        choices=("thread", "wall", "process"),
         default=None,
-        help="thread CPU time (CPU default) or wall time (CUDA default)",
+        help="thread CPU time (CPU default), wall time (CUDA default) or the "
+        "process's CPU time (all threads)",
     )
     p.add_argument("--out", default=str(OUT_DIR / "kernel_speed.json"))
     args = p.parse_args(argv)
@@ -157,7 +190,9 @@ def main(argv=None) -> int:
     clock_name = args.clock or ("wall" if cfg.device == "cuda" else "thread")
     if clock_name == "thread" and args.threads != 1:
         raise SystemExit("--clock thread counts one thread: use it with --threads 1")
-    clock = time.perf_counter if clock_name == "wall" else time.thread_time
+    clock = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}[
+        clock_name
+    ]
     b = Bucketer(cfg)
     g = torch.Generator().manual_seed(0)
     cases = make_cases(cfg, b, g)
@@ -172,21 +207,33 @@ def main(argv=None) -> int:
         k: build_module(k, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         for k in (PAGED_ATTENTION, BATCHED_DECODE)
     }
+    largest = {}  # (kernel, query_len, num_seqs) -> the variant of the most blocks
+    for c in cases:
+        v = c["variant"]
+        k = (v.kernel, v.query_len, v.num_seqs)
+        if k not in largest or v.num_blocks > largest[k].num_blocks:
+            largest[k] = v
+    load_before = [round(x, 2) for x in os.getloadavg()]
     results = []
     with torch.no_grad():
         for c in cases:
             v = c["variant"]
             runner = rt._runners[v]  # the loaded AOTInductor kernel of this variant
+            big = largest[(v.kernel, v.query_len, v.num_seqs)]
+            big_args = in_bucket(c, big.num_blocks)
             mod = modules[v.kernel]
             fns = {
                 "compiled": lambda r=runner, a=list(c["padded"]): r.run(a),
                 "eager": lambda m=mod, a=c["padded"]: m(*a),
                 "sdpa": lambda a=c["sdpa"]: sdpa(*a),
+                "compiled_largest_bucket": lambda r=rt._runners[big], a=big_args: r.run(a),
             }
             out = runner.run(list(c["padded"]))[0][: c["real_rows"]]
             ref = sdpa(*c["sdpa"])
             ref = ref.squeeze(2) if c["kind"] == "decode" else ref[0].transpose(0, 1)
             err = float((out.float() - ref.float()).abs().max())
+            big_out = fns["compiled_largest_bucket"]()[0][: c["real_rows"]]
+            err_big = float((big_out.float() - ref.float()).abs().max())
             for f in fns.values():
                 f()
             t = {k: [] for k in fns}
@@ -195,20 +242,27 @@ def main(argv=None) -> int:
                 for _ in range(args.repeats):
                     for k, f in fns.items():
                         t[k].append(time_block(f, args.calls, cfg.device, clock))
+                faults = {k: faults_per_call(fns[k], max(10, args.calls)) for k in fns}
             finally:
                 gc.enable()
             results.append(
                 {
                     "case": c["name"],
                     "variant": str(v),
+                    "largest_bucket_variant": str(big),
                     **{f"{k}_ms": summary([x * 1e3 for x in t[k]]) for k in fns},
+                    "compiled_over_sdpa": summary(
+                        [x / s for s, x in zip(t["sdpa"], t["compiled"], strict=True)]
+                    ),
                     "compiled_speedup_vs_eager": summary(
                         [e / x for e, x in zip(t["eager"], t["compiled"], strict=True)]
                     ),
                     "compiled_speedup_vs_sdpa": summary(
                         [s / x for s, x in zip(t["sdpa"], t["compiled"], strict=True)]
                     ),
+                    "page_faults_per_call": faults,
                     "max_abs_err_vs_sdpa": err,
+                    "max_abs_err_vs_sdpa_largest_bucket": err_big,
                 }
             )
     doc = header("kernel_speed")
@@ -219,28 +273,44 @@ def main(argv=None) -> int:
         "calls_per_block": args.calls,
         "clock": clock_name,
         "torch_threads": torch.get_num_threads(),
+        "loadavg_before_after": [load_before, [round(x, 2) for x in os.getloadavg()]],
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
     }
     doc["results"] = results
     out = write_json(args.out, doc)
     print_table(
         f"Kernel speed, {cfg.model} ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
         f"head_dim {cfg.head_dim}, {cfg.dtype}, {cfg.device}), ms per call ({clock_name} clock, "
-        f"{torch.get_num_threads()} thread(s)), median (min-max)",
-        ["case", "compiled", "eager (padded)", "sdpa (unpadded)", "vs eager", "vs sdpa", "max err"],
+        f"{torch.get_num_threads()} thread(s)), median (min-max); load average "
+        f"{doc['config']['loadavg_before_after']}",
+        [
+            "case",
+            "compiled",
+            "eager (padded)",
+            "sdpa (unpadded)",
+            "compiled / sdpa",
+            "vs eager",
+            "faults/call",
+            "in largest bucket: ms, faults",
+            "max err",
+        ],
         [
             [
                 r["case"],
                 fmt(r["compiled_ms"], digits=2),
                 fmt(r["eager_ms"], digits=2),
                 fmt(r["sdpa_ms"], digits=2),
+                fmt(r["compiled_over_sdpa"], digits=2),
                 f"{r['compiled_speedup_vs_eager']['median']:.2f}x",
-                f"{r['compiled_speedup_vs_sdpa']['median']:.2f}x",
+                f"{r['page_faults_per_call']['compiled']:.0f}",
+                f"{r['compiled_largest_bucket_ms']['median']:.2f}, "
+                f"{r['page_faults_per_call']['compiled_largest_bucket']:.0f}",
                 f"{r['max_abs_err_vs_sdpa']:.1e}",
             ]
             for r in results
         ],
     )
-    print("speed-up = other way's time / compiled time (above 1: compiled is faster)")
+    print("compiled / sdpa = compiled time / sdpa time per round (below 1: compiled is faster)")
     print(f"JSON: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0
 

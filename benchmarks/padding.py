@@ -1,4 +1,5 @@
-"""Padding on a real trace: variants and padded-read fraction per KV ladder.
+"""Padding on a real trace: variants, padded-read fraction and KV blocks read per
+real KV block, per KV ladder and per kernel.
 
     python benchmarks/padding.py [--trace CSV] [--limit N] [--block-size 128]
         [--max-model-len 8192] [--kv-buckets 128,256,... (repeatable)]
@@ -14,7 +15,19 @@ No kernel runs: the count is exact.
 
     padded-read fraction = (blocks read - real blocks) / blocks read
 
-over every decode step and prefill chunk, for the ``pow2`` ladder, the ``4/3``
+over every decode step and prefill chunk, for a kernel that reads its whole
+bucket (the plain kernels of ``kernel_cache.kernels``: every block of the KV
+bucket for every row of the num_seqs bucket). Beside it, per kernel, KV blocks
+read per real KV block:
+
+* ``whole bucket``: the plain kernels (blocks read / real blocks, as above);
+* ``real KV``: the compiled CPU kernels (``RealKVPagedAttention``: the
+  sequence's ``clamp(ceil(seq_len / block_size), 1, num_blocks)`` blocks;
+  ``RealKVBatchedDecode``: ``ceil(seq_len / block_size)`` blocks per real row
+  and none for a padded row), counted by :func:`real_kv_blocks_read` from
+  what those kernels list for reading.
+
+These are computed for the ``pow2`` ladder, the ``4/3``
 ladder capped at ``--kv-dense-cap`` tokens (the default), the ``4/3`` ladder
 uncapped, and every ``--kv-buckets`` ladder. Two parts of it are also shown:
 ``kv only`` leaves out the padded rows of a decode batch (the same for every KV
@@ -80,6 +93,18 @@ def ladders(args) -> dict:
     return out
 
 
+def real_kv_blocks_read(bucketer: Bucketer, call) -> int:
+    """KV blocks the real-KV CPU kernels read for ``call``: prefill gathers
+    ``clamp(ceil(seq_len / block_size), 1, num_blocks)`` blocks; decode lists
+    ``ceil(seq_len / block_size)`` blocks per sequence, none for a padded row
+    (:class:`kernel_cache.kernels.RealKVPagedAttention`, ``RealKVBatchedDecode``)."""
+    bs = bucketer.block_size
+    need = [-(-n // bs) for n in call.seq_lens]
+    if call.kernel == BATCHED_DECODE:
+        return sum(need)
+    return max(1, need[0])
+
+
 def measure(requests, bucketers: dict) -> dict:
     """Blocks read and real blocks per ladder: in total, per phase and per KV
     length (bin = blocks the call's longest sequence needs)."""
@@ -93,6 +118,7 @@ def measure(requests, bucketers: dict) -> dict:
             "read_per_seq": 0,
             "prefill": [0, 0],
             "decode": [0, 0],
+            "real_kv": {"prefill": 0, "decode": 0},
             "bins_read": [0] * nbins,
             "bins_real": [0] * nbins,
         }
@@ -120,9 +146,14 @@ def measure(requests, bucketers: dict) -> dict:
             ph = a["decode" if decode else "prefill"]
             ph[0] += read
             ph[1] += real
+            a["real_kv"]["decode" if decode else "prefill"] += real_kv_blocks_read(b, call)
             a["bins_read"][n] += kv_only
             a["bins_real"][n] += real
     return {"acc": acc, "calls": calls}
+
+
+def _ratio(read: int, real: int) -> float | None:
+    return read / real if real else None
 
 
 def plot(path: Path, bucketers: dict, acc: dict, title: str) -> None:
@@ -188,6 +219,13 @@ def plot(path: Path, bucketers: dict, acc: dict, title: str) -> None:
     plt.close(fig)
 
 
+def _reads(d: dict) -> str:
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    return f"{f(d['all'])} ({f(d['prefill'])}, {f(d['decode'])})"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -251,6 +289,18 @@ def main(argv=None) -> int:
                 if a["decode"][0]
                 else 0.0,
                 "blocks_read_vs_pow2": a["read"] / acc["pow2"]["read"],
+                "reads_per_real_block": {
+                    "whole_bucket": {
+                        "all": a["read"] / a["real"],
+                        "prefill": _ratio(*a["prefill"]),
+                        "decode": _ratio(*a["decode"]),
+                    },
+                    "real_kv": {
+                        "all": sum(a["real_kv"].values()) / a["real"],
+                        "prefill": _ratio(a["real_kv"]["prefill"], a["prefill"][1]),
+                        "decode": _ratio(a["real_kv"]["decode"], a["decode"][1]),
+                    },
+                },
             }
         )
     by = {r["ladder"]: r for r in results}
@@ -304,6 +354,8 @@ def main(argv=None) -> int:
             "prefill",
             "decode",
             "reads / pow2",
+            "reads per real block: whole bucket (prefill, decode)",
+            "real KV (prefill, decode)",
         ],
         [
             [
@@ -316,6 +368,8 @@ def main(argv=None) -> int:
                 f"{r['padded_read_fraction_prefill']:.3f}",
                 f"{r['padded_read_fraction_decode']:.3f}",
                 f"{r['blocks_read_vs_pow2']:.3f}",
+                _reads(r["reads_per_real_block"]["whole_bucket"]),
+                _reads(r["reads_per_real_block"]["real_kv"]),
             ]
             for r in results
         ],

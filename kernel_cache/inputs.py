@@ -27,9 +27,18 @@ def make_inputs(
 ):
     """Positional inputs for the variant's kernel, with valid random lengths.
 
+    Lengths: decode has one sequence on the bucket edge, and with 3 or more rows
+    one of length 1 and one padded row (``seq_len`` 0); prefill has one padded
+    query row when the query bucket holds more than one token.
+
     Returns a tuple matching :class:`~kernel_cache.kernels.PagedAttention` or
     :class:`~kernel_cache.kernels.BatchedDecode` ``forward`` (see their docstrings
-    for shapes). Block tables index distinct random pool blocks.
+    for shapes). Each block table (each row of a decode batch's) indexes distinct
+    random pool blocks, as an engine's does: a sequence never holds one pool
+    block twice, and the compiled CPU decode kernel relies on that.
+
+    Raises:
+        ValueError: ``num_pool_blocks`` smaller than the variant's ``num_blocks``.
     """
     import torch
 
@@ -39,14 +48,18 @@ def make_inputs(
     h, kvh, d, bs = config.num_heads, config.num_kv_heads, config.head_dim, config.block_size
     p = num_pool_blocks or pool_blocks_for(variant)
     nb = variant.num_blocks
+    if p < nb:
+        raise ValueError(f"num_pool_blocks={p} is below the variant's num_blocks={nb}")
     kc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
     vc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
     cap = nb * bs
     if variant.kernel == PAGED_ATTENTION:
         q = variant.query_len
         real_q = min(q, cap)
+        if real_q == q > 1:
+            real_q -= 1  # one padded query row
         seq_len = int(torch.randint(real_q, cap + 1, (1,), generator=g))
-        bt = torch.randint(0, p, (nb,), generator=g, dtype=torch.int32)
+        bt = torch.randperm(p, generator=g)[:nb].to(torch.int32)
         query = torch.randn(q, h, d, generator=g).to(dt)
         args = (
             query,
@@ -60,7 +73,10 @@ def make_inputs(
         s = variant.num_seqs
         seq_lens = torch.randint(1, cap + 1, (s,), generator=g, dtype=torch.int32)
         seq_lens[0] = cap  # one sequence exactly on the bucket edge
-        bt = torch.randint(0, p, (s, nb), generator=g, dtype=torch.int32)
+        if s >= 3:
+            seq_lens[1] = 1  # one token
+            seq_lens[-1] = 0  # a padded row
+        bt = torch.stack([torch.randperm(p, generator=g)[:nb] for _ in range(s)]).to(torch.int32)
         query = torch.randn(s, h, d, generator=g).to(dt)
         args = (query, kc, vc, bt, seq_lens)
     return tuple(a.to(device) for a in args)

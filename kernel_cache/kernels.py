@@ -1,17 +1,34 @@
-"""The attention kernels, in plain PyTorch, over vLLM's paged KV layout.
+"""The attention kernels over vLLM's paged KV layout.
 
 Layout (as in vLLM):
     key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``
     block tables: int32 indices into ``num_pool_blocks``.
 
-Both kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
-``1 / sqrt(head_dim)``, and compute scores and softmax in float32 whatever the
-input dtype. Masked scores use the float32 minimum rather than ``-inf`` so a row
-with nothing visible (a padded decode row, ``seq_len == 0``) yields a finite
-average instead of NaN.
+Two kinds of kernel live here:
+
+* :class:`PagedAttention` and :class:`BatchedDecode`: plain PyTorch, readable.
+  They gather a float32 copy of every block of the bucket (padded blocks and
+  padded rows included) and compute on all of it. They are the eager oracle of
+  ``verify`` and the kernels compiled for CUDA prefill.
+* :class:`RealKVPagedAttention` and :class:`RealKVBatchedDecode`: what
+  :func:`build_module` returns. On the CPU, when traced for export, they read
+  only the KV a sequence really has: prefill gathers the sequence's
+  ``ceil(seq_len / block_size)`` blocks (a data-dependent length) and calls
+  ``scaled_dot_product_attention``; decode runs
+  ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
+  mask built in the graph from ``seq_lens`` and the block tables, so a sequence
+  reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
+  reads none. Run eagerly (or on another device) they are the plain kernels.
+
+All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
+``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
+the input dtype. In the plain kernels masked scores use the float32 minimum
+rather than ``-inf`` so a row with nothing visible stays finite instead of
+NaN. Every decode kernel (plain, flex, and the CUDA one in ``triton_decode.py``)
+returns zeros for a padded row (``seq_len == 0``).
 
 The bytes of this file are hashed into every cache key
-(:func:`kernel_cache.keys.kernel_source_hash`): any edit here misses the cache.
+(:func:`kernel_cache.keys.source_files`): any edit here misses the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
@@ -70,6 +88,13 @@ class PagedAttention(nn.Module):
         return out.reshape(q_len, kvh * g, d).to(query.dtype)
 
 
+def _zero_padded_rows(out, seq_lens):
+    """``out [num_seqs, ...]`` with the rows of ``seq_len == 0`` set to 0 (what the
+    CUDA and the compiled CPU decode kernels return for a padded row)."""
+    keep = (seq_lens > 0).reshape(-1, *([1] * (out.dim() - 1)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 class BatchedDecode(nn.Module):
     """One query token per sequence, a batch of sequences.
 
@@ -79,7 +104,7 @@ class BatchedDecode(nn.Module):
         block_tables: ``[num_seqs, num_blocks]`` int32.
         seq_lens: ``[num_seqs]`` int32; the query token is at position ``seq_len - 1``
             and sees KV positions ``< seq_len``. Padded rows have ``seq_len == 0``
-            and produce finite output.
+            and return zeros.
 
     Launch parameters (set per variant by :mod:`kernel_cache.launch`):
         num_kv_splits: the ``num_blocks`` axis is cut into this many KV splits of
@@ -154,8 +179,8 @@ class BatchedDecode(nn.Module):
         visible = t[None, :] < seq_lens[:, None]  # [s, t]
         scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("skgt,stkd->skgd", probs, v)
-        return out.reshape(s, kvh * g, d).to(query.dtype)
+        out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
+        return _zero_padded_rows(out, seq_lens).to(query.dtype)
 
     def _split_kv(self, query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc):
         s, nb = block_tables.shape
@@ -193,17 +218,145 @@ class BatchedDecode(nn.Module):
         lse = m + torch.log(l_sum)  # [s, splits, kvh, g]; l_sum >= 1
         weights = torch.softmax(lse, dim=1)
         out = (weights[..., None] * (acc / l_sum[..., None])).sum(dim=1)  # [s, kvh, g, d]
+        return _zero_padded_rows(out.reshape(s, kvh * g, d), seq_lens).to(query.dtype)
+
+
+class RealKVPagedAttention(PagedAttention):
+    """:class:`PagedAttention` that reads only the sequence's real KV blocks (CPU).
+
+    Same inputs, outputs and semantics as :class:`PagedAttention`. On the CPU it
+    gathers the first ``n = clamp(ceil(seq_len / block_size), 1, num_blocks)``
+    blocks of ``block_table`` (``n`` is data-dependent: an unbacked size under
+    ``torch.export``, bounded by ``torch._check``) into ``[n * block_size,
+    num_kv_heads, head_dim]`` in the cache's dtype, and calls
+    ``scaled_dot_product_attention`` (GQA through ``enable_gqa``, a boolean
+    causal mask ending at ``seq_len``). Blocks past ``seq_len`` are not read;
+    the copy is of the real blocks only, not of the bucket. On another device it
+    is the plain :class:`PagedAttention`.
+
+    Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
+    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block,
+    all of it masked except position 0's row, and stays finite.
+    """
+
+    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        if query.device.type != "cpu":
+            return super().forward(
+                query, key_cache, value_cache, block_table, seq_len, real_query_len
+            )
+        q_len = query.shape[0]
+        nb = block_table.shape[0]
+        bs = key_cache.shape[1]
+        kvh, d = self.num_kv_heads, self.head_dim
+        n = ((seq_len[0] + (bs - 1)) // bs).clamp(1, nb).item()
+        torch._check(n >= 1)
+        torch._check(n <= nb)
+        idx = block_table[:n].long()
+        k = key_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
+        v = value_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
+        t = torch.arange(n * bs, device=query.device, dtype=torch.int32)
+        pos = (seq_len - real_query_len) + torch.arange(
+            q_len, device=query.device, dtype=torch.int32
+        )
+        visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
+        # A row that sees nothing (only possible for seq_len 0) sees position 0:
+        # SDPA gives NaN for a fully masked row.
+        visible[:, 0] = True
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1).to(query.dtype)
+
+
+class RealKVBatchedDecode(BatchedDecode):
+    """:class:`BatchedDecode` that reads only real KV when compiled for the CPU.
+
+    Same inputs, outputs, launch parameters and semantics as
+    :class:`BatchedDecode`. Traced for export on the CPU
+    (``torch.compiler.is_compiling()``), it is one
+    ``torch.nn.attention.flex_attention`` call over the whole pool: K and V are
+    the pool viewed as ``[1, num_kv_heads, num_pool_blocks * block_size,
+    head_dim]`` (no copy), and each sequence is one batch entry whose
+    ``num_heads / num_kv_heads`` query heads of a KV head form the query rows of
+    that head (every query head of a group sees the same positions, so each KV
+    block is read once per group). The block mask, built in the graph, lists for
+    sequence ``s`` its ``seq_len // block_size`` full blocks
+    (``block_tables[s]`` in order) and, if ``seq_len % block_size``, its last
+    block as a partial block whose ``mask_mod`` keeps offsets
+    ``< seq_len % block_size``. A padded row (``seq_len == 0``) lists no block
+    and returns zeros. The flex block size is the KV block size.
+
+    Compiled, the kernel reads no block past ``seq_len`` and copies nothing of
+    the pool. It relies on what an engine's block tables guarantee: a sequence
+    holds a pool block at most once. torch 2.13's CPU flex template applies
+    ``mask_mod`` to every block whose id is in the partial list, so a last,
+    partial block also listed earlier as a full block would be masked in both
+    places (``kernel_cache.inputs.make_inputs`` draws distinct blocks per row).
+
+    The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
+    the plain path; the compiled flex kernel parallelizes over
+    sequences and KV heads itself. Run eagerly (``verify``'s oracle, tests) or on
+    another device it is the plain :class:`BatchedDecode`: eager
+    ``flex_attention`` computes every score of the pool and ignores the block
+    mask's sparsity, and its ``mask_mod`` here is right only inside the blocks
+    the mask lists.
+
+    Workarounds flex needs under ``torch.export`` + AOTInductor (torch 2.13):
+    the query is a computed tensor (not a view of an input); ``mask_mod`` reads
+    only graph inputs (``seq_lens``), indexed with the batch index ``b``; the
+    block index tensors are ``num_pool_blocks + num_blocks`` wide so that the
+    CPU template's check ``kv_len <= index width * block_size`` holds for every
+    pool size without a guard on it.
+    """
+
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        if query.device.type != "cpu" or not torch.compiler.is_compiling():
+            return super().forward(query, key_cache, value_cache, block_tables, seq_lens)
+        return self._flex(query, key_cache, value_cache, block_tables, seq_lens)
+
+    def _flex(self, query, key_cache, value_cache, block_tables, seq_lens):
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        s, nb = block_tables.shape
+        p, bs = key_cache.shape[0], key_cache.shape[1]
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = query.reshape(s, kvh, g, d) * 1  # computed, not a view of the input
+        k = key_cache.view(1, p * bs, kvh, d).transpose(1, 2)
+        v = value_cache.view(1, p * bs, kvh, d).transpose(1, 2)
+        full = seq_lens // bs  # full blocks per sequence, [s] int32
+        partial = (seq_lens % bs != 0).to(torch.int32)
+        full_idx = torch.cat([block_tables, block_tables.new_zeros((s, p))], dim=1)  # [s, nb + p]
+        last = torch.gather(block_tables, 1, full.clamp(max=nb - 1).long()[:, None])  # [s, 1]
+        part_idx = torch.cat([last, block_tables.new_zeros((s, nb + p - 1))], dim=1)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx % bs) < (seq_lens[b] % bs)
+
+        mask = BlockMask.from_kv_blocks(
+            partial[:, None, None],
+            part_idx[:, None, None, :],
+            full[:, None, None],
+            full_idx[:, None, None, :],
+            BLOCK_SIZE=(128, bs),
+            mask_mod=mask_mod,
+            seq_lengths=(g, p * bs),
+            compute_q_blocks=False,
+        )
+        out = flex_attention(q, k, v, block_mask=mask, scale=self.scale)  # [s, kvh, g, d]
         return out.reshape(s, kvh * g, d).to(query.dtype)
 
 
 def build_module(
     kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
 ) -> nn.Module:
-    """The eager module for ``kernel`` ("paged_attention" or "batched_decode").
+    """The module for ``kernel`` ("paged_attention" or "batched_decode"):
+    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode` (the plain
+    kernels when run eagerly or off the CPU; see their docstrings).
 
     ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
     ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
     usually the resolved config of :func:`kernel_cache.launch.resolve_plan`.
     """
-    cls = {"paged_attention": PagedAttention, "batched_decode": BatchedDecode}[kernel]
+    cls = {"paged_attention": RealKVPagedAttention, "batched_decode": RealKVBatchedDecode}[kernel]
     return cls(num_heads, num_kv_heads, head_dim, **launch).eval()

@@ -10,6 +10,14 @@ from kernel_cache.reference import reference_attention, reference_decode
 pytestmark = pytest.mark.compile
 
 
+def distinct_tables(n_pool, rows, cols, g):
+    """``[rows, cols]`` int32 block tables, no pool block twice in a row (as an
+    engine's: the compiled CPU decode kernel relies on it)."""
+    return torch.stack([torch.randperm(n_pool, generator=g)[:cols] for _ in range(rows)]).to(
+        torch.int32
+    )
+
+
 def pool(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 16, 2, 8, generator=g), torch.randn(n, 16, 2, 8, generator=g)
@@ -28,7 +36,7 @@ def test_decode_batches_of_changing_size_and_pool(warm_cache, tiny_config):
         (11, [32, 32, 17, 19], True),
     ):
         kc, vc = pool(n_pool, n_pool + len(lens))
-        bt = torch.randint(0, n_pool, (len(lens), 2), generator=g, dtype=torch.int32)
+        bt = distinct_tables(n_pool, len(lens), 2, g)
         q = torch.randn(len(lens), 4, 8, generator=g)
         out = rt.decode(q, kc, vc, bt, torch.tensor(lens) if as_tensor else lens)
         ref = reference_decode(q, kc, vc, bt, lens)
@@ -44,7 +52,7 @@ def test_non_contiguous_inputs_are_copied_not_misread(warm_cache, tiny_config):
     # A full bucket of queries, transposed in memory (same shape, other strides).
     q = torch.randn(4, 8, 4, generator=g).transpose(1, 2)
     assert not q.is_contiguous()
-    bt = torch.randint(0, 9, (4, 4), generator=g, dtype=torch.int32)[:, ::2]
+    bt = distinct_tables(9, 4, 4, g)[:, ::2]
     lens = [32, 3, 16, 17]
     out = rt.decode(q, kc, vc, bt, lens)
     assert float((out - reference_decode(q, kc, vc, bt, lens)).abs().max()) < 1e-5
@@ -67,7 +75,7 @@ def test_bad_inputs_that_used_to_pass_are_refused_and_the_runtime_still_works(
     g = torch.Generator().manual_seed(9)
     kc, vc = pool(9, 2)
     q = torch.randn(3, 4, 8, generator=g)
-    bt = torch.randint(0, 9, (3, 2), generator=g, dtype=torch.int32)
+    bt = distinct_tables(9, 3, 2, g)
     lens = [32, 5, 17]
     big = torch.randn(18, 16, 2, 8, generator=g)
     cases = [

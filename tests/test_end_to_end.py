@@ -61,7 +61,7 @@ for seq_len, q in [(1, 1), (16, 16), (17, 5), (32, 32), (30, 1)]:
     assert out.shape == (q, 4, 8)
     err = max(err, float((out - reference_attention(query, kc, vc, bt, seq_len)).abs().max()))
 for lens in ([5], [1, 16, 32], [32, 17, 2, 9]):
-    bt = torch.randint(0, P, (len(lens), 3), generator=g, dtype=torch.int32)
+    bt = torch.stack([torch.randperm(P, generator=g)[:3] for _ in lens]).to(torch.int32)
     query = torch.randn(len(lens), 4, 8, generator=g)
     for form in (lens, torch.tensor(lens)):
         out = rt.decode(query, kc, vc, bt, form)

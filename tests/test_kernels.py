@@ -122,6 +122,7 @@ def test_every_launch_setting_matches_reference(h, kvh, d, bs, nb):
         mod = BatchedDecode(h, kvh, d, blocks_per_chunk=bpc, num_kv_splits=splits)
         out = mod(query, kc, vc, bt, lens)
         assert torch.isfinite(out).all(), (splits, bpc)  # padded rows included
+        assert not out[len(real) :].any(), (splits, bpc)  # padded rows are zeros
         torch.testing.assert_close(out[: len(real)], ref, atol=2e-5, rtol=1e-4)
 
 
@@ -137,10 +138,14 @@ def test_launch_settings_in_bf16_match_reference():
 
 
 def test_default_launch_is_todays_single_pass_bit_exact():
-    query, kc, vc, bt, lens, _ = _decode_case(8, 2, 16, 16, 6, seed=11)
+    """Real rows bit for bit as before; a padded row (seq_len 0) is now zeros."""
+    query, kc, vc, bt, lens, real = _decode_case(8, 2, 16, 16, 6, seed=11)
     old = _todays_decode(BatchedDecode(8, 2, 16), query, kc, vc, bt, lens)
+    n = len(real)
     for mod in (BatchedDecode(8, 2, 16), BatchedDecode(8, 2, 16, blocks_per_chunk=6)):
-        assert torch.equal(mod(query, kc, vc, bt, lens), old)
+        out = mod(query, kc, vc, bt, lens)
+        assert torch.equal(out[:n], old[:n])
+        assert not out[n:].any()
 
 
 def test_launch_parameters_out_of_range_raise():

@@ -1,0 +1,169 @@
+"""The CPU kernels that read only real KV, against the independent SDPA reference.
+
+Eager: :class:`RealKVPagedAttention` runs its gather-the-real-blocks path
+eagerly, so it is checked here without compiling. Compiled (marked ``compile``):
+small plans at block_size 16, 128 and 192 go through the real warmup path
+(``torch.export`` + AOTInductor, ``num_pool_blocks`` dynamic), each artifact is
+checked against the SDPA reference on chosen lengths (1, a bucket edge, the
+plan's max_model_len, padded rows) at two pool sizes, and ``verify_plan`` passes.
+"""
+
+import json
+
+import pytest
+import torch
+
+from kernel_cache.buckets import BATCHED_DECODE, Bucketer
+from kernel_cache.config import make_config
+from kernel_cache.kernels import RealKVBatchedDecode, RealKVPagedAttention, build_module
+from kernel_cache.reference import reference_attention, reference_decode
+
+CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, max_model_len)
+    (4, 2, 8, 16, 64),
+    (8, 1, 16, 192, 1024),  # block_size not a power of two, MQA
+    (6, 6, 8, 7, 100),  # MHA, odd block size
+]
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+
+
+def _prefill_cases(bs, max_len, g):
+    lengths = [1, bs, bs + 1, max_len, int(torch.randint(2, max_len, (1,), generator=g))]
+    for seq_len in lengths:
+        for q_real in sorted({1, min(seq_len, 5), seq_len}):
+            yield seq_len, q_real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kvh,d,bs,max_len", CASES)
+def test_real_kv_prefill_eager_matches_reference(h, kvh, d, bs, max_len, dtype):
+    g = torch.Generator().manual_seed(h * 1000 + bs)
+    max_blocks = -(-max_len // bs)
+    p = max_blocks * 2 + 1
+    kc = torch.randn(p, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(p, bs, kvh, d, generator=g).to(dtype)
+    mod = RealKVPagedAttention(h, kvh, d)
+    for seq_len, q_real in _prefill_cases(bs, max_len, g):
+        nb = min(max_blocks, -(-seq_len // bs) + 1)  # one padded block when there is room
+        bt = torch.randperm(p, generator=g)[:nb].to(torch.int32)
+        query = torch.randn(q_real + 3, h, d, generator=g).to(dtype)  # 3 padded rows
+        lens = torch.tensor([seq_len, q_real], dtype=torch.int32)
+        out = mod(query, kc, vc, bt, lens[:1], lens[1:])
+        assert out.dtype == dtype and torch.isfinite(out.float()).all()
+        ref = reference_attention(query[:q_real], kc, vc, bt, seq_len)
+        torch.testing.assert_close(out[:q_real].float(), ref, **TOL[dtype])
+
+
+def test_real_kv_prefill_seq_len_zero_is_finite():
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(3, 16, 2, 8, generator=g), torch.randn(3, 16, 2, 8, generator=g)
+    lens = torch.tensor([0, 0], dtype=torch.int32)
+    out = RealKVPagedAttention(4, 2, 8)(
+        torch.randn(4, 4, 8), kc, vc, torch.tensor([1, 2], dtype=torch.int32), lens[:1], lens[1:]
+    )
+    assert torch.isfinite(out).all()
+
+
+def test_real_kv_decode_eager_is_the_plain_kernel():
+    """Eagerly (verify's oracle) the decode module is the plain kernel, bit for bit."""
+    from kernel_cache.kernels import BatchedDecode
+
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(9, 16, 2, 8, generator=g), torch.randn(9, 16, 2, 8, generator=g)
+    bt = torch.randint(0, 9, (4, 2), generator=g, dtype=torch.int32)
+    lens = torch.tensor([1, 16, 32, 0], dtype=torch.int32)
+    q = torch.randn(4, 4, 8, generator=g)
+    mod = build_module(BATCHED_DECODE, 4, 2, 8)
+    assert isinstance(mod, RealKVBatchedDecode)
+    assert torch.equal(mod(q, kc, vc, bt, lens), BatchedDecode(4, 2, 8)(q, kc, vc, bt, lens))
+
+
+def test_make_inputs_covers_the_edge_lengths_with_distinct_blocks(tmp_path):
+    """verify's inputs: a bucket edge, length 1 and a padded row for decode, a
+    padded query row for prefill, and no pool block twice in one table."""
+    from kernel_cache.buckets import KernelVariant
+    from kernel_cache.inputs import make_inputs
+
+    cfg = _config(tmp_path, 16)
+    dec = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=2, num_seqs=4)
+    _, _, _, bt, lens = make_inputs(cfg, dec, seed=1)
+    assert lens.tolist()[0] == 32 and lens.tolist()[1] == 1 and lens.tolist()[-1] == 0
+    assert all(len(set(row)) == len(row) for row in bt.tolist())
+    pre = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
+    q, _, _, bt, seq_len, real_q = make_inputs(cfg, pre, seed=1)
+    assert int(real_q) == 31 and len(set(bt.tolist())) == bt.numel()
+
+
+# --- compiled through the real warmup path -------------------------------------------
+
+GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+#: block_size -> plan limits: 6 variants each (4 paged_attention, 2 batched_decode).
+PLANS = {
+    16: {"max_model_len": 32, "max_num_batched_tokens": 32},
+    128: {"max_model_len": 256, "max_num_batched_tokens": 16},
+    192: {"max_model_len": 384, "max_num_batched_tokens": 16},
+}
+
+
+def _config(tmp_path, bs, dtype="float32"):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(GEOMETRY))
+    return make_config(
+        str(model), block_size=bs, max_num_seqs=4, dtype=dtype, use_env=False, **PLANS[bs]
+    )
+
+
+def _check_runner(cfg, v, runner, seed):
+    """The artifact against the SDPA reference at two pool sizes."""
+    g = torch.Generator().manual_seed(seed)
+    dt = cfg.torch_dtype()
+    h, kvh, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size
+    cap = v.num_blocks * bs
+    lengths = sorted({1, bs, min(cap, bs + 1), cap, min(cap, cfg.max_model_len)})
+    tol = TOL[dt]
+    for pool in (v.num_blocks * v.num_seqs + 3, 4 * v.num_blocks * v.num_seqs + 11):
+        kc = torch.randn(pool, bs, kvh, d, generator=g).to(dt)
+        vc = torch.randn(pool, bs, kvh, d, generator=g).to(dt)
+        if v.kernel == BATCHED_DECODE:
+            real = [n for n in lengths if n <= cap][: v.num_seqs - 1]
+            lens = torch.tensor(real + [0] * (v.num_seqs - len(real)), dtype=torch.int32)
+            perm = torch.randperm(pool, generator=g)[: v.num_seqs * v.num_blocks]
+            bt = perm.to(torch.int32).reshape(v.num_seqs, v.num_blocks)
+            q = torch.randn(v.num_seqs, h, d, generator=g).to(dt)
+            out = runner.run([q, kc, vc, bt, lens])[0]
+            assert out.dtype == dt and torch.isfinite(out.float()).all()  # padded rows too
+            assert not out[len(real) :].any()  # a padded row reads nothing: zeros
+            ref = reference_decode(q[: len(real)], kc, vc, bt[: len(real)], real)
+            torch.testing.assert_close(out[: len(real)].float(), ref, **tol)
+            continue
+        bt = torch.randperm(pool, generator=g)[: v.num_blocks].to(torch.int32)
+        for seq_len in lengths:
+            q_real = min(v.query_len, seq_len)
+            q = torch.randn(v.query_len, h, d, generator=g).to(dt)
+            sl = torch.tensor([seq_len, q_real], dtype=torch.int32)
+            out = runner.run([q, kc, vc, bt, sl[:1], sl[1:]])[0]
+            assert out.dtype == dt and torch.isfinite(out.float()).all()
+            ref = reference_attention(q[:q_real], kc, vc, bt, seq_len)
+            torch.testing.assert_close(out[:q_real].float(), ref, **tol)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "bs,dtype", [(16, "float32"), (16, "bfloat16"), (128, "float32"), (192, "float32")]
+)
+def test_compiled_plan_matches_reference_and_verifies(tmp_path, bs, dtype):
+    from kernel_cache.runtime import load_plan
+    from kernel_cache.verify import verify_plan
+    from warmup.planner import warmup
+
+    cfg = _config(tmp_path, bs, dtype)
+    cache = tmp_path / "cache"
+    rep = warmup(cfg, cache, jobs=1, progress=False)
+    assert rep["failed"] == [], rep["failed"]
+    rt = load_plan(cfg, cache)
+    variants = Bucketer(cfg).variants
+    assert {v.kernel for v in variants} == {"paged_attention", BATCHED_DECODE}
+    for i, v in enumerate(variants):
+        _check_runner(cfg, v, rt._runners[v], seed=i)
+    report = verify_plan(cfg, cache)
+    assert report["ok"], report
