@@ -145,7 +145,7 @@ class EngineConfig(BaseModel):
         description="element type of query and KV (default float32 on cpu, bfloat16 on cuda)",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the kernels run")
-    cpu_target: Literal["x86-64-v2", "x86-64-v3", "native"] = Field(
+    cpu_target: Literal["x86-64-v3", "native"] = Field(
         DEFAULT_CPU_TARGET,
         description="instruction set of CPU artifacts (part of the key; native: this CPU's "
         "model and features, loads only on the same; see docs/keys.md)",

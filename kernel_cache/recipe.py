@@ -120,9 +120,10 @@ ISA_FLAGS = (
 
 #: The portable targets; ``native`` is resolved per machine (:func:`resolve_cpu_target`).
 CPU_TARGETS: dict[str, CpuTarget] = {
-    "x86-64-v2": CpuTarget("x86-64-v2", "x86-64-v2", "default", tuple(sorted(_V2))),
     "x86-64-v3": CpuTarget("x86-64-v3", "x86-64-v3", "avx2", tuple(sorted(_V3))),
 }
+# No x86-64-v2: Inductor's CPU flex_attention (the compiled decode kernel) needs a
+# vector ISA, AVX2 at least ("torch.compile on current platform is not supported").
 # No x86-64-v4: for ATEN_CPU_CAPABILITY=avx512 Inductor picks the AVX-512 VNNI or
 # AMX variant when the builder's CPU has it, so one key could hold code for
 # three instruction sets. AVX-512 code is had with ``native``.

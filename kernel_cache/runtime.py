@@ -738,7 +738,7 @@ def check_cpu_features(config: EngineConfig, variant, entry) -> None:
             f"cpu_target={target} and uses {', '.join(missing)}, which this CPU "
             f"({cpu_model()}) lacks; its first call would die of an illegal instruction. "
             f"Build for this CPU: kernel-cache warmup {config_to_cli(config)} "
-            "(--cpu-target x86-64-v2 runs on any x86-64 CPU; native on this one)"
+            "(--cpu-target x86-64-v3 needs AVX2; native builds for this CPU)"
         )
 
 

@@ -162,7 +162,7 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
         kv_buckets=(128, 512),
         query_buckets=(1, 64, 256),
         num_seqs_buckets=(2, 16),
-        cpu_target="x86-64-v2",
+        cpu_target="native",
         use_env=False,
     )
     defaults = EngineConfig.model_fields
