@@ -21,7 +21,7 @@ from pathlib import Path
 from kernel_cache.config import EngineConfig
 from kernel_cache.errors import KernelCacheError
 
-from .cli import CACHE_DIR_HELP, _cache_dir, bundle_option, config_from_args, engine_options
+from .options import CACHE_DIR_HELP, _cache_dir, bundle_option, config_from_args, engine_options
 
 
 def _when(ts) -> str:

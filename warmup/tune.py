@@ -504,7 +504,7 @@ def cmd_tune(args) -> int:
     """``kernel-cache tune``: see the module docstring."""
     from kernel_cache.buckets import parse_bucket_list
     from kernel_cache.errors import KernelCacheError
-    from warmup.cli import _cache_dir, config_from_args
+    from warmup.options import _cache_dir, config_from_args
 
     cfg = config_from_args(args)
     if args.jobs < 1:
@@ -537,7 +537,7 @@ def cmd_tune(args) -> int:
 
 def add_tune_command(sub) -> None:
     """Register ``tune`` on the ``kernel-cache`` subparsers."""
-    from warmup.cli import engine_options
+    from warmup.options import engine_options
 
     st = sub.add_parser(
         "tune",
