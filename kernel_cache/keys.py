@@ -257,7 +257,7 @@ def cxx_toolchain(exe: str | None = None) -> dict[str, str]:
     "libstdcxx": "6.0.30"}``. ``build`` is the sha256 (8 hex) of the lines of
     ``$CXX -v`` that identify the compiler's build (target, configure options,
     thread model, full version): two builds of one gcc version differ here (on
-    the H200 image ``/usr/bin/g++`` and ``/opt/gcc/bin/g++`` are both gcc 13.3.0,
+    a CUDA image (the lent H200's) ``/usr/bin/g++`` and ``/opt/gcc/bin/g++`` are both gcc 13.3.0,
     Ubuntu packages 13.3.0-6ubuntu2~24.04.1 and ~24.04: builds abc044f8 and d25c59f3).
     The library is what the compiler's linker resolves ``libstdc++.so`` to
     (``$CXX -print-file-name=libstdc++.so``, symlinks followed); its version is
@@ -265,7 +265,7 @@ def cxx_toolchain(exe: str | None = None) -> dict[str, str]:
     ``"static"`` when the compiler links ``libstdc++.a`` into the package (no
     shared library found, or ``-static-libstdc++`` on its link line): such a
     package crashes in a process that already has the shared libstdc++, as every
-    torch process has (measured on the H200 image: a ``std::regex`` object built
+    torch process has (measured on that CUDA image: a ``std::regex`` object built
     by ``/opt/gcc/bin/g++``, a wrapper script whose objects do not need
     ``libstdc++.so.6``, ran alone and crashed after ``import torch``).
     ``compiler`` is ``"none"`` where no compiler is installed (a slim runtime image).

@@ -277,11 +277,13 @@ class RedisTier(Tier):
     def is_down(self) -> bool:
         return time.monotonic() < self._down_until
 
-    def _run(self, what: str, fn, default=None):
+    def _run(self, what: str, fn, default=None, *, fail_open: bool | None = None):
         """``fn(client)``; on a Redis failure, :meth:`note_failure` and ``default``
-        (or :class:`RemoteUnavailableError` when not ``fail_open``)."""
+        (or :class:`RemoteUnavailableError` when not fail-open: ``fail_open``,
+        else the tier's)."""
+        fail_open = self.fail_open if fail_open is None else fail_open
         if self.is_down():
-            if not self.fail_open:
+            if not fail_open:
                 raise RemoteUnavailableError(f"Redis at {self.location} is down: {self.error}")
             return default
         try:
@@ -290,7 +292,7 @@ class RedisTier(Tier):
             if not self._is_failure(e):
                 raise
             self.note_failure(e)
-            if not self.fail_open:
+            if not fail_open:
                 raise RemoteUnavailableError(
                     f"Redis at {self.location} failed during {what}: {self.error}; check the URL "
                     "and that redis-server is running and reachable"
@@ -403,6 +405,7 @@ class BuildLock:
         self.lost = False
         self.waited_s = 0.0
         self._lock = None
+        self._held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -431,6 +434,7 @@ class BuildLock:
                 if got is None:
                     return UNAVAILABLE
                 if got:
+                    self._held = True
                     self._start_renewal()
                     return ACQUIRED
                 present = self.tier._run("lock", lambda c: c.exists(entry))
@@ -459,33 +463,6 @@ class BuildLock:
         )
         self._thread.start()
 
-    def detach(self) -> str:
-        """Stop renewing without releasing, for another process to :meth:`adopt`
-        (a warmup worker hands its lock to the parent, which publishes after the
-        load check). Returns the token. The lock expires unless adopted."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.tier.settings.timeout_s + 1)
-            self._thread = None
-        if self._lock is not None:
-            self._lock.local.token = None  # release() is now a no-op here
-        return self.token
-
-    @classmethod
-    def adopt(cls, tier: RedisTier, key: str, token: str) -> BuildLock:
-        """Take over a lock another process of this builder :meth:`detach`-ed:
-        renew it from now on and :meth:`release` it when published."""
-        lk = cls(tier, key)
-        lk.token = token
-
-        def take(c):
-            lk._redis_lock(c).local.token = token.encode()
-            return True
-
-        if tier._run("adopt lock", take):
-            lk._start_renewal()
-        return lk
-
     def _renew(self) -> None:
         from redis.exceptions import LockNotOwnedError
 
@@ -512,12 +489,9 @@ class BuildLock:
         if self._thread is not None:
             self._thread.join(timeout=self.tier.settings.timeout_s + 1)
             self._thread = None
-        if self._lock is not None and self._lock.local.token is not None:
-            fail_open, self.tier.fail_open = self.tier.fail_open, True
-            try:
-                self.tier._run("unlock", lambda c: self._release_quietly())
-            finally:
-                self.tier.fail_open = fail_open
+        if self._held:
+            self._held = False
+            self.tier._run("unlock", lambda c: self._release_quietly(), fail_open=True)
 
     def _release_quietly(self):
         from redis.exceptions import LockError

@@ -39,7 +39,7 @@ from .errors import CorruptEntryError, CpuTargetError, MissingVariantsError, Sha
 from .keys import build_key, environment
 from .launch import resolve_plan
 from .signing import load_signing_key
-from .store import DiskTier, Tier, default_cache_dir, verify_entry
+from .store import DiskTier, Tier, default_cache_dir
 
 log = logging.getLogger("kernel_cache")
 
@@ -126,20 +126,6 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         else:
             os.environ["TMPDIR"] = saved
         Path(path).unlink(missing_ok=True)
-
-
-def fetch_entry(tiers: list[Tier], key: str):
-    """The first verified entry for ``key`` across ``tiers`` (in order), or None.
-
-    Raises:
-        CorruptEntryError: an entry exists but fails verification.
-    """
-    for tier in tiers:
-        entry = tier.get(key)
-        if entry is not None:
-            verify_entry(entry)
-            return entry
-    return None
 
 
 #: Pinned staging rows per slot for the lengths a CUDA call copies to the device;

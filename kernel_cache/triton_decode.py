@@ -4,7 +4,7 @@ The eager plain-PyTorch :class:`kernel_cache.kernels.BatchedDecode` gathers ever
 KV block of the bucket, padded ones included, into float32 copies and runs a
 softmax over them: on an H200 its AOTInductor build took about 2.3 ms at
 granite-3.3-8b geometry, 32 sequences x 8192 tokens, roughly a tenth of what the
-memory bandwidth allows (issue 7). This kernel reads each *real* KV token once,
+memory bandwidth allows. This kernel reads each *real* KV token once,
 straight from the paged cache, and stops at ``seq_len``: padded blocks of a
 bucket, and padded rows (``seq_len == 0``), cost no KV reads.
 

@@ -336,7 +336,7 @@ def test_gpu_replay_on_trace_slice_has_zero_compiles(gpu_cache, tiny_model):
     reason="set KERNEL_CACHE_TEST_OTHER_CXX to a second C++ compiler",
 )
 def test_gpu_warmup_with_other_compiler_never_publishes_a_crashing_artifact(tmp_path, tiny_model):
-    """With another toolchain (on the H200 image: /opt/gcc/bin/g++, whose packages
+    """With another toolchain (on the lent H200's CUDA image: /opt/gcc/bin/g++, whose packages
     crashed on load), each new artifact either loads in a fresh process and is
     published, or is reported (variant, compiler, fix) and not published."""
     from kernel_cache.keys import cxx_toolchain

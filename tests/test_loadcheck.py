@@ -3,7 +3,7 @@
 The crashing artifacts here are real: a package whose ``wrapper.so`` runs a
 constructor that raises SIGSEGV when the AOTInductor loader opens it, built by
 the system C compiler, the way a mismatched C++ toolchain's package crashes a
-process on load (issue 7).
+process on load.
 """
 
 import io

@@ -100,7 +100,7 @@ def crash_advice(signame: str, child_lib: str) -> str:
         why = (
             "The compiler links libstdc++ statically into the package, while the engine "
             "process already has the shared libstdc++ (torch loads it): two C++ runtimes "
-            "in one process crash (on the H200 image in std::regex)."
+            "in one process crash (seen on a CUDA image in std::regex)."
         )
         preload = process_lib
     elif t["libstdcxx_path"] and child_lib and t["libstdcxx_path"] not in child_lib:
