@@ -60,7 +60,7 @@ def main() -> None:
     from kernel_cache.config import EngineConfig
     from kernel_cache.inputs import make_inputs
     from kernel_cache.runtime import load_package
-    from warmup.compiler import compile_variant
+    from warmup.compiler import compile_with_options
 
     import_s = time.perf_counter() - t0
     spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0, "cxx_cpu": 0.0}
@@ -90,7 +90,7 @@ def main() -> None:
         v = KernelVariant.parse(s)
         before = dict(spent)
         t, c = time.perf_counter(), cpu_all()
-        data, tm = compile_variant(cfg, v, opts)
+        data, tm = compile_with_options(cfg, v, opts)
         total = time.perf_counter() - t
         cpu = cpu_all() - c
         cxx = spent["cxx"] - before["cxx"]

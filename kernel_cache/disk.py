@@ -48,7 +48,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
 from . import _testhooks
-from .errors import CacheBusyError, CacheWriteError, ConfigError
+from .errors import CacheBusyError, CacheWriteError, ConfigError, DamagedIndexError
 
 log = logging.getLogger("kernel_cache")
 
@@ -266,6 +266,23 @@ def as_write_error(
     return None
 
 
+_DAMAGED = ("file is not a database", "database disk image is malformed")
+
+
+def damaged_index(e: BaseException, directory: Path) -> DamagedIndexError | None:
+    """A :class:`DamagedIndexError` naming the index and the fix when SQLite's
+    error ``e`` says the file is not a database or is malformed, else None."""
+    if not isinstance(e, sqlite3.DatabaseError) or not any(m in str(e) for m in _DAMAGED):
+        return None
+    db = Path(directory) / DBNAME
+    return DamagedIndexError(
+        f"the cache index {db} is damaged ({e}); nothing in {directory} can be looked up "
+        f"through it. Fix: move it away (mv {db} {db}.damaged), then run kernel-cache "
+        "warmup, which rebuilds the index and the entries (kernel-cache gc removes the "
+        "artifact files the old index referenced)"
+    )
+
+
 def retry_busy(fn: Callable[[], T], *, directory: Path, timeout: float, what: str) -> T:
     """Call ``fn``; while SQLite says the index is locked, back off and retry.
 
@@ -274,14 +291,18 @@ def retry_busy(fn: Callable[[], T], *, directory: Path, timeout: float, what: st
 
     Raises:
         CacheBusyError: still locked after ``timeout`` seconds.
+        DamagedIndexError: the index is not a database or is malformed.
     """
     deadline = time.monotonic() + timeout
     delay = 0.01
     while True:
         try:
             return fn()
-        except (sqlite3.OperationalError, diskcache.Timeout) as e:
-            if not _is_busy(e):
+        except (sqlite3.DatabaseError, diskcache.Timeout) as e:
+            damaged = damaged_index(e, directory)
+            if damaged is not None:
+                raise damaged from None
+            if not isinstance(e, (sqlite3.OperationalError, diskcache.Timeout)) or not _is_busy(e):
                 raise
             left = deadline - time.monotonic()
             if left <= 0:

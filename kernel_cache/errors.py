@@ -59,6 +59,11 @@ class BundleError(KernelCacheError):
     (export), or is incomplete (names the path or the variants and the fix)."""
 
 
+class DamagedIndexError(KernelCacheError):
+    """The cache index (``cache.db``) is not a readable SQLite database (names
+    it and the fix)."""
+
+
 class CacheBusyError(KernelCacheError):
     """The cache's SQLite index stayed locked ("database is locked") by other
     processes for longer than the bounded wait (``KERNEL_CACHE_DB_TIMEOUT``)."""

@@ -712,11 +712,22 @@ def check_cpu_features(config: EngineConfig, variant, entry) -> None:
     Raises:
         CpuTargetError: names the variant, the entry, its target, the missing
             features and the warmup command for a target this CPU runs.
+        CorruptEntryError: a CPU entry without a list of ``cpu_features``.
     """
     from .recipe import cpu_model, missing_cpu_features
 
-    needed = entry.meta.get("cpu_features") or []
-    missing = missing_cpu_features(needed) if isinstance(needed, list) else []
+    if config.device != "cpu":
+        return
+    needed = entry.meta.get("cpu_features")
+    if not isinstance(needed, list) or not all(isinstance(f, str) for f in needed):
+        raise CorruptEntryError(
+            entry.key,
+            f"variant {variant}: a CPU entry must record its cpu_features (a list of CPU "
+            f"flags), it records {needed!r}; repair with: kernel-cache warmup "
+            f"{config_to_cli(config)}",
+            entry.where,
+        )
+    missing = missing_cpu_features(needed)
     if missing:
         target = entry.meta.get("cpu_target", "?")
         raise CpuTargetError(

@@ -232,7 +232,7 @@ class DiskTier(Tier):
             CacheBusyError: the index stayed locked for ``timeout`` seconds.
         """
         if self._cache is None:
-            from .disk import as_write_error, open_cache
+            from .disk import as_write_error, damaged_index, open_cache
 
             if self.read_only:
                 raise CacheWriteError(f"cache {self.directory} was opened read-only")
@@ -241,8 +241,10 @@ class DiskTier(Tier):
                 self._cache = open_cache(
                     self.directory, timeout=self.timeout, shared=self.allow_shared
                 )
-            except (OSError, sqlite3.OperationalError) as e:
-                err = as_write_error(e, self.directory, None, "opening the cache")
+            except (OSError, sqlite3.DatabaseError) as e:
+                err = damaged_index(e, self.directory) or as_write_error(
+                    e, self.directory, None, "opening the cache"
+                )
                 if err is None:
                     raise
                 raise err from None

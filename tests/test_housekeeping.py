@@ -310,3 +310,26 @@ def test_gc_and_clear_remove_orphan_files_but_keep_young_ones_and_quarantine(tmp
     assert "kept 1 unreferenced artifact files younger than 60 minutes" in proc.stdout
     assert not stale2.exists() and young.exists() and not (cache / "quarantine").exists()
     assert DiskTier(cache, read_only=True).get(key) is None
+
+
+def test_a_damaged_index_is_a_clear_error_for_every_command(tmp_path, tiny_model):
+    """cache.db that is not an SQLite database: every command names it and the
+    fix (move it away, warm up again) instead of a traceback."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "cache.db").write_bytes(b"not a database, not even close" * 10)
+    cmds = [
+        ("verify", *tiny_args(tiny_model)),
+        ("warmup", *tiny_args(tiny_model), "--quiet"),
+        ("explain", *tiny_args(tiny_model)),
+        ("ls",),
+        ("stats",),
+        ("clear",),
+        ("gc", "--max-size", "1"),
+    ]
+    for cmd in cmds:
+        proc = run_cli(*cmd, "--cache-dir", cache)
+        assert proc.returncode == 2, (cmd, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert f"the cache index {cache / 'cache.db'} is damaged" in proc.stderr
+        assert f"mv {cache / 'cache.db'} {cache / 'cache.db'}.damaged" in proc.stderr

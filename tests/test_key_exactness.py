@@ -186,6 +186,7 @@ def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_confi
 
 
 # -- the CPU target at engine start ------------------------------------------------
+@pytest.mark.compile
 def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
     cache_copy, tiny_config, tiny_model
 ):
@@ -213,6 +214,12 @@ def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
     proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache_copy)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert lacking in proc.stderr
+    # The repair verify prints works: warmup sees that the entry records other
+    # features than its key's target, quarantines it and builds it again.
+    repair = proc.stderr.split("repair: kernel-cache ")[1].split()
+    report = json.loads(run_cli(*repair, "--json", "--quiet", check=True).stdout)
+    assert report["compiled"] == 1 and [q["variant"] for q in report["quarantined"]] == [str(v)]
+    assert load_plan(tiny_config, cache_copy).counters["loads"] == 6
 
 
 def test_docs_list_the_environment_rules_the_code_applies():

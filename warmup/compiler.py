@@ -153,17 +153,22 @@ def _has_option(cfg, dotted: str) -> bool:
     return True
 
 
-def compile_variant(
-    config: EngineConfig,
-    variant: KernelVariant,
-    compile_options_: dict | None = None,
-    launch: dict | None = None,
-) -> tuple[bytes, dict]:
-    """Export and AOT-compile ``variant``; return the package bytes and timings.
+#: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
+#: option that does not exist, so that a real compiler error is reported.
+ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
 
-    ``compile_options_``: the Inductor options (default: the recipe's,
-    :func:`kernel_cache.recipe.compile_options`). ``launch`` is the variant's
-    resolved launch config (the one in its key;
+
+def compile_variant(
+    config: EngineConfig, variant: KernelVariant, launch: dict | None = None
+) -> tuple[bytes, dict]:
+    """Export and AOT-compile ``variant`` exactly as its key says: under the
+    recipe's pinned environment (:func:`pin_environment`, applied here, a no-op
+    in a worker that applied it already) and with the recipe's Inductor
+    options; return the package bytes and timings. Nothing a caller passes can
+    change the options or the environment, so the code that decides them is all
+    in the key's ``sources`` (this module and what it imports).
+
+    ``launch`` is the variant's resolved launch config (the one in its key;
     :func:`kernel_cache.launch.resolve_plan`); None resolves it here.
 
     Returns:
@@ -172,14 +177,31 @@ def compile_variant(
     Raises:
         CompileError: export or AOTInductor failed (the message names the variant
             and carries the compiler's error text).
+        ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
+    """
+    pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    opts = compile_options(config.device, config.cpu_target)
+    if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
+        opts["kernel_cache_test_no_such_option"] = True
+    return compile_with_options(config, variant, opts, launch)
+
+
+def compile_with_options(
+    config: EngineConfig, variant: KernelVariant, options: dict, launch: dict | None = None
+) -> tuple[bytes, dict]:
+    """:func:`compile_variant` with other Inductor ``options`` and the caller's
+    environment: for benchmarks comparing options, never for the cache (the key
+    would not describe the artifact).
+
+    Raises:
+        CompileError: as :func:`compile_variant`.
     """
     import torch
     import torch._inductor
 
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
-    base = compile_options(config.device, config.cpu_target)
-    opts = dict(base if compile_options_ is None else compile_options_)
+    opts = dict(options)
     # A built-in option this torch does not have (enable_line_tables is new in
     # 2.13) is left out. The torch version is in the key, so one key always
     # means one set of options.

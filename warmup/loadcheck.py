@@ -315,16 +315,32 @@ class LoadChecker:
                 else _signal_name(proc.returncode)
             )
             return {"ok": False, "error": crash_advice(signame, self.libstdcxx), "signal": signame}
-        tail = " | ".join(err.strip().splitlines()[-3:])
-        return {"ok": False, "error": f"the load check process failed ({why}): {tail}"}
+        tail = " | ".join(err.strip().splitlines()[-3:]) or "no output"
+        status = "still running" if timed_out else _signal_name(proc.returncode)
+        return {
+            "ok": False,
+            "error": f"the load check process failed before loading it ({why}; {status}): {tail}",
+            "retry": True,
+        }
 
     def check(self, variant: str, data: bytes) -> dict:
         """Load ``data`` (a ``.pt2`` package of ``variant``) once in the check process.
+
+        A check process that dies before it loads the artifact (killed, failed to
+        start) says nothing about the artifact: a new one is started and the
+        artifact checked once more.
 
         Returns:
             ``{"ok": True}``, or ``{"ok": False, "error": what happened and the fix}``
             (``"signal"`` too when the load killed the process).
         """
+        verdict = self._check_once(variant, data)
+        if verdict.pop("retry", False):
+            verdict = self._check_once(variant, data)
+            verdict.pop("retry", None)
+        return verdict
+
+    def _check_once(self, variant: str, data: bytes) -> dict:
         deadline = time.monotonic() + self.timeout
         if self.proc is None or self.proc.poll() is not None:
             self._start()

@@ -64,7 +64,7 @@ from kernel_cache.errors import (
     LockTimeoutError,
     UntrustedCacheError,
 )
-from kernel_cache.keys import build_key, environment, key_from_components, recipe_options
+from kernel_cache.keys import build_key, environment, key_from_components
 from kernel_cache.launch import describe_plan, resolve_plan
 from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env, pid_alive
 from kernel_cache.lookup import Lookup
@@ -81,17 +81,17 @@ log = logging.getLogger("kernel_cache.warmup")
 #: and precompiled headers) for debugging; its path is logged.
 ENV_KEEP_SCRATCH = "KERNEL_CACHE_KEEP_SCRATCH"
 
-#: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
-#: option that does not exist, so that a real compiler error is reported.
-ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
 
-
-def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
+def check_cached(
+    tier: DiskTier, key: str, device: str, cpu_features: list[str] | None = None
+) -> str | None:
     """Why the cached entry of ``key`` cannot be used, or None if it can.
 
     Returns ``"missing"`` for no entry, a corruption or trust reason for a bad
     one (checksum, truncation, metadata that does not parse, a file others can
-    write, a package AOTInductor's loader rejects). Never modifies the cache.
+    write, a package AOTInductor's loader rejects, or, given ``cpu_features``
+    (what this key's CPU target records), other recorded CPU features: an entry
+    that says it needs instructions its key does not). Never modifies the cache.
     """
     from kernel_cache.runtime import load_package
 
@@ -100,6 +100,11 @@ def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
         if entry is None:
             return "missing"
         verify_entry(entry)
+        if cpu_features is not None and entry.meta.get("cpu_features") != cpu_features:
+            return (
+                f"its recorded cpu_features {entry.meta.get('cpu_features')!r} are not its "
+                f"key's CPU target's {cpu_features!r}"
+            )
         runner = load_package(entry.data, device, entry.where, key)
         del runner
     except CorruptEntryError as e:
@@ -107,6 +112,13 @@ def check_cached(tier: DiskTier, key: str, device: str) -> str | None:
     except UntrustedCacheError as e:
         return f"untrusted: {e}"
     return None
+
+
+def _cpu_features(config: EngineConfig) -> list[str] | None:
+    """What a CPU artifact of ``config`` records as ``cpu_features`` (None on CUDA)."""
+    from warmup.compiler import required_cpu_features
+
+    return required_cpu_features(config) if config.device == "cpu" else None
 
 
 class Status(str, Enum):
@@ -214,9 +226,9 @@ def _claim(lock: KeyLock, blocking: bool, timeout: float, res: VariantResult) ->
     return True
 
 
-def _check_local(tier: DiskTier, key: str, device: str, res: VariantResult) -> bool:
+def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantResult) -> bool:
     """Step 2: True if a verified entry is cached; a bad one is quarantined."""
-    why = check_cached(tier, key, device)
+    why = check_cached(tier, key, config.device, _cpu_features(config))
     if why is None:
         res.status = Status.CACHED
         return True
@@ -256,11 +268,8 @@ def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, d
     """Step 3: run the compiler; returns the package bytes and its metadata."""
     from warmup.compiler import compile_variant, required_cpu_features
 
-    opts = recipe_options(config)
-    if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
-        opts["kernel_cache_test_no_such_option"] = True
     res.compiler_ran = True
-    data, timings = compile_variant(config, variant, opts, launch=launch)
+    data, timings = compile_variant(config, variant, launch=launch)
     res.timings = timings
     extra = {"timings": timings}
     if config.device == "cpu":
@@ -327,7 +336,7 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     tier = DiskTier(cache_dir, allow_shared=allow_shared)
     build_lock = None
     try:
-        if _check_local(tier, key.hexdigest, config.device, res):
+        if _check_local(tier, key.hexdigest, config, res):
             return res
         if remote is not None:
             build_lock = _claim_remote(remote, tier, key, options["blocking"], res)
@@ -376,10 +385,11 @@ def _precheck(config, plan, cache_dir, allow_shared):
         write_error = e
         tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
     cached, todo, bad = [], [], {}
+    features = _cpu_features(config)
     try:
         for v, launch in plan:
             key = build_key(config, v, env, launch=launch).hexdigest
-            why = check_cached(tier, key, config.device)
+            why = check_cached(tier, key, config.device, features)
             if why is None:
                 cached.append((v, launch))
             else:
@@ -507,6 +517,9 @@ def warmup(
     finally:
         reporter.close()
     if rtier is not None:
+        failure = next((r.remote_error for r in results if r.remote_error), None)
+        if failure is not None and rtier.error is None:
+            rtier.note_failure(failure)  # a worker's Redis failure: this process warns once
         rtier.close()
     usage.record(
         cache_dir,
@@ -785,6 +798,10 @@ def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
 def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
     """Build ``todo`` (``[(variant, launch config)]``) in ``jobs`` worker processes.
 
+    A worker that dies (SIGKILL, out of memory, a crash) breaks the pool and
+    fails every variant in flight; those are tried once more in a new pool, and
+    only a variant whose second try also dies is reported failed.
+
     Raises:
         _Interrupt: SIGINT or SIGTERM; the workers are stopped first (their
             finished artifacts are published already).
@@ -795,22 +812,27 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     scratch = _new_scratch()
     results: list[VariantResult] = []
     fatal = None
-    pool = ProcessPoolExecutor(
-        max_workers=jobs,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(os.getpid(), config.device, config.cpu_target, scratch),
-    )
-    futs: dict = {}
-
     env = environment(config)
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(), config.device, config.cpu_target, scratch),
+        )
+
+    pools = [new_pool()]
+    futs: dict = {}  # future -> (variant, launch)
+    pool_of: dict = {}  # future -> index in pools of the pool it was sent to
+    retried: set[str] = set()
 
     def submit(item, blocking: bool):
         v, launch = item
         key = build_key(config, v, env, launch=launch).as_dict()
         opts = {**options, "blocking": blocking, "launch": launch, "key": key}
-        f = pool.submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
-        futs[f] = item
+        f = pools[-1].submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
+        futs[f], pool_of[f] = item, len(pools) - 1
         return f
 
     def on_signal(signum, frame):
@@ -823,17 +845,26 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
             reporter.running([str(futs[f][0]) for f in pending if f.running()])
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
-                v = futs[f][0]
+                item = futs[f]
+                v = item[0]
                 if f.cancelled():
                     r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
                 else:
                     try:
                         r = f.result()
+                    except BrokenProcessPool as e:
+                        if str(v) not in retried and fatal is None:
+                            retried.add(str(v))
+                            if pool_of[f] == len(pools) - 1:  # the newest pool broke
+                                pools.append(new_pool())
+                            pending.add(submit(item, True))
+                            continue
+                        r = _worker_failure(v, e)
                     except Exception as e:
                         r = _worker_failure(v, e)
                 if r.status is Status.BUSY:
                     if fatal is None:
-                        pending.add(submit(futs[f], True))
+                        pending.add(submit(item, True))
                         continue
                     r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
                 results.append(r)
@@ -844,14 +875,16 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
                         p.cancel()
     except (KeyboardInterrupt, _Interrupt) as e:
         signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
-        _stop_workers(pool)
+        for pool in pools:
+            _stop_workers(pool)
         seen = {r.variant for r in results}
         left = [VariantResult(str(v), Status.NOT_STARTED) for v, _ in todo if str(v) not in seen]
         raise _Interrupt(signum, results + left) from None
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-        pool.shutdown(wait=True, cancel_futures=True)
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
         _drop_scratch(scratch)
     return results
 
