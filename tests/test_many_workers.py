@@ -214,7 +214,8 @@ def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, ti
     art[1].write_bytes(art[1].read_bytes()[:1000])  # truncated
     tier.cache.set("meta/" + keys[2], b'{"key": "garbage')  # metadata that does not parse
     junk = os.urandom(300_000)  # bytes whose checksum matches, but not a package
-    tier.put(keys[3], junk, make_meta(build_key(tiny_config, variants[3]), "x", junk, 0.0))
+    cpu = {k: tier.get(keys[3]).meta[k] for k in ("cpu_target", "cpu_features")}
+    tier.put(keys[3], junk, make_meta(build_key(tiny_config, variants[3]), "x", junk, 0.0, **cpu))
     tier.close()
     reasons = ["sha256", "truncated", "not JSON", "loader rejected"]
 
@@ -411,3 +412,27 @@ def test_sigterm_stops_a_warmup_with_143_and_no_traceback(tmp_path, tiny_model):
             break
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists(), "the compile worker outlived the warmup"
+
+
+def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
+    """SIGKILL one compile worker (as the OOM killer would) in the middle of its
+    compile: the variants in flight are built again in a new pool, the run
+    ends with every variant compiled once and published, exit 0."""
+    cache, log = tmp_path / "cache", tmp_path / "compiles"
+    env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    proc = cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2", "--json", env=env
+    )
+    t0 = time.monotonic()
+    while not (log.exists() and log.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() - t0 < 600, proc.communicate()
+        time.sleep(0.05)
+    victim_pid, victim = log.read_text().split("\n")[0].split()
+    os.kill(int(victim_pid), signal.SIGKILL)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["compiled"] == 6 and report["failed"] == [], report["failed"]
+    lines = log.read_text().split("\n")
+    assert sum(line.endswith(" " + victim) for line in lines) == 2  # killed once, then rebuilt
+    assert verify_json(tiny_model, cache)["ok"] is True
