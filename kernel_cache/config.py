@@ -151,9 +151,11 @@ class EngineConfig(BaseModel):
         "model and features, loads only on the same; see docs/keys.md)",
     )
     kv_ladder: Literal["4/3", "pow2"] = Field(
-        "4/3",
-        description="KV bucket ladder: 4/3 grows by a third up to --kv-dense-cap, "
-        "then doubles; pow2 doubles",
+        "pow2",
+        description="KV bucket ladder: pow2 doubles (the shipped kernels read only real KV, "
+        "so finer buckets would only add variants); 4/3 grows by a third up to "
+        "--kv-dense-cap, then doubles (for kernels that read their whole bucket; "
+        "docs/benchmarks.md, 'Padding')",
     )
     kv_dense_cap: int = Field(
         4096, description="tokens where the 4/3 ladder starts doubling; 0 means no cap"

@@ -74,7 +74,7 @@ def test_padding_smoke(tmp_path):
             "padded_read_fraction_prefill",
             "padded_read_fraction_decode",
         } <= set(r)
-    assert "4/3 default beats pow2" in doc["target"]
+    assert "4/3 capped reads less than pow2 for whole-bucket kernels" in doc["target"]
     assert doc["config"]["requests"] == 30
     if has_mpl:
         assert plot.stat().st_size > 0

@@ -19,8 +19,16 @@ def cfg(**kw):
         "block_size": 128,
         "max_num_seqs": 64,
         "max_num_batched_tokens": 2048,
+        "kv_ladder": "4/3",
     }
     return make_config("llama-3.1-8b", **{**base, **kw})
+
+
+def test_the_default_ladder_is_pow2():
+    """The shipped kernels read only real KV, so the default ladder only decides
+    how many variants are compiled (docs/benchmarks.md, "Padding")."""
+    assert make_config("llama-3.2-1b").kv_ladder == "pow2"
+    assert Bucketer(make_config("llama-3.2-1b")).kv_buckets == (128, 256, 512, 1024)
 
 
 def test_required_ladders_block_128():
@@ -105,6 +113,7 @@ def test_below_cap_padding_under_a_quarter(max_model_len, block_size, cap):
             block_size=block_size,
             kv_dense_cap=cap,
             max_num_batched_tokens=max_model_len,
+            kv_ladder="4/3",
         )
     )
     cap_blocks = math.ceil(cap / block_size) if cap else b.max_blocks
