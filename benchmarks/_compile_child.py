@@ -60,7 +60,7 @@ def main() -> None:
     from kernel_cache.config import EngineConfig
     from kernel_cache.inputs import make_inputs
     from kernel_cache.runtime import load_package
-    from warmup.compiler import compile_with_options
+    from warmup.compiler import compile_with_options, pin_environment
 
     import_s = time.perf_counter() - t0
     spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0, "cxx_cpu": 0.0}
@@ -84,6 +84,9 @@ def main() -> None:
     package.package_aoti = timed(package.package_aoti, "packaging")
 
     cfg = EngineConfig.model_validate_json(spec["config"])
+    # The recipe's environment (as a warmup worker has it), keeping this phase's
+    # Inductor directory; the options under comparison come from the spec.
+    pin_environment(cfg.device, cfg.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = spec["compile_options"]
     rows = []
     for s in spec["variants"]:

@@ -39,6 +39,9 @@ from kernel_cache.recipe import (
 
 #: Modules that read the pinned environment variables when first imported.
 _READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
+#: Pinned variables Inductor reads when it uses them, not at import: setting
+#: them later takes effect.
+_READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
 
 
 def pin_environment(device: str, cpu_target: str, scratch: str | None = None) -> None:
@@ -58,7 +61,9 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
     env = compile_environment(os.environ, device, cpu_target, scratch)
     stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
     dirty = sorted(
-        k for k in os.environ if classify(k).action == PINNED and env.get(k) != os.environ[k]
+        k
+        for k in os.environ
+        if classify(k).action == PINNED and k not in _READ_AT_CALL and env.get(k) != os.environ[k]
     )
     if stale and dirty:
         raise ConfigError(
@@ -180,6 +185,7 @@ def compile_variant(
         ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
     """
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    _check_vec_isa(config)
     opts = compile_options(config.device, config.cpu_target)
     if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
         opts["kernel_cache_test_no_such_option"] = True
@@ -210,7 +216,6 @@ def compile_with_options(
     opts = {
         k: v for k, v in opts.items() if k not in BASE_OPTIONS or _has_option(inductor_config, k)
     }
-    _check_vec_isa(config)
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
     t0 = time.perf_counter()
