@@ -15,7 +15,8 @@ copied into an image layer or mounted read-only anywhere::
                "cxx": "gcc 12.2.0", "platform": "Linux-...-x86_64"},
      "entries": [{"variant", "key", "components": {name: value},
                   "file": "artifacts/<sha256>.pt2", "sha256", "size" (bytes),
-                  "compile_seconds", "created", "format"}, ...]}
+                  "compile_seconds", "created", "format", and for a CPU artifact
+                  "cpu_target", "cpu_features"}, ...]}
 
 ``kernel-cache export`` writes one (:func:`export_bundle`); engine start and
 ``verify`` read them through :class:`BundleTier` from ``--bundle DIR`` and
@@ -266,6 +267,8 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
                     "compile_seconds": m.get("compile_seconds"),
                     "created": m.get("created"),
                     "format": m.get("format"),
+                    # a CPU artifact's instruction-set record, checked at engine start
+                    **{f: m[f] for f in ("cpu_target", "cpu_features") if f in m},
                 }
             )
             signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
