@@ -300,10 +300,13 @@ class LoadChecker:
 
     def _fail(self, why: str, crashed_in_load: bool) -> dict:
         proc, self.proc = self.proc, None
-        timed_out = proc.poll() is None
-        if timed_out:
+        try:  # at EOF the child is exiting: reap it to read how it ended
+            proc.wait(timeout=10)
+            timed_out = False
+        except subprocess.TimeoutExpired:  # no answer by the deadline: it hangs
             proc.kill()
-        proc.wait()
+            proc.wait()
+            timed_out = True
         try:
             err = self._err.read_text(errors="replace")
         except OSError:
