@@ -375,7 +375,17 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     while the warmup runs."""
     cache = tmp_path / "cache"
     args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1")
-    proc = cli(*args)
+    # As a terminal starts it: SIGINT at its default, even where this test runs
+    # with SIGINT ignored (a background job of a script inherits that).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     first = proc.stderr.readline()  # blocks until the first variant is done
     assert re.match(r"warmup \[1/6\] \S+ compiled [\d.]+ s$", first.strip()), first
     assert proc.poll() is None  # a line per variant before the end
