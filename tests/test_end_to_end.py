@@ -144,3 +144,27 @@ def test_replay_on_trace_slice_has_zero_compiles(warm_cache, tiny_model):
     assert doc["requests"] == 40 and doc["compiles"] == 0
     assert doc["kernel_calls"] == sum(doc["calls_per_variant"].values()) > 40
     assert 0 <= doc["padded_read_fraction"] < 1
+
+
+@pytest.mark.compile
+def test_warmup_leaves_no_compile_scratch_in_the_temp_dir(tmp_path, tiny_model):
+    """Inductor's scratch (sources, objects, precompiled headers) goes to a
+    private directory under the temp dir that warmup removes; nothing named
+    torchinductor_* or kernel_cache-inductor-* is left there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    one = ["--kv-buckets", "16", "--query-buckets", "1", "--num-seqs-buckets", "4"]
+    proc = run_cli(
+        "warmup",
+        *tiny_args(tiny_model),
+        *one,
+        "--cache-dir",
+        tmp_path / "cache",
+        "--json",
+        "--quiet",
+        env={"TMPDIR": str(tmp)},
+        check=True,
+    )
+    assert json.loads(proc.stdout)["compiled"] >= 1
+    left = sorted(p.name for p in tmp.iterdir())
+    assert not [n for n in left if n.startswith(("torchinductor_", "kernel_cache-inductor-"))], left

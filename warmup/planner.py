@@ -730,6 +730,7 @@ class _Reporter:
 
     def close(self) -> None:
         if self.bar is not None:
+            self.bar.update(self.task, description="")
             self.bar.stop()
             self.bar = None
 
