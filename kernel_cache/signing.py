@@ -58,7 +58,21 @@ class SignatureError(CorruptEntryError):
 
 
 def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+    """``KERNEL_CACHE_REQUIRE_SIGNED`` as a bool: 1/true/yes/on or 0/false/no/off
+    (unset or empty: off).
+
+    Raises:
+        SigningKeyError: any other value (a misspelt "require" must not mean "off").
+    """
+    raw = (value or "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    raise SigningKeyError(
+        f"{ENV_REQUIRE_SIGNED}={value!r}: expected 1 or 0 (true/false, yes/no, on/off; "
+        "unset means 0)"
+    )
 
 
 _warned_paths: set[str] = set()

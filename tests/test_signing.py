@@ -187,3 +187,14 @@ def test_require_signed_without_key_fails_at_start(tiny_model, tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert "--require-signed" in proc.stderr and ENV_SIGNING_KEY in proc.stderr
     assert list(tmp_path.iterdir()) == []  # failed before touching the cache
+
+
+def test_a_misspelt_require_signed_is_an_error_not_off():
+    from kernel_cache.signing import ENV_REQUIRE_SIGNED, SigningKeyError, load_signing_key
+
+    for value in ("1", "yes", "on"):
+        with pytest.raises(SigningKeyError, match="required"):
+            load_signing_key({ENV_REQUIRE_SIGNED: value})
+    assert load_signing_key({ENV_REQUIRE_SIGNED: "0"}) is None
+    with pytest.raises(SigningKeyError, match=f"{ENV_REQUIRE_SIGNED}='ture'"):
+        load_signing_key({ENV_REQUIRE_SIGNED: "ture"})
