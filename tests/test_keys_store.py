@@ -18,7 +18,20 @@ def test_key_is_ordered_named_components(tiny_config):
     assert tuple(n for n, _ in k.components) == COMPONENTS
     assert k.hexdigest == build_key(tiny_config, v).hexdigest
     assert set(k.component_digests()) == set(COMPONENTS)
-    assert EXCLUDED  # the explicit list of what must not count
+
+
+def test_what_is_excluded_does_not_change_the_key(tiny_config, monkeypatch, tmp_path):
+    """EXCLUDED's items, changed one at a time: the engine limits (they only choose
+    which variants exist), the device index, HOME and the working directory."""
+    assert any("max_model_len" in item for item in EXCLUDED)
+    v = Bucketer(tiny_config).variants[0]
+    base = build_key(tiny_config, v).hexdigest
+    bigger = tiny_config.model_copy(update={"max_model_len": 64, "max_num_seqs": 8})
+    assert build_key(bigger, v).hexdigest == base
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert build_key(tiny_config, v).hexdigest == base
 
 
 def test_key_holds_no_path_user_or_host(tiny_config):
