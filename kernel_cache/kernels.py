@@ -18,7 +18,9 @@ Two kinds of kernel live here:
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
-  reads none. Run eagerly (or on another device) they are the plain kernels.
+  reads none. Off the CPU both are the plain kernels; run eagerly, decode is
+  the plain kernel too (eager ``flex_attention`` ignores the block mask's
+  sparsity) and prefill is the same gather and SDPA.
 
 All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
 ``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
@@ -235,8 +237,8 @@ class RealKVPagedAttention(PagedAttention):
     is the plain :class:`PagedAttention`.
 
     Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
-    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block,
-    all of it masked except position 0's row, and stays finite.
+    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block
+    and sees its position 0 only, so it stays finite.
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
@@ -273,8 +275,8 @@ class RealKVBatchedDecode(BatchedDecode):
     """:class:`BatchedDecode` that reads only real KV when compiled for the CPU.
 
     Same inputs, outputs, launch parameters and semantics as
-    :class:`BatchedDecode`. Traced for export on the CPU
-    (``torch.compiler.is_compiling()``), it is one
+    :class:`BatchedDecode`. Traced on the CPU by ``torch.export`` or
+    ``torch.compile`` (``torch.compiler.is_compiling()``), it is one
     ``torch.nn.attention.flex_attention`` call over the whole pool: K and V are
     the pool viewed as ``[1, num_kv_heads, num_pool_blocks * block_size,
     head_dim]`` (no copy), and each sequence is one batch entry whose
@@ -351,8 +353,8 @@ def build_module(
     kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
 ) -> nn.Module:
     """The module for ``kernel`` ("paged_attention" or "batched_decode"):
-    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode` (the plain
-    kernels when run eagerly or off the CPU; see their docstrings).
+    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode` (see their
+    docstrings for when they run the plain kernels).
 
     ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
     ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
