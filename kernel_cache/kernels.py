@@ -18,9 +18,9 @@ Two kinds of kernel live here:
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
-  reads none. Off the CPU both are the plain kernels; run eagerly, decode is
-  the plain kernel too (eager ``flex_attention`` ignores the block mask's
-  sparsity) and prefill is the same gather and SDPA.
+  reads none. Run eagerly (``verify``'s oracle) or off the CPU both are the
+  plain kernels (for decode also because eager ``flex_attention`` ignores the
+  block mask's sparsity).
 
 All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
 ``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
@@ -226,15 +226,18 @@ class BatchedDecode(nn.Module):
 class RealKVPagedAttention(PagedAttention):
     """:class:`PagedAttention` that reads only the sequence's real KV blocks (CPU).
 
-    Same inputs, outputs and semantics as :class:`PagedAttention`. On the CPU it
+    Same inputs, outputs and semantics as :class:`PagedAttention`. Traced on the
+    CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it
     gathers the first ``n = clamp(ceil(seq_len / block_size), 1, num_blocks)``
     blocks of ``block_table`` (``n`` is data-dependent: an unbacked size under
     ``torch.export``, bounded by ``torch._check``) into ``[n * block_size,
     num_kv_heads, head_dim]`` in the cache's dtype, and calls
     ``scaled_dot_product_attention`` (GQA through ``enable_gqa``, a boolean
     causal mask ending at ``seq_len``). Blocks past ``seq_len`` are not read;
-    the copy is of the real blocks only, not of the bucket. On another device it
-    is the plain :class:`PagedAttention`.
+    the copy is of the real blocks only, not of the bucket. Run eagerly
+    (``verify``'s oracle) or on another device it is the plain
+    :class:`PagedAttention`, so that ``verify`` compares the artifact with an
+    independent formulation.
 
     Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
     are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block
@@ -242,10 +245,15 @@ class RealKVPagedAttention(PagedAttention):
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
-        if query.device.type != "cpu":
+        if query.device.type != "cpu" or not torch.compiler.is_compiling():
             return super().forward(
                 query, key_cache, value_cache, block_table, seq_len, real_query_len
             )
+        return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+
+    def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        """The gather of the real blocks and SDPA (what is compiled for the CPU);
+        callable eagerly. Same inputs and output as :meth:`forward`."""
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
@@ -353,8 +361,9 @@ def build_module(
     kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
 ) -> nn.Module:
     """The module for ``kernel`` ("paged_attention" or "batched_decode"):
-    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode` (see their
-    docstrings for when they run the plain kernels).
+    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode`: the
+    real-KV kernels when compiled for the CPU, the plain kernels eagerly and
+    off the CPU.
 
     ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
     ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
