@@ -19,8 +19,8 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
 * ``compiled``: the AOTInductor kernel of the variant (loaded from the
   kernel_cache directory; warmed first if missing) on bucket-padded inputs;
 * ``eager``: the module of ``kernel_cache.kernels.build_module`` run eagerly on
-  the same padded inputs (for decode that is the plain kernel, which reads the
-  whole bucket; for prefill the gather of the real blocks and SDPA);
+  the same padded inputs: the plain kernels, which read the whole bucket (what
+  the artifacts held before, and verify's oracle);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on unpadded,
   contiguous K/V (gathered from the paged cache beforehand, outside the clock;
   GQA with ``enable_gqa=True``; a causal mask for prefill).

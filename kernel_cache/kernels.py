@@ -18,7 +18,9 @@ Two kinds of kernel live here:
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
-  reads none. Run eagerly (or on another device) they are the plain kernels.
+  reads none. Run eagerly (``verify``'s oracle) or off the CPU both are the
+  plain kernels (for decode also because eager ``flex_attention`` ignores the
+  block mask's sparsity).
 
 All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
 ``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
@@ -224,26 +226,34 @@ class BatchedDecode(nn.Module):
 class RealKVPagedAttention(PagedAttention):
     """:class:`PagedAttention` that reads only the sequence's real KV blocks (CPU).
 
-    Same inputs, outputs and semantics as :class:`PagedAttention`. On the CPU it
+    Same inputs, outputs and semantics as :class:`PagedAttention`. Traced on the
+    CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it
     gathers the first ``n = clamp(ceil(seq_len / block_size), 1, num_blocks)``
     blocks of ``block_table`` (``n`` is data-dependent: an unbacked size under
     ``torch.export``, bounded by ``torch._check``) into ``[n * block_size,
     num_kv_heads, head_dim]`` in the cache's dtype, and calls
     ``scaled_dot_product_attention`` (GQA through ``enable_gqa``, a boolean
     causal mask ending at ``seq_len``). Blocks past ``seq_len`` are not read;
-    the copy is of the real blocks only, not of the bucket. On another device it
-    is the plain :class:`PagedAttention`.
+    the copy is of the real blocks only, not of the bucket. Run eagerly
+    (``verify``'s oracle) or on another device it is the plain
+    :class:`PagedAttention`, so that ``verify`` compares the artifact with an
+    independent formulation.
 
     Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
-    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block,
-    all of it masked except position 0's row, and stays finite.
+    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block
+    and sees its position 0 only, so it stays finite.
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
-        if query.device.type != "cpu":
+        if query.device.type != "cpu" or not torch.compiler.is_compiling():
             return super().forward(
                 query, key_cache, value_cache, block_table, seq_len, real_query_len
             )
+        return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+
+    def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        """The gather of the real blocks and SDPA (what is compiled for the CPU);
+        callable eagerly. Same inputs and output as :meth:`forward`."""
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
@@ -273,8 +283,8 @@ class RealKVBatchedDecode(BatchedDecode):
     """:class:`BatchedDecode` that reads only real KV when compiled for the CPU.
 
     Same inputs, outputs, launch parameters and semantics as
-    :class:`BatchedDecode`. Traced for export on the CPU
-    (``torch.compiler.is_compiling()``), it is one
+    :class:`BatchedDecode`. Traced on the CPU by ``torch.export`` or
+    ``torch.compile`` (``torch.compiler.is_compiling()``), it is one
     ``torch.nn.attention.flex_attention`` call over the whole pool: K and V are
     the pool viewed as ``[1, num_kv_heads, num_pool_blocks * block_size,
     head_dim]`` (no copy), and each sequence is one batch entry whose
@@ -351,8 +361,9 @@ def build_module(
     kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
 ) -> nn.Module:
     """The module for ``kernel`` ("paged_attention" or "batched_decode"):
-    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode` (the plain
-    kernels when run eagerly or off the CPU; see their docstrings).
+    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode`: the
+    real-KV kernels when compiled for the CPU, the plain kernels eagerly and
+    off the CPU.
 
     ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
     ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),

@@ -1,11 +1,13 @@
 """The CPU kernels that read only real KV, against the independent SDPA reference.
 
-Eager: :class:`RealKVPagedAttention` runs its gather-the-real-blocks path
-eagerly, so it is checked here without compiling. Compiled (marked ``compile``):
-small plans at block_size 16, 128 and 192 go through the real warmup path
-(``torch.export`` + AOTInductor, ``num_pool_blocks`` dynamic), each artifact is
-checked against the SDPA reference on chosen lengths (1, a bucket edge, the
-plan's max_model_len, padded rows) at two pool sizes, and ``verify_plan`` passes.
+Eager: :meth:`RealKVPagedAttention.real_blocks` (the gather of the real blocks
+and SDPA that is compiled for prefill) runs eagerly, so it is checked here
+without compiling; the modules themselves are the plain kernels when eager.
+Compiled (marked ``compile``): small plans at block_size 16, 128 and 192 go
+through the real warmup path (``torch.export`` + AOTInductor,
+``num_pool_blocks`` dynamic), each artifact is checked against the SDPA
+reference on chosen lengths (1, a bucket edge, the plan's max_model_len, padded
+rows) at two pool sizes, and ``verify_plan`` passes.
 """
 
 import json
@@ -48,7 +50,7 @@ def test_real_kv_prefill_eager_matches_reference(h, kvh, d, bs, max_len, dtype):
         bt = torch.randperm(p, generator=g)[:nb].to(torch.int32)
         query = torch.randn(q_real + 3, h, d, generator=g).to(dtype)  # 3 padded rows
         lens = torch.tensor([seq_len, q_real], dtype=torch.int32)
-        out = mod(query, kc, vc, bt, lens[:1], lens[1:])
+        out = mod.real_blocks(query, kc, vc, bt, lens[:1], lens[1:])
         assert out.dtype == dtype and torch.isfinite(out.float()).all()
         ref = reference_attention(query[:q_real], kc, vc, bt, seq_len)
         torch.testing.assert_close(out[:q_real].float(), ref, **TOL[dtype])
@@ -58,15 +60,16 @@ def test_real_kv_prefill_seq_len_zero_is_finite():
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(3, 16, 2, 8, generator=g), torch.randn(3, 16, 2, 8, generator=g)
     lens = torch.tensor([0, 0], dtype=torch.int32)
-    out = RealKVPagedAttention(4, 2, 8)(
+    out = RealKVPagedAttention(4, 2, 8).real_blocks(
         torch.randn(4, 4, 8), kc, vc, torch.tensor([1, 2], dtype=torch.int32), lens[:1], lens[1:]
     )
     assert torch.isfinite(out).all()
 
 
-def test_real_kv_decode_eager_is_the_plain_kernel():
-    """Eagerly (verify's oracle) the decode module is the plain kernel, bit for bit."""
-    from kernel_cache.kernels import BatchedDecode
+def test_eager_modules_are_the_plain_kernels():
+    """Eagerly (verify's oracle) build_module's modules are the plain kernels, bit
+    for bit: verify compares each artifact with an independent formulation."""
+    from kernel_cache.kernels import BatchedDecode, PagedAttention
 
     g = torch.Generator().manual_seed(1)
     kc, vc = torch.randn(9, 16, 2, 8, generator=g), torch.randn(9, 16, 2, 8, generator=g)
@@ -76,6 +79,11 @@ def test_real_kv_decode_eager_is_the_plain_kernel():
     mod = build_module(BATCHED_DECODE, 4, 2, 8)
     assert isinstance(mod, RealKVBatchedDecode)
     assert torch.equal(mod(q, kc, vc, bt, lens), BatchedDecode(4, 2, 8)(q, kc, vc, bt, lens))
+    pre = build_module("paged_attention", 4, 2, 8)
+    assert isinstance(pre, RealKVPagedAttention)
+    qp, sl = torch.randn(8, 4, 8, generator=g), torch.tensor([20, 7], dtype=torch.int32)
+    args = (qp, kc, vc, bt[0], sl[:1], sl[1:])
+    assert torch.equal(pre(*args), PagedAttention(4, 2, 8)(*args))
 
 
 def test_make_inputs_covers_the_edge_lengths_with_distinct_blocks(tmp_path):
