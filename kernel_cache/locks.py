@@ -76,6 +76,32 @@ def pid_alive(pid: int) -> bool | None:
     return True
 
 
+def private_temp_dir(prefix: str) -> str:
+    """A new directory ``<temp dir>/<prefix><pid>-<random>`` for this process.
+
+    Directories of the same prefix left by processes that died without
+    cleaning up (SIGKILL) are removed first: their pid is in the name, and one
+    is removed only when :func:`pid_alive` says False (never this process's,
+    never a symbolic link).
+    """
+    import re
+    import shutil
+    import tempfile
+
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\w+", name)
+        path = os.path.join(base, name)
+        if m and int(m.group(1)) != os.getpid() and not os.path.islink(path):
+            if pid_alive(int(m.group(1))) is False:  # None (cannot tell): keep it
+                shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
+
+
 class LockBusy(Exception):
     """A non-blocking :meth:`KeyLock.acquire` found the key locked."""
 

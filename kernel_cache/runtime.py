@@ -22,7 +22,6 @@ import atexit
 import logging
 import operator
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -65,19 +64,9 @@ def load_dir() -> str:
     """
     global _load_dir
     if _load_dir is None:
-        from .locks import pid_alive
+        from .locks import private_temp_dir
 
-        base = tempfile.gettempdir()
-        try:
-            names = os.listdir(base)
-        except OSError:
-            names = []
-        for name in names:
-            m = re.fullmatch(re.escape(_LOAD_PREFIX) + r"(\d+)-\w+", name)
-            # pid_alive None (cannot tell): keep the directory
-            if m and int(m.group(1)) != os.getpid() and pid_alive(int(m.group(1))) is False:
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        _load_dir = tempfile.mkdtemp(prefix=f"{_LOAD_PREFIX}{os.getpid()}-", dir=base)
+        _load_dir = private_temp_dir(_LOAD_PREFIX)
         atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
     return _load_dir
 

@@ -46,7 +46,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -66,7 +65,7 @@ from kernel_cache.errors import (
 )
 from kernel_cache.keys import build_key, environment, key_from_components
 from kernel_cache.launch import describe_plan, resolve_plan
-from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env, pid_alive
+from kernel_cache.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
 from kernel_cache.lookup import Lookup
 from kernel_cache.quarantine import quarantine_entry
 from kernel_cache.redis_tier import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
@@ -772,12 +771,7 @@ def _new_scratch() -> str:
     (Inductor's scratch and temp files), removed by :func:`_drop_scratch`.
     Those of warmups that died (SIGKILL) are removed here first: the pid is
     in the name."""
-    base = Path(tempfile.gettempdir())
-    for old in base.glob(f"{_SCRATCH_PREFIX}*-*"):
-        pid = old.name[len(_SCRATCH_PREFIX) :].split("-")[0]
-        if pid.isdigit() and pid_alive(int(pid)) is False and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-")
+    return private_temp_dir(_SCRATCH_PREFIX)
 
 
 def _drop_scratch(scratch: str) -> None:
