@@ -76,7 +76,7 @@ def machine(device: str = "cpu") -> dict:
     """What the numbers were measured on: CPU, cores, memory, load, versions."""
     import torch
 
-    from kernel_cache.keys import cxx_compiler_id, device_arch
+    from kernel_cache.plan.keys import cxx_compiler_id, device_arch
 
     doc = {
         "cpu": _cpu_model(),

@@ -4,12 +4,12 @@ for ``benchmarks/warmup_throughput.py``.
     python benchmarks/_compile_child.py SPEC_JSON
 
 SPEC: ``config`` (EngineConfig JSON), ``variants`` (variant strings),
-``compile_options`` (Inductor options, as in ``kernel_cache.recipe.compile_options``),
+``compile_options`` (Inductor options, as in ``kernel_cache.config.recipe.compile_options``),
 ``kernel_calls`` (timed calls of each compiled kernel, 0 to skip).
 
 Phases of one compile (seconds), measured by wrapping Inductor's own functions:
 
-* ``export``: ``torch.export`` (``warmup.compiler.compile_variant``'s export_s);
+* ``export``: ``torch.export`` (``warmup.build.compiler.compile_variant``'s export_s);
 * ``cxx``: time inside ``torch._inductor.cpp_builder.CppBuilder.build``: every
   C++ compiler and linker run, precompiled headers included;
 * ``packaging``: time inside ``torch._inductor.package.package_aoti`` (the .pt2 zip);
@@ -56,11 +56,11 @@ def main() -> None:
     import torch._inductor.cpp_builder as cpp_builder
     import torch._inductor.package as package
 
-    from kernel_cache.buckets import KernelVariant
-    from kernel_cache.config import EngineConfig
-    from kernel_cache.inputs import make_inputs
-    from kernel_cache.runtime import load_package
-    from warmup.compiler import compile_with_options, pin_environment
+    from kernel_cache.config.engine import EngineConfig
+    from kernel_cache.plan.buckets import KernelVariant
+    from kernel_cache.runtime.inputs import make_inputs
+    from kernel_cache.runtime.load import load_package
+    from warmup.build.compiler import compile_with_options, pin_environment
 
     import_s = time.perf_counter() - t0
     spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0, "cxx_cpu": 0.0}

@@ -31,8 +31,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 _T1 = time.perf_counter()
-from kernel_cache.buckets import PAGED_ATTENTION, KernelVariant  # noqa: E402
-from kernel_cache.config import EngineConfig  # noqa: E402
+from kernel_cache.config.engine import EngineConfig  # noqa: E402
+from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant  # noqa: E402
 
 #: Importing the project (its runtime and kernels) counts towards ready: both
 #: paths need it (torch.compile compiles its kernels).
@@ -116,7 +116,7 @@ def run_kernel_cache(spec, cfg, inputs) -> dict:
 
 
 def run_torch_compile(spec, cfg, inputs) -> dict:
-    from kernel_cache.kernels import build_module
+    from kernel_cache.kernels.builtin import build_module
 
     t0 = time.perf_counter()
     import torch._dynamo

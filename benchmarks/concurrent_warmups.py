@@ -64,7 +64,7 @@ def _run(n: int, tmp: Path, jobs: int) -> dict:
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    cmd = [sys.executable, "-m", "warmup.cli", "warmup", *TINY, "--cache-dir", str(cache)]
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *TINY, "--cache-dir", str(cache)]
     cmd += ["--jobs", str(jobs), "--json", "--quiet"]
     t0 = time.perf_counter()
     procs = [

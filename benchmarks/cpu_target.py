@@ -46,13 +46,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from kernel_cache.buckets import KernelVariant
-    from kernel_cache.config import make_config
-    from kernel_cache.inputs import make_inputs
-    from kernel_cache.keys import build_key
-    from kernel_cache.runtime import load_package
-    from kernel_cache.store import DiskTier
-    from warmup.planner import warmup
+    from kernel_cache.config.engine import make_config
+    from kernel_cache.plan.buckets import KernelVariant
+    from kernel_cache.plan.keys import build_key
+    from kernel_cache.runtime.inputs import make_inputs
+    from kernel_cache.runtime.load import load_package
+    from kernel_cache.store.tier import DiskTier
+    from warmup.build.planner import warmup
 
     targets = args.targets.split(",")
     wanted = []

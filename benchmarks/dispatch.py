@@ -55,9 +55,9 @@ from _common import (
 )
 
 from kernel_cache import AttentionRuntime, load_plan
-from kernel_cache.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
-from warmup.cli import config_from_args, engine_options
-from warmup.planner import warmup
+from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
+from warmup.build.planner import warmup
+from warmup.cli.main import config_from_args, engine_options
 
 TARGET_US = 20.0
 

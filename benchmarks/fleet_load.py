@@ -39,10 +39,10 @@ def engine_main(spec_json: str) -> int:
     """One engine process (``--engine SPEC``): import, ready, wait for go, start."""
     t_launch = float(json.loads(spec_json)["launched"])
     from kernel_cache import load_plan
-    from kernel_cache.config import EngineConfig
-    from kernel_cache.redis_tier import RedisSettings, RedisTier
-    from kernel_cache.store import DiskTier
-    from warmup.planner import warmup
+    from kernel_cache.config.engine import EngineConfig
+    from kernel_cache.store.redis import RedisSettings, RedisTier
+    from kernel_cache.store.tier import DiskTier
+    from warmup.build.planner import warmup
 
     spec = json.loads(spec_json)
     cfg = EngineConfig.model_validate_json(spec["config"])
@@ -79,10 +79,10 @@ def nearest_rank(xs: list[float], p: float) -> float:
 
 
 def run(args) -> dict:
-    from kernel_cache.buckets import Bucketer
-    from kernel_cache.keys import build_key
-    from kernel_cache.redis_tier import RedisTier
-    from warmup.cli import config_from_args
+    from kernel_cache.plan.buckets import Bucketer
+    from kernel_cache.plan.keys import build_key
+    from kernel_cache.store.redis import RedisTier
+    from warmup.cli.main import config_from_args
 
     cfg = config_from_args(args)
     plan = Bucketer(cfg).variants
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--engine"]:
         return engine_main(argv[1])
-    from warmup.cli import engine_options
+    from warmup.cli.main import engine_options
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)

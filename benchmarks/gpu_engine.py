@@ -4,7 +4,7 @@
 
 Measures, on the current CUDA device:
 
-1. **Prefill kernel** (:mod:`kernel_cache.triton_prefill`, launched directly and
+1. **Prefill kernel** (:mod:`kernel_cache.kernels.triton_prefill`, launched directly and
    replayed from a CUDA graph, L2 flushed before each repetition) at 512 query
    tokens over 4096 KV tokens and 2048 over 8192, against
    ``scaled_dot_product_attention`` on the same tokens laid out contiguously
@@ -59,9 +59,9 @@ from gpu_common import (
     write_json,
 )
 
-from kernel_cache.launch import cuda_prefill_defaults
-from kernel_cache.reference import reference_attention
-from kernel_cache.triton_prefill import launch_prefill
+from kernel_cache.kernels.reference import reference_attention
+from kernel_cache.kernels.triton_prefill import launch_prefill
+from kernel_cache.plan.launch import cuda_prefill_defaults
 
 H, KVH, D = GRANITE["num_heads"], GRANITE["num_kv_heads"], GRANITE["head_dim"]
 BS = 16
@@ -247,7 +247,7 @@ def dispatch(cache_dir: str, ceiling: float) -> dict:
 
     t = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "warmup.cli", "warmup", *PLAN, "--cache-dir", cache_dir,
+        [sys.executable, "-m", "warmup.cli.main", "warmup", *PLAN, "--cache-dir", cache_dir,
          "--jobs", os.environ.get("JOBS", "8"), "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=900,
     )  # fmt: skip
@@ -315,10 +315,10 @@ def dispatch(cache_dir: str, ceiling: float) -> dict:
 def runner_modes(cfg, cache_dir, kc, vc, bt) -> dict:
     """Host time per call of the 32 x 8192 decode artifact run directly, in
     AOTInductor's single-threaded and thread-safe modes."""
-    from kernel_cache.buckets import BATCHED_DECODE, KernelVariant
-    from kernel_cache.keys import build_key, environment
-    from kernel_cache.launch import launch_for
-    from kernel_cache.store import DiskTier
+    from kernel_cache.plan.buckets import BATCHED_DECODE, KernelVariant
+    from kernel_cache.plan.keys import build_key, environment
+    from kernel_cache.plan.launch import launch_for
+    from kernel_cache.store.tier import DiskTier
 
     v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=512, num_seqs=32)
     env = environment("cuda")

@@ -7,7 +7,7 @@ Measures, on the current CUDA device:
 * the device-to-device copy bandwidth (bytes read + written per second), the
   ceiling used below;
 * ``batched_decode`` at 32 sequences x 8192 tokens (bf16; block_size 16 and
-  128): the Triton paged-decode kernel (:mod:`kernel_cache.triton_decode`, the
+  128): the Triton paged-decode kernel (:mod:`kernel_cache.kernels.triton_decode`, the
   code AOTInductor packages for CUDA), the eager plain-PyTorch kernel (the test
   oracle) and, with ``--inductor``, that plain kernel through Inductor
   (``torch.compile``: the code the CUDA artifacts held before the Triton kernel);
@@ -16,7 +16,7 @@ Measures, on the current CUDA device:
   bandwidth;
 * with ``--sweep``: the Triton kernel's launch parameters (tokens per step,
   warps, pipeline stages, split count) at several batch sizes, to choose the
-  defaults in ``kernel_cache/triton_decode.py``.
+  defaults in ``kernel_cache/kernels/triton_decode.py``.
 
 Writes ``gpu_kernel.json`` to ``--out``; prints a table.
 """
@@ -47,9 +47,9 @@ from gpu_common import (
     write_json,
 )
 
-from kernel_cache.kernels import BatchedDecode
-from kernel_cache.reference import reference_decode
-from kernel_cache.triton_decode import (
+from kernel_cache.kernels.builtin import BatchedDecode
+from kernel_cache.kernels.reference import reference_decode
+from kernel_cache.kernels.triton_decode import (
     BLOCK_N,
     NUM_STAGES,
     NUM_WARPS,

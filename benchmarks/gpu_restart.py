@@ -51,7 +51,7 @@ import torch
 mode, cache_dir, speed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 sys.path.insert(0, sys.argv[4])
 from kernel_cache import make_config
-from kernel_cache.buckets import Bucketer, PAGED_ATTENTION
+from kernel_cache.plan.buckets import Bucketer, PAGED_ATTENTION
 t_import = time.perf_counter()
 cfg = make_config("granite-3.3-8b", device="cuda", max_model_len=8192, block_size=16,
                   max_num_seqs=32, max_num_batched_tokens=512, kv_buckets=(4096, 8192),
@@ -87,7 +87,7 @@ if mode == "aoti":
             calls[v] = lambda q=q, bt=bt, n=lens: rt.decode(q, kc, vc, bt, n)
         calls[v]()
 else:
-    from warmup.compiler import module_for
+    from warmup.build.compiler import module_for
     for v in variants:
         q, bt, lens = inputs[v]
         m = torch.compile(module_for(cfg, v), dynamic=False, fullgraph=True)
@@ -112,7 +112,7 @@ if speed:
     import math, statistics
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
-    from kernel_cache.kernels import build_module
+    from kernel_cache.kernels.builtin import build_module
     def bench(fn, reps=20):
         for _ in range(3):
             fn()
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     cache = args.cache_dir or str(Path(tmp) / "cache")
     t = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "warmup.cli", "warmup", *PLAN, "--cache-dir", cache,
+        [sys.executable, "-m", "warmup.cli.main", "warmup", *PLAN, "--cache-dir", cache,
          "--jobs", "2", "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=1200,
     )  # fmt: skip

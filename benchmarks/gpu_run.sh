@@ -31,7 +31,7 @@ env_report() {
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
   echo "image CXX=$IMAGE_CXX; using CXX=$CXX; other compiler: $OTHER_CXX"
   python3 -c "
-from kernel_cache.keys import cxx_toolchain, device_arch
+from kernel_cache.plan.keys import cxx_toolchain, device_arch
 print('cxx', cxx_toolchain())
 print('other', cxx_toolchain('$OTHER_CXX'))
 print('device_arch', device_arch('cuda'))"
@@ -51,7 +51,7 @@ diag() {
     echo "cc1plus -> $("$c" -print-prog-name=cc1plus)"
   done
   ls -la /opt/gcc /opt/gcc/lib64 2>&1 | grep -iE "stdc|total|lib" | head -20
-  python3 -c "import torch; from warmup.loadcheck import loaded_libstdcxx; print('torch process maps:', loaded_libstdcxx())"
+  python3 -c "import torch; from warmup.build.loadcheck import loaded_libstdcxx; print('torch process maps:', loaded_libstdcxx())"
   d=$(mktemp -d)
   cat > "$d/re.cpp" <<'CPP'
 #include <regex>
@@ -102,11 +102,11 @@ case "${1:-probe}" in
     suite 2>&1 | tee "$OUT/pytest_gpu.log"
     ;;
   tune)
-    # The run behind kernel_cache/launch_tables/sm_90.json (docs/launch_tuning.md):
+    # The run behind kernel_cache/plan/launch_tables/sm_90.json (docs/launch_tuning.md):
     # num_seqs buckets 4, 32, 64 x num_blocks buckets 8, 32, 64 (1024-8192 tokens),
     # every split count 1..64 that fits, against the split heuristic (the defaults).
     env_report 2>&1 | tee "$OUT/env.txt"
-    timeout "${TUNE_TIMEOUT:-540}" python3 -m warmup.cli tune --model granite-3.3-8b \
+    timeout "${TUNE_TIMEOUT:-540}" python3 -m warmup.cli.main tune --model granite-3.3-8b \
       --device cuda --dtype bfloat16 --max-model-len 8192 --block-size 128 --max-num-seqs 64 \
       --variants batched_decode:1:8:4 batched_decode:1:32:4 batched_decode:1:64:4 \
                  batched_decode:1:8:32 batched_decode:1:32:32 batched_decode:1:64:32 \

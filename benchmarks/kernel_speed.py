@@ -18,7 +18,7 @@ Ways, each timed on the same data, interleaved in R rounds of K calls:
 
 * ``compiled``: the AOTInductor kernel of the variant (loaded from the
   kernel_cache directory; warmed first if missing) on bucket-padded inputs;
-* ``eager``: the module of ``kernel_cache.kernels.build_module`` run eagerly on
+* ``eager``: the module of ``kernel_cache.kernels.builtin.build_module`` run eagerly on
   the same padded inputs: the plain kernels, which read the whole bucket (what
   the artifacts held before, and verify's oracle);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on unpadded,
@@ -71,11 +71,11 @@ from _common import (
 )
 
 from kernel_cache import load_plan
-from kernel_cache.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
-from kernel_cache.kernels import build_module
-from kernel_cache.reference import gather_kv
-from warmup.cli import config_from_args, engine_options
-from warmup.planner import warmup
+from kernel_cache.kernels.builtin import build_module
+from kernel_cache.kernels.reference import gather_kv
+from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
+from warmup.build.planner import warmup
+from warmup.cli.main import config_from_args, engine_options
 
 
 def make_cases(cfg, b: Bucketer, g: torch.Generator) -> list[dict]:

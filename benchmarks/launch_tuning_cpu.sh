@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The run behind kernel_cache/launch_tables/x86_64-x86-64-v3.json and docs/launch_tuning.md:
+# The run behind kernel_cache/plan/launch_tables/x86_64-x86-64-v3.json and docs/launch_tuning.md:
 # kernel-cache tune for granite-3.3-8b batched decode (float32, CPU), block_size 128,
 # max_model_len 8192, num_seqs buckets 4 and 8 at num_blocks buckets 8, 32 and 64.
 # Candidates: num_kv_splits 1, 2, 4 x chunks per split 1, 4 (plus the defaults);

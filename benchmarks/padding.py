@@ -8,15 +8,15 @@ real KV block, per KV ladder and per kernel.
 Replays the request lengths of a trace (default: the Azure LLM inference trace,
 conversation, 2023, ``../shared/data/azure-llm-trace-2023/conv.csv``; any CSV
 with ``ContextTokens,GeneratedTokens`` columns) through the engine schedule of
-:func:`kernel_cache.trace.schedule` (prefill chunks, then batched decode in waves
-of max_num_seqs) and counts, with :func:`kernel_cache.trace.kv_blocks_read`,
+:func:`warmup.trace.schedule` (prefill chunks, then batched decode in waves
+of max_num_seqs) and counts, with :func:`warmup.trace.kv_blocks_read`,
 the KV blocks each bucketed kernel call reads and the blocks it really needs.
 No kernel runs: the count is exact.
 
     padded-read fraction = (blocks read - real blocks) / blocks read
 
 over every decode step and prefill chunk, for a kernel that reads its whole
-bucket (the plain kernels of ``kernel_cache.kernels``: every block of the KV
+bucket (the plain kernels of ``kernel_cache.kernels.builtin``: every block of the KV
 bucket for every row of the num_seqs bucket). Beside it, per kernel, KV blocks
 read per real KV block:
 
@@ -54,10 +54,10 @@ from pathlib import Path
 
 from _common import DEFAULT_TRACE, OUT_DIR, ROOT, header, machine, print_table, write_json
 
-from kernel_cache.buckets import BATCHED_DECODE, Bucketer, parse_bucket_list
-from kernel_cache.config import make_config
+from kernel_cache.config.engine import make_config
 from kernel_cache.errors import KernelCacheError
-from kernel_cache.trace import fit_request, kv_blocks_read, read_trace, schedule
+from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, parse_bucket_list
+from warmup.trace import fit_request, kv_blocks_read, read_trace, schedule
 
 #: Bins of the trace panel holding less than this share of the real blocks read
 #: are left out of the plot (too few calls to say anything).
@@ -97,7 +97,7 @@ def real_kv_blocks_read(bucketer: Bucketer, call) -> int:
     """KV blocks the real-KV CPU kernels read for ``call``: prefill gathers
     ``clamp(ceil(seq_len / block_size), 1, num_blocks)`` blocks; decode lists
     ``ceil(seq_len / block_size)`` blocks per sequence, none for a padded row
-    (:class:`kernel_cache.kernels.RealKVPagedAttention`, ``RealKVBatchedDecode``)."""
+    (:class:`kernel_cache.kernels.builtin.RealKVPagedAttention`, ``RealKVBatchedDecode``)."""
     bs = bucketer.block_size
     need = [-(-n // bs) for n in call.seq_lens]
     if call.kernel == BATCHED_DECODE:

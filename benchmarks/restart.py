@@ -49,11 +49,11 @@ from _common import (
     write_json,
 )
 
-from kernel_cache.buckets import Bucketer
-from kernel_cache.keys import build_key
-from kernel_cache.store import DiskTier
-from warmup.cli import config_from_args, engine_options
-from warmup.planner import warmup
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.tier import DiskTier
+from warmup.build.planner import warmup
+from warmup.cli.main import config_from_args, engine_options
 
 CHILD = str(Path(__file__).with_name("_restart_child.py"))
 WAYS = {

@@ -6,14 +6,14 @@ compile options.
         [--jobs 1,2] [--phase-variants M] [--candidates JSON ...]
         [--kernel-calls K] [--work-dir DIR] [--out FILE]
 
-1. Phases: for the recipe's options (``kernel_cache.recipe.compile_options``) and each
+1. Phases: for the recipe's options (``kernel_cache.config.recipe.compile_options``) and each
    ``--candidates`` set, a fresh process with empty Inductor cache and temp
    directories (torch 2.13 keeps precompiled headers in the temp dir) compiles
    M variants (benchmarks/_compile_child.py). The first compile of a process
    also pays the imports and the precompiled headers (once per machine and
    set of compiler flags); the later ones are the steady state. Each compiled kernel
    is timed (median us per call) so a faster compile that slows the kernel shows.
-2. Jobs: ``warmup.planner.warmup`` (the code ``kernel-cache warmup`` runs)
+2. Jobs: ``warmup.build.planner.warmup`` (the code ``kernel-cache warmup`` runs)
    compiles N variants into an empty kernel_cache directory with ``--jobs J``
    worker processes, for each J; the Inductor cache directory is the one the
    current options' phase run left behind, temp dir included (precompiled
@@ -48,10 +48,10 @@ from _common import (
     write_json,
 )
 
-from kernel_cache.buckets import Bucketer
-from kernel_cache.keys import recipe_options
-from warmup.cli import config_from_args, engine_options
-from warmup.planner import warmup
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import recipe_options
+from warmup.build.planner import warmup
+from warmup.cli.main import config_from_args, engine_options
 
 CHILD = str(Path(__file__).with_name("_compile_child.py"))
 

@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 
 from kernel_cache import load_plan
-from kernel_cache.buckets import PAGED_ATTENTION
 from kernel_cache.errors import KernelCacheError
-from kernel_cache.trace import fit_request, kv_blocks_read, read_trace, schedule
-from kernel_cache.verify import compile_stack_loaded
-from warmup.cli import (
+from kernel_cache.plan.buckets import PAGED_ATTENTION
+from warmup.check.verify import compile_stack_loaded
+from warmup.cli.main import (
     CACHE_DIR_HELP,
     _cache_dir,
     config_from_args,
     engine_options,
     quiet_on_closed_stdout,
 )
+from warmup.trace import fit_request, kv_blocks_read, read_trace, schedule
 
 #: The trace's place relative to the repository (the root is this file's parent's parent).
 TRACE_IN_REPO = "../shared/data/azure-llm-trace-2023/conv.csv"

@@ -8,9 +8,8 @@ import torch's compile stack (Dynamo, Inductor). Engine start::
     out = attn.decode(query, key_cache, value_cache, block_tables, seq_lens)
 """
 
-from .buckets import Bucketer, KernelVariant
-from .config import PRESETS, EngineConfig, make_config
-from .errors import (
+from kernel_cache.config.engine import PRESETS, EngineConfig, make_config
+from kernel_cache.errors import (
     BundleError,
     CompileError,
     ConfigError,
@@ -19,7 +18,8 @@ from .errors import (
     MissingVariantsError,
     ShapeError,
 )
-from .runtime import AttentionRuntime, load_plan
+from kernel_cache.plan.buckets import Bucketer, KernelVariant
+from kernel_cache.runtime.load import AttentionRuntime, load_plan
 
 __all__ = [
     "AttentionRuntime",

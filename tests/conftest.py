@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache.config import make_config
+from kernel_cache.config.engine import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "azure-llm-trace-2023" / "conv.csv"
@@ -62,7 +62,7 @@ def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedPr
     """Run ``kernel-cache ARGS`` in a fresh Python process."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
         capture_output=True,
         text=True,
         env=full_env,

@@ -12,8 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernel_cache.keys import key_from_components
-from kernel_cache.store import DiskTier
+from kernel_cache.plan.keys import key_from_components
+from kernel_cache.store.tier import DiskTier
 
 from .conftest import ROOT
 
@@ -26,8 +26,8 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import kernel_cache
 from kernel_cache import load_plan, make_config
 from kernel_cache.errors import MissingVariantsError
-from kernel_cache.keys import cxx_compiler_id
-from kernel_cache.verify import compile_stack_loaded
+from kernel_cache.plan.keys import cxx_compiler_id
+from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32)
 doc = {"kernel_cache": kernel_cache.__file__, "cxx": cxx_compiler_id()}

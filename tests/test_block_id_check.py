@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_cache import ShapeError, make_config
-from kernel_cache.buckets import KernelVariant
-from kernel_cache.runtime import SMALL_TABLE, AttentionRuntime, _Slot
+from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.runtime.load import SMALL_TABLE, AttentionRuntime, _Slot
 
 
 @pytest.mark.parametrize("num_seqs,num_blocks", [(4, 2), (8, 64)])

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_cache.buckets import Bucketer, KernelVariant, env_overrides, kv_ladder_blocks
-from kernel_cache.config import make_config
+from kernel_cache.config.engine import make_config
 from kernel_cache.errors import ConfigError, ShapeError
+from kernel_cache.plan.buckets import Bucketer, KernelVariant, env_overrides, kv_ladder_blocks
 
 from .conftest import run_cli
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kernel_cache import CorruptEntryError, load_plan
-from kernel_cache.buckets import Bucketer
-from kernel_cache.bundle import MANIFEST, BundleTier, bundle_paths
 from kernel_cache.errors import BundleError
-from kernel_cache.keys import build_key
-from kernel_cache.runtime import default_tiers
-from kernel_cache.store import DiskTier
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.runtime.load import default_tiers
+from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
+from kernel_cache.store.tier import DiskTier
 
 from .conftest import ROOT, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir
@@ -123,7 +123,7 @@ def test_container_recipe_without_docker(bundle, tiny_model):
         }
         doc = engine_start(model, "-", env=env, user_kwargs=user_kwargs)
         proc = subprocess.run(  # the image's CMD
-            [sys.executable, "-m", "warmup.cli", "verify", *map(str, tiny_args(model))],
+            [sys.executable, "-m", "warmup.cli.main", "verify", *map(str, tiny_args(model))],
             capture_output=True,
             text=True,
             cwd=ROOT,
@@ -176,7 +176,7 @@ def test_a_damaged_bundle_file_is_never_loaded(bundle, tiny_config, tmp_path):
     with pytest.raises(CorruptEntryError, match="sha256") as e:
         load_plan(tiny_config, tmp_path / "none", bundles=[b])
     assert "export the bundle again" in str(e.value.reason)
-    from kernel_cache.verify import verify_plan
+    from warmup.check.verify import verify_plan
 
     report = verify_plan(tiny_config, tmp_path / "none", bundles=[b])
     assert report["ok"] is False and report["loaded"] == 5 and len(report["corrupt"]) == 1

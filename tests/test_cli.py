@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from warmup.cli import build_parser, main
+from warmup.cli.main import build_parser, main
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_unknown_argument_shows_the_subcommands_usage_and_the_nearest_option(cap
 
 
 def test_help_shows_the_engine_limits_defaults(capsys):
-    from kernel_cache.config import EngineConfig
+    from kernel_cache.config.engine import EngineConfig
 
     with pytest.raises(SystemExit):
         main(["warmup", "--help"])
@@ -93,7 +93,7 @@ def test_cache_dir_that_is_a_file_is_named_with_the_fix(
 
 
 def test_default_cache_dir_honours_xdg_cache_home(tmp_path, monkeypatch):
-    from kernel_cache.store import default_cache_dir
+    from kernel_cache.store.tier import default_cache_dir
 
     monkeypatch.delenv("KERNEL_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -138,7 +138,7 @@ def run_with_closed_stdout(*argv):
 )
 def test_closed_stdout_exits_quietly(tmp_path, args, rc):
     args = [tmp_path if a == "DIR" else a for a in args]
-    proc = run_with_closed_stdout("-m", "warmup.cli", *args)
+    proc = run_with_closed_stdout("-m", "warmup.cli.main", *args)
     assert (proc.returncode, proc.stderr) == (rc, "")
 
 
@@ -213,7 +213,7 @@ def test_explain_says_why_no_call_has_the_shape(tmp_path, capsys, variant, says)
 
 
 def test_verify_names_the_kind_of_each_source():
-    from warmup.cli import source_lines
+    from warmup.cli.main import source_lines
 
     report = {
         "sources": {"/opt/b": 4, "/c": 1, "redis://h:6379/0": 1},

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kernel_cache.config import PRESETS, make_config
+from kernel_cache.config.engine import PRESETS, make_config
 from kernel_cache.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_config_is_frozen():
 
 
 def test_make_config_reads_bucket_env_like_the_cli(monkeypatch):
-    from kernel_cache.buckets import Bucketer
+    from kernel_cache.plan.buckets import Bucketer
 
     monkeypatch.setenv("KERNEL_CACHE_KV_BUCKETS", "256,512")
     c = make_config("llama-3.1-8b", max_model_len=1024, block_size=128)
@@ -118,7 +118,7 @@ def test_gqa_error_does_not_dump_the_config():
 
 
 def test_repair_command_rebuilds_the_config(tmp_path):
-    from kernel_cache.config import config_to_cli
+    from kernel_cache.config.engine import config_to_cli
 
     c = make_config("llama-3.2-1b", query_step=256, max_model_len=2048)
     cmd = config_to_cli(c, tmp_path)
@@ -128,9 +128,9 @@ def test_repair_command_rebuilds_the_config(tmp_path):
 
 def test_cli_and_make_config_share_the_defaults(capsys):
     """`kernel-cache plan` with no options and make_config(preset) give one plan."""
-    from kernel_cache.buckets import Bucketer
-    from kernel_cache.config import DEFAULT_MODEL
-    from warmup.cli import main
+    from kernel_cache.config.engine import DEFAULT_MODEL
+    from kernel_cache.plan.buckets import Bucketer
+    from warmup.cli.main import main
 
     assert main(["plan", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
@@ -145,8 +145,8 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
     import argparse
     import shlex
 
-    from kernel_cache.config import ENGINE_OPTION_FIELDS, EngineConfig, config_to_cli
-    from warmup.cli import config_from_args, engine_options
+    from kernel_cache.config.engine import ENGINE_OPTION_FIELDS, EngineConfig, config_to_cli
+    from warmup.cli.main import config_from_args, engine_options
 
     c = make_config(
         "llama-3.2-1b",
@@ -175,7 +175,7 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
 
 
 def test_readme_states_the_defaults():
-    from kernel_cache.config import DEFAULT_MODEL, EngineConfig
+    from kernel_cache.config.engine import DEFAULT_MODEL, EngineConfig
 
     from .conftest import ROOT
 

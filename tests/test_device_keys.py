@@ -9,9 +9,9 @@ real CUDA artifacts on a GPU.
 import pytest
 
 from kernel_cache import load_plan
-from kernel_cache.explain import explain
-from kernel_cache.keys import cxx_compiler_id, device_arch
-from kernel_cache.runtime import default_tiers
+from kernel_cache.plan.keys import cxx_compiler_id, device_arch
+from kernel_cache.runtime.load import default_tiers
+from warmup.check.explain import explain
 
 from .conftest import run_cli
 from .kc_helpers import rekey

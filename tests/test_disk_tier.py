@@ -22,9 +22,9 @@ from kernel_cache.errors import (
     LockTimeoutError,
     UntrustedCacheError,
 )
-from kernel_cache.locks import KeyLock, LockBusy
-from kernel_cache.store import DiskTier, make_meta, verify_entry
-from kernel_cache.trust import ENV_ALLOW_SHARED
+from kernel_cache.store.locks import KeyLock, LockBusy
+from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
 from .conftest import ROOT
 from .fsutil import readonly_bind, tmpfs, tree_state
@@ -158,7 +158,7 @@ def test_many_processes_opening_and_publishing_at_once_never_fail(tmp_path):
     script = (
         "import os, sys, time\n"
         "from tests.test_disk_tier import entry\n"
-        "from kernel_cache.store import DiskTier\n"
+        "from kernel_cache.store.tier import DiskTier\n"
         "print('ready', flush=True)\n"
         "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
         "for j in range(4):\n"
@@ -270,7 +270,7 @@ def test_full_disk_during_publish_leaves_nothing_half_written(tmp_path, monkeypa
 
 HOLD_KEY = r"""
 import sys, time
-from kernel_cache.locks import KeyLock
+from kernel_cache.store.locks import KeyLock
 lock = KeyLock(sys.argv[1], sys.argv[2], variant="paged_attention:1:1:1")
 lock.acquire(10)
 print("held", flush=True)

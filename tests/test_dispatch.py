@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_cache import load_plan
-from kernel_cache.reference import reference_attention, reference_decode
+from kernel_cache.kernels.reference import reference_attention, reference_decode
 
 pytestmark = pytest.mark.compile
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_cache import MissingVariantsError, ShapeError, load_plan
-from kernel_cache.buckets import Bucketer
+from kernel_cache.plan.buckets import Bucketer
 
 from .conftest import ROOT, TRACE, run_cli, tiny_args
 
@@ -45,8 +45,8 @@ def test_verify_in_new_process_ok_with_zero_compiles(warm_cache, tiny_model, tin
 ENGINE_SCRIPT = r"""
 import json, sys, torch
 from kernel_cache import load_plan, make_config
-from kernel_cache.reference import reference_attention, reference_decode
-from kernel_cache.verify import compile_stack_loaded
+from kernel_cache.kernels.reference import reference_attention, reference_decode
+from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32)
 rt = load_plan(cfg, sys.argv[2])

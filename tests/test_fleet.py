@@ -21,19 +21,19 @@ import time
 import pytest
 
 from kernel_cache import MissingVariantsError, load_plan
-from kernel_cache.buckets import Bucketer
 from kernel_cache.errors import ConfigError
-from kernel_cache.keys import build_key
-from kernel_cache.redis_tier import (
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.redis import (
     ACQUIRED,
     BUSY,
     ENV_REDIS_URL,
     RedisSettings,
     RedisTier,
 )
-from kernel_cache.signing import ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, mac, sign_meta
-from kernel_cache.store import DiskTier, make_meta, verify_entry
-from warmup.planner import warmup
+from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.trust.signing import ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, mac, sign_meta
+from warmup.build.planner import warmup
 
 from .conftest import ROOT, run_cli, tiny_args
 from .redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
@@ -350,7 +350,7 @@ def test_verify_redis_url_repair_publishes_to_redis(redis_db, tiny_model, tmp_pa
 
 HOLDER = r"""
 import sys, time
-from kernel_cache.redis_tier import RedisSettings, RedisTier
+from kernel_cache.store.redis import RedisSettings, RedisTier
 tier = RedisTier(RedisSettings(url=sys.argv[1], lock_ttl_s=float(sys.argv[3])))
 lock = tier.build_lock(sys.argv[2])
 print(lock.acquire(wait=False), lock.token, flush=True)
@@ -400,7 +400,7 @@ def test_three_shard_builders_cover_the_plan_once(redis_db, tiny_model, tiny_con
             [
                 sys.executable,
                 "-m",
-                "warmup.cli",
+                "warmup.cli.main",
                 "warmup",
                 *tiny_args(tiny_model),
                 "--cache-dir",
@@ -460,7 +460,7 @@ def test_redis_killed_mid_warmup_local_run_completes(
         [
             sys.executable,
             "-m",
-            "warmup.cli",
+            "warmup.cli.main",
             "warmup",
             *tiny_args(tiny_model),
             "--cache-dir",

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from kernel_cache import MissingVariantsError, load_plan, make_config
-from kernel_cache.buckets import Bucketer
-from kernel_cache.keys import build_key, device_arch, diff_components
-from kernel_cache.reference import reference_attention, reference_decode
-from kernel_cache.store import DiskTier
+from kernel_cache.kernels.reference import reference_attention, reference_decode
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key, device_arch, diff_components
+from kernel_cache.store.tier import DiskTier
 
 from .conftest import ROOT, TINY_LIMITS, TRACE, run_cli, tiny_args
 
@@ -61,7 +61,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("h,kvh,d,bs,nb,s", DECODE_CASES)
 def test_triton_decode_matches_reference(h, kvh, d, bs, nb, s, dtype):
-    from kernel_cache.triton_decode import TritonBatchedDecode, split_plan
+    from kernel_cache.kernels.triton_decode import TritonBatchedDecode, split_plan
 
     g = torch.Generator(device="cuda").manual_seed(h * 7 + nb)
     p = nb * s + 5
@@ -111,8 +111,8 @@ def _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed):
 def test_triton_prefill_matches_reference(h, kvh, d, bs, nb, qb, cases, dtype):
     """The Triton prefill kernel against the float32 SDPA reference, with the
     default tiles and others; bucket-padding rows are zeros."""
-    from kernel_cache.launch import cuda_prefill_defaults
-    from kernel_cache.triton_prefill import TritonPagedAttention
+    from kernel_cache.kernels.triton_prefill import TritonPagedAttention
+    from kernel_cache.plan.launch import cuda_prefill_defaults
 
     q, kc, vc, bt = _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed=h + nb)
     g = h // kvh
@@ -135,7 +135,7 @@ def test_triton_prefill_matches_reference(h, kvh, d, bs, nb, qb, cases, dtype):
 def test_triton_prefill_at_max_model_len_matches_reference():
     """granite-3.3-8b's largest prefill variant: a 2048-token chunk ending at
     max_model_len 8192 (block_size 16, 512 blocks), bf16."""
-    from kernel_cache.triton_prefill import TritonPagedAttention
+    from kernel_cache.kernels.triton_prefill import TritonPagedAttention
 
     q, kc, vc, bt = _prefill_inputs(32, 8, 128, 16, 512, 2048, torch.bfloat16, seed=5)
     mod = TritonPagedAttention(32, 8, 128, query_len=2048)
@@ -148,7 +148,7 @@ def test_triton_prefill_at_max_model_len_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_eager_paged_attention_on_cuda_matches_reference(dtype):
-    from kernel_cache.kernels import PagedAttention
+    from kernel_cache.kernels.builtin import PagedAttention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     h, kvh, d, bs, nb = 32, 8, 128, 16, 8
@@ -222,8 +222,8 @@ def test_gpu_verify_in_fresh_process_zero_compiles(gpu_cache, tiny_model, gpu_co
 ENGINE_SCRIPT = r"""
 import json, sys, torch
 from kernel_cache import load_plan, make_config
-from kernel_cache.reference import reference_attention, reference_decode
-from kernel_cache.verify import compile_stack_loaded
+from kernel_cache.kernels.reference import reference_attention, reference_decode
+from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], device="cuda", max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32)
 rt = load_plan(cfg, sys.argv[2])
@@ -248,7 +248,7 @@ for lens in ([5], [1, 16, 32], [32, 17, 2, 9]):
         assert out.shape == (len(lens), 4, 8)
         errs.append(rel(out, reference_decode(query, kc, vc, bt, lens)))
 torch.cuda.synchronize()
-mods = [m for m in ("triton", "kernel_cache.triton_decode") if m in sys.modules]
+mods = [m for m in ("triton", "kernel_cache.kernels.triton_decode") if m in sys.modules]
 print(json.dumps({"max_rel_err": max(errs), "stats": rt.stats(),
                   "compile_stack": compile_stack_loaded(), "triton_modules": mods}))
 """
@@ -339,7 +339,7 @@ def test_gpu_warmup_with_other_compiler_never_publishes_a_crashing_artifact(tmp_
     """With another toolchain (on the lent H200's CUDA image: /opt/gcc/bin/g++, whose packages
     crashed on load), each new artifact either loads in a fresh process and is
     published, or is reported (variant, compiler, fix) and not published."""
-    from kernel_cache.keys import cxx_toolchain
+    from kernel_cache.plan.keys import cxx_toolchain
 
     cxx = os.environ["KERNEL_CACHE_TEST_OTHER_CXX"]
     print("compiler in use:", cxx_toolchain(), "other:", cxx_toolchain(cxx))

@@ -6,10 +6,12 @@ import time
 
 import pytest
 
-from kernel_cache import load_plan, usage
-from kernel_cache.buckets import Bucketer
+import kernel_cache.store.usage as usage
+from kernel_cache import load_plan
 from kernel_cache.errors import KernelCacheError
-from kernel_cache.housekeeping import (
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.housekeeping import (
     ORPHAN_GRACE_S,
     cache_stats,
     gc,
@@ -17,8 +19,7 @@ from kernel_cache.housekeeping import (
     parse_size,
     plan_digests,
 )
-from kernel_cache.keys import build_key
-from kernel_cache.store import DiskTier, make_meta
+from kernel_cache.store.tier import DiskTier, make_meta
 
 from .conftest import run_cli, tiny_args
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernel_cache.kernels import BatchedDecode, PagedAttention
-from kernel_cache.reference import reference_attention, reference_decode
+from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
+from kernel_cache.kernels.reference import reference_attention, reference_decode
 
 CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, max_model_len)

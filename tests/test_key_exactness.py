@@ -21,10 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache.buckets import Bucketer
-from kernel_cache.errors import CpuTargetError
-from kernel_cache.keys import build_key, source_files
-from kernel_cache.recipe import (
+from kernel_cache.config.recipe import (
     COUNTS,
     ISA_FLAGS,
     PINNED,
@@ -32,19 +29,22 @@ from kernel_cache.recipe import (
     compile_environment,
     cpu_features,
 )
-from kernel_cache.runtime import load_plan
-from kernel_cache.store import DiskTier
-from kernel_cache.verify import verify_plan
+from kernel_cache.errors import CpuTargetError
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key, source_files
+from kernel_cache.runtime.load import load_plan
+from kernel_cache.store.tier import DiskTier
+from warmup.check.verify import verify_plan
 
 from .conftest import ROOT, run_cli, tiny_args
 
 # -- same key => same code ----------------------------------------------------
 _BUILD_ONE = r"""
 import json, sys
-from kernel_cache.buckets import Bucketer
-from kernel_cache.config import make_config
-from kernel_cache.keys import build_key
-from warmup.planner import warmup
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.keys import build_key
+from warmup.build.planner import warmup
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32, cpu_target=sys.argv[3])
 v = [v for v in Bucketer(cfg).variants if str(v) == "batched_decode:1:2:4"][0]
@@ -163,7 +163,7 @@ def test_every_inductor_environment_variable_is_pinned():
 def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_config):
     """Export a variant under a profiler and record every file of kernel_cache/
     and warmup/ whose code ran: each must be hashed into the key."""
-    from warmup.compiler import export_variant, module_for
+    from warmup.build.compiler import export_variant, module_for
 
     ran: set[str] = set()
     roots = {str(ROOT / "kernel_cache"), str(ROOT / "warmup")}
@@ -180,7 +180,7 @@ def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_confi
             export_variant(tiny_config, v)
         finally:
             sys.setprofile(None)
-    assert "kernel_cache/kernels.py" in ran and "warmup/compiler.py" in ran
+    assert "kernel_cache/kernels/builtin.py" in ran and "warmup/build/compiler.py" in ran
     missing = sorted(ran - set(source_files()))
     assert missing == [], f"files the compile ran but the key does not hash: {missing}"
 
@@ -223,7 +223,7 @@ def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
 
 
 def test_docs_list_the_environment_rules_the_code_applies():
-    from kernel_cache.recipe import rules_markdown
+    from kernel_cache.config.recipe import rules_markdown
 
     assert rules_markdown() in (ROOT / "docs" / "keys.md").read_text()
 
@@ -231,9 +231,9 @@ def test_docs_list_the_environment_rules_the_code_applies():
 def test_the_config_accepts_exactly_the_recipes_cpu_targets():
     import typing
 
-    from kernel_cache.config import EngineConfig, make_config
+    from kernel_cache.config.engine import EngineConfig, make_config
+    from kernel_cache.config.recipe import CPU_TARGET_NAMES
     from kernel_cache.errors import ConfigError
-    from kernel_cache.recipe import CPU_TARGET_NAMES
 
     ann = EngineConfig.model_fields["cpu_target"].annotation
     assert typing.get_args(ann) == CPU_TARGET_NAMES

@@ -15,11 +15,11 @@ import sys
 import pytest
 
 from kernel_cache import load_plan
-from kernel_cache.buckets import Bucketer
-from kernel_cache.explain import explain, short
-from kernel_cache.keys import BUILD_ONLY, RUNTIME_COMPONENTS, build_key
-from kernel_cache.runtime import default_tiers
-from kernel_cache.store import DiskTier
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import BUILD_ONLY, RUNTIME_COMPONENTS, build_key
+from kernel_cache.runtime.load import default_tiers
+from kernel_cache.store.tier import DiskTier
+from warmup.check.explain import explain, short
 
 from .conftest import ROOT, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, rekey, world_readable_dir
@@ -65,7 +65,7 @@ def test_moved_cache_hits_under_another_home_user_and_gpu_index(cache_copy, tiny
     [
         ("torch", "2.14.1"),
         ("device_arch", "x86_64/native 0badf00d"),
-        ("sources", '{"kernel_cache/kernels.py":"0000000000000000"}'),
+        ("sources", '{"kernel_cache/kernels/builtin.py":"0000000000000000"}'),
         ("dtype", "bfloat16"),
         ("compile_options", '{"max_autotune": true}'),
     ],
@@ -82,8 +82,8 @@ def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config
         assert [d["component"] for d in best["differences"]] == [component]
         here = build_key(tiny_config, Bucketer(tiny_config).variants[0]).as_dict()[component]
         if component == "sources":  # explain lists the files that differ
-            assert best["lines"][0].startswith("sources: kernel_cache/kernels.py changed; ")
-            assert "warmup/compiler.py new" in best["lines"][0]
+            assert best["lines"][0].startswith("sources: kernel_cache/kernels/builtin.py changed; ")
+            assert "warmup/build/compiler.py new" in best["lines"][0]
         else:
             assert best["lines"] == [f"{component}: {short(here)} != {short(value)}"]
 
@@ -130,9 +130,9 @@ def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny
     "edited",
     [
         None,
-        "kernel_cache/kernels.py",  # the kernel
-        "warmup/compiler.py",  # the compile recipe (export and Inductor settings)
-        "kernel_cache/recipe.py",  # the declared options, pinned environment, CPU targets
+        "kernel_cache/kernels/builtin.py",  # the kernel
+        "warmup/build/compiler.py",  # the compile recipe (export and Inductor settings)
+        "kernel_cache/config/recipe.py",  # the declared options, pinned environment, CPU targets
     ],
 )
 def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
@@ -157,7 +157,7 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
         return
     assert len(doc["missing"]) == 6 and "stats" not in doc
     proc = subprocess.run(
-        [sys.executable, "-m", "warmup.cli", "explain", *map(str, tiny_args(tiny_model))]
+        [sys.executable, "-m", "warmup.cli.main", "explain", *map(str, tiny_args(tiny_model))]
         + ["--cache-dir", str(warm_cache[0]), "--variant", "paged_attention:1:1:1", "--json"],
         capture_output=True,
         text=True,
@@ -175,11 +175,11 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
 def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
     """The closure is read from the code: explain.py is not imported by the
     compile path, so editing it keeps every key (and kernels.py is in it)."""
-    from kernel_cache.keys import source_files
+    from kernel_cache.plan.keys import source_files
 
     files = source_files()
-    assert "kernel_cache/kernels.py" in files and "warmup/compiler.py" in files
-    assert "kernel_cache/explain.py" not in files and "warmup/planner.py" not in files
+    assert "kernel_cache/kernels/builtin.py" in files and "warmup/build/compiler.py" in files
+    assert "warmup/check/explain.py" not in files and "warmup/build/planner.py" not in files
 
 
 def test_compile_options_this_torch_lacks_are_left_out():
@@ -187,7 +187,7 @@ def test_compile_options_this_torch_lacks_are_left_out():
     it there, not fail every compile."""
     from torch._inductor import config as inductor_config
 
-    from warmup.compiler import _has_option
+    from warmup.build.compiler import _has_option
 
     assert _has_option(inductor_config, "max_autotune")
     assert not _has_option(inductor_config, "aot_inductor.no_such_option")

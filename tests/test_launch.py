@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from kernel_cache.buckets import Bucketer, KernelVariant
 from kernel_cache.errors import ConfigError
-from kernel_cache.keys import build_key, environment
-from kernel_cache.launch import (
+from kernel_cache.plan.buckets import Bucketer, KernelVariant
+from kernel_cache.plan.keys import build_key, environment
+from kernel_cache.plan.launch import (
     BUNDLED_DIR,
     ENV_TUNING,
     Resolver,
@@ -63,7 +63,7 @@ def test_defaults_reproduce_todays_kernels():
 
 
 def _cfg():
-    from kernel_cache.config import make_config
+    from kernel_cache.config.engine import make_config
 
     return make_config(
         None, num_heads=4, num_kv_heads=2, head_dim=8, max_model_len=32, block_size=16,
@@ -140,7 +140,7 @@ def _cuda_cfg():
 def test_cuda_default_splits_whole_blocks_of_at_least_256_tokens(
     num_seqs, num_kv_heads, num_blocks, block_size, splits
 ):
-    from kernel_cache.launch import MIN_SPLIT_TOKENS, cuda_default_splits
+    from kernel_cache.plan.launch import MIN_SPLIT_TOKENS, cuda_default_splits
 
     got = cuda_default_splits(num_seqs, num_kv_heads, num_blocks, block_size)
     assert got == splits
@@ -173,7 +173,7 @@ def test_cuda_prefill_tiles_default_per_query_bucket_and_merge_table_entries():
     """On CUDA paged_attention is the Triton prefill kernel: its tiles default per
     query bucket, a table entry may set some of them (the rest take defaults); on
     the CPU the plain kernel takes none, and an entry setting one is refused."""
-    from kernel_cache.launch import cuda_prefill_defaults
+    from kernel_cache.plan.launch import cuda_prefill_defaults
 
     p1 = KernelVariant(kernel="paged_attention", query_len=1, num_blocks=2, num_seqs=1)
     p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
@@ -253,9 +253,9 @@ def test_bundled_table_must_hold_its_files_architecture(tmp_path):
 def test_resolve_plan_logs_one_compact_table(caplog, tiny_config):
     plan = Bucketer(tiny_config).variants
     res = Resolver({ENV_TUNING: json.dumps(table(entry(num_kv_splits=2)))}, "/nonexistent")
-    with caplog.at_level(logging.INFO, logger="kernel_cache.launch"):
+    with caplog.at_level(logging.INFO, logger="kernel_cache.plan.launch"):
         out = resolve_plan(tiny_config, plan, ARCH, resolver=res)
-    records = [r for r in caplog.records if r.name == "kernel_cache.launch"]
+    records = [r for r in caplog.records if r.name == "kernel_cache.plan.launch"]
     assert len(records) == 1
     text = records[0].getMessage()
     assert f"launch config for {len(plan)} variants" in text
@@ -266,7 +266,7 @@ def test_resolve_plan_logs_one_compact_table(caplog, tiny_config):
     # an entry for a bucket the plan does not have shows as unused
     res = Resolver({ENV_TUNING: json.dumps(table(entry(num_blocks=7)))}, "/nonexistent")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kernel_cache.launch"):
+    with caplog.at_level(logging.INFO, logger="kernel_cache.plan.launch"):
         resolve_plan(tiny_config, plan, ARCH, resolver=res)
     assert "(1 entries, 0 used by this plan)" in caplog.records[-1].getMessage()
 

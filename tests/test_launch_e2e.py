@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernel_cache import load_plan
-from kernel_cache.launch import ENV_TUNING, load_table
-from kernel_cache.reference import reference_decode
+from kernel_cache.kernels.reference import reference_decode
+from kernel_cache.plan.launch import ENV_TUNING, load_table
 
 from .conftest import run_cli, tiny_args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernel_cache.keys import _imports
+from kernel_cache.plan.keys import _imports
 
 from .conftest import ROOT
 
@@ -64,7 +64,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_has_no_cycle():
     graph = import_graph()
-    assert "warmup.cli" in graph and "kernel_cache.runtime" in graph
+    assert "warmup.cli.main" in graph and "kernel_cache.runtime.load" in graph
     assert cycles(graph) == []
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache.store import DiskTier
-from warmup.loadcheck import Staged, check_loadable
+from kernel_cache.store.tier import DiskTier
+from warmup.build.loadcheck import Staged, check_loadable
 
 from .conftest import run_cli, tiny_args
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from kernel_cache import CorruptEntryError, load_plan
-from kernel_cache.buckets import Bucketer
-from kernel_cache.config import make_config
-from kernel_cache.keys import build_key
-from kernel_cache.quarantine import list_quarantine
-from kernel_cache.store import DiskTier, make_meta
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.quarantine import list_quarantine
+from kernel_cache.store.tier import DiskTier, make_meta
 
 from .conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
 from .fsutil import resize_tmpfs, tmpfs, tree_state
@@ -37,7 +37,7 @@ def cli(*args, env=None) -> subprocess.Popen:
     the warmup and its compile workers together, as an OOM killer or a pod
     deletion does)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -97,7 +97,7 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tin
         "CXX": str(_cxx_wrapper(tmp_path, links)),
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
     }
-    cmd = [sys.executable, "-m", "warmup.cli", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, tiny_args(tiny_model))]
     cmd += ["--cache-dir", str(cache), "--jobs", "1", "--json", "--quiet"]
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -274,7 +274,7 @@ def test_compile_failure_is_reported_and_the_other_variants_finish(
 
 HOLD_KEYS = r"""
 import sys, time
-from kernel_cache.locks import KeyLock
+from kernel_cache.store.locks import KeyLock
 locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
 for lock in locks:
     lock.acquire(10)
@@ -378,7 +378,7 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     # As a terminal starts it: SIGINT at its default, even where this test runs
     # with SIGINT ignored (a background job of a script inherits that).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "warmup.cli", *map(str, args)],
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,11 +16,11 @@ import sys
 import pytest
 
 from kernel_cache import load_plan
-from kernel_cache.buckets import Bucketer
 from kernel_cache.errors import UntrustedCacheError
-from kernel_cache.keys import build_key
-from kernel_cache.store import DiskTier
-from kernel_cache.trust import ENV_ALLOW_SHARED
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.tier import DiskTier
+from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
 from .conftest import ROOT, run_cli, tiny_args
 from .fsutil import readonly_bind, tree_state

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from kernel_cache.buckets import BATCHED_DECODE, Bucketer
-from kernel_cache.config import make_config
-from kernel_cache.kernels import RealKVBatchedDecode, RealKVPagedAttention, build_module
-from kernel_cache.reference import reference_attention, reference_decode
+from kernel_cache.config.engine import make_config
+from kernel_cache.kernels.builtin import RealKVBatchedDecode, RealKVPagedAttention, build_module
+from kernel_cache.kernels.reference import reference_attention, reference_decode
+from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
 
 CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, max_model_len)
@@ -69,7 +69,7 @@ def test_real_kv_prefill_seq_len_zero_is_finite():
 def test_eager_modules_are_the_plain_kernels():
     """Eagerly (verify's oracle) build_module's modules are the plain kernels, bit
     for bit: verify compares each artifact with an independent formulation."""
-    from kernel_cache.kernels import BatchedDecode, PagedAttention
+    from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
 
     g = torch.Generator().manual_seed(1)
     kc, vc = torch.randn(9, 16, 2, 8, generator=g), torch.randn(9, 16, 2, 8, generator=g)
@@ -89,8 +89,8 @@ def test_eager_modules_are_the_plain_kernels():
 def test_make_inputs_covers_the_edge_lengths_with_distinct_blocks(tmp_path):
     """verify's inputs: a bucket edge, length 1 and a padded row for decode, a
     padded query row for prefill, and no pool block twice in one table."""
-    from kernel_cache.buckets import KernelVariant
-    from kernel_cache.inputs import make_inputs
+    from kernel_cache.plan.buckets import KernelVariant
+    from kernel_cache.runtime.inputs import make_inputs
 
     cfg = _config(tmp_path, 16)
     dec = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=2, num_seqs=4)
@@ -160,9 +160,9 @@ def _check_runner(cfg, v, runner, seed):
     "bs,dtype", [(16, "float32"), (16, "bfloat16"), (128, "float32"), (192, "float32")]
 )
 def test_compiled_plan_matches_reference_and_verifies(tmp_path, bs, dtype):
-    from kernel_cache.runtime import load_plan
-    from kernel_cache.verify import verify_plan
-    from warmup.planner import warmup
+    from kernel_cache.runtime.load import load_plan
+    from warmup.build.planner import warmup
+    from warmup.check.verify import verify_plan
 
     cfg = _config(tmp_path, bs, dtype)
     cache = tmp_path / "cache"

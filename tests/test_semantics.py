@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernel_cache.kernels import BatchedDecode, PagedAttention
+from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
 
 from .conftest import TRACE
 
@@ -63,7 +63,7 @@ def test_replays_padded_reads_are_batch_padding_not_rounding():
     4/3 ladder; most of what the bucket shapes read beyond the real blocks is
     batch padding, not each sequence's rounding."""
     from kernel_cache import Bucketer, make_config
-    from kernel_cache.trace import kv_blocks_read, read_trace, schedule
+    from warmup.trace import kv_blocks_read, read_trace, schedule
 
     for ladder, total, rounding in (("pow2", 0.535, 0.112), ("4/3", 0.501, 0.009)):
         b = Bucketer(make_config("llama-3.2-1b", kv_ladder=ladder))

@@ -4,10 +4,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_cache.buckets import Bucketer
-from kernel_cache.config import make_config
+from kernel_cache.config.engine import make_config
 from kernel_cache.errors import ConfigError
-from warmup.shard import COST_MODEL, expected_compile_seconds, parse_shard, shard_costs, split_plan
+from kernel_cache.plan.buckets import Bucketer
+from warmup.build.shard import (
+    COST_MODEL,
+    expected_compile_seconds,
+    parse_shard,
+    shard_costs,
+    split_plan,
+)
 
 from .conftest import run_cli, tiny_args
 

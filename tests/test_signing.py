@@ -7,12 +7,13 @@ import shutil
 import pytest
 
 from kernel_cache import load_plan
-from kernel_cache.buckets import Bucketer
-from kernel_cache.bundle import MANIFEST, export_bundle, import_bundle
 from kernel_cache.errors import CorruptEntryError
-from kernel_cache.keys import build_key
-from kernel_cache.lookup import Lookup
-from kernel_cache.signing import (
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.bundle import MANIFEST, export_bundle, import_bundle
+from kernel_cache.store.lookup import Lookup
+from kernel_cache.store.tier import DiskTier, make_meta
+from kernel_cache.trust.signing import (
     ENV_REQUIRE_SIGNED,
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,
@@ -24,7 +25,6 @@ from kernel_cache.signing import (
     mac,
     sign_meta,
 )
-from kernel_cache.store import DiskTier, make_meta
 
 from .conftest import run_cli, tiny_args
 
@@ -190,7 +190,7 @@ def test_require_signed_without_key_fails_at_start(tiny_model, tmp_path):
 
 
 def test_a_misspelt_require_signed_is_an_error_not_off():
-    from kernel_cache.signing import ENV_REQUIRE_SIGNED, SigningKeyError, load_signing_key
+    from kernel_cache.trust.signing import ENV_REQUIRE_SIGNED, SigningKeyError, load_signing_key
 
     for value in ("1", "yes", "on"):
         with pytest.raises(SigningKeyError, match="required"):

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache.buckets import Bucketer
 from kernel_cache.errors import CorruptEntryError, UntrustedCacheError
-from kernel_cache.keys import build_key
-from kernel_cache.locks import KeyLock
-from kernel_cache.quarantine import quarantine_entry
-from kernel_cache.store import DiskTier, make_meta
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.locks import KeyLock
+from kernel_cache.store.quarantine import quarantine_entry
+from kernel_cache.store.tier import DiskTier, make_meta
 
 from .conftest import run_cli, tiny_args
 from .fsutil import tree_state
@@ -100,7 +100,7 @@ def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path
         tier.close()
 
     # warmup's check finds it bad; quarantine moves the link itself, not its target
-    from warmup.planner import check_cached
+    from warmup.build.planner import check_cached
 
     tier = DiskTier(cache)
     why = check_cached(tier, key, "cpu")
@@ -259,7 +259,7 @@ def test_linked_index_is_refused_as_a_link_not_for_its_mode(tmp_path, tiny_confi
 
 @pytest.mark.parametrize("name", ["usage.json", "usage.json.lock"])
 def test_usage_record_never_written_through_a_link(tmp_path, tiny_config, name):
-    from kernel_cache import usage
+    import kernel_cache.store.usage as usage
 
     cache = tmp_path / "c"
     (_, key), *_ = fill_plan(cache, tiny_config)

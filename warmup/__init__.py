@@ -3,6 +3,6 @@
 It imports :mod:`kernel_cache`; :mod:`kernel_cache` never imports it.
 """
 
-from .planner import warmup
+from warmup.build.planner import warmup
 
 __all__ = ["warmup"]

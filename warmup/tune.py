@@ -11,8 +11,8 @@ For each chosen ``batched_decode`` variant:
    later ``warmup`` with the resulting table, compiles nothing twice). All
    compiles finish before any timing starts.
 3. Correctness: each candidate's output on random inputs of the variant's
-   shapes is compared with :func:`kernel_cache.reference.reference_decode`
-   (tolerance :data:`kernel_cache.verify.TOLERANCE`); a mismatch is never kept.
+   shapes is compared with :func:`kernel_cache.kernels.reference.reference_decode`
+   (tolerance :data:`warmup.check.verify.TOLERANCE`); a mismatch is never kept.
 4. Timing, warm: each loaded artifact runs 3 times first; then ``--rounds``
    rounds, each timing every candidate once in a shuffled order, one sample
    being the mean of ``inner`` back-to-back calls (``inner`` chosen so that a
@@ -32,7 +32,7 @@ artifact's key (kernel source, variant, geometry, dtype, device, versions), the
 candidate list and the timing settings; an interrupted tune run again with the
 same arguments reuses every finished variant and compiles nothing it has.
 
-The output is a table in the bundled format (:mod:`kernel_cache.launch`), one
+The output is a table in the bundled format (:mod:`kernel_cache.plan.launch`), one
 entry per tuned variant (the defaults written out where they won), with the
 measurements under ``measured``.
 """
@@ -51,17 +51,17 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from kernel_cache.buckets import BATCHED_DECODE, Bucketer, KernelVariant
-from kernel_cache.config import EngineConfig, config_to_cli
+from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CompileError, ConfigError, CorruptEntryError
-from kernel_cache.keys import CacheKey, build_key, environment
-from kernel_cache.launch import (
+from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
+from kernel_cache.plan.keys import CacheKey, build_key, environment
+from kernel_cache.plan.launch import (
     TABLE_FORMAT,
     arch_family,
     check_launch,
     variant_defaults,
 )
-from kernel_cache.store import DiskTier, make_meta, verify_entry
+from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
 
 TUNE_FORMAT = "kc-tune1"
 
@@ -171,10 +171,10 @@ def measure_variant(
     """
     import torch
 
-    from kernel_cache.inputs import make_inputs
-    from kernel_cache.reference import reference_decode
-    from kernel_cache.runtime import load_package
-    from kernel_cache.verify import TOLERANCE
+    from kernel_cache.kernels.reference import reference_decode
+    from kernel_cache.runtime.inputs import make_inputs
+    from kernel_cache.runtime.load import load_package
+    from warmup.check.verify import TOLERANCE
 
     runners = []
     for cfg in cands:
@@ -291,7 +291,7 @@ def tune(
             plan, or bad settings.
         CompileError: a candidate failed to compile.
     """
-    from warmup.planner import compile_items
+    from warmup.build.planner import compile_items
 
     t0 = time.perf_counter()
     settings = TuneSettings() if settings is None else settings
@@ -502,9 +502,9 @@ def print_summary(report: dict, out: Path, file=sys.stdout) -> None:
 
 def cmd_tune(args) -> int:
     """``kernel-cache tune``: see the module docstring."""
-    from kernel_cache.buckets import parse_bucket_list
     from kernel_cache.errors import KernelCacheError
-    from warmup.options import _cache_dir, config_from_args
+    from kernel_cache.plan.buckets import parse_bucket_list
+    from warmup.cli.options import _cache_dir, config_from_args
 
     cfg = config_from_args(args)
     if args.jobs < 1:
@@ -537,7 +537,7 @@ def cmd_tune(args) -> int:
 
 def add_tune_command(sub) -> None:
     """Register ``tune`` on the ``kernel-cache`` subparsers."""
-    from warmup.options import engine_options
+    from warmup.cli.options import engine_options
 
     st = sub.add_parser(
         "tune",

@@ -1,0 +1,373 @@
+"""The attention kernels over vLLM's paged KV layout.
+
+Layout (as in vLLM):
+    key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``
+    block tables: int32 indices into ``num_pool_blocks``.
+
+Two kinds of kernel live here:
+
+* :class:`PagedAttention` and :class:`BatchedDecode`: plain PyTorch, readable.
+  They gather a float32 copy of every block of the bucket (padded blocks and
+  padded rows included) and compute on all of it. They are the eager oracle of
+  ``verify`` and the kernels compiled for CUDA prefill.
+* :class:`RealKVPagedAttention` and :class:`RealKVBatchedDecode`: what
+  :func:`build_module` returns. On the CPU, when traced for export, they read
+  only the KV a sequence really has: prefill gathers the sequence's
+  ``ceil(seq_len / block_size)`` blocks (a data-dependent length) and calls
+  ``scaled_dot_product_attention``; decode runs
+  ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
+  mask built in the graph from ``seq_lens`` and the block tables, so a sequence
+  reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
+  reads none. Run eagerly (``verify``'s oracle) or off the CPU both are the
+  plain kernels (for decode also because eager ``flex_attention`` ignores the
+  block mask's sparsity).
+
+All kernels use GQA (``num_heads`` a multiple of ``num_kv_heads``), scale
+``1 / sqrt(head_dim)``, and accumulate scores and softmax in float32 whatever
+the input dtype. In the plain kernels masked scores use the float32 minimum
+rather than ``-inf`` so a row with nothing visible stays finite instead of
+NaN. Every decode kernel (plain, flex, and the CUDA one in ``triton_decode.py``)
+returns zeros for a padded row (``seq_len == 0``).
+
+The bytes of this file are hashed into every cache key
+(:func:`kernel_cache.plan.keys.source_files`): any edit here misses the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernel_cache.errors import ConfigError
+
+_NEG = torch.finfo(torch.float32).min
+
+
+class PagedAttention(nn.Module):
+    """One sequence's query chunk over its KV blocks, causal.
+
+    Inputs:
+        query: ``[query_len, num_heads, head_dim]`` (bucket-padded rows allowed).
+        key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: ``[num_blocks]`` int32.
+        seq_len: ``[1]`` int32, KV tokens of the sequence including this chunk.
+        real_query_len: ``[1]`` int32, real (unpadded) tokens in the chunk.
+
+    Token ``i`` of the chunk sits at absolute position ``seq_len - real_query_len + i``
+    and sees KV positions up to and including its own, none at or past ``seq_len``.
+
+    Returns: ``[query_len, num_heads, head_dim]`` in the query's dtype; rows
+    ``>= real_query_len`` are finite padding to be sliced off.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        q_len = query.shape[0]
+        nb = block_table.shape[0]
+        bs = key_cache.shape[1]
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        idx = block_table.long()
+        k = key_cache[idx].reshape(nb * bs, kvh, d).float()
+        v = value_cache[idx].reshape(nb * bs, kvh, d).float()
+        q = query.reshape(q_len, kvh, g, d).float()
+        scores = torch.einsum("qkgd,tkd->kgqt", q, k) * self.scale  # [kvh, g, q, t]
+        t = torch.arange(nb * bs, device=query.device, dtype=torch.int32)
+        start = seq_len - real_query_len
+        pos = start + torch.arange(q_len, device=query.device, dtype=torch.int32)
+        visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
+        scores = scores.masked_fill(~visible, _NEG)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("kgqt,tkd->qkgd", probs, v)
+        return out.reshape(q_len, kvh * g, d).to(query.dtype)
+
+
+def _zero_padded_rows(out, seq_lens):
+    """``out [num_seqs, ...]`` with the rows of ``seq_len == 0`` set to 0 (what the
+    CUDA and the compiled CPU decode kernels return for a padded row)."""
+    keep = (seq_lens > 0).reshape(-1, *([1] * (out.dim() - 1)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class BatchedDecode(nn.Module):
+    """One query token per sequence, a batch of sequences.
+
+    Inputs:
+        query: ``[num_seqs, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[num_seqs, num_blocks]`` int32.
+        seq_lens: ``[num_seqs]`` int32; the query token is at position ``seq_len - 1``
+            and sees KV positions ``< seq_len``. Padded rows have ``seq_len == 0``
+            and return zeros.
+
+    Launch parameters (set per variant by :mod:`kernel_cache.plan.launch`):
+        num_kv_splits: the ``num_blocks`` axis is cut into this many KV splits of
+            ``ceil(num_blocks / num_kv_splits)`` blocks each (the last split is
+            padded with masked blocks); each split is reduced on its own and the
+            splits are combined with the log-sum-exp rule (split-KV, "flash
+            decoding"). 1 to ``num_blocks``; default 1.
+        blocks_per_chunk: KV blocks processed per step of the online softmax
+            (Milakov & Gimelshein 2018) within a split; must divide the blocks of
+            one split. Default (``None``): the whole split in one step.
+
+    With the defaults (one split, one chunk) the kernel is the single-pass
+    softmax it always was, operation for operation.
+
+    Returns: ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
+
+    Raises:
+        ConfigError: at construction, a non-positive ``num_kv_splits`` or
+            ``blocks_per_chunk``; at trace/run time, a split count above
+            ``num_blocks`` or a chunk that does not divide its split.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        blocks_per_chunk: int | None = None,
+        num_kv_splits: int = 1,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+        if num_kv_splits < 1:
+            raise ConfigError(f"num_kv_splits={num_kv_splits}: must be >= 1")
+        if blocks_per_chunk is not None and blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk={blocks_per_chunk}: must be >= 1")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_kv_splits = num_kv_splits
+
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        nb = block_tables.shape[1]
+        splits = self.num_kv_splits
+        if splits > nb:
+            raise ConfigError(
+                f"num_kv_splits={splits} is outside [1, num_blocks={nb}]; use at most {nb}"
+            )
+        per_split = -(-nb // splits)
+        bpc = per_split if self.blocks_per_chunk is None else self.blocks_per_chunk
+        if per_split % bpc:
+            raise ConfigError(
+                f"blocks_per_chunk={bpc} does not divide the {per_split} blocks of one KV "
+                f"split (num_blocks={nb}, num_kv_splits={splits})"
+            )
+        if splits == 1 and bpc == nb:
+            return self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
+        return self._split_kv(query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc)
+
+    def _single_pass(self, query, key_cache, value_cache, block_tables, seq_lens):
+        s, nb = block_tables.shape
+        bs = key_cache.shape[1]
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        idx = block_tables.long()
+        k = key_cache[idx].reshape(s, nb * bs, kvh, d).float()
+        v = value_cache[idx].reshape(s, nb * bs, kvh, d).float()
+        q = query.reshape(s, kvh, g, d).float()
+        scores = torch.einsum("skgd,stkd->skgt", q, k) * self.scale  # [s, kvh, g, t]
+        t = torch.arange(nb * bs, device=query.device, dtype=torch.int32)
+        visible = t[None, :] < seq_lens[:, None]  # [s, t]
+        scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
+        return _zero_padded_rows(out, seq_lens).to(query.dtype)
+
+    def _split_kv(self, query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc):
+        s, nb = block_tables.shape
+        bs = key_cache.shape[1]
+        splits = self.num_kv_splits
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        idx = block_tables.long()
+        pad = splits * per_split - nb
+        if pad:  # masked blocks: their positions are >= num_blocks * block_size >= seq_len
+            idx = torch.cat([idx, idx.new_zeros((s, pad))], dim=1)
+        idx = idx.reshape(s, splits, per_split)
+        q = query.reshape(s, kvh, g, d).float()
+        span = bpc * bs  # tokens per chunk
+        lens = seq_lens[:, None, None]
+        first = torch.arange(splits, device=query.device, dtype=torch.int32) * (per_split * bs)
+        t = torch.arange(span, device=query.device, dtype=torch.int32)
+        m = torch.full((s, splits, kvh, g), _NEG, device=query.device)
+        l_sum = torch.zeros((s, splits, kvh, g), device=query.device)
+        acc = torch.zeros((s, splits, kvh, g, d), device=query.device)
+        for c in range(per_split // bpc):  # online softmax over chunks, all splits at once
+            blk = idx[:, :, c * bpc : (c + 1) * bpc]
+            k = key_cache[blk].reshape(s, splits, span, kvh, d).float()
+            v = value_cache[blk].reshape(s, splits, span, kvh, d).float()
+            scores = torch.einsum("skgd,sptkd->spkgt", q, k) * self.scale
+            pos = first[:, None] + (c * span) + t[None, :]  # [splits, span]
+            visible = pos[None] < lens  # [s, splits, span]
+            scores = scores.masked_fill(~visible[:, :, None, None, :], _NEG)
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(scores - m_new[..., None])
+            l_sum = l_sum * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("spkgt,sptkd->spkgd", p, v)
+            m = m_new
+        # Combine the splits: out = sum_p exp(lse_p - LSE) * out_p, lse_p = m_p + log l_p.
+        lse = m + torch.log(l_sum)  # [s, splits, kvh, g]; l_sum >= 1
+        weights = torch.softmax(lse, dim=1)
+        out = (weights[..., None] * (acc / l_sum[..., None])).sum(dim=1)  # [s, kvh, g, d]
+        return _zero_padded_rows(out.reshape(s, kvh * g, d), seq_lens).to(query.dtype)
+
+
+class RealKVPagedAttention(PagedAttention):
+    """:class:`PagedAttention` that reads only the sequence's real KV blocks (CPU).
+
+    Same inputs, outputs and semantics as :class:`PagedAttention`. Traced on the
+    CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it
+    gathers the first ``n = clamp(ceil(seq_len / block_size), 1, num_blocks)``
+    blocks of ``block_table`` (``n`` is data-dependent: an unbacked size under
+    ``torch.export``, bounded by ``torch._check``) into ``[n * block_size,
+    num_kv_heads, head_dim]`` in the cache's dtype, and calls
+    ``scaled_dot_product_attention`` (GQA through ``enable_gqa``, a boolean
+    causal mask ending at ``seq_len``). Blocks past ``seq_len`` are not read;
+    the copy is of the real blocks only, not of the bucket. Run eagerly
+    (``verify``'s oracle) or on another device it is the plain
+    :class:`PagedAttention`, so that ``verify`` compares the artifact with an
+    independent formulation.
+
+    Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
+    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block
+    and sees its position 0 only, so it stays finite.
+    """
+
+    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        if query.device.type != "cpu" or not torch.compiler.is_compiling():
+            return super().forward(
+                query, key_cache, value_cache, block_table, seq_len, real_query_len
+            )
+        return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+
+    def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        """The gather of the real blocks and SDPA (what is compiled for the CPU);
+        callable eagerly. Same inputs and output as :meth:`forward`."""
+        q_len = query.shape[0]
+        nb = block_table.shape[0]
+        bs = key_cache.shape[1]
+        kvh, d = self.num_kv_heads, self.head_dim
+        n = ((seq_len[0] + (bs - 1)) // bs).clamp(1, nb).item()
+        torch._check(n >= 1)
+        torch._check(n <= nb)
+        idx = block_table[:n].long()
+        k = key_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
+        v = value_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
+        t = torch.arange(n * bs, device=query.device, dtype=torch.int32)
+        pos = (seq_len - real_query_len) + torch.arange(
+            q_len, device=query.device, dtype=torch.int32
+        )
+        visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
+        # A row that sees nothing (only possible for seq_len 0) sees position 0:
+        # SDPA gives NaN for a fully masked row.
+        visible[:, 0] = True
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1).to(query.dtype)
+
+
+class RealKVBatchedDecode(BatchedDecode):
+    """:class:`BatchedDecode` that reads only real KV when compiled for the CPU.
+
+    Same inputs, outputs, launch parameters and semantics as
+    :class:`BatchedDecode`. Traced on the CPU by ``torch.export`` or
+    ``torch.compile`` (``torch.compiler.is_compiling()``), it is one
+    ``torch.nn.attention.flex_attention`` call over the whole pool: K and V are
+    the pool viewed as ``[1, num_kv_heads, num_pool_blocks * block_size,
+    head_dim]`` (no copy), and each sequence is one batch entry whose
+    ``num_heads / num_kv_heads`` query heads of a KV head form the query rows of
+    that head (every query head of a group sees the same positions, so each KV
+    block is read once per group). The block mask, built in the graph, lists for
+    sequence ``s`` its ``seq_len // block_size`` full blocks
+    (``block_tables[s]`` in order) and, if ``seq_len % block_size``, its last
+    block as a partial block whose ``mask_mod`` keeps offsets
+    ``< seq_len % block_size``. A padded row (``seq_len == 0``) lists no block
+    and returns zeros. The flex block size is the KV block size.
+
+    Compiled, the kernel reads no block past ``seq_len`` and copies nothing of
+    the pool. It relies on what an engine's block tables guarantee: a sequence
+    holds a pool block at most once. torch 2.13's CPU flex template applies
+    ``mask_mod`` to every block whose id is in the partial list, so a last,
+    partial block also listed earlier as a full block would be masked in both
+    places (``kernel_cache.runtime.inputs.make_inputs`` draws distinct blocks per row).
+
+    The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
+    the plain path; the compiled flex kernel parallelizes over
+    sequences and KV heads itself. Run eagerly (``verify``'s oracle, tests) or on
+    another device it is the plain :class:`BatchedDecode`: eager
+    ``flex_attention`` computes every score of the pool and ignores the block
+    mask's sparsity, and its ``mask_mod`` here is right only inside the blocks
+    the mask lists.
+
+    Workarounds flex needs under ``torch.export`` + AOTInductor (torch 2.13):
+    the query is a computed tensor (not a view of an input); ``mask_mod`` reads
+    only graph inputs (``seq_lens``), indexed with the batch index ``b``; the
+    block index tensors are ``num_pool_blocks + num_blocks`` wide so that the
+    CPU template's check ``kv_len <= index width * block_size`` holds for every
+    pool size without a guard on it.
+    """
+
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        if query.device.type != "cpu" or not torch.compiler.is_compiling():
+            return super().forward(query, key_cache, value_cache, block_tables, seq_lens)
+        return self._flex(query, key_cache, value_cache, block_tables, seq_lens)
+
+    def _flex(self, query, key_cache, value_cache, block_tables, seq_lens):
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        s, nb = block_tables.shape
+        p, bs = key_cache.shape[0], key_cache.shape[1]
+        kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = query.reshape(s, kvh, g, d) * 1  # computed, not a view of the input
+        k = key_cache.view(1, p * bs, kvh, d).transpose(1, 2)
+        v = value_cache.view(1, p * bs, kvh, d).transpose(1, 2)
+        full = seq_lens // bs  # full blocks per sequence, [s] int32
+        partial = (seq_lens % bs != 0).to(torch.int32)
+        full_idx = torch.cat([block_tables, block_tables.new_zeros((s, p))], dim=1)  # [s, nb + p]
+        last = torch.gather(block_tables, 1, full.clamp(max=nb - 1).long()[:, None])  # [s, 1]
+        part_idx = torch.cat([last, block_tables.new_zeros((s, nb + p - 1))], dim=1)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx % bs) < (seq_lens[b] % bs)
+
+        mask = BlockMask.from_kv_blocks(
+            partial[:, None, None],
+            part_idx[:, None, None, :],
+            full[:, None, None],
+            full_idx[:, None, None, :],
+            BLOCK_SIZE=(128, bs),
+            mask_mod=mask_mod,
+            seq_lengths=(g, p * bs),
+            compute_q_blocks=False,
+        )
+        out = flex_attention(q, k, v, block_mask=mask, scale=self.scale)  # [s, kvh, g, d]
+        return out.reshape(s, kvh * g, d).to(query.dtype)
+
+
+def build_module(
+    kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
+) -> nn.Module:
+    """The module for ``kernel`` ("paged_attention" or "batched_decode"):
+    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode`: the
+    real-KV kernels when compiled for the CPU, the plain kernels eagerly and
+    off the CPU.
+
+    ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
+    ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
+    usually the resolved config of :func:`kernel_cache.plan.launch.resolve_plan`.
+    """
+    cls = {"paged_attention": RealKVPagedAttention, "batched_decode": RealKVBatchedDecode}[kernel]
+    return cls(num_heads, num_kv_heads, head_dim, **launch).eval()

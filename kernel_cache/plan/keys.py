@@ -1,0 +1,463 @@
+"""Content-hashed cache keys built from named components.
+
+A key is an ordered list of named components; each is hashed on its own and
+recorded in the entry's metadata, so a miss can be explained component by
+component (``kernel-cache explain``). The idea follows JAX's
+``jax/_src/cache_key.py``; the code is ours.
+
+What counts (:data:`COMPONENTS`, in order): the artifact format version, the
+sources (every project file the compile path imports, found by code:
+:func:`source_files`), the variant, its resolved launch config (defaults
+written out; :mod:`kernel_cache.plan.launch`), the geometry, the dtype, the device
+type and architecture (on the CPU, the instruction-set target:
+:mod:`kernel_cache.config.recipe`), the torch, Python and C++ compiler versions, and
+the compile options.
+
+What is pinned and what is ignored: the environment variables torch.export,
+Inductor, Triton and the C++ compiler read are listed, each with its reason, in
+:data:`kernel_cache.config.recipe.ENV_RULES`; warmup compiles in a worker whose
+environment that list has cleaned. :data:`EXCLUDED` lists what must not count:
+anything that changes between the machine that warms and the pods that load,
+without changing the code.
+
+The ``cxx`` component names the C++ compiler AOTInductor runs (``$CXX``, else
+``g++``), its build and the C++ runtime library it links against, e.g.
+``"gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30"`` (format: ``FAMILY VERSION
+(build DIGEST); libstdc++ LIBVERSION``, ``"none"`` where no compiler is
+installed; see :func:`cxx_toolchain`). They count because a package's
+``wrapper.so`` is native code that another toolchain can make crash on load
+(seen on a CUDA image with ``CXX=/opt/gcc/bin/g++``: SIGSEGV in
+``std::regex``; warmup also loads every new artifact once in a fresh
+process before publishing it, see :mod:`warmup.build.loadcheck`). The name ``cxx`` is
+stable (a build-only component, below).
+
+Build-only components (:data:`BUILD_ONLY`): ``cxx``, the C++ compiler that
+AOTInductor ran. It shapes the artifact's bytes, so it is in the key and a
+builder with another compiler compiles afresh; but loading an artifact needs
+no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
+returns ``"none"`` there), so a loader cannot reproduce it. Engine start
+therefore looks a key up exactly first and, on a miss, accepts a stored entry
+whose every *other* component equals its own (the runtime digest,
+:attr:`CacheKey.runtime_digest`), taking the build-only values the entry
+records and logging them. Every other component is computed at runtime and
+must match: ``compile_options`` included, since the options are fixed by the
+installed code (:func:`kernel_cache.config.recipe.compile_options`), so a
+runtime computes them exactly and a release that changes an option misses.
+
+What accepting ``cxx`` does not cover: an artifact built against another C++
+runtime library than the loading process has may fail to load, either as an
+error of the AOTInductor loader (reported by
+:func:`kernel_cache.runtime.load.load_package` as a corrupt entry) or, as reported
+for a CUDA image whose ``CXX`` did not match its libstdc++, as a crash inside
+the package. ``warmup`` loads each new artifact once in a fresh process before
+publishing it (:mod:`warmup.build.loadcheck`), which catches such a crash on the
+builder's own runtime; build and runtime stages should share one base image, as
+``examples/Dockerfile`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.config.recipe import DEFAULT_CPU_TARGET, compile_options, device_arch
+from kernel_cache.errors import ConfigError
+from kernel_cache.plan.buckets import KernelVariant
+
+#: Bump when the stored layout (bytes + metadata schema) or the way a key is
+#: computed changes; entries of another format simply miss.
+ARTIFACT_FORMAT = "kc2"
+
+COMPONENTS = (
+    "format",
+    "sources",
+    "variant",
+    "launch_config",
+    "geometry",
+    "dtype",
+    "device",
+    "device_arch",
+    "torch",
+    "python",
+    "cxx",
+    "compile_options",
+)
+
+#: Components a loader cannot reproduce (see the module docstring): matched
+#: exactly by warmup, taken from the stored entry by engine start.
+BUILD_ONLY = ("cxx",)
+
+#: The components engine start computes and requires to match.
+RUNTIME_COMPONENTS = tuple(c for c in COMPONENTS if c not in BUILD_ONLY)
+
+#: Deliberately left out of every key, with the reason.
+EXCLUDED = {
+    "absolute paths (cache dir, bundle dir, site-packages)": "a moved or mounted cache must hit",
+    "HOME, user and host names": "a prewarmed image must hit for any user on any host",
+    "device index / CUDA_VISIBLE_DEVICES": "every rank must share one artifact",
+    "max_model_len, max_num_seqs, max_num_batched_tokens": "they choose which variants exist, "
+    "not how one variant compiles",
+    "timestamps, compile seconds": "metadata, not identity",
+    "environment variables not in recipe.ENV_RULES as 'counts'": "pinned by warmup or unable "
+    "to change the code (the reason of each rule)",
+}
+
+#: Where the compile path starts: the module that exports and compiles a
+#: variant. :func:`source_files` follows its imports, function-level ones
+#: included, through these top-level packages.
+COMPILE_ROOTS = ("warmup.build.compiler",)
+HASHED_PACKAGES = ("kernel_cache", "warmup")
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of module ``name`` inside :data:`HASHED_PACKAGES`,
+    found without importing it (nor its package); None if there is none."""
+    import importlib.util
+
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level lookup executes nothing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Module names ``path`` (module ``module``) imports anywhere in its body,
+    relative imports resolved; ``from X import Y`` yields X and X.Y."""
+    import ast
+
+    tree = ast.parse(path.read_bytes(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+@functools.cache
+def source_files(roots: tuple[str, ...] = COMPILE_ROOTS) -> dict[str, str]:
+    """Every source file of :data:`HASHED_PACKAGES` the compile path can run:
+    ``roots`` and, transitively, what they import (function-level imports
+    included), as ``{"warmup/build/compiler.py": sha256 hex (16 chars)}``, sorted
+    by path.
+
+    The set is found by reading the code (``ast``), not kept by hand, so a new
+    helper module a kernel imports is covered by the next build. A test runs a
+    compile under a profiler and checks that every project file it executed is
+    in this set.
+
+    Raises:
+        ConfigError: a root module cannot be found (e.g. ``warmup`` is not installed).
+    """
+    found: dict[str, str] = {}
+    todo = list(roots)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name.split(".")[0] not in HASHED_PACKAGES:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            if name in roots:
+                from kernel_cache.errors import ConfigError
+
+                raise ConfigError(
+                    f"cannot find module {name!r}, whose sources are part of every cache key; "
+                    "install kernel-cache whole (kernel_cache and warmup)"
+                )
+            continue  # "from pkg import name" where name is not a module
+        rel = f"{name.split('.')[0]}/{path.relative_to(_module_file(name.split('.')[0]).parent)}"
+        found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        parents = name.split(".")
+        # A package's __init__ runs before its modules: its bytes count, but its
+        # imports are re-exports, followed only where a module of the compile
+        # path imports them itself.
+        for i in range(1, len(parents)):
+            init = _module_file(".".join(parents[:i]))
+            if init is not None:
+                rel_init = f"{parents[0]}/{init.relative_to(_module_file(parents[0]).parent)}"
+                found[rel_init] = hashlib.sha256(init.read_bytes()).hexdigest()[:16]
+        if path.name != "__init__.py" or name in roots:
+            todo.extend(_imports(path, name))
+    return dict(sorted(found.items()))
+
+
+def sources_component(roots: tuple[str, ...] = COMPILE_ROOTS) -> str:
+    """The ``sources`` key component: :func:`source_files` as compact JSON, so a
+    stored entry records which file changed (``kernel-cache explain``)."""
+    return json.dumps(source_files(roots), separators=(",", ":"))
+
+
+def cxx_executable() -> str | None:
+    """The C++ compiler AOTInductor runs: ``$CXX``, else ``g++`` (``clang++`` on
+    macOS), resolved on ``PATH``; None if not found."""
+    cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return shutil.which(cxx)
+
+
+#: Seconds a compiler probe (``g++ --version`` and friends) may take. A slow
+#: answer on a loaded machine must not turn into another key, so a probe that
+#: times out is an error, not an empty answer.
+PROBE_TIMEOUT_S = 120.0
+
+
+def _run(args: list[str]) -> tuple[str, str]:
+    """``(stdout, stderr)`` of a compiler probe; ``("", "")`` if it cannot run.
+
+    Raises:
+        ConfigError: the probe did not finish within :data:`PROBE_TIMEOUT_S`.
+    """
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        return proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"the C++ compiler probe {' '.join(args)!r} did not answer within "
+            f"{PROBE_TIMEOUT_S:g} s; its answer is part of every cache key (the 'cxx' "
+            "component), so it is not guessed. Retry on a less loaded machine or check $CXX"
+        ) from None
+    except (OSError, subprocess.SubprocessError):
+        return "", ""
+
+
+#: Lines of ``$CXX -v`` that identify a compiler build (not its install path).
+_BUILD_LINES = ("Target:", "Configured with:", "Thread model:", "gcc version", "clang version")
+
+
+@functools.cache
+def cxx_toolchain(exe: str | None = None) -> dict[str, str]:
+    """What the C++ compiler is and which C++ runtime library it links against.
+
+    Returns ``{"path", "compiler", "build", "libstdcxx_path", "libstdcxx"}``, e.g.
+    ``{"path": "/usr/bin/g++", "compiler": "gcc 12.2.0", "build": "5d1c33a0",
+    "libstdcxx_path": "/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.30",
+    "libstdcxx": "6.0.30"}``. ``build`` is the sha256 (8 hex) of the lines of
+    ``$CXX -v`` that identify the compiler's build (target, configure options,
+    thread model, full version): two builds of one gcc version differ here (on
+    a CUDA image (the lent H200's) ``/usr/bin/g++`` and ``/opt/gcc/bin/g++`` are both gcc 13.3.0,
+    Ubuntu packages 13.3.0-6ubuntu2~24.04.1 and ~24.04: builds abc044f8 and d25c59f3).
+    The library is what the compiler's linker resolves ``libstdc++.so`` to
+    (``$CXX -print-file-name=libstdc++.so``, symlinks followed); its version is
+    the file name's suffix, ``"unknown"`` if that cannot be read, and
+    ``"static"`` when the compiler links ``libstdc++.a`` into the package (no
+    shared library found, or ``-static-libstdc++`` on its link line): such a
+    package crashes in a process that already has the shared libstdc++, as every
+    torch process has (measured on that CUDA image: a ``std::regex`` object built
+    by ``/opt/gcc/bin/g++``, a wrapper script whose objects do not need
+    ``libstdc++.so.6``, ran alone and crashed after ``import torch``).
+    ``compiler`` is ``"none"`` where no compiler is installed (a slim runtime image).
+    """
+    exe = exe or cxx_executable()
+    if not exe:
+        return {
+            "path": "",
+            "compiler": "none",
+            "build": "none",
+            "libstdcxx_path": "",
+            "libstdcxx": "none",
+        }
+    first = (_run([exe, "--version"])[0].splitlines() or [""])[0]
+    if not first:
+        compiler = "unknown"
+    else:
+        family = "clang" if "clang" in first.lower() else "gcc"
+        versions = re.findall(r"\d+\.\d+(?:\.\d+)?", first)
+        compiler = f"{family} {versions[-1] if versions else first.strip()}"
+    verbose = _run([exe, "-v"])[1].splitlines()
+    ident = [line.strip() for line in verbose if line.strip().startswith(_BUILD_LINES)]
+    build = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:8] if ident else "unknown"
+    lib_path, lib = "", "unknown"
+    found = _run([exe, "-print-file-name=libstdc++.so"])[0].strip()
+    if found and os.sep in found and Path(found).exists():
+        lib_path = os.path.realpath(found)
+        m = re.search(r"libstdc\+\+\.so\.(\d+(?:\.\d+)*)$", lib_path)
+        lib = m.group(1) if m else "unknown"
+    # Linked into the package instead of loaded: no shared libstdc++ to link against,
+    # or the driver links the archive (-static-libstdc++, possibly from a wrapper script).
+    link = _run([exe, "-###", "-shared", "-x", "c++", os.devnull, "-o", os.devnull])[1]
+    static = re.search(r"-Bstatic\S*\s+\S*-lstdc\+\+|libstdc\+\+\.a|-static-libstdc\+\+", link)
+    if static or not lib_path:
+        archive = _run([exe, "-print-file-name=libstdc++.a"])[0].strip()
+        if static or (archive and os.sep in archive and Path(archive).exists()):
+            lib = "static"
+            if archive and os.sep in archive and Path(archive).exists():
+                lib_path = os.path.realpath(archive)
+    return {
+        "path": exe,
+        "compiler": compiler,
+        "build": build,
+        "libstdcxx_path": lib_path,
+        "libstdcxx": lib,
+    }
+
+
+@functools.cache
+def cxx_compiler_id() -> str:
+    """The ``cxx`` key component: ``"gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30"``.
+
+    Compiler family, version and build digest, then the version of the libstdc++
+    it links against (:func:`cxx_toolchain`); ``"none"`` where no compiler is
+    installed. No path: the same compiler installed elsewhere hits.
+    """
+    t = cxx_toolchain()
+    if t["compiler"] == "none":
+        return "none"
+    return f"{t['compiler']} (build {t['build']}); libstdc++ {t['libstdcxx']}"
+
+
+def _target_of(config_or_device) -> tuple[str, str]:
+    if isinstance(config_or_device, str):
+        return config_or_device, DEFAULT_CPU_TARGET
+    return config_or_device.device, config_or_device.cpu_target
+
+
+def environment(config_or_device) -> dict[str, str]:
+    """The environment components of a key, as strings, for an
+    :class:`EngineConfig` (its device and CPU target) or a device name (the
+    default CPU target)."""
+    import torch
+
+    device, target = _target_of(config_or_device)
+    return {
+        "device": device,
+        "device_arch": device_arch(device, target),
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "cxx": cxx_compiler_id(),
+    }
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def _combine(components) -> str:
+    h = hashlib.sha256()
+    for name, value in components:
+        h.update(f"{name}={_digest(value)}\n".encode())
+    return h.hexdigest()
+
+
+def runtime_digest(components: dict[str, str]) -> str:
+    """sha256 (hex) over the :data:`RUNTIME_COMPONENTS` of a recorded
+    ``components`` mapping (a missing component hashes as an empty string)."""
+    return _combine((n, components.get(n, "")) for n in RUNTIME_COMPONENTS)
+
+
+def key_from_components(components: dict[str, str]) -> CacheKey:
+    """The :class:`CacheKey` of a recorded ``components`` mapping (metadata,
+    a bundle manifest), in :data:`COMPONENTS` order.
+
+    Raises:
+        ValueError: a component is missing or unknown (names them).
+    """
+    missing = [n for n in COMPONENTS if n not in components]
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if missing or unknown:
+        raise ValueError(f"key components: missing {missing}, unknown {unknown}")
+    return CacheKey(tuple((n, str(components[n])) for n in COMPONENTS))
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """An ordered tuple of ``(name, value)`` components and their sha256."""
+
+    components: tuple[tuple[str, str], ...]
+
+    @functools.cached_property
+    def hexdigest(self) -> str:
+        return _combine(self.components)
+
+    @functools.cached_property
+    def runtime_digest(self) -> str:
+        """sha256 over the components a loader can compute (all but :data:`BUILD_ONLY`)."""
+        return runtime_digest(dict(self.components))
+
+    def __str__(self) -> str:
+        return self.hexdigest
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.components)
+
+    def component_digests(self) -> dict[str, str]:
+        """Each component's own sha256 (hex, 16 chars), for logs and explain."""
+        return {n: _digest(v)[:16] for n, v in self.components}
+
+
+def recipe_options(config: EngineConfig) -> dict:
+    """The Inductor options ``config``'s variants compile with
+    (:func:`kernel_cache.config.recipe.compile_options`)."""
+    return compile_options(config.device, config.cpu_target)
+
+
+def build_key(
+    config: EngineConfig,
+    variant: KernelVariant,
+    env: dict[str, str] | None = None,
+    compile_options: dict | None = None,
+    overrides: dict[str, str] | None = None,
+    launch: dict | None = None,
+) -> CacheKey:
+    """The cache key of one variant under ``config`` in this environment.
+
+    ``overrides`` replaces named components (tests simulate a torch upgrade
+    with ``{"torch": "2.14.1"}``). ``launch`` is the variant's resolved launch
+    config (:func:`kernel_cache.plan.launch.resolve_plan`); when None it is resolved
+    here (``KERNEL_CACHE_TUNING`` > bundled table > defaults).
+    """
+    env = environment(config) if env is None else env
+    if launch is None:
+        from kernel_cache.plan.launch import launch_for
+
+        launch = launch_for(config, variant, env["device_arch"])
+    opts = recipe_options(config) if compile_options is None else compile_options
+    values = {
+        "format": ARTIFACT_FORMAT,
+        "sources": sources_component(),
+        "variant": str(variant),
+        "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
+        "geometry": json.dumps(config.geometry(), sort_keys=True),
+        "dtype": config.dtype,
+        **env,
+        "compile_options": json.dumps(opts, sort_keys=True),
+    }
+    if overrides:
+        unknown = set(overrides) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown key components {sorted(unknown)}; known: {COMPONENTS}")
+        values.update(overrides)
+    return CacheKey(tuple((name, values[name]) for name in COMPONENTS))
+
+
+def diff_components(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    """Human-readable differences, e.g. ``["torch: 2.13.0 != 2.14.1"]``."""
+    out = []
+    for name in COMPONENTS:
+        va, vb = a.get(name), b.get(name)
+        if va != vb:
+            out.append(f"{name}: {va} != {vb}")
+    return out

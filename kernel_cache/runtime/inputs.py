@@ -1,0 +1,82 @@
+"""Random inputs of a variant's exact bucket shapes (for export and verify)."""
+
+from __future__ import annotations
+
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
+
+
+def pool_blocks_for(variant: KernelVariant) -> int:
+    """An example KV pool size (blocks) for ``variant``: larger than any of its
+    static dimensions and distinct from them, so ``torch.export`` keeps
+    ``num_pool_blocks`` dynamic instead of tying it to another dimension."""
+    dims = {variant.query_len, variant.num_blocks, variant.num_seqs}
+    p = variant.num_blocks * variant.num_seqs + 3
+    while p in dims:
+        p += 1
+    return p
+
+
+def make_inputs(
+    config: EngineConfig,
+    variant: KernelVariant,
+    *,
+    seed: int = 0,
+    num_pool_blocks: int | None = None,
+    device: str | None = None,
+):
+    """Positional inputs for the variant's kernel, with valid random lengths.
+
+    Lengths: decode has one sequence on the bucket edge, and with 3 or more rows
+    one of length 1 and one padded row (``seq_len`` 0); prefill has one padded
+    query row when the query bucket holds more than one token.
+
+    Returns a tuple matching :class:`~kernel_cache.kernels.builtin.PagedAttention` or
+    :class:`~kernel_cache.kernels.builtin.BatchedDecode` ``forward`` (see their docstrings
+    for shapes). Each block table (each row of a decode batch's) indexes distinct
+    random pool blocks, as an engine's does: a sequence never holds one pool
+    block twice, and the compiled CPU decode kernel relies on that.
+
+    Raises:
+        ValueError: ``num_pool_blocks`` smaller than the variant's ``num_blocks``.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    device = device or config.device
+    dt = config.torch_dtype()
+    h, kvh, d, bs = config.num_heads, config.num_kv_heads, config.head_dim, config.block_size
+    p = num_pool_blocks or pool_blocks_for(variant)
+    nb = variant.num_blocks
+    if p < nb:
+        raise ValueError(f"num_pool_blocks={p} is below the variant's num_blocks={nb}")
+    kc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
+    vc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
+    cap = nb * bs
+    if variant.kernel == PAGED_ATTENTION:
+        q = variant.query_len
+        real_q = min(q, cap)
+        if real_q == q > 1:
+            real_q -= 1  # one padded query row
+        seq_len = int(torch.randint(real_q, cap + 1, (1,), generator=g))
+        bt = torch.randperm(p, generator=g)[:nb].to(torch.int32)
+        query = torch.randn(q, h, d, generator=g).to(dt)
+        args = (
+            query,
+            kc,
+            vc,
+            bt,
+            torch.tensor([seq_len], dtype=torch.int32),
+            torch.tensor([real_q], dtype=torch.int32),
+        )
+    else:
+        s = variant.num_seqs
+        seq_lens = torch.randint(1, cap + 1, (s,), generator=g, dtype=torch.int32)
+        seq_lens[0] = cap  # one sequence exactly on the bucket edge
+        if s >= 3:
+            seq_lens[1] = 1  # one token
+            seq_lens[-1] = 0  # a padded row
+        bt = torch.stack([torch.randperm(p, generator=g)[:nb] for _ in range(s)]).to(torch.int32)
+        query = torch.randn(s, h, d, generator=g).to(dt)
+        args = (query, kc, vc, bt, seq_lens)
+    return tuple(a.to(device) for a in args)

@@ -1,0 +1,2 @@
+"""Stage 4, store: the tiers that hold artifacts (disk, Redis, bundle), the
+lookup that orders them, the build locks, quarantine and housekeeping."""

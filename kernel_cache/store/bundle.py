@@ -1,0 +1,334 @@
+"""Relocatable, read-only bundles: exactly one plan's artifacts, for a container image.
+
+A bundle is a directory; every path in it is relative, so it can be moved,
+copied into an image layer or mounted read-only anywhere::
+
+    <bundle>/manifest.json
+    <bundle>/artifacts/<sha256 of the bytes>.pt2    # one file per artifact
+
+``manifest.json`` (JSON, never pickle)::
+
+    {"bundle_format": "kc-bundle-1", "created": <unix seconds>,
+     "plan": {"config": {<EngineConfig fields>}, "fingerprint": "<16 hex>",
+              "variants": ["paged_attention:1:1:1", ...]},
+     "tools": {"kernel_cache": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11",
+               "cxx": "gcc 12.2.0", "platform": "Linux-...-x86_64"},
+     "entries": [{"variant", "key", "components": {name: value},
+                  "file": "artifacts/<sha256>.pt2", "sha256", "size" (bytes),
+                  "compile_seconds", "created", "format", and for a CPU artifact
+                  "cpu_target", "cpu_features"}, ...]}
+
+``kernel-cache export`` writes one (:func:`export_bundle`); engine start and
+``verify`` read them through :class:`BundleTier` from ``--bundle DIR`` and
+``$KERNEL_CACHE_BUNDLE`` (:func:`bundle_paths`) before the local cache;
+``kernel-cache import`` copies one into a local cache (:func:`import_bundle`).
+A :class:`BundleTier` writes nothing, anywhere: it reads the manifest and the
+files, and :func:`kernel_cache.store.tier.verify_entry` checks each file's size and
+sha256 before its code is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kernel_cache.errors import BundleError, CorruptEntryError
+from kernel_cache.store.tier import Entry, Tier
+
+BUNDLE_FORMAT = "kc-bundle-1"
+MANIFEST = "manifest.json"
+ENV_BUNDLE = "KERNEL_CACHE_BUNDLE"
+
+_FILE_RE = re.compile(r"artifacts/([0-9a-f]{64})\.pt2")
+_ENTRY_FIELDS = ("variant", "key", "components", "file", "sha256", "size")
+
+
+def bundle_paths(explicit=None, environ=None) -> list[Path]:
+    """Bundle directories in lookup order: ``explicit`` (``--bundle``, in the
+    order given), then ``$KERNEL_CACHE_BUNDLE`` (``os.pathsep``-separated);
+    empty items are skipped and duplicates dropped."""
+    environ = os.environ if environ is None else environ
+    items = [str(p) for p in (explicit or [])]
+    items += environ.get(ENV_BUNDLE, "").split(os.pathsep)
+    out: list[Path] = []
+    for item in items:
+        if item and Path(item) not in out:
+            out.append(Path(item))
+    return out
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Read and check a bundle's ``manifest.json``.
+
+    Raises:
+        BundleError: the directory or manifest is missing, the manifest is not
+            JSON, has another ``bundle_format``, or an entry lacks a field.
+    """
+    d = Path(directory)
+    path = d / MANIFEST
+    if not d.is_dir():
+        raise BundleError(f"bundle {str(d)!r} is not a directory (check --bundle / ${ENV_BUNDLE})")
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise BundleError(
+            f"bundle {str(d)!r} has no {MANIFEST}: not a kernel-cache bundle; "
+            "write one with: kernel-cache export [ENGINE OPTIONS] --out DIR"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise BundleError(f"bundle manifest {str(path)!r} cannot be read as JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("bundle_format") != BUNDLE_FORMAT:
+        got = doc.get("bundle_format") if isinstance(doc, dict) else None
+        raise BundleError(
+            f"bundle manifest {str(path)!r}: bundle_format {got!r}, this kernel-cache reads "
+            f"{BUNDLE_FORMAT!r}; export the bundle again with this version"
+        )
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise BundleError(f"bundle manifest {str(path)!r} has no 'entries' list")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not all(f in e for f in _ENTRY_FIELDS):
+            raise BundleError(
+                f"bundle manifest {str(path)!r}: entry {i} lacks one of {list(_ENTRY_FIELDS)}"
+            )
+    return doc
+
+
+class BundleTier(Tier):
+    """A read-only tier over a bundle directory (see the module docstring).
+
+    ``get`` reads ``artifacts/<sha256>.pt2`` and returns it with the manifest's
+    record as metadata; the caller verifies it (size, sha256) before loading.
+    A ``file`` field that is not ``artifacts/<sha256>.pt2`` of its own sha256
+    (a path outside the bundle, a renamed file) makes the entry corrupt.
+    ``put`` and ``delete`` raise :class:`BundleError`: a bundle is never written.
+
+    Raises (constructor): BundleError, from :func:`read_manifest`.
+    """
+
+    name = "bundle"
+    trusted = False  # with a signing key set, entries need a valid signature
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.location = str(self.directory)
+        self.manifest = read_manifest(self.directory)
+        self._entries = {e["key"]: e for e in self.manifest["entries"]}
+
+    def get_meta(self, key: str) -> dict | None:
+        e = self._entries.get(key)
+        return dict(e) if e is not None else None
+
+    def get(self, key: str) -> Entry | None:
+        meta = self.get_meta(key)
+        if meta is None:
+            return None
+        m = _FILE_RE.fullmatch(str(meta["file"]))
+        if not m or m.group(1) != meta["sha256"]:
+            raise CorruptEntryError(
+                key,
+                f"manifest names file {meta['file']!r}, expected artifacts/<its sha256>.pt2",
+                self.location,
+            )
+        try:
+            data = (self.directory / meta["file"]).read_bytes()
+        except OSError as e:
+            raise CorruptEntryError(
+                key, f"cannot read {meta['file']}: {e.strerror or e}", self.location
+            ) from None
+        return Entry(key=key, meta=meta, data=data, where=self.location)
+
+    def put(self, key: str, data: bytes, meta: dict) -> None:
+        raise BundleError(
+            f"bundle {self.location!r} is read-only; copy it into a local cache with "
+            f"kernel-cache import {self.location}"
+        )
+
+    def delete(self, key: str) -> None:
+        raise BundleError(f"bundle {self.location!r} is read-only; entries cannot be deleted")
+
+    def iter_meta(self) -> Iterator[dict]:
+        for e in self.manifest["entries"]:
+            yield dict(e)
+
+
+def tool_versions() -> dict:
+    """The tools that built a bundle (informational; the key components decide)."""
+    import torch
+
+    from kernel_cache import __version__
+    from kernel_cache.plan.keys import cxx_compiler_id
+
+    return {
+        "kernel_cache": __version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cxx": cxx_compiler_id(),
+        "platform": platform.platform(),
+    }
+
+
+def _make_read_only(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o444)
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        os.chmod(dirpath, 0o555)
+
+
+def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
+    """Write a bundle of exactly ``config``'s plan, read from ``tiers``.
+
+    Every variant is found with the engine-start lookup
+    (:class:`kernel_cache.store.lookup.Lookup`) and verified. The bundle is written
+    to a temporary sibling of ``out`` and renamed into place, then made
+    read-only (files 0444, directories 0555), so ``out`` is complete or absent.
+
+    Returns: ``{"out", "variants", "files", "bytes", "fingerprint"}``.
+
+    Raises:
+        BundleError: a variant is missing or corrupt (lists them and the warmup
+            command), or ``out`` exists and is not an empty directory.
+    """
+    from kernel_cache.config.engine import config_to_cli
+    from kernel_cache.plan.buckets import Bucketer
+    from kernel_cache.plan.keys import build_key, environment
+    from kernel_cache.store.lookup import Lookup
+    from kernel_cache.trust.signing import load_signing_key, sign_meta
+
+    secret = load_signing_key()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BundleError(
+            f"--out {str(out)!r} exists and is not an empty directory; "
+            "choose a new directory (a bundle is never overwritten in place)"
+        )
+    bucketer = Bucketer(config)
+    env = environment(config)
+    lookup = Lookup(tiers)
+    found, missing, corrupt = [], [], []
+    for v in bucketer.variants:
+        key = build_key(config, v, env)
+        try:
+            hit = lookup.find(key)
+        except CorruptEntryError as e:
+            corrupt.append(f"{v} ({e.reason})")
+            continue
+        if hit is None:
+            missing.append(str(v))
+        else:
+            found.append((v, hit))
+    if missing or corrupt:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {', '.join(missing)}")
+        if corrupt:
+            parts.append(f"{len(corrupt)} corrupt: {', '.join(corrupt)}")
+        raise BundleError(
+            f"refusing to export an incomplete plan ({len(bucketer.variants)} variants; "
+            f"{'; '.join(parts)}); warm it first: kernel-cache warmup {config_to_cli(config)}"
+        )
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "artifacts").mkdir(parents=True)
+    except OSError as e:
+        raise BundleError(
+            f"--out {str(out)!r}: cannot create the bundle directory beside it ({e}); "
+            "choose a writable location"
+        ) from None
+    entries, total = [], 0
+    try:
+        for v, hit in found:
+            m = hit.entry.meta
+            sha = m["sha256"]
+            rel = f"artifacts/{sha}.pt2"
+            path = tmp / rel
+            if not path.exists():
+                path.write_bytes(hit.entry.data)
+                total += len(hit.entry.data)
+            entries.append(
+                {
+                    "variant": str(v),
+                    "key": hit.entry.key,
+                    "components": m["components"],
+                    "file": rel,
+                    "sha256": sha,
+                    "size": m["size"],
+                    "compile_seconds": m.get("compile_seconds"),
+                    "created": m.get("created"),
+                    "format": m.get("format"),
+                    # a CPU artifact's instruction-set record, checked at engine start
+                    **{f: m[f] for f in ("cpu_target", "cpu_features") if f in m},
+                }
+            )
+            signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
+            if "signature" in signed:  # signed now with the key set, or as built
+                entries[-1]["signature"] = signed["signature"]
+        manifest = {
+            "bundle_format": BUNDLE_FORMAT,
+            "created": time.time(),
+            "plan": {
+                "config": config.model_dump(mode="json"),
+                "fingerprint": bucketer.fingerprint(),
+                "variants": [str(v) for v in bucketer.variants],
+            },
+            "tools": tool_versions(),
+            "entries": entries,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BundleError(f"cannot write the bundle to {str(out)!r}: {e}") from None
+    _make_read_only(out)
+    return {
+        "out": str(out),
+        "variants": len(entries),
+        "files": len({e["sha256"] for e in entries}),
+        "bytes": total,
+        "fingerprint": bucketer.fingerprint(),
+    }
+
+
+def import_bundle(bundle: str | os.PathLike, disk) -> dict:
+    """Copy every entry of a bundle into a local cache tier (``disk``), verified.
+
+    Entries already there are skipped. Returns ``{"imported", "present", "bytes"}``.
+
+    Raises:
+        BundleError: from :func:`read_manifest`.
+        CorruptEntryError: a file fails its sha256 or size check, or (with a
+            signing key set) its signature (nothing of it is copied; entries
+            copied before it stay, each whole).
+    """
+    from kernel_cache.store.tier import verify_entry
+    from kernel_cache.trust.signing import check_untrusted
+
+    tier = BundleTier(bundle)
+    imported = present = nbytes = 0
+    for meta in tier.iter_meta():
+        key = meta["key"]
+        if disk.contains(key):
+            present += 1
+            continue
+        entry = tier.get(key)
+        verify_entry(entry)
+        check_untrusted(entry)  # the local cache is trusted: check before copying in
+        record = {k: v for k, v in meta.items() if k != "file"}
+        record["imported_from"] = "bundle"
+        disk.put(key, entry.data, record)
+        imported += 1
+        nbytes += len(entry.data)
+    return {"imported": imported, "present": present, "bytes": nbytes}

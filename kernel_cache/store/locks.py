@@ -1,0 +1,288 @@
+"""Single-flight per key across processes: one compile per key, however many workers.
+
+:class:`KeyLock` is an ``flock(2)`` on ``<cache>/locks/<key>.lock``. The kernel
+drops an ``flock`` when its holder exits, however it exits (``SIGKILL``, OOM
+kill), so a dead holder never blocks a later start. (``flock`` is not reliable
+on every network file system; keep the cache on a local disk.)
+
+No symbolic link is followed: ``locks/`` is opened with ``O_NOFOLLOW |
+O_DIRECTORY`` and each file in it with ``O_NOFOLLOW``, so a link there (to
+another user's folder or file) is refused with
+:class:`~kernel_cache.errors.UntrustedCacheError` naming it and the fix, and
+nothing is created or truncated through it.
+
+The holder writes ``<cache>/locks/<key>.owner`` (JSON: ``pid``, ``host``,
+``since``, ``variant``) after it acquires the lock and removes it before it
+releases, so a waiter that times out can say who holds the key. The lock file
+itself is not used for this: a waiter opens it too.
+
+Warmup's protocol per key: check the cache, take the lock, check again (a
+waiter finds the entry another process just published and loads it instead of
+compiling), compile, publish, release.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from kernel_cache.errors import ConfigError, LockTimeoutError
+from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+LOCKS_DIR = "locks"
+ENV_LOCK_TIMEOUT = "KERNEL_CACHE_LOCK_TIMEOUT"
+#: Seconds a warmup waits for another process compiling the same key. A CPU
+#: compile of one variant takes about 8 s here (2-core CPU, tiny geometry); a
+#: large GPU kernel can take minutes, hence 15 minutes.
+DEFAULT_LOCK_TIMEOUT = 900.0
+
+
+def lock_timeout_from_env() -> float:
+    """``KERNEL_CACHE_LOCK_TIMEOUT`` in seconds (default 900).
+
+    Raises:
+        ConfigError: not a number >= 0.
+    """
+    raw = os.environ.get(ENV_LOCK_TIMEOUT)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{ENV_LOCK_TIMEOUT}={raw!r}: expected seconds >= 0")
+    return value
+
+
+def pid_alive(pid: int) -> bool | None:
+    """Whether process ``pid`` exists on this machine (None: cannot tell)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return None
+    return True
+
+
+def private_temp_dir(prefix: str) -> str:
+    """A new directory ``<temp dir>/<prefix><pid>-<random>`` for this process.
+
+    Directories of the same prefix left by processes that died without
+    cleaning up (SIGKILL) are removed first: their pid is in the name, and one
+    is removed only when :func:`pid_alive` says False (never this process's,
+    never a symbolic link).
+    """
+    import re
+    import shutil
+    import tempfile
+
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\w+", name)
+        path = os.path.join(base, name)
+        if m and int(m.group(1)) != os.getpid() and not os.path.islink(path):
+            if pid_alive(int(m.group(1))) is False:  # None (cannot tell): keep it
+                shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
+
+
+class LockBusy(Exception):
+    """A non-blocking :meth:`KeyLock.acquire` found the key locked."""
+
+
+def _refuse_link(path) -> Exception:
+    from kernel_cache.trust.permissions import refuse_link
+
+    return refuse_link("lock path", path, "rm {p} (the link only; warmup creates a real one)")
+
+
+class KeyLock:
+    """The compile lock of one key in one cache directory (a context manager).
+
+    Args:
+        cache_dir: the cache directory (``locks/`` is created in it on acquire).
+        key: the entry key (sha256 hex).
+        variant: for the owner record and error messages.
+        shared: create ``locks/`` and lock files group-writable (the umask
+            decides; a deliberately shared directory), else ``0755``/``0644``.
+    """
+
+    def __init__(self, cache_dir, key: str, *, variant: str = "", shared: bool = False):
+        self.root = Path(cache_dir)
+        self.dir = self.root / LOCKS_DIR
+        self.key = key
+        self.variant = variant
+        self.shared = shared
+        self.path = self.dir / f"{key}.lock"
+        self.owner_path = self.dir / f"{key}.owner"
+        self._fd: int | None = None
+        self.waited_s = 0.0
+
+    def _open_dir(self) -> int:
+        """A descriptor of ``locks/`` (created if missing), never through a link.
+
+        Raises:
+            UntrustedCacheError: ``locks/`` is a symbolic link or not a folder.
+        """
+        mode = 0o777 if self.shared else 0o755
+        makedirs(self.root, mode)
+        try:
+            return open_dir_nofollow(self.root, [LOCKS_DIR], create_mode=mode, kind="lock folder")
+        except LinkInCacheError:
+            from kernel_cache.trust.permissions import CACHE_PATHS, refuse_link
+
+            kind, fix = CACHE_PATHS[LOCKS_DIR]
+            raise refuse_link(kind, self.dir, fix) from None
+
+    def holder(self) -> dict | None:
+        """The owner record of the current holder, with ``alive``, or None
+        (also when the record is a link: never followed)."""
+        try:
+            dfd = self._open_dir()
+        except Exception:
+            return None
+        try:
+            fd = os.open(self.owner_path.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                rec = json.loads(f.read(65536))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(dfd)
+        if not isinstance(rec, dict):
+            return None
+        if rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int):
+            rec["alive"] = pid_alive(rec["pid"])
+        return rec
+
+    def acquire(self, timeout: float) -> None:
+        """Take the lock, waiting up to ``timeout`` seconds (0: do not wait).
+
+        Raises:
+            LockBusy: ``timeout`` is 0 and another process holds the key.
+            LockTimeoutError: waited ``timeout`` seconds; names the key, the lock
+                file and the holder's pid if known.
+            UntrustedCacheError: ``locks/`` or the lock file is a symbolic link.
+        """
+        t0 = time.monotonic()
+        dfd = self._open_dir()
+        try:
+            try:
+                fd = os.open(
+                    self.path.name,
+                    os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC,
+                    0o666 if self.shared else 0o644,
+                    dir_fd=dfd,
+                )
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.EMLINK):
+                    raise _refuse_link(self.path) from None
+                raise
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        os.close(fd)
+                        raise
+                if timeout == 0 or time.monotonic() - t0 >= timeout:
+                    os.close(fd)
+                    if timeout == 0:
+                        raise LockBusy(self.key)
+                    raise LockTimeoutError(self.timeout_message(timeout))
+                time.sleep(0.05)
+            self._fd = fd
+            self.waited_s = time.monotonic() - t0
+            self._write_owner(dfd)
+        finally:
+            os.close(dfd)
+
+    def _write_owner(self, dfd: int) -> None:
+        rec = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+            "variant": self.variant,
+        }
+        tmp = f"{self.owner_path.name}.{os.getpid()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(rec).encode())
+            os.replace(tmp, self.owner_path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:  # the record is a courtesy; the flock is the lock
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        """Drop the lock (and the owner record if it is this process's); a no-op
+        if it is not held."""
+        if self._fd is None:
+            return
+        rec = self.holder()
+        if rec is not None and rec.get("pid") == os.getpid():
+            try:
+                dfd = self._open_dir()
+                try:
+                    os.unlink(self.owner_path.name, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+            except Exception:  # noqa: BLE001 - the flock below is what matters
+                pass
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def timeout_message(self, timeout: float) -> str:
+        """The error text for a wait of ``timeout`` seconds: key, lock file, holder."""
+        rec = self.holder()
+        if rec is None:
+            who = "its holder is unknown (no owner record)"
+        else:
+            since = time.strftime("%H:%M:%S", time.localtime(rec.get("since", 0)))
+            who = (
+                f"held by pid {rec.get('pid')} on host {rec.get('host')} since {since}"
+                f" (variant {rec.get('variant') or '?'})"
+            )
+            if rec.get("alive") is False:
+                who += (
+                    "; that pid is not running, yet the lock is held: the file system may "
+                    "not support flock (keep the cache on a local disk)"
+                )
+            elif rec.get("alive"):
+                who += ", still running: another warmup is compiling this key"
+        return (
+            f"waited {timeout:g} s for the compile lock of key {self.key[:16]}"
+            f"{f' (variant {self.variant})' if self.variant else ''}: lock file {self.path} "
+            f"is {who}; let it finish, stop it, or raise --lock-timeout / "
+            f"{ENV_LOCK_TIMEOUT} (seconds)"
+        )
+
+    def __enter__(self):
+        self.acquire(lock_timeout_from_env())
+        return self
+
+    def __exit__(self, *exc):
+        self.release()

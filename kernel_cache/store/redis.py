@@ -1,0 +1,508 @@
+"""A remote tier on Redis, shared by every machine of a fleet, and a cross-machine
+build lock.
+
+Set ``KERNEL_CACHE_REDIS_URL`` (or ``--redis-url``) to ``redis://HOST:PORT/DB``
+(``rediss://`` for TLS, ``unix:///path.sock``). The ``redis`` client package is
+an optional extra (``pip install 'kernel-cache[redis]'``), imported only when a
+URL is set.
+
+Layout. One Redis hash per entry, ``<prefix>entry:<key>``, with two fields:
+``meta`` (the JSON metadata record, as on disk) and ``data`` (the artifact's raw
+bytes: no base64). Both are written in one ``MULTI``/``EXEC`` transaction and
+read with one ``HMGET``, so a reader sees a whole entry or none. With a TTL
+(``KERNEL_CACHE_REDIS_TTL`` seconds) the hash expires as one key. Entries from
+Redis are untrusted (:attr:`RedisTier.trusted` is False): they pass the
+checksum and, with a signing key set, the signature
+(:mod:`kernel_cache.trust.signing`) before they are used.
+
+Failure. Every call runs with ``socket_timeout`` and ``socket_connect_timeout``
+of ``KERNEL_CACHE_REDIS_TIMEOUT`` seconds (default 2) and no client-side
+retries, so no call blocks longer than that. The first failure logs one warning
+naming the URL (password hidden) and marks the tier down for ``retry_s``
+seconds (default 30), during which every call returns at once as a miss; the
+local tiers carry on. ``fail_open=False`` (``kernel-cache verify --redis-url``)
+raises :class:`RemoteUnavailableError` instead.
+
+Single flight. :class:`BuildLock` is ``SET <prefix>lock:<key> <token> NX PX
+<ttl>`` (redis-py's :class:`redis.lock.Lock`), renewed every ``ttl / 3`` by a
+thread while the holder compiles, and released by a compare-and-delete script.
+A holder that dies stops renewing; its lock expires after at most ``lock_ttl_s``
+seconds and the next builder takes over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
+from kernel_cache.store.tier import Entry, Tier, parse_meta
+
+log = logging.getLogger("kernel_cache")
+
+ENV_REDIS_URL = "KERNEL_CACHE_REDIS_URL"
+ENV_REDIS_TIMEOUT = "KERNEL_CACHE_REDIS_TIMEOUT"
+ENV_REDIS_TTL = "KERNEL_CACHE_REDIS_TTL"
+ENV_REDIS_LOCK_TTL = "KERNEL_CACHE_REDIS_LOCK_TTL"
+ENV_REDIS_LOCK_WAIT = "KERNEL_CACHE_REDIS_LOCK_WAIT"
+
+_SCHEMES = ("redis://", "rediss://", "unix://")
+
+#: where each RedisSettings field comes from, for error messages
+_SOURCES = {
+    "url": f"--redis-url / {ENV_REDIS_URL}",
+    "timeout_s": f"--redis-timeout / {ENV_REDIS_TIMEOUT}",
+    "ttl_s": f"--redis-ttl / {ENV_REDIS_TTL}",
+    "lock_ttl_s": ENV_REDIS_LOCK_TTL,
+    "lock_wait_s": ENV_REDIS_LOCK_WAIT,
+}
+
+# BuildLock.acquire outcomes
+ACQUIRED = "acquired"  # we hold the lock: compile and publish
+PUBLISHED = "published"  # another builder published the entry meanwhile: fetch it
+BUSY = "busy"  # another builder holds the lock (only with wait=False)
+TIMEOUT = "timeout"  # waited lock_wait_s for a live holder: compile without the lock
+UNAVAILABLE = "unavailable"  # Redis is down: compile without the lock
+
+
+class RemoteUnavailableError(KernelCacheError):
+    """Redis could not be reached or failed, where the caller asked for it to work
+    (``kernel-cache verify --redis-url``)."""
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and errors)."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+class RedisSettings(BaseModel):
+    """Where the shared cache is and how long anything may wait for it.
+
+    Fields (seconds unless noted): ``url``; ``timeout_s`` (socket connect and
+    read timeout of every call, default 2); ``ttl_s`` (entry expiry, None keeps
+    entries until deleted); ``lock_ttl_s`` (build-lock expiry, renewed every
+    third of it while compiling, default 30: a dead builder's variant is taken
+    over at most that long after it died); ``lock_wait_s`` (longest wait for a
+    live holder before compiling anyway, default 900); ``retry_s`` (how long a
+    failed Redis is left alone before the next try, default 30); ``prefix`` (of
+    every Redis key, default ``kernel_cache:``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    timeout_s: float = 2.0
+    ttl_s: int | None = None
+    lock_ttl_s: float = 30.0
+    lock_wait_s: float = 900.0
+    retry_s: float = 30.0
+    prefix: str = "kernel_cache:"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(_SCHEMES):
+            raise ValueError(
+                f"Redis URL {redact(v)!r} must start with one of {', '.join(_SCHEMES)}, "
+                "e.g. redis://10.0.0.5:6379/0"
+            )
+        if not v.startswith("unix://"):  # what redis-py's from_url would fail on later
+            parts = urlsplit(v)
+            try:
+                parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+            except ValueError:
+                raise ValueError(
+                    f"Redis URL {redact(v)!r}: the port is not a number in 0..65535, "
+                    "e.g. redis://10.0.0.5:6379/0"
+                ) from None
+            db = parts.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(
+                    f"Redis URL {redact(v)!r}: the database {db!r} is not a number, "
+                    "e.g. redis://10.0.0.5:6379/0"
+                )
+        return v
+
+    @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"{v}: must be > 0 seconds")
+        return v
+
+    @field_validator("ttl_s")
+    @classmethod
+    def _ttl(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"{v}: an entry TTL must be >= 1 second (or unset: no expiry)")
+        return v
+
+    @classmethod
+    def from_env(
+        cls, url: str | None = None, environ: Mapping[str, str] | None = None, **overrides
+    ) -> RedisSettings | None:
+        """Settings from ``url`` (else ``KERNEL_CACHE_REDIS_URL``) and the
+        ``KERNEL_CACHE_REDIS_TIMEOUT`` / ``_TTL`` / ``_LOCK_TTL`` / ``_LOCK_WAIT`` variables;
+        ``overrides`` (not None) win. None when no URL is set.
+
+        Raises:
+            ConfigError: a malformed URL or number (names the variable and value).
+        """
+        environ = os.environ if environ is None else environ
+        url = url or environ.get(ENV_REDIS_URL) or None
+        if not url:
+            return None
+        fields: dict = {"url": url}
+        for var, name, typ in (
+            (ENV_REDIS_TIMEOUT, "timeout_s", float),
+            (ENV_REDIS_TTL, "ttl_s", int),
+            (ENV_REDIS_LOCK_TTL, "lock_ttl_s", float),
+            (ENV_REDIS_LOCK_WAIT, "lock_wait_s", float),
+        ):
+            if environ.get(var):
+                try:
+                    fields[name] = typ(environ[var])
+                except ValueError:
+                    raise ConfigError(
+                        f"{var}={environ[var]!r} is not a number of seconds"
+                    ) from None
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**fields)
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            msgs = "; ".join(
+                f"{_SOURCES.get(str(x['loc'][0]), x['loc'][0]) if x['loc'] else 'settings'}: "
+                f"{x['msg'].removeprefix('Value error, ')}"
+                for x in e.errors()
+            )
+            raise ConfigError(f"Redis settings: {msgs}") from None
+
+
+class RedisTier(Tier):
+    """The shared remote tier (see the module docstring for layout and failure).
+
+    Args:
+        settings: a :class:`RedisSettings` or a URL.
+        fail_open: on a Redis failure, warn once and act as a miss (default);
+            False raises :class:`RemoteUnavailableError`.
+        warn: log the one warning (False where the caller reports
+            :attr:`error` itself, e.g. warmup's worker processes).
+    """
+
+    name = "redis"
+    trusted = False
+    corrupt_is_miss = True
+
+    def __init__(self, settings: RedisSettings | str, *, fail_open: bool = True, warn=True):
+        if isinstance(settings, str):
+            settings = RedisSettings.from_env(url=settings, environ={})
+        self.settings = settings
+        self.location = redact(settings.url)
+        self.fail_open = fail_open
+        self.warn = warn
+        #: the first failure ("ConnectionError: ..."), None while all went well
+        self.error: str | None = None
+        self._warned = False
+        self._down_until = 0.0
+        self._client = None
+
+    # -- plumbing ----------------------------------------------------------
+    @property
+    def client(self):
+        """The ``redis.Redis`` client (created on first use, no connection yet)."""
+        if self._client is None:
+            try:
+                import redis
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+            except ImportError:
+                raise RemoteUnavailableError(
+                    f"a Redis URL is set ({self.location}) but the redis package is not "
+                    "installed; install it with: pip install 'kernel-cache[redis]'"
+                ) from None
+            t = self.settings.timeout_s
+            self._client = redis.Redis.from_url(
+                self.settings.url,
+                socket_timeout=t,
+                socket_connect_timeout=t,
+                retry_on_timeout=False,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
+        return self._client
+
+    def _name(self, kind: str, key: str) -> str:
+        return f"{self.settings.prefix}{kind}:{key}"
+
+    @staticmethod
+    def _is_failure(e: BaseException) -> bool:
+        if isinstance(e, (OSError, RemoteUnavailableError)):
+            return True
+        try:
+            from redis.exceptions import RedisError
+        except ImportError:
+            return False
+        return isinstance(e, RedisError)
+
+    def note_failure(self, e: BaseException | str) -> None:
+        """Record a failure (an exception, or the text another process reported):
+        keep :attr:`error`, warn once, leave Redis alone for ``retry_s`` seconds.
+        Never raises."""
+        if isinstance(e, (str, RemoteUnavailableError)):
+            text = str(e)
+        else:
+            text = f"{type(e).__name__}: {e}"
+        if self.error is None:
+            self.error = text
+        self._down_until = time.monotonic() + self.settings.retry_s
+        if self.warn and self.fail_open and not self._warned:  # else the caller raises
+            self._warned = True
+            log.warning(
+                "Redis at %s is unavailable (%s); carrying on with the local tiers "
+                "(next try in %.0f s)",
+                self.location,
+                text,
+                self.settings.retry_s,
+            )
+
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _run(self, what: str, fn, default=None, *, fail_open: bool | None = None):
+        """``fn(client)``; on a Redis failure, :meth:`note_failure` and ``default``
+        (or :class:`RemoteUnavailableError` when not fail-open: ``fail_open``,
+        else the tier's)."""
+        fail_open = self.fail_open if fail_open is None else fail_open
+        if self.is_down():
+            if not fail_open:
+                raise RemoteUnavailableError(f"Redis at {self.location} is down: {self.error}")
+            return default
+        try:
+            return fn(self.client)
+        except Exception as e:
+            if not self._is_failure(e):
+                raise
+            self.note_failure(e)
+            if not fail_open:
+                raise RemoteUnavailableError(
+                    f"Redis at {self.location} failed during {what}: {self.error}; check the URL "
+                    "and that redis-server is running and reachable"
+                ) from None
+            return default
+
+    def ping(self) -> bool:
+        """True if Redis answers within the timeout."""
+        return bool(self._run("ping", lambda c: c.ping(), False))
+
+    # -- Tier --------------------------------------------------------------
+    def get(self, key: str) -> Entry | None:
+        raw = self._run("get", lambda c: c.hmget(self._name("entry", key), "meta", "data"))
+        if raw is None or raw[0] is None:
+            return None
+        meta = parse_meta(raw[0], key, self.location)
+        if raw[1] is None:
+            raise CorruptEntryError(
+                key, "metadata present but artifact bytes missing", self.location
+            )
+        return Entry(key=key, meta=meta, data=bytes(raw[1]), where=self.location)
+
+    def get_meta(self, key: str) -> dict | None:
+        raw = self._run("get_meta", lambda c: c.hget(self._name("entry", key), "meta"))
+        return None if raw is None else parse_meta(raw, key, self.location)
+
+    def contains(self, key: str) -> bool:
+        return bool(self._run("contains", lambda c: c.exists(self._name("entry", key)), 0))
+
+    def put(self, key: str, data: bytes, meta: dict) -> bool:
+        """Publish atomically (one ``MULTI``/``EXEC``); False if Redis failed."""
+        import json
+
+        name = self._name("entry", key)
+        raw_meta = json.dumps(meta, sort_keys=True).encode()
+
+        def op(c):
+            p = c.pipeline(transaction=True)
+            p.delete(name)
+            p.hset(name, mapping={"meta": raw_meta, "data": data})
+            if self.settings.ttl_s:
+                p.expire(name, self.settings.ttl_s)
+            p.execute()
+            return True
+
+        return bool(self._run("put", op, False))
+
+    def delete(self, key: str) -> None:
+        self._run("delete", lambda c: c.delete(self._name("entry", key)))
+
+    def keys(self) -> list[str]:
+        """Every entry key held (``SCAN``, so Redis is never blocked)."""
+        pat = self._name("entry", "*")
+        cut = len(self._name("entry", ""))
+        names = self._run("scan", lambda c: list(c.scan_iter(match=pat, count=500)), [])
+        return sorted(n.decode()[cut:] if isinstance(n, bytes) else n[cut:] for n in names)
+
+    def iter_meta(self) -> Iterator[dict]:
+        """Every entry's metadata, fetched 500 records per round trip."""
+        keys = self.keys()
+        for i in range(0, len(keys), 500):
+            batch = keys[i : i + 500]
+
+            def op(c, batch=batch):
+                p = c.pipeline(transaction=False)
+                for k in batch:
+                    p.hget(self._name("entry", k), "meta")
+                return p.execute()
+
+            for key, raw in zip(batch, self._run("iter_meta", op, []), strict=False):
+                if raw is None:
+                    continue
+                try:
+                    yield parse_meta(raw, key, self.location)
+                except CorruptEntryError:
+                    continue
+
+    def build_lock(self, key: str, ttl_s: float | None = None, wait_s: float | None = None):
+        """A :class:`BuildLock` for ``key``."""
+        return BuildLock(self, key, ttl_s, wait_s)
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # closing a broken connection must not fail a run
+                pass
+            self._client = None
+
+
+class BuildLock:
+    """Cross-machine single flight for compiling one key.
+
+    :meth:`acquire` returns :data:`ACQUIRED` (compile, publish, then
+    :meth:`release`), :data:`PUBLISHED` (another builder published the entry
+    while we waited: fetch it), :data:`BUSY` (held elsewhere, ``wait=False``),
+    :data:`TIMEOUT` (a live holder kept it ``lock_wait_s`` seconds) or
+    :data:`UNAVAILABLE` (Redis failed). Only ACQUIRED holds the lock. The token
+    stored is ``host:pid:random`` so a waiter can name the holder.
+    """
+
+    def __init__(self, tier: RedisTier, key: str, ttl_s=None, wait_s=None, poll_s: float = 0.25):
+        self.tier = tier
+        self.key = key
+        self.ttl_s = float(ttl_s or tier.settings.lock_ttl_s)
+        self.wait_s = float(tier.settings.lock_wait_s if wait_s is None else wait_s)
+        self.poll_s = poll_s
+        self.name = tier._name("lock", key)
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.lost = False
+        self.waited_s = 0.0
+        self._lock = None
+        self._held = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _redis_lock(self, client):
+        if self._lock is None:
+            self._lock = client.lock(
+                self.name, timeout=self.ttl_s, thread_local=False, raise_on_release_error=False
+            )
+        return self._lock
+
+    def holder(self) -> str | None:
+        """The token of the current holder, or None."""
+        raw = self.tier._run("lock holder", lambda c: c.get(self.name))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def acquire(self, wait: bool = True) -> str:
+        t0 = time.monotonic()
+        deadline = t0 + (self.wait_s if wait else 0.0)
+        entry = self.tier._name("entry", self.key)
+        try:
+            while True:
+                got = self.tier._run(
+                    "lock",
+                    lambda c: self._redis_lock(c).acquire(blocking=False, token=self.token),
+                )
+                if got is None:
+                    return UNAVAILABLE
+                if got:
+                    self._held = True
+                    self._start_renewal()
+                    return ACQUIRED
+                present = self.tier._run("lock", lambda c: c.exists(entry))
+                if present is None:
+                    return UNAVAILABLE
+                if present:
+                    return PUBLISHED
+                if not wait:
+                    return BUSY
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "build lock for %s still held by %s after %.0f s; compiling anyway",
+                        self.key[:16],
+                        self.holder(),
+                        self.wait_s,
+                    )
+                    return TIMEOUT
+                time.sleep(self.poll_s)
+        finally:
+            self.waited_s = time.monotonic() - t0
+
+    def _start_renewal(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._renew, name=f"kernel-cache-lock-{self.key[:8]}", daemon=True
+        )
+        self._thread.start()
+
+    def _renew(self) -> None:
+        from redis.exceptions import LockNotOwnedError
+
+        interval = max(0.05, self.ttl_s / 3)
+        while not self._stop.wait(interval):
+            try:
+                self._lock.reacquire()
+            except LockNotOwnedError:
+                self.lost = True
+                log.warning(
+                    "lost the build lock for %s (it expired: was this process paused "
+                    "longer than %.1f s?); another builder may compile it too",
+                    self.key[:16],
+                    self.ttl_s,
+                )
+                return
+            except Exception as e:  # Redis went away: the lock expires on its own
+                self.tier.note_failure(e)
+                return
+
+    def release(self) -> None:
+        """Stop renewing and delete the lock if we still hold it. Never raises."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.tier.settings.timeout_s + 1)
+            self._thread = None
+        if self._held:
+            self._held = False
+            self.tier._run("unlock", lambda c: self._release_quietly(), fail_open=True)
+
+    def _release_quietly(self):
+        from redis.exceptions import LockError
+
+        try:
+            self._lock.release()
+        except LockError:  # expired and maybe taken by another builder: not ours to delete
+            pass
+
+
+def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
+    """``[RedisTier]`` when ``KERNEL_CACHE_REDIS_URL`` is set, else ``[]``."""
+    settings = RedisSettings.from_env(environ=environ)
+    return [RedisTier(settings)] if settings else []

@@ -1,0 +1,479 @@
+"""Storage tiers behind one small interface, and entry verification.
+
+An entry is the artifact's bytes (an AOTInductor ``.pt2`` package) plus a JSON
+metadata record::
+
+    {"key": <sha256 hex>, "variant": "batched_decode:1:8:4",
+     "components": {name: value, ...}, "sha256": <sha256 of the bytes>,
+     "size": <bytes>, "compile_seconds": <float>, "created": <unix seconds>,
+     "format": "kc1"}
+
+Metadata is JSON, never pickle. Every tier returns raw entries;
+:func:`verify_entry` checks them before any code is loaded.
+
+The interface (:class:`Tier`) follows the shape of Triton's ``CacheManager``
+(``python/triton/runtime/cache.py``): get, put, contains, delete and listing.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernel_cache.errors import CacheWriteError, CorruptEntryError, UntrustedCacheError
+from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
+
+ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernel_cache``, else
+    ``~/.cache/kernel_cache`` (a relative ``XDG_CACHE_HOME`` is ignored, as the
+    XDG Base Directory spec says)."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A stored entry as read from a tier: metadata (parsed JSON) and bytes."""
+
+    key: str
+    meta: dict
+    data: bytes
+    where: str = ""
+
+
+def make_meta(key: CacheKey, variant: str, data: bytes, compile_seconds: float, **extra) -> dict:
+    """The JSON metadata record for a new entry."""
+    return {
+        "key": key.hexdigest,
+        "variant": variant,
+        "components": key.as_dict(),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+        "compile_seconds": round(compile_seconds, 3),
+        "created": time.time(),
+        "format": ARTIFACT_FORMAT,
+        **extra,
+    }
+
+
+def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
+    """Parse a metadata record; :class:`CorruptEntryError` if it is not valid JSON
+    with the required fields."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise CorruptEntryError(key, f"metadata is not JSON ({e})", where) from None
+    if not isinstance(meta, dict) or not {"key", "sha256", "size"} <= set(meta):
+        raise CorruptEntryError(key, "metadata lacks key/sha256/size", where)
+    return meta
+
+
+def verify_entry(entry: Entry) -> None:
+    """Check an entry before its code is loaded.
+
+    Raises:
+        CorruptEntryError: the metadata names another key, the size differs
+            (truncated bytes), or the sha256 of the bytes does not match.
+    """
+    m = entry.meta
+    if m.get("key") != entry.key:
+        raise CorruptEntryError(
+            entry.key, f"metadata is for key {str(m.get('key'))[:16]}", entry.where
+        )
+    if m.get("size") != len(entry.data):
+        raise CorruptEntryError(
+            entry.key,
+            f"size {len(entry.data)} bytes != recorded {m.get('size')} (truncated?)",
+            entry.where,
+        )
+    digest = hashlib.sha256(entry.data).hexdigest()
+    if digest != m.get("sha256"):
+        raise CorruptEntryError(
+            entry.key, f"sha256 {digest[:16]} != recorded {str(m.get('sha256'))[:16]}", entry.where
+        )
+
+
+class Tier(abc.ABC):
+    """A place entries are stored: memory, a bundle, a local disk cache, Redis."""
+
+    name: str = "tier"
+    location: str = ""
+    #: False for shared stores others can write (Redis, bundles): their entries
+    #: must also pass :func:`kernel_cache.trust.signing.check_untrusted`.
+    trusted: bool = True
+    #: Where a verified hit of this tier is copied (Redis: the local cache), or None.
+    promote_into: Tier | None = None
+    #: True where an entry failing its checks is a miss rather than an error
+    #: (Redis: a shared cache that warmup repairs); see kernel_cache.store.lookup.
+    corrupt_is_miss: bool = False
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Entry | None:
+        """The raw (unverified) entry, or None on a miss.
+
+        Raises:
+            CorruptEntryError: the entry exists but its metadata cannot be read.
+        """
+
+    @abc.abstractmethod
+    def get_meta(self, key: str) -> dict | None:
+        """The metadata record alone, or None."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, meta: dict) -> None:
+        """Publish an entry atomically: readers see all of it or none of it."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def iter_meta(self) -> Iterator[dict]:
+        """Every entry's metadata (for ls, stats, explain)."""
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
+        reason)`` for one whose metadata cannot be read (the default lists
+        :meth:`iter_meta`, which has none of the latter)."""
+        for m in self.iter_meta():
+            yield m["key"], m, None
+
+    def contains(self, key: str) -> bool:
+        return self.get_meta(key) is not None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class DiskTier(Tier):
+    """Local disk cache: a :class:`diskcache.Cache` under ``directory``.
+
+    The artifact bytes are stored under ``art/<key>`` (diskcache keeps values
+    of 32 KiB and more as ``xx/yy/*.val`` files) and the JSON metadata under
+    ``meta/<key>``; both are written inside one ``Cache.transact()``, so a
+    reader sees both or neither, and the artifact file is fsynced before the
+    transaction commits (:mod:`kernel_cache.store.disk`). Eviction is off: nothing
+    disappears behind the user's back.
+
+    Args:
+        directory: default :func:`default_cache_dir`.
+        read_only: read through :class:`~kernel_cache.store.disk.IndexSnapshot` and
+            never write, lock or create anything in the directory (engine
+            start, verify); :meth:`put` and :meth:`delete` raise.
+        allow_shared: skip the trust checks of :mod:`kernel_cache.trust.permissions`
+            (default: ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
+        timeout: seconds to retry a locked index (default ``KERNEL_CACHE_DB_TIMEOUT``
+            or 60).
+
+    Nothing is opened until first use. Reads check that the directory, the
+    index and each entry file are trusted (:mod:`kernel_cache.trust.permissions`).
+
+    Raises (from the methods):
+        UntrustedCacheError, CacheBusyError, CacheWriteError (a full or
+        unwritable directory, naming it and the bytes needed), CorruptEntryError.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        read_only: bool = False,
+        allow_shared: bool | None = None,
+        timeout: float | None = None,
+    ):
+        from kernel_cache.store.disk import db_timeout_from_env
+        from kernel_cache.trust.permissions import EntryFileChecker, resolve_allow_shared
+
+        self.directory = Path(directory) if directory else default_cache_dir()
+        self.location = str(self.directory)
+        self.read_only = read_only
+        self.allow_shared = resolve_allow_shared(allow_shared)
+        self.timeout = db_timeout_from_env() if timeout is None else float(timeout)
+        self._files = EntryFileChecker(self.directory, allow_shared=self.allow_shared)
+        self._cache = None
+        self._snapshot = None
+        self._trusted = False
+
+    # -- opening -------------------------------------------------------------
+    def check_trust(self) -> None:
+        """The directory-level trust checks (once per object).
+
+        Raises:
+            UntrustedCacheError: names the path, why and the fix.
+        """
+        if not self._trusted:
+            from kernel_cache.trust.permissions import check_cache_dir
+
+            check_cache_dir(self.directory, allow_shared=self.allow_shared)
+            self._trusted = True
+
+    @property
+    def cache(self):
+        """The writable :class:`diskcache.Cache`, opened (and the directory created)
+        on first use.
+
+        Raises:
+            CacheWriteError: read-only tier, or the directory cannot be written.
+            CacheBusyError: the index stayed locked for ``timeout`` seconds.
+        """
+        if self._cache is None:
+            from kernel_cache.store.disk import as_write_error, damaged_index, open_cache
+
+            if self.read_only:
+                raise CacheWriteError(f"cache {self.directory} was opened read-only")
+            self.check_trust()
+            try:
+                self._cache = open_cache(
+                    self.directory, timeout=self.timeout, shared=self.allow_shared
+                )
+            except (OSError, sqlite3.DatabaseError) as e:
+                err = damaged_index(e, self.directory) or as_write_error(
+                    e, self.directory, None, "opening the cache"
+                )
+                if err is None:
+                    raise
+                raise err from None
+        return self._cache
+
+    def _snap(self):
+        if self._snapshot is None:
+            from kernel_cache.store.disk import IndexSnapshot
+
+            self.check_trust()
+            self._snapshot = IndexSnapshot(self.directory, timeout=self.timeout)
+        return self._snapshot
+
+    def _retry(self, fn, what: str):
+        from kernel_cache.store.disk import retry_busy
+
+        return retry_busy(fn, directory=self.directory, timeout=self.timeout, what=what)
+
+    # -- reading -------------------------------------------------------------
+    def _value(self, k: str, *, as_file: bool = False):
+        """Raw stored bytes of index key ``k`` (None if absent); entry files go
+        through the trust check first."""
+        from kernel_cache.store.disk import UnsafeValueError
+
+        try:
+            if self.read_only:
+                snap = self._snap()
+                data = snap.value(k, self._files.check_open_file)
+                if data is None and k in snap.rows and as_file:
+                    snap.reload()  # a concurrent warmup replaced the entry's file
+                    data = snap.value(k, self._files.check_open_file)
+                return data
+            handle = self._retry(lambda: self.cache.get(k, read=as_file), "reading an entry")
+            if handle is None or not as_file or isinstance(handle, bytes | bytearray):
+                return handle  # diskcache keeps small values inline, not as files
+            with handle:
+                if hasattr(handle, "fileno") and hasattr(handle, "name"):
+                    self._files.check_open_file(handle.fileno(), handle.name)
+                return handle.read()
+        except UnsafeValueError as e:
+            raise CorruptEntryError(k.split("/", 1)[-1], str(e), self.location) from None
+
+    def get_meta(self, key: str) -> dict | None:
+        raw = self._value("meta/" + key)
+        if raw is None:
+            return None
+        return parse_meta(raw, key, self.location)
+
+    def get(self, key: str) -> Entry | None:
+        meta = self.get_meta(key)
+        if meta is None:
+            return None
+        data = self._value("art/" + key, as_file=True)
+        if data is None:
+            raise CorruptEntryError(
+                key, "metadata present but artifact bytes missing", self.location
+            )
+        return Entry(key=key, meta=meta, data=bytes(data), where=self.location)
+
+    def artifact_filename(self, key: str) -> str | None:
+        """The index's file name (relative to the cache directory) of ``key``'s
+        artifact bytes, or None if they are not stored as a file. Opens nothing."""
+        from kernel_cache.store.disk import IndexSnapshot
+
+        if self.read_only:
+            row = self._snap().rows.get("art/" + key)
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            row = IndexSnapshot(self.directory, timeout=self.timeout).rows.get("art/" + key)
+        return None if row is None or not isinstance(row[1], str) else row[1]
+
+    def artifact_path(self, key: str) -> Path | None:
+        """The file holding ``key``'s artifact bytes, if it is stored as a file
+        (the path as the index names it; nothing is opened or followed)."""
+        name = self.artifact_filename(key)
+        return None if name is None else self.directory / name
+
+    def raw_meta(self, key: str) -> bytes | None:
+        """The stored metadata bytes, unparsed (for quarantine), or None."""
+        try:
+            raw = self._value("meta/" + key)
+        except CorruptEntryError as e:
+            return f"(unreadable: {e.reason})".encode()
+        return raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
+
+    def iter_meta(self) -> Iterator[dict]:
+        from kernel_cache.store.disk import IndexSnapshot
+
+        # The key list comes from a read-only snapshot in both modes: it skips
+        # rows whose key is not a plain string (never unpickled).
+        if self.read_only:
+            rows = self._snap().rows
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        for k in [k for k in rows if k.startswith("meta/")]:
+            try:
+                raw = self._value(k)
+                if raw is not None:
+                    yield parse_meta(raw, k[5:], self.location)
+            except (CorruptEntryError, UntrustedCacheError):
+                continue
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry, readable or not, for ``ls``/``stats``/``gc``/``clear``:
+        ``(key, metadata, None)``, or ``(key, None, reason)`` where the
+        metadata does not parse, names another key or cannot be read (a link,
+        an untrusted file), the artifact row is missing, or its file is
+        missing, a link, not a regular file or not the recorded size. Checks
+        use ``lstat``; no artifact is read.
+        """
+        from kernel_cache.store.disk import IndexSnapshot
+
+        if self.read_only:
+            rows = self._snap().rows
+        else:
+            self.cache  # noqa: B018 - open (and check) it first
+            rows = IndexSnapshot(self.directory, timeout=self.timeout).rows
+        keys = sorted({k.split("/", 1)[1] for k in rows if k.startswith(("meta/", "art/"))})
+        for key in keys:
+            if "meta/" + key not in rows:
+                yield key, None, "artifact bytes without metadata"
+                continue
+            try:
+                raw = self._value("meta/" + key)
+                if raw is None:
+                    continue  # removed since the index was read
+                meta = parse_meta(raw, key, self.location)
+            except CorruptEntryError as e:
+                yield key, None, e.reason
+                continue
+            except UntrustedCacheError as e:
+                yield key, None, f"untrusted: {e}"
+                continue
+            why = None
+            if meta.get("key") != key:
+                why = f"metadata is for key {str(meta.get('key'))[:16]}"
+            elif "art/" + key not in rows:
+                why = "metadata present but artifact bytes missing"
+            else:
+                why = self._file_problem(rows["art/" + key][1], meta.get("size"))
+            yield (key, None, why) if why else (key, meta, None)
+
+    def _file_problem(self, filename, size) -> str | None:
+        """Why the value file ``filename`` cannot hold an entry of ``size`` bytes
+        (``lstat`` only), or None (also for bytes kept inline in the index)."""
+        if not isinstance(filename, str):
+            return None
+        path = self.directory / filename
+        try:
+            st = path.lstat()
+        except OSError:
+            return f"artifact file {path} is missing"
+        if stat.S_ISLNK(st.st_mode):
+            return f"artifact file {path} is a symbolic link (never followed)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"artifact file {path} is not a regular file"
+        if st.st_size != size:
+            return f"size {st.st_size} bytes != recorded {size} (truncated?)"
+        return None
+
+    def record_size(self, key: str) -> int:
+        """Bytes of ``key``'s artifact file on disk (``lstat``; 0 if none or not a
+        regular file), for an entry whose metadata cannot say."""
+        from kernel_cache.store.disk import IndexSnapshot
+
+        rows = (
+            self._snap().rows
+            if self.read_only
+            else IndexSnapshot(self.directory, timeout=self.timeout).rows
+        )
+        row = rows.get("art/" + key)
+        if row is None or not isinstance(row[1], str):
+            return 0
+        try:
+            st = (self.directory / row[1]).lstat()
+        except OSError:
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+    # -- writing -------------------------------------------------------------
+    def put(self, key: str, data: bytes, meta: dict) -> None:
+        """Publish bytes and metadata in one transaction (see the class docstring).
+
+        Raises:
+            CacheWriteError: a full disk (ENOSPC/EDQUOT) or an unwritable
+                directory; names the directory and the bytes needed, and leaves
+                no file or row of this entry behind.
+            CacheBusyError: the index stayed locked for ``timeout`` seconds.
+        """
+        from kernel_cache import _testhooks
+        from kernel_cache.store.disk import as_write_error
+
+        raw_meta = json.dumps(meta, sort_keys=True).encode()
+        needed = len(data) + len(raw_meta)
+
+        def attempt():
+            cache = self.cache
+            disk = cache.disk
+            mark = len(disk.new_files)
+            try:
+                with cache.transact():
+                    cache.set("art/" + key, bytes(data))
+                    cache.set("meta/" + key, raw_meta)
+                    _testhooks.hook("publish-commit")
+            except BaseException:
+                disk.discard_new_files(mark)
+                raise
+            del disk.new_files[mark:]
+
+        try:
+            self._retry(attempt, f"publishing entry {key[:16]}")
+        except (OSError, sqlite3.OperationalError) as e:
+            err = as_write_error(e, self.directory, needed, f"publishing entry {key[:16]}")
+            if err is None:
+                raise
+            raise err from None
+
+    def delete(self, key: str) -> None:
+        def attempt():
+            cache = self.cache
+            with cache.transact():
+                cache.delete("meta/" + key)
+                cache.delete("art/" + key)
+
+        self._retry(attempt, f"deleting entry {key[:16]}")
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+        self._snapshot = None

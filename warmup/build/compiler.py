@@ -1,0 +1,242 @@
+"""Compile one variant: ``torch.export`` then AOTInductor into a ``.pt2`` package.
+
+This is the only module of the project that imports torch's compile stack, and
+it does so lazily, inside :func:`compile_variant`. It is the root of the
+``sources`` key component (:func:`kernel_cache.plan.keys.source_files`): it and
+every project module it imports are hashed into every key, so an edit to the
+recipe below misses every cached artifact. The options and the environment a
+compile runs under are declared in :mod:`kernel_cache.config.recipe`; the worker
+process that calls :func:`compile_variant` has already applied
+:func:`kernel_cache.config.recipe.compile_environment` (:func:`pin_environment`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from kernel_cache import _testhooks
+from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, KernelVariant
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.errors import CompileError
+from kernel_cache.runtime.inputs import make_inputs
+from kernel_cache.kernels.builtin import build_module
+from kernel_cache.plan.launch import launch_for
+from kernel_cache.config.recipe import (
+    BASE_OPTIONS,
+    NATIVE,
+    PINNED,
+    classify,
+    compile_environment,
+    compile_options,
+    cpu_features,
+    device_arch,
+    resolve_cpu_target,
+)
+
+#: Modules that read the pinned environment variables when first imported.
+_READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
+#: Pinned variables Inductor reads when it uses them, not at import: setting
+#: them later takes effect.
+_READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
+
+
+def pin_environment(device: str, cpu_target: str, scratch: str | None = None) -> None:
+    """Replace this process's environment with the recipe's
+    (:func:`kernel_cache.config.recipe.compile_environment`). Called first thing in a
+    compile worker, before torch's compile stack is imported.
+
+    Raises:
+        ConfigError: the compile stack was imported already with a pinned
+            variable set (the variable's value is baked into Inductor's config),
+            or an unusable ``cpu_target``.
+    """
+    import sys
+
+    from kernel_cache.errors import ConfigError
+
+    env = compile_environment(os.environ, device, cpu_target, scratch)
+    stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
+    dirty = sorted(
+        k
+        for k in os.environ
+        if classify(k).action == PINNED and k not in _READ_AT_CALL and env.get(k) != os.environ[k]
+    )
+    if stale and dirty:
+        raise ConfigError(
+            f"cannot pin the compile environment: {', '.join(stale)} was imported with "
+            f"{', '.join(dirty)} set; compile in a worker process (--jobs 1 or more) or unset them"
+        )
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
+
+
+def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
+    """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
+    paged-decode kernel (:class:`kernel_cache.kernels.triton_decode.TritonBatchedDecode`,
+    taking ``num_kv_splits`` from ``launch``) and ``paged_attention`` the Triton
+    paged-prefill kernel (:class:`kernel_cache.kernels.triton_prefill.TritonPagedAttention`,
+    taking its tiles from ``launch``);
+    everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels.builtin`
+    (also the eager oracle verify compares against), built with ``launch`` (the
+    variant's launch config; None: the kernel's defaults)."""
+    if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
+        from kernel_cache.kernels.triton_decode import TritonBatchedDecode
+
+        splits = (launch or {}).get("num_kv_splits")  # None: the kernel's default
+        return TritonBatchedDecode(
+            config.num_heads, config.num_kv_heads, config.head_dim, num_kv_splits=splits
+        ).eval()
+    if config.device == "cuda" and variant.kernel == PAGED_ATTENTION:
+        from kernel_cache.kernels.triton_prefill import TritonPagedAttention
+
+        c, size = config, config.torch_dtype().itemsize  # launch None: default tiles
+        return TritonPagedAttention(
+            c.num_heads, c.num_kv_heads, c.head_dim, query_len=variant.query_len, itemsize=size,
+            **(launch or {}),
+        ).eval()  # fmt: skip
+    c = config
+    return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
+
+
+def required_cpu_features(config: EngineConfig) -> list[str]:
+    """The ``/proc/cpuinfo`` flags a CPU artifact of ``config`` may use (recorded
+    in its metadata; engine start refuses it on a CPU that lacks one); [] on CUDA."""
+    if config.device != "cpu":
+        return []
+    target = resolve_cpu_target(config.cpu_target)
+    return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
+
+
+def _check_vec_isa(config: EngineConfig) -> None:
+    """Inductor's chosen vector ISA must be the target's (it follows
+    ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`)."""
+    target = resolve_cpu_target(config.cpu_target)
+    if config.device != "cpu" or target.capability is None:
+        return
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    chosen = str(pick_vec_isa())
+    want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
+    if chosen != want:
+        raise CompileError(
+            f"cpu_target={target.name}: Inductor chose the {chosen} vector ISA, not {want}; "
+            "was the compile environment pinned (warmup.build.compiler.pin_environment)?"
+        )
+
+
+def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
+    """``torch.export`` the variant's kernel with its bucket dimensions static and
+    ``num_pool_blocks`` (dim 0 of the KV caches) dynamic. ``launch``: the
+    variant's launch config (None: the kernel's defaults)."""
+    import torch
+
+    mod = module_for(config, variant, launch)
+    args = make_inputs(config, variant, seed=0)
+    pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
+    dyn = [None] * len(args)
+    dyn[1] = {0: pool}
+    dyn[2] = {0: pool}
+    return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
+
+
+def _has_option(cfg, dotted: str) -> bool:
+    """Whether ``torch._inductor.config`` has the option ``dotted`` (``a.b``)."""
+    *parents, name = dotted.split(".")
+    for p in parents:
+        cfg = getattr(cfg, p, None)
+        if cfg is None:
+            return False
+    try:
+        getattr(cfg, name)
+    except AttributeError:
+        return False
+    return True
+
+
+#: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
+#: option that does not exist, so that a real compiler error is reported.
+ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
+
+
+def compile_variant(
+    config: EngineConfig, variant: KernelVariant, launch: dict | None = None
+) -> tuple[bytes, dict]:
+    """Export and AOT-compile ``variant`` exactly as its key says: under the
+    recipe's pinned environment (:func:`pin_environment`, applied here, a no-op
+    in a worker that applied it already) and with the recipe's Inductor
+    options; return the package bytes and timings. Nothing a caller passes can
+    change the options or the environment, so the code that decides them is all
+    in the key's ``sources`` (this module and what it imports).
+
+    ``launch`` is the variant's resolved launch config (the one in its key;
+    :func:`kernel_cache.plan.launch.resolve_plan`); None resolves it here.
+
+    Returns:
+        (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in seconds)
+
+    Raises:
+        CompileError: export or AOTInductor failed (the message names the variant
+            and carries the compiler's error text).
+        ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
+    """
+    pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    _check_vec_isa(config)
+    opts = compile_options(config.device, config.cpu_target)
+    if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
+        opts["kernel_cache_test_no_such_option"] = True
+    return compile_with_options(config, variant, opts, launch)
+
+
+def compile_with_options(
+    config: EngineConfig, variant: KernelVariant, options: dict, launch: dict | None = None
+) -> tuple[bytes, dict]:
+    """:func:`compile_variant` with other Inductor ``options`` and the caller's
+    environment: for benchmarks comparing options, never for the cache (the key
+    would not describe the artifact).
+
+    Raises:
+        CompileError: as :func:`compile_variant`.
+    """
+    import torch
+    import torch._inductor
+
+    # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+    opts = dict(options)
+    # A built-in option this torch does not have (enable_line_tables is new in
+    # 2.13) is left out. The torch version is in the key, so one key always
+    # means one set of options.
+    from torch._inductor import config as inductor_config
+
+    opts = {
+        k: v for k, v in opts.items() if k not in BASE_OPTIONS or _has_option(inductor_config, k)
+    }
+    if launch is None:
+        launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
+    t0 = time.perf_counter()
+    try:
+        ep = export_variant(config, variant, launch)
+    except Exception as e:
+        raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
+    t1 = time.perf_counter()
+    _testhooks.record_compile(str(variant))  # TEST-ONLY count (inert unless a test sets it)
+    _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
+    with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
+        path = os.path.join(tmp, "model.pt2")
+        try:
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(
+                    ep, package_path=path, inductor_configs=opts
+                )
+        except Exception as e:
+            raise CompileError(
+                f"AOTInductor failed for {variant}: {type(e).__name__}: {e}"
+            ) from None
+        data = Path(path).read_bytes()
+    t2 = time.perf_counter()
+    return data, {"export_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}

@@ -1,0 +1,901 @@
+"""Warmup: compile every missing variant of a plan and publish it to the cache.
+
+Per variant, in a worker process (:func:`build_variant`), as typed steps:
+
+1. **claim**: take the key's lock (:class:`kernel_cache.store.locks.KeyLock`). The
+   first pass does not wait: a key another process holds comes back ``busy``
+   and is queued again, waiting, behind the free ones, so N processes spread
+   over the plan instead of queueing on its first key.
+2. **check**: a verified cached entry (checksum, trust, AOTInductor's loader
+   accepts it) ends the work as ``cached``; a bad one is moved to
+   ``quarantine/``. With Redis, a verified Redis hit is copied in (``fetched``),
+   else the key's Redis build lock is taken as well.
+3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.build.compiler`) in
+   the worker, whose environment the recipe pinned
+   (:func:`kernel_cache.config.recipe.compile_environment`).
+4. **load check**: the new artifact is loaded once in a check process that has
+   only what an engine has (:class:`warmup.build.loadcheck.LoadChecker`); one that
+   kills that process or is rejected is reported and never published.
+5. **publish**: to the local cache, then to Redis.
+6. **release** the locks.
+
+The key stays claimed from "missing" until it is published, so a waiter finds
+the entry and reports ``cached``: one compile per key, whatever the number of
+processes, machines (with Redis) or workers. A result row says ``compiled`` if
+and only if this process ran the compiler for it and published the artifact;
+``compiler_ran`` says whether the compiler ran at all (a compile whose artifact
+failed its load check is ``failed`` with ``compiler_ran`` true).
+
+Each artifact is published as soon as it has passed its check, so an
+interrupted warmup (SIGINT, SIGTERM) keeps every artifact finished before the
+signal: :class:`WarmupInterrupted` carries the partial report.
+
+Redis failing at any point costs one warning (from the parent: workers report
+it back); the local run carries on. A compile failure is reported with the
+variant and the compiler's text while the other variants finish; a full or
+unwritable cache directory stops the remaining work (naming the directory and
+the bytes needed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from kernel_cache.plan.buckets import Bucketer, KernelVariant
+from kernel_cache.config.engine import EngineConfig, config_to_cli
+from kernel_cache.errors import (
+    CacheWriteError,
+    CompileError,
+    CorruptEntryError,
+    KernelCacheError,
+    LockTimeoutError,
+    UntrustedCacheError,
+)
+from kernel_cache.plan.keys import build_key, environment, key_from_components
+from kernel_cache.plan.launch import describe_plan, resolve_plan
+from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
+from kernel_cache.store.lookup import Lookup
+from kernel_cache.store.quarantine import quarantine_entry
+from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
+from kernel_cache.trust.signing import load_signing_key, sign_meta
+from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.trust.permissions import resolve_allow_shared
+from warmup.build.loadcheck import LoadChecker, die_with_parent
+
+log = logging.getLogger("kernel_cache.warmup")
+
+#: Set to 1 to keep the compile scratch directory (Inductor's sources, objects
+#: and precompiled headers) for debugging; its path is logged.
+ENV_KEEP_SCRATCH = "KERNEL_CACHE_KEEP_SCRATCH"
+
+
+def check_cached(
+    tier: DiskTier, key: str, device: str, cpu_features: list[str] | None = None
+) -> str | None:
+    """Why the cached entry of ``key`` cannot be used, or None if it can.
+
+    Returns ``"missing"`` for no entry, a corruption or trust reason for a bad
+    one (checksum, truncation, metadata that does not parse, a file others can
+    write, a package AOTInductor's loader rejects, or, given ``cpu_features``
+    (what this key's CPU target records), other recorded CPU features: an entry
+    that says it needs instructions its key does not). Never modifies the cache.
+    """
+    from kernel_cache.runtime.load import load_package
+
+    try:
+        entry = tier.get(key)
+        if entry is None:
+            return "missing"
+        verify_entry(entry)
+        if cpu_features is not None and entry.meta.get("cpu_features") != cpu_features:
+            return (
+                f"its recorded cpu_features {entry.meta.get('cpu_features')!r} are not its "
+                f"key's CPU target's {cpu_features!r}"
+            )
+        runner = load_package(entry.data, device, entry.where, key)
+        del runner
+    except CorruptEntryError as e:
+        return e.reason
+    except UntrustedCacheError as e:
+        return f"untrusted: {e}"
+    return None
+
+
+def _cpu_features(config: EngineConfig) -> list[str] | None:
+    """What a CPU artifact of ``config`` records as ``cpu_features`` (None on CUDA)."""
+    from warmup.build.compiler import required_cpu_features
+
+    return required_cpu_features(config) if config.device == "cpu" else None
+
+
+class Status(str, Enum):
+    """The outcome of one variant in a warmup report."""
+
+    COMPILED = "compiled"  #: this process compiled, checked and published it
+    CACHED = "cached"  #: a verified entry was there (maybe published while we waited)
+    FETCHED = "fetched"  #: copied from Redis
+    FAILED = "failed"  #: see ``error``; ``compiler_ran`` says if a compile was discarded
+    BUSY = "busy"  #: first pass only: another process holds the key (queued again)
+    NOT_STARTED = "not started"  #: the run stopped first (interrupt or a full cache)
+
+
+@dataclass
+class VariantResult:
+    """One variant's row of a warmup report (:meth:`as_dict` is its JSON)."""
+
+    variant: str
+    status: Status
+    key: str = ""
+    pid: int = 0
+    compiler_ran: bool = False
+    seconds: float = 0.0
+    lock_wait_s: float = 0.0
+    timings: dict | None = None
+    check_s: float | None = None
+    check_processes: int = 0
+    libstdcxx: str = ""
+    error: str | None = None
+    fatal: bool = False
+    quarantined: dict | None = None
+    remote_error: str | None = None
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        out["status"] = self.status.value
+        return out
+
+
+class WarmupInterrupted(KernelCacheError):
+    """SIGINT or SIGTERM stopped a warmup. ``report`` is the partial report
+    (rows of unfinished variants are ``not started``); ``signum`` the signal."""
+
+    def __init__(self, signum: int, report: dict):
+        self.signum = signum
+        self.report = report
+        super().__init__(
+            f"interrupted by {signal.Signals(signum).name}: {report['compiled']} compiled and "
+            f"kept, {report['cached'] + report['fetched']} already cached, "
+            f"{report['not_started']} not finished"
+        )
+
+
+class _Rejected(Exception):
+    """The load check refused a new artifact."""
+
+
+_REMOTE_TIERS: dict[str, RedisTier] = {}
+_CHECKER: LoadChecker | None = None
+
+
+def _remote_tier(remote_json: str) -> RedisTier:
+    """One quiet RedisTier per worker process (its failures go back in the
+    result; the parent warns once)."""
+    tier = _REMOTE_TIERS.get(remote_json)
+    if tier is None:
+        settings = RedisSettings.model_validate_json(remote_json)
+        tier = _REMOTE_TIERS[remote_json] = RedisTier(settings, warn=False)
+    return tier
+
+
+def _checker(device: str) -> LoadChecker:
+    """This worker's load-check process (started on first use, closed at exit)."""
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = LoadChecker(device)
+        atexit.register(_CHECKER.close)
+    return _CHECKER
+
+
+def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
+    """Compile worker initializer: die with the warmup process, leave Ctrl-C to
+    it, and pin the compile environment before torch's compile stack is imported."""
+    from warmup.build.compiler import pin_environment
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+    pin_environment(device, cpu_target, scratch)
+
+
+def _claim(lock: KeyLock, blocking: bool, timeout: float, res: VariantResult) -> bool:
+    """Step 1: take the key's lock; on failure set ``res`` (busy or failed)."""
+    try:
+        lock.acquire(timeout if blocking else 0)
+    except LockBusy:
+        if blocking:  # --lock-timeout 0
+            res.status, res.error = Status.FAILED, lock.timeout_message(0)
+        else:
+            res.status = Status.BUSY
+        return False
+    except LockTimeoutError as e:
+        res.status, res.error = Status.FAILED, str(e)
+        return False
+    res.lock_wait_s = round(lock.waited_s, 3)
+    return True
+
+
+def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantResult) -> bool:
+    """Step 2: True if a verified entry is cached; a bad one is quarantined."""
+    why = check_cached(tier, key, config.device, _cpu_features(config))
+    if why is None:
+        res.status = Status.CACHED
+        return True
+    if why != "missing":
+        where = quarantine_entry(tier, key, why, res.variant)
+        res.quarantined = {"reason": why, "path": str(where)}
+    return False
+
+
+def _claim_remote(remote: RedisTier, tier: DiskTier, key, blocking: bool, res: VariantResult):
+    """Step 2 with Redis: copy a verified Redis hit in (``fetched``, returns
+    None), or take the key's Redis build lock (returns it; None with
+    ``res.status`` set when another builder holds it on the first pass, or
+    when Redis is down or slow: then this process compiles without it)."""
+    lookup = Lookup([remote], exact=True, promote_into=tier)
+    for _ in range(2):  # a second round only if a published entry was rejected
+        if lookup.find(key) is not None:
+            res.status = Status.FETCHED
+            return None
+        build_lock = remote.build_lock(key.hexdigest)
+        outcome = build_lock.acquire(wait=blocking)
+        if outcome == BUSY:
+            res.status = Status.BUSY
+            return None
+        if outcome == ACQUIRED:  # check again: it may have landed before we locked
+            if lookup.find(key) is not None:
+                build_lock.release()
+                res.status = Status.FETCHED
+                return None
+            return build_lock
+        if outcome != PUBLISHED:
+            return None  # TIMEOUT or UNAVAILABLE: compile without the lock
+    return None
+
+
+def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, dict]:
+    """Step 3: run the compiler; returns the package bytes and its metadata."""
+    from warmup.build.compiler import compile_variant, required_cpu_features
+
+    res.compiler_ran = True
+    data, timings = compile_variant(config, variant, launch=launch)
+    res.timings = timings
+    extra = {"timings": timings}
+    if config.device == "cpu":
+        extra["cpu_target"] = config.cpu_target
+        extra["cpu_features"] = required_cpu_features(config)
+    meta = make_meta(key, str(variant), data, timings["total_s"], **extra)
+    return data, sign_meta(meta, data, load_signing_key())
+
+
+def _load_check(device: str, res: VariantResult, data: bytes) -> None:
+    """Step 4: load the artifact once in this worker's check process.
+
+    Raises:
+        _Rejected: it killed that process or the loader refused it.
+    """
+    checker = _checker(device)
+    before, t0 = checker.started, time.perf_counter()
+    verdict = checker.check(res.variant, data)
+    res.check_s = round(time.perf_counter() - t0, 3)
+    res.check_processes = checker.started - before
+    res.libstdcxx = checker.libstdcxx
+    if not verdict["ok"]:
+        raise _Rejected(verdict["error"])
+
+
+def _publish(tier: DiskTier, remote: RedisTier | None, key: str, data: bytes, meta: dict) -> None:
+    """Step 5: local cache first (atomic), then Redis (a failure there is noted)."""
+    tier.put(key, data, meta)
+    if remote is not None:
+        remote.put(key, data, meta)
+
+
+def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
+    """Worker body: claim, check, compile, load check, publish, release.
+
+    ``options``: ``key`` (the variant's key components, computed once per
+    plan by the parent), ``blocking`` (wait for the locks, else return
+    ``busy`` at once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch``
+    (the variant's launch config, resolved once per plan by the parent), ``check``
+    (load-check new artifacts before publishing; default True), ``remote``
+    (optional: the Redis tier's :class:`RedisSettings` as JSON).
+
+    Returns:
+        a :class:`VariantResult`. Never raises for one variant's failure.
+    """
+    config = EngineConfig.model_validate_json(config_json)
+    variant = KernelVariant.model_validate_json(variant_json)
+    allow_shared = options["allow_shared"]
+    # The parent computed the key once for the plan: a worker never re-probes
+    # the toolchain, so every process of a warmup agrees on every key.
+    key = key_from_components(options["key"])
+    res = VariantResult(str(variant), Status.FAILED, key=key.hexdigest, pid=os.getpid())
+    t0 = time.perf_counter()
+    remote = _remote_tier(options["remote"]) if options.get("remote") else None
+    try:
+        lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
+        claimed = _claim(lock, options["blocking"], options["lock_timeout"], res)
+    except KernelCacheError as e:  # e.g. locks/ became a link: refused, never followed
+        res.status, res.error = Status.FAILED, str(e)
+        claimed = False
+    if not claimed:
+        res.seconds = time.perf_counter() - t0
+        return res
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
+    build_lock = None
+    try:
+        if _check_local(tier, key.hexdigest, config, res):
+            return res
+        if remote is not None:
+            build_lock = _claim_remote(remote, tier, key, options["blocking"], res)
+            if res.status in (Status.FETCHED, Status.BUSY):
+                return res
+        data, meta = _compile(config, variant, key, options.get("launch"), res)
+        if options.get("check", True):
+            _load_check(config.device, res, data)
+        _publish(tier, remote, key.hexdigest, data, meta)
+        res.status = Status.COMPILED
+    except _Rejected as e:
+        res.status, res.error = Status.FAILED, f"not published: {e}"
+    except CompileError as e:
+        res.status, res.error = Status.FAILED, str(e)
+    except CacheWriteError as e:
+        res.status, res.error, res.fatal = Status.FAILED, str(e), True
+    except Exception as e:  # report it with the variant; the other variants go on
+        res.status, res.error = Status.FAILED, f"{type(e).__name__}: {e}"
+    finally:
+        try:
+            if build_lock is not None:
+                build_lock.release()
+            tier.close()
+        finally:
+            lock.release()
+        res.seconds = time.perf_counter() - t0
+        if remote is not None and remote.error:
+            res.remote_error = str(remote.error)
+    return res
+
+
+def _precheck(config, plan, cache_dir, allow_shared):
+    """Sort the plan's ``(variant, launch config)`` items into cached and to-do
+    without writing anything if possible.
+
+    Returns (cached, todo, bad, writable) where ``bad`` maps a variant to the
+    reason its entry is unusable. Raises CacheWriteError when the directory
+    cannot be written and something must be compiled.
+    """
+    env = environment(config)
+    write_error = None
+    try:
+        tier = DiskTier(cache_dir, allow_shared=allow_shared)
+        tier.cache  # noqa: B018 - open (and create) it now: fail early if unwritable
+    except CacheWriteError as e:  # maybe all is cached: check without writing
+        write_error = e
+        tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
+    cached, todo, bad = [], [], {}
+    features = _cpu_features(config)
+    try:
+        for v, launch in plan:
+            key = build_key(config, v, env, launch=launch).hexdigest
+            why = check_cached(tier, key, config.device, features)
+            if why is None:
+                cached.append((v, launch))
+            else:
+                todo.append((v, launch))
+                if why != "missing":
+                    bad[str(v)] = why
+        sizes = [m.get("size", 0) for m in tier.iter_meta()] if write_error and todo else []
+    finally:
+        tier.close()
+    if write_error and todo:
+        est = (
+            f"; about {len(todo) * sum(sizes) // len(sizes)} bytes, from the mean size of "
+            f"the {len(sizes)} entries it holds"
+            if sizes
+            else ""
+        )
+        raise CacheWriteError(
+            f"{write_error}. {len(todo)} of the plan's {len(plan)} variants are not cached "
+            f"and must be written there{est}"
+        ) from None
+    return cached, todo, bad, write_error is None
+
+
+def warmup(
+    config: EngineConfig,
+    cache_dir: str | Path,
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+    variants: list[KernelVariant] | None = None,
+    max_size: int | None = None,
+    lock_timeout: float | None = None,
+    allow_shared_dir: bool | None = None,
+    remote: RedisSettings | None = None,
+) -> dict:
+    """Compile what is missing from the plan, skip what is cached.
+
+    Args:
+        config: the engine configuration; its :class:`Bucketer` gives the plan.
+        cache_dir: the local cache directory.
+        jobs: worker processes compiling in parallel (>= 1); 0 compiles in this
+            process and publishes without the load check (an engine that warms
+            itself, as in ``benchmarks/fleet_load.py``; refused if this process
+            imported Inductor with a pinned variable set).
+        progress: report progress on stderr: a progress bar in a terminal, one
+            line per finished variant otherwise (CI and ``docker build`` logs).
+        variants: a subset of the plan (default: all of it; a shard).
+        max_size: a size limit in artifact bytes (``--max-size`` or
+            ``$KERNEL_CACHE_MAX_SIZE``): before and after compiling, entries
+            of other plans are removed, least recently used first
+            (:func:`kernel_cache.store.housekeeping.gc`), never one of this plan.
+        lock_timeout: seconds to wait for another process compiling the same
+            key (default ``KERNEL_CACHE_LOCK_TIMEOUT`` or 900).
+        allow_shared_dir: skip the trust checks (default
+            ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
+        remote: the shared Redis tier, or None (local only).
+
+    Returns:
+        ``{"variants", "compiled", "compiler_runs", "cached", "fetched",
+        "not_started", "failed": [{"variant", "error"}], "quarantined":
+        [{"variant", "reason", "path"}], "found_bad", "seconds", "fingerprint",
+        "pid", "repair", "load_check": {"checked", "children", "libstdcxx",
+        "seconds"}, "results": [:meth:`VariantResult.as_dict`], "launch":
+        {variant: {"config", "source"}} for the variants a launch table sets}``.
+        ``compiled`` counts the rows this process compiled and published;
+        ``compiler_runs`` the compiles it ran (a compile whose artifact failed
+        the load check is counted there and in ``failed``). Plus with
+        ``max_size`` ``"gc": {"removed", "removed_bytes", "after_bytes",
+        "max_size", "under_limit"}`` (``under_limit`` False: this plan alone
+        is larger). With ``remote``: ``"fetched"`` (copied from Redis),
+        ``"uploaded"`` (local entries Redis lacked, now published), ``"remote"``
+        (its URL, password hidden), ``"remote_error"`` (None or the first failure).
+
+    Raises:
+        WarmupInterrupted: SIGINT or SIGTERM; every artifact finished before it
+            is kept, and the exception carries the partial report.
+        UntrustedCacheError: the directory is writable by others or owned by another user.
+        CacheWriteError: the directory cannot be written and variants are missing.
+        CacheBusyError: its index stayed locked past ``KERNEL_CACHE_DB_TIMEOUT``.
+        SigningKeyError: signed entries are required and no key is set.
+    """
+    import kernel_cache.store.housekeeping as housekeeping
+    import kernel_cache.store.usage as usage
+
+    t0 = time.perf_counter()
+    bucketer = Bucketer(config)
+    plan = list(bucketer.variants if variants is None else variants)
+    allow_shared = resolve_allow_shared(allow_shared_dir)
+    lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
+    env = environment(config)
+    resolved = resolve_plan(config, plan, env["device_arch"])
+    items = [(v, resolved[v].config) for v in plan]
+    secret = load_signing_key()
+    cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
+    rtier = RedisTier(remote) if remote is not None else None
+    fetched, uploaded = [], 0
+    if rtier is not None:
+        todo, fetched, uploaded = _remote_precheck(
+            config, cached, todo, cache_dir, allow_shared, writable, rtier, secret
+        )
+    keep = housekeeping.plan_digests(config) if max_size is not None else set()
+    gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
+    first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
+    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
+    results += [VariantResult(str(v), Status.FETCHED) for v, _ in fetched]
+    options = {
+        "lock_timeout": lock_timeout,
+        "allow_shared": allow_shared,
+        "remote": remote.model_dump_json() if remote is not None else None,
+    }
+
+    def report(results) -> dict:
+        return _report(
+            config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded
+        )
+
+    reporter = _Reporter(len(plan), len(plan) - len(todo), progress)
+    try:
+        if todo:
+            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except _Interrupt as e:
+        results += e.results
+        if rtier is not None:
+            rtier.close()
+        raise WarmupInterrupted(e.signum, report(results)) from None
+    finally:
+        reporter.close()
+    if rtier is not None:
+        failure = next((r.remote_error for r in results if r.remote_error), None)
+        if failure is not None and rtier.error is None:
+            rtier.note_failure(failure)  # a worker's Redis failure: this process warns once
+        rtier.close()
+    usage.record(
+        cache_dir,
+        hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
+        misses=sum(r.status is Status.COMPILED for r in results),
+    )
+    out = report(results)
+    if gc_on:
+        gc_report = _gc(cache_dir, max_size, keep, allow_shared)
+        gc_report["removed"] = first["removed"] + gc_report["removed"]
+        gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
+        gc_report["before_bytes"] = first["before_bytes"]
+        out["gc"] = gc_report
+    return out
+
+
+def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded) -> dict:
+    """The JSON report of :func:`warmup` (see there) from its result rows."""
+
+    def count(status: Status) -> int:
+        return sum(r.status is status for r in results)
+
+    failed = [
+        {"variant": r.variant, "error": r.error or ""} for r in results if r.status is Status.FAILED
+    ]
+    checked = [r for r in results if r.check_s is not None]
+    return {
+        "variants": len(plan),
+        "compiled": count(Status.COMPILED),
+        "compiler_runs": sum(r.compiler_ran for r in results),
+        "cached": count(Status.CACHED),
+        "fetched": count(Status.FETCHED),
+        "not_started": count(Status.NOT_STARTED),
+        "uploaded": uploaded,
+        "failed": failed,
+        "quarantined": [{"variant": r.variant, **r.quarantined} for r in results if r.quarantined],
+        "found_bad": bad,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "fingerprint": bucketer.fingerprint(),
+        "pid": os.getpid(),
+        "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
+        "load_check": {
+            "checked": len(checked),
+            "children": sum(r.check_processes for r in checked),
+            "libstdcxx": next((r.libstdcxx for r in checked if r.libstdcxx), ""),
+            "seconds": round(sum(r.check_s for r in checked), 3),
+        },
+        "remote": rtier.location if rtier is not None else None,
+        "remote_error": rtier.error if rtier is not None else None,
+        "results": [r.as_dict() for r in results],
+        "launch": describe_plan(resolved),
+    }
+
+
+def compile_items(
+    config: EngineConfig,
+    cache_dir: str | Path,
+    items: list[tuple[KernelVariant, dict]],
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Compile each ``(variant, launch config)`` whose artifact is not cached
+    (``kernel-cache tune`` compiles several configs of one variant this way),
+    with the same single-flight and load-check steps as :func:`warmup`.
+
+    Returns: ``{"variants", "compiled", "compiler_runs", "cached", "failed",
+    "results"}`` as :func:`warmup`.
+
+    Raises:
+        as :func:`warmup`.
+    """
+    allow_shared = resolve_allow_shared(None)
+    cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
+    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
+    options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
+    reporter = _Reporter(len(items), len(cached), progress)
+    try:
+        if todo:
+            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except _Interrupt as e:
+        raise KernelCacheError(f"interrupted by {signal.Signals(e.signum).name}") from None
+    finally:
+        reporter.close()
+    return {
+        "variants": len(items),
+        "compiled": sum(r.status is Status.COMPILED for r in results),
+        "compiler_runs": sum(r.compiler_ran for r in results),
+        "cached": sum(r.status is Status.CACHED for r in results),
+        "failed": [
+            {"variant": r.variant, "error": r.error or ""}
+            for r in results
+            if r.status is Status.FAILED
+        ],
+        "results": [r.as_dict() for r in results],
+    }
+
+
+def _same_published(have: dict | None, want: dict, signed: bool) -> bool:
+    """Whether Redis's metadata ``have`` records the bytes (checksum, size) and,
+    with a signing key (``signed``), the signature of the local entry about to be
+    published as ``want`` (a builder without a key never replaces a signed entry)."""
+    fields = ("sha256", "size", "signature") if signed else ("sha256", "size")
+    return have is not None and all(have.get(f) == want.get(f) for f in fields)
+
+
+def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
+    """With Redis: publish cached entries Redis lacks (signed when a key is
+    set: the local cache is trusted), and copy verified Redis hits of the
+    to-do items into the local cache. Returns (todo, fetched, uploaded)."""
+    env = environment(config)
+    tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
+    lookup = Lookup([rtier], exact=True, promote_into=tier)
+    left, fetched, uploaded = [], [], 0
+    try:
+        for v, launch in cached:
+            key = build_key(config, v, env, launch=launch).hexdigest
+            if rtier.is_down():
+                continue
+            entry = tier.get(key)
+            want = sign_meta(entry.meta, entry.data, secret)
+            try:
+                have = rtier.get_meta(key)
+            except CorruptEntryError:
+                have = None
+            if not _same_published(
+                have, want, secret is not None
+            ):  # missing, unsigned, other key, other bytes
+                uploaded += rtier.put(key, entry.data, want)
+        for item in todo:  # todo is empty when the cache is not writable (_precheck)
+            found = lookup.find(build_key(config, item[0], env, launch=item[1]))
+            (fetched if found else left).append(item)
+    finally:
+        tier.close()
+    return left, fetched, uploaded
+
+
+def _gc(cache_dir, max_size, keep, allow_shared) -> dict:
+    import kernel_cache.store.housekeeping as housekeeping
+
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
+    try:
+        return housekeeping.gc(tier, max_size, keep)
+    finally:
+        tier.close()
+
+
+class _Interrupt(Exception):
+    """SIGINT/SIGTERM reached :func:`_run_pool`; ``results`` are its rows so far
+    (unfinished variants as ``not started``)."""
+
+    def __init__(self, signum: int, results: list[VariantResult]):
+        super().__init__(signum)
+        self.signum = signum
+        self.results = results
+
+
+class _Reporter:
+    """Progress on stderr: a rich progress bar in a terminal (the variants
+    being compiled, elapsed time, ETA), one line per finished variant
+    otherwise, nothing when ``enabled`` is False."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        from rich.console import Console
+
+        self.total, self.done, self.enabled = total, done, enabled
+        self.console = Console(stderr=True)
+        self.bar = None
+        if enabled and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]warmup[/]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("", total=total, completed=done)
+
+    def running(self, variants: list[str]) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description="compiling " + ", ".join(variants[:3]))
+
+    def finished(self, r: VariantResult) -> None:
+        self.done += 1
+        if r.status is Status.FAILED:
+            self.console.print(f"[red]failed[/] {r.variant}: {r.error}", highlight=False)
+        if self.bar is not None:
+            self.bar.advance(self.task)
+        elif self.enabled:
+            print(
+                f"warmup [{self.done}/{self.total}] {r.variant} {r.status.value} {r.seconds:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description="")
+            self.bar.stop()
+            self.bar = None
+
+
+def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
+    """``jobs=0``: a pass that never waits, then one that does, in this process."""
+    from warmup.build.compiler import pin_environment
+
+    scratch = _new_scratch()
+    saved = dict(os.environ)
+    results, busy = [], []
+    try:
+        pin_environment(config.device, config.cpu_target, scratch)
+        cfg_json = config.model_dump_json()
+        env = environment(config)
+        for blocking in (False, True):
+            for v, launch in busy if blocking else todo:
+                key = build_key(config, v, env, launch=launch).as_dict()
+                opts = {**options, "blocking": blocking, "launch": launch, "check": False}
+                opts["key"] = key
+                r = build_variant(cfg_json, v.model_dump_json(), cache_dir, opts)
+                if r.status is Status.BUSY and not blocking:
+                    busy.append((v, launch))
+                    continue
+                results.append(r)
+                reporter.finished(r)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _drop_scratch(scratch)
+    return results
+
+
+_SCRATCH_PREFIX = "kernel_cache-inductor-"
+
+
+def _new_scratch() -> str:
+    """A private directory under the system temp dir for one warmup's compiles
+    (Inductor's scratch and temp files), removed by :func:`_drop_scratch`.
+    Those of warmups that died (SIGKILL) are removed here first: the pid is
+    in the name."""
+    return private_temp_dir(_SCRATCH_PREFIX)
+
+
+def _drop_scratch(scratch: str) -> None:
+    if os.environ.get(ENV_KEEP_SCRATCH) == "1":
+        log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
+        return
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
+    """The row of a variant whose worker raised instead of returning a result."""
+    if isinstance(e, BrokenProcessPool):
+        why = f"its worker process died (killed, out of memory or crashed): {e}"
+    else:
+        why = f"the worker raised {type(e).__name__}: {e}"
+    return VariantResult(str(v), Status.FAILED, error=why)
+
+
+def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
+    """Build ``todo`` (``[(variant, launch config)]``) in ``jobs`` worker processes.
+
+    A worker that dies (SIGKILL, out of memory, a crash) breaks the pool and
+    fails every variant in flight; those are tried once more in a new pool, and
+    only a variant whose second try also dies is reported failed.
+
+    Raises:
+        _Interrupt: SIGINT or SIGTERM; the workers are stopped first (their
+            finished artifacts are published already).
+    """
+    if jobs == 0:
+        return _in_process(config, todo, cache_dir, reporter, options)
+    cfg_json = config.model_dump_json()
+    scratch = _new_scratch()
+    results: list[VariantResult] = []
+    fatal = None
+    env = environment(config)
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(), config.device, config.cpu_target, scratch),
+        )
+
+    pools = [new_pool()]
+    futs: dict = {}  # future -> (variant, launch)
+    pool_of: dict = {}  # future -> index in pools of the pool it was sent to
+    retried: set[str] = set()
+
+    def submit(item, blocking: bool):
+        v, launch = item
+        key = build_key(config, v, env, launch=launch).as_dict()
+        opts = {**options, "blocking": blocking, "launch": launch, "key": key}
+        f = pools[-1].submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
+        futs[f], pool_of[f] = item, len(pools) - 1
+        return f
+
+    def on_signal(signum, frame):
+        raise _Interrupt(signum, [])
+
+    old = signal.signal(signal.SIGTERM, on_signal) if _main_thread() else None
+    pending = {submit(item, False) for item in todo}
+    try:
+        while pending:
+            reporter.running([str(futs[f][0]) for f in pending if f.running()])
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for f in done:
+                item = futs[f]
+                v = item[0]
+                if f.cancelled():
+                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
+                else:
+                    try:
+                        r = f.result()
+                    except BrokenProcessPool as e:
+                        if str(v) not in retried and fatal is None:
+                            retried.add(str(v))
+                            if pool_of[f] == len(pools) - 1:  # the newest pool broke
+                                pools.append(new_pool())
+                            pending.add(submit(item, True))
+                            continue
+                        r = _worker_failure(v, e)
+                    except Exception as e:
+                        r = _worker_failure(v, e)
+                if r.status is Status.BUSY:
+                    if fatal is None:
+                        pending.add(submit(item, True))
+                        continue
+                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
+                results.append(r)
+                reporter.finished(r)
+                if r.fatal and fatal is None:
+                    fatal = r.error
+                    for p in pending:
+                        p.cancel()
+    except (KeyboardInterrupt, _Interrupt) as e:
+        signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
+        for pool in pools:
+            _stop_workers(pool)
+        seen = {r.variant for r in results}
+        left = [VariantResult(str(v), Status.NOT_STARTED) for v, _ in todo if str(v) not in seen]
+        raise _Interrupt(signum, results + left) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+        _drop_scratch(scratch)
+    return results
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM every worker of this process (their check processes follow them:
+    :func:`warmup.build.loadcheck.die_with_parent`) and cancel what is queued."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in multiprocessing.active_children():
+        p.terminate()
+    for p in multiprocessing.active_children():
+        p.join(timeout=10)

@@ -1,0 +1,273 @@
+"""Explain a miss: which stored entries are nearest, and which key components differ.
+
+For each variant (given, or every variant of the plan that misses) the key is
+built in this process's environment and looked up as engine start does
+(:class:`kernel_cache.store.lookup.Lookup`). For a miss, every stored entry of every
+tier is compared with it component by component
+(:data:`kernel_cache.plan.keys.COMPONENTS`), and the nearest are listed: the same
+variant first, then the fewest differing runtime components, then the same kernel,
+then the fewest differing components, newest first. Each difference reads
+``name: <this process> != <stored>``, for example ``torch: 2.13.0 != 2.14.1``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+from kernel_cache.errors import CorruptEntryError, ShapeError
+from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
+from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, build_key, environment
+from kernel_cache.store.lookup import Lookup
+from kernel_cache.store.tier import Tier
+
+#: Stored entries listed per missing variant.
+NEAREST = 3
+
+
+def short(value) -> str:
+    """A component value for a one-line diff (long digests cut to 16 characters)."""
+    text = str(value)
+    return text if len(text) <= 48 else text[:16] + "..."
+
+
+def differences(here: dict, stored: dict) -> list[dict]:
+    """Component-wise differences: ``[{"component", "here", "stored",
+    "build_only"}]`` in :data:`COMPONENTS` order."""
+    out = []
+    for name in COMPONENTS:
+        a, b = here.get(name), stored.get(name)
+        if a != b:
+            out.append(
+                {"component": name, "here": a, "stored": b, "build_only": name in BUILD_ONLY}
+            )
+    return out
+
+
+def source_changes(here: str, stored: str) -> str | None:
+    """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
+    ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
+    side is not such a mapping."""
+    import json
+
+    try:
+        a, b = json.loads(here), json.loads(stored)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    parts = [f"{f} changed" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
+    parts += [f"{f} new" for f in sorted(set(a) - set(b))]
+    parts += [f"{f} gone" for f in sorted(set(b) - set(a))]
+    return "; ".join(parts) or None
+
+
+def format_difference(d: dict) -> str:
+    """``"torch: 2.13.0 != 2.14.1"``; for ``sources``, the files that differ
+    (``"sources: warmup/build/compiler.py changed"``)."""
+    tag = " (build-only: accepted at load)" if d["build_only"] else ""
+    if d["component"] == "sources":
+        files = source_changes(d["here"], d["stored"])
+        if files:
+            return f"sources: {files}{tag}"
+    return f"{d['component']}: {short(d['here'])} != {short(d['stored'])}{tag}"
+
+
+def explain(
+    config, tiers: list[Tier], variants: list[KernelVariant] | None = None, *, nearest=NEAREST
+) -> dict:
+    """The JSON-ready explanation.
+
+    Args:
+        config: the engine configuration; its plan is checked when ``variants`` is None.
+        tiers: where to look (engine start's order).
+        variants: explain these (hits included); default: the plan's misses.
+        nearest: stored entries listed per miss.
+
+    Returns: ``{"variants" (checked), "hits", "misses", "not_in_plan" (given
+    variants the plan does not hold), "stored" (entries compared), "tiers":
+    [locations], "results": [{"variant", "key", "status" ("hit" | "miss" |
+    "corrupt" | "not_in_plan"), "where", "accepted" (hit: build-only components
+    taken from the record), "reason" (corrupt, not_in_plan), "nearest": [{"variant",
+    "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
+    """
+    env = environment(config)
+    bucketer = Bucketer(config)
+    plan = set(bucketer.variants)
+    wanted = list(bucketer.variants) if variants is None else list(variants)
+    lookup = Lookup(tiers)
+    stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
+    results, hits, outside = [], 0, 0
+    for v in wanted:
+        key = build_key(config, v, env)
+        r = {"variant": str(v), "key": key.hexdigest}
+        if v not in plan:
+            # a hit or a miss means nothing here: warmup never builds it, dispatch never runs it
+            outside += 1
+            r.update(status="not_in_plan", reason=not_in_plan(bucketer, v))
+            results.append(r)
+            continue
+        try:
+            found = lookup.find(key)
+        except CorruptEntryError as e:
+            found = None
+            r.update(status="corrupt", where=e.where, reason=e.reason)
+        if found is not None:
+            hits += 1
+            if variants is None:
+                continue
+            r.update(
+                status="hit",
+                where=found.tier.location,
+                accepted={n: {"here": a, "stored": b} for n, (a, b) in found.accepted.items()},
+            )
+            results.append(r)
+            continue
+        r.setdefault("status", "miss")
+        here = key.as_dict()
+        ranked = []
+        for where, meta in stored:
+            comps = meta.get("components")
+            if not isinstance(comps, dict):
+                continue
+            diff = differences(here, comps)
+            runtime_diff = sum(not d["build_only"] for d in diff)
+            same_variant = comps.get("variant") == here["variant"]
+            same_kernel = str(comps.get("variant")).split(":")[0] == v.kernel
+            ranked.append(
+                (
+                    (
+                        not same_variant,
+                        runtime_diff,
+                        not same_kernel,
+                        len(diff),
+                        -float(meta.get("created") or 0),
+                    ),
+                    where,
+                    meta,
+                    diff,
+                )
+            )
+        ranked.sort(key=lambda x: x[0])
+        r["nearest"] = [
+            {
+                "variant": meta.get("variant"),
+                "key": meta.get("key"),
+                "where": where,
+                "created": meta.get("created"),
+                "differences": diff,
+                "lines": [format_difference(d) for d in diff],
+            }
+            for _, where, meta, diff in ranked[:nearest]
+        ]
+        results.append(r)
+    return {
+        "variants": len(wanted),
+        "hits": hits,
+        "misses": len(wanted) - hits - outside,
+        "not_in_plan": outside,
+        "stored": len(stored),
+        "tiers": [t.location for t in tiers],
+        "results": results,
+    }
+
+
+def _blocks(n: int, block_size: int) -> str:
+    return f"{n} block{'s' if n != 1 else ''} of {block_size} tokens"
+
+
+def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
+    """Why ``v`` is not a variant of the plan, and what dispatch runs instead:
+    ``"not in the plan: num_blocks 5 is not a KV bucket of this plan (1, 2, 3, 4,
+    6, 8); ...; dispatch runs that shape as batched_decode:1:6:4 ..."``."""
+    bs = bucketer.block_size
+    prefill = v.kernel == PAGED_ATTENTION
+    fixed = ("num_seqs", v.num_seqs) if prefill else ("query_len", v.query_len)
+    why, then = [], None
+    if fixed[1] != 1:
+        why.append(f"{v.kernel} variants have {fixed[0]} 1")
+    else:
+        if prefill:
+            first = ("query_len", v.query_len, bucketer.query_buckets, "a query bucket")
+        else:
+            first = ("num_seqs", v.num_seqs, bucketer.num_seqs_buckets, "a decode-batch bucket")
+        for name, value, buckets, what in (
+            first,
+            ("num_blocks", v.num_blocks, bucketer.num_blocks_buckets, "a KV bucket"),
+        ):
+            if value not in buckets:
+                listed = ", ".join(map(str, buckets)) or "none: decode runs sequence by sequence"
+                why.append(f"{name} {value} is not {what} of this plan ({listed})")
+        # a prefill chunk in query bucket Q has more tokens than the bucket below Q
+        below = [q for q in bucketer.query_buckets if q < v.query_len]
+        smallest = below[-1] + 1 if below and v.query_len in bucketer.query_buckets else v.query_len
+        if prefill and smallest > v.num_blocks * bs:
+            tokens = f"{smallest} to {v.query_len}" if smallest < v.query_len else f"{smallest}"
+            why.append(
+                f"no prefill chunk of {tokens} tokens fits in {_blocks(v.num_blocks, bs)}, "
+                "so no call has that shape"
+            )
+        elif not prefill and not bucketer.num_seqs_buckets:
+            then = "dispatch runs each sequence of a decode batch through paged_attention"
+        elif why:
+            try:
+                if prefill:
+                    q, s = bucketer.query_bucket(v.query_len), 1
+                else:
+                    q, s = 1, bucketer.num_seqs_bucket(v.num_seqs)
+                nb = bucketer.blocks_bucket(v.num_blocks)
+            except ShapeError as e:
+                then = f"that shape is beyond the plan's limits: {e}"
+            else:
+                runs = KernelVariant(kernel=v.kernel, query_len=q, num_blocks=nb, num_seqs=s)
+                then = f"dispatch runs that shape as {runs}"
+    return (
+        f"not in the plan: {'; '.join(why)}; warmup never builds it and engine start never "
+        f"loads it" + (f"; {then}" if then else "") + " (the plan's variants: kernel-cache plan)"
+    )
+
+
+def _when(ts) -> str:
+    if not ts:
+        return "-"
+    return _dt.datetime.fromtimestamp(float(ts)).strftime("%Y-%m-%d %H:%M")
+
+
+def render(report: dict) -> str:
+    """The text ``kernel-cache explain`` prints."""
+    where = (
+        f"{report['stored']} stored entries in {', '.join(report['tiers'])}"
+        if report["tiers"]
+        else "no cache or bundle found (--cache-dir / $KERNEL_CACHE_DIR, "
+        "--bundle / $KERNEL_CACHE_BUNDLE)"
+    )
+    outside = report.get("not_in_plan", 0)
+    lines = [
+        f"explain: {report['variants']} variant(s) checked, {report['hits']} hit, "
+        f"{report['misses']} miss"
+        + (f", {outside} not in the plan" if outside else "")
+        + f"; {where}",
+        "differences read: component: this process != stored entry",
+    ]
+    for r in report["results"]:
+        if r["status"] == "not_in_plan":
+            lines.append(f"{r['variant']}  {r['reason']}")
+            continue
+        head = f"{r['variant']}  {r['status']}  key {r['key'][:16]}"
+        if r["status"] == "hit":
+            lines.append(f"{head}  in {r['where']}")
+            for n, a in r["accepted"].items():
+                lines.append(f"    {n}: {a['here']} != {a['stored']} (build-only: accepted)")
+            continue
+        if r["status"] == "corrupt":
+            lines.append(f"{head}  in {r['where']}: {r['reason']}")
+            continue
+        lines.append(head)
+        if not r["nearest"]:
+            lines.append("    no stored entries to compare with")
+        for n in r["nearest"]:
+            lines.append(
+                f"  nearest: {n['variant']} key {str(n['key'])[:16]} in {n['where']} "
+                f"(created {_when(n['created'])})"
+            )
+            lines.extend(f"    {line}" for line in n["lines"])
+    return "\n".join(lines)

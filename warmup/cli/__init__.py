@@ -1,0 +1,1 @@
+"""The ``kernel-cache`` command line: option parsing and the commands."""

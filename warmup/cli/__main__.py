@@ -1,0 +1,3 @@
+from warmup.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,389 @@
+"""``kernel-cache`` subcommands for bundles and housekeeping:
+export, import, explain, ls, stats, gc, clear.
+
+``--keep-plan SPEC`` (gc, repeatable) names a plan to keep, either as ENGINE
+OPTIONS in one quoted argument (``--keep-plan "--model llama-3.2-1b
+--max-model-len 1024"``; ``--keep-plan ""`` is the built-in default) or as a
+JSON file holding the plan's engine configuration: the output of ``kernel-cache
+plan --json`` or a bundle's ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.errors import KernelCacheError
+from warmup.cli.options import (
+    CACHE_DIR_HELP,
+    _cache_dir,
+    bundle_option,
+    config_from_args,
+    engine_options,
+)
+
+
+def _when(ts) -> str:
+    return dt.datetime.fromtimestamp(float(ts)).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def _existing_disk(args, *, read_only: bool = False):
+    """The local cache tier, or a clear error if the directory does not exist
+    (housekeeping never creates a cache)."""
+    from kernel_cache.store.tier import DiskTier
+
+    d = Path(_cache_dir(args))
+    if not d.is_dir():
+        raise KernelCacheError(
+            f"no cache at {str(d)!r} (--cache-dir / $KERNEL_CACHE_DIR); warm one with "
+            "kernel-cache warmup"
+        )
+    return DiskTier(d, read_only=read_only)
+
+
+def _tiers(args):
+    from kernel_cache.runtime.load import default_tiers
+
+    return default_tiers(_cache_dir(args), args.bundle)
+
+
+# -- export / import ---------------------------------------------------------
+def cmd_export(args) -> int:
+    from kernel_cache.store.bundle import export_bundle
+    from kernel_cache.store.housekeeping import format_size
+
+    cfg = config_from_args(args)
+    report = export_bundle(cfg, args.out, _tiers(args))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"export: {report['variants']} variants, {report['files']} files, "
+            f"{format_size(report['bytes'])} -> {report['out']} (read-only; fingerprint "
+            f"{report['fingerprint']})"
+        )
+    return 0
+
+
+def cmd_import(args) -> int:
+    from kernel_cache.store.bundle import import_bundle
+    from kernel_cache.store.housekeeping import format_size
+    from kernel_cache.store.tier import DiskTier
+
+    disk = DiskTier(_cache_dir(args))
+    try:
+        report = import_bundle(args.dir, disk)
+    finally:
+        disk.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"import: {report['imported']} entries copied ({format_size(report['bytes'])}), "
+            f"{report['present']} already present -> {_cache_dir(args)}"
+        )
+    return 0
+
+
+# -- explain -------------------------------------------------------------------
+def cmd_explain(args) -> int:
+    from kernel_cache.plan.buckets import KernelVariant
+    from warmup.check.explain import explain, render
+
+    cfg = config_from_args(args)
+    variants = [KernelVariant.parse(v) for v in args.variant] or None
+    report = explain(cfg, _tiers(args), variants)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
+# -- ls / stats / gc / clear ---------------------------------------------------
+def _rows(args):
+    """``(location, rows)`` of ``ls``: a bundle's, else the local cache's, read
+    without writing; a cache directory that does not exist has no rows."""
+    from kernel_cache.store.bundle import BundleTier
+    from kernel_cache.store.housekeeping import list_entries
+
+    if args.bundle:
+        tier = BundleTier(args.bundle)
+        return tier.location, list_entries(tier)
+    d = Path(_cache_dir(args))
+    if not d.is_dir():
+        return str(d), []
+    tier = _existing_disk(args, read_only=True)
+    try:
+        return tier.location, list_entries(tier)
+    finally:
+        tier.close()
+
+
+def cmd_ls(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kernel_cache.store.housekeeping import format_size
+
+    where, rows = _rows(args)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    corrupt = [r for r in rows if r["status"] == "corrupt"]
+    title = f"{where}: {len(rows)} entries" + (f", {len(corrupt)} corrupt" if corrupt else "")
+    if not rows and not args.bundle and not Path(where).is_dir():
+        title += " (no cache directory there yet)"
+    table = Table(title=title, title_justify="left")
+    cols = ("variant", "model", "dtype", "key", "size", "compile s", "created", "last used")
+    for col in cols + (("status",) if corrupt else ()):
+        table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+    for r in rows:
+        cs = r["compile_seconds"]
+        dtype = r["dtype"] or "-"
+        if r["device"] and r["device"] != "cpu":
+            dtype += f" {r['device']}"
+        cells = [
+            r["variant"],
+            r["model"],
+            dtype,
+            r["key"][:12],
+            format_size(r["size"]),
+            f"{cs:.1f}" if isinstance(cs, (int, float)) else "-",
+            _when(r["created"]),
+            _when(r["last_used"]),
+        ]
+        table.add_row(*cells, *((r["status"],) if corrupt else ()))
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
+    for r in corrupt:
+        print(f"  corrupt {r['key'][:12]}: {r['reason']}")
+    if corrupt:
+        print(
+            "  kernel-cache warmup quarantines and rebuilds a corrupt entry of its plan; "
+            "gc and clear remove them"
+        )
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from kernel_cache.store.housekeeping import cache_stats, empty_stats, format_size
+
+    d = Path(_cache_dir(args))
+    if d.is_dir():
+        tier = _existing_disk(args, read_only=True)
+        try:
+            s = cache_stats(tier)
+        finally:
+            tier.close()
+    else:
+        s = empty_stats(d)
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        corrupt = f" ({s['corrupt']} corrupt: see kernel-cache ls)" if s["corrupt"] else ""
+        none = "" if s.get("exists", True) else " (no cache directory there yet)"
+        print(
+            f"{s['location']}: {s['entries']} entries{corrupt}, {format_size(s['bytes'])} of "
+            f"artifacts ({format_size(s['disk_bytes'])} on disk); {s['hits']} hits, "
+            f"{s['misses']} misses since {_when(s['since'])}{none}"
+        )
+    return 0
+
+
+def keep_plan_config(spec: str) -> EngineConfig:
+    """An engine configuration from a ``--keep-plan`` SPEC (see the module docstring).
+
+    Raises:
+        KernelCacheError: neither engine options nor a readable plan file (says both forms).
+    """
+    forms = (
+        'give ENGINE OPTIONS in one quoted argument (--keep-plan "--model llama-3.2-1b '
+        '--max-model-len 1024") or a JSON file from `kernel-cache plan --json` or a '
+        "bundle's manifest.json"
+    )
+    if not spec.strip() or spec.lstrip().startswith("-"):
+        p = argparse.ArgumentParser(prog="kernel-cache gc --keep-plan", add_help=False)
+        engine_options(p)
+        try:
+            ns = p.parse_args(shlex.split(spec))
+        except SystemExit:
+            raise KernelCacheError(f"--keep-plan {spec!r}: not valid ENGINE OPTIONS") from None
+        return config_from_args(ns)
+    path = Path(spec)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KernelCacheError(f"--keep-plan {spec!r}: no such file; {forms}") from None
+    except (OSError, ValueError) as e:
+        raise KernelCacheError(f"--keep-plan {spec!r}: not a JSON file ({e}); {forms}") from None
+    cfg = None
+    if isinstance(doc, dict):
+        cfg = doc.get("config") or (doc.get("plan") or {}).get("config")
+    if not isinstance(cfg, dict):
+        raise KernelCacheError(f"--keep-plan {spec!r}: holds no engine 'config'; {forms}")
+    try:
+        return EngineConfig.model_validate(cfg)
+    except ValueError as e:
+        raise KernelCacheError(f"--keep-plan {spec!r}: invalid engine config: {e}") from None
+
+
+def cmd_gc(args) -> int:
+    from kernel_cache.store.housekeeping import (
+        format_size,
+        gc,
+        list_entries,
+        max_size_from_env,
+        parse_size,
+        plan_digests,
+    )
+
+    max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    if max_size is None:
+        raise KernelCacheError("gc needs a limit: --max-size SIZE (or $KERNEL_CACHE_MAX_SIZE)")
+    keep: set[str] = set()
+    per_spec = []
+    for spec in args.keep_plan:
+        digests = plan_digests(keep_plan_config(spec))
+        per_spec.append((spec, digests))
+        keep |= digests
+    tier = _existing_disk(args)
+    try:
+        stored = {r["runtime_digest"] for r in list_entries(tier)} if per_spec else set()
+        for spec, digests in per_spec:
+            if not digests & stored:
+                print(
+                    f"kernel-cache gc: warning: --keep-plan {spec!r} matches none of the entries "
+                    f"in {tier.location} (none of its {len(digests)} variants is stored: another "
+                    "dtype, device, torch or launch table?); nothing is kept for it. "
+                    "See `kernel-cache ls` and `kernel-cache explain`.",
+                    file=sys.stderr,
+                )
+        report = gc(tier, max_size, keep)
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"gc: removed {len(report['removed'])} entries ({format_size(report['removed_bytes'])}"
+            f"), {format_size(report['before_bytes'])} -> {format_size(report['after_bytes'])}, "
+            f"limit {format_size(max_size)}; kept plans hold {format_size(report['kept_bytes'])}"
+        )
+        for r in report["removed"]:
+            print(f"  removed {r['variant']} {r['key'][:12]} {format_size(r['size'])}")
+        _print_orphans(report["orphans"])
+    if not report["under_limit"]:
+        raise KernelCacheError(
+            f"the kept plans alone hold {report['kept_bytes']} bytes, above --max-size "
+            f"{max_size} bytes; nothing else is left to remove: raise the limit or keep fewer plans"
+        )
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from kernel_cache.store.housekeeping import clear, format_size
+
+    tier = _existing_disk(args)
+    try:
+        report = clear(tier)
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"clear: removed {report['removed']} entries ({format_size(report['removed_bytes'])})"
+            f" and {report['quarantine_removed']} quarantined from {tier.location}"
+        )
+        _print_orphans(report["orphans"])
+    return 0
+
+
+def _print_orphans(o: dict) -> None:
+    from kernel_cache.store.housekeeping import ORPHAN_GRACE_S, format_size
+
+    if o["removed"]:
+        print(
+            f"  removed {o['removed']} orphan artifact files ({format_size(o['removed_bytes'])}) "
+            "that no entry referenced"
+        )
+    if o["kept_young"]:
+        print(
+            f"  kept {o['kept_young']} unreferenced artifact files younger than "
+            f"{ORPHAN_GRACE_S / 60:.0f} minutes (possibly being published)"
+        )
+
+
+def add_commands(sub) -> None:
+    """Register the subcommands on the ``kernel-cache`` parser's subparsers."""
+    cache_help = CACHE_DIR_HELP
+
+    s = sub.add_parser("export", help="write a read-only bundle of exactly the plan's artifacts")
+    engine_options(s)
+    s.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    bundle_option(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("import", help="copy a bundle's entries into the local cache")
+    s.add_argument("dir", metavar="DIR", help="a bundle written by kernel-cache export")
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_import)
+
+    s = sub.add_parser("explain", help="why a variant misses: nearest entries and differences")
+    engine_options(s)
+    s.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KERNEL:QUERY:BLOCKS:SEQS",
+        help="explain this variant (repeatable; default: every missing variant of the plan)",
+    )
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    bundle_option(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("ls", help="list the cache's entries")
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--bundle", default=None, metavar="DIR", help="list this bundle instead")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser(
+        "stats", help="entries, bytes, hits and misses of the cache (zeros if it does not exist)"
+    )
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("gc", help="remove least recently used entries down to a size limit")
+    s.add_argument(
+        "--max-size",
+        default=None,
+        metavar="SIZE",
+        help="bytes, or 500M, 2G (powers of 1024); default $KERNEL_CACHE_MAX_SIZE",
+    )
+    s.add_argument(
+        "--keep-plan",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="never remove this plan's entries: quoted ENGINE OPTIONS, or a file from "
+        "'kernel-cache plan --json' or a bundle's manifest.json (repeatable)",
+    )
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser(
+        "clear", help="remove every entry, quarantined entry and orphan file of the local cache"
+    )
+    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_clear)

@@ -1,0 +1,438 @@
+"""The ``kernel-cache`` command line (plan, warmup, verify, bundles, housekeeping).
+
+Subcommands: plan, warmup, verify here; export, import, explain, ls, stats, gc,
+clear in :mod:`warmup.cli.commands`; tune in :mod:`warmup.tune`.
+
+ENGINE OPTIONS default to the built-in default plan
+(:data:`kernel_cache.config.engine.DEFAULT_MODEL` with :class:`EngineConfig`'s
+defaults, as ``make_config(DEFAULT_MODEL)``): ``kernel-cache warmup`` with no
+options warms it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+
+from kernel_cache.errors import KernelCacheError
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.launch import describe_plan, format_plan
+from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and examples import them here
+    CACHE_DIR_HELP,
+    _cache_dir,
+    bundle_option,
+    config_from_args,
+    engine_options,
+    trust_option,
+)
+
+
+def cmd_plan(args) -> int:
+    cfg = config_from_args(args)
+    b = Bucketer(cfg)
+    doc = {"config": cfg.model_dump(mode="json"), **b.describe()}
+    launch = _plan_launch(cfg, b)
+    if launch is not None:
+        doc["launch"] = describe_plan(launch[0])
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"model {cfg.model}: {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+        f"head_dim {cfg.head_dim}, {cfg.dtype} on {cfg.device}"
+    )
+    print(f"kv buckets (tokens):   {list(b.kv_buckets)}")
+    print(f"kv buckets (blocks):   {list(b.num_blocks_buckets)}")
+    print(f"query buckets:         {list(b.query_buckets)}")
+    print(f"num_seqs buckets:      {list(b.num_seqs_buckets)}")
+    n_pa = sum(v.kernel == "paged_attention" for v in b.variants)
+    print(
+        f"variants: {len(b.variants)} ({n_pa} paged_attention, "
+        f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
+    )
+    if launch is not None:
+        print(format_plan(*launch))
+    else:
+        print(
+            "launch config: not resolved (no usable CUDA device here; the lookup needs the "
+            "GPU architecture): run this plan on the GPU machine to see it"
+        )
+    return 0
+
+
+def _plan_launch(cfg, bucketer):
+    """The plan's resolved launch configs and their sources line, or None for a CUDA
+    plan on a machine without a GPU (the lookup needs the device architecture)."""
+    import torch
+
+    from kernel_cache.plan.keys import device_arch
+    from kernel_cache.plan.launch import Resolver, source_counts
+
+    resolver = Resolver()  # validates KERNEL_CACHE_TUNING even where nothing resolves
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return None
+    arch = device_arch(cfg.device, cfg.cpu_target)
+    resolved = {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}
+    return resolved, resolver.sources(arch, source_counts(resolved))
+
+
+def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
+    """Options of the shared Redis tier, signing and (warmup) sharding."""
+    g = p.add_argument_group("fleet options (a cache shared across machines)")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="shared Redis tier, e.g. redis://10.0.0.5:6379/0 (env KERNEL_CACHE_REDIS_URL)"
+        + ("" if warmup else "; verify then checks that Redis alone holds the plan"),
+    )
+    g.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=None,
+        help="seconds any Redis call may block (default 2; env KERNEL_CACHE_REDIS_TIMEOUT)",
+    )
+    g.add_argument(
+        "--require-signed",
+        action="store_true",
+        help="fail at start unless KERNEL_CACHE_SIGNING_KEY(_FILE) is set "
+        "(env KERNEL_CACHE_REQUIRE_SIGNED=1)",
+    )
+    if warmup:
+        g.add_argument(
+            "--redis-ttl",
+            type=int,
+            default=None,
+            help="seconds a Redis entry lives (default: no expiry; env KERNEL_CACHE_REDIS_TTL)",
+        )
+        g.add_argument(
+            "--shard",
+            default=None,
+            metavar="I/N",
+            help="compile only shard I (0-based) of N, balanced by expected compile time",
+        )
+
+
+def _remote_settings(args):
+    from kernel_cache.store.redis import RedisSettings
+
+    return RedisSettings.from_env(
+        url=args.redis_url,
+        timeout_s=args.redis_timeout,
+        ttl_s=getattr(args, "redis_ttl", None),
+    )
+
+
+def cmd_warmup(args) -> int:
+    from kernel_cache.trust.signing import load_signing_key
+    from warmup.build.planner import WarmupInterrupted, warmup
+    from warmup.build.shard import parse_shard, shard_costs, split_plan
+
+    cfg = config_from_args(args)
+    if args.jobs < 1:
+        raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    if args.lock_timeout is not None and not args.lock_timeout >= 0:
+        raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
+    from kernel_cache.store.housekeeping import format_size, max_size_from_env, parse_size
+
+    max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    load_signing_key(required=args.require_signed or None)
+    remote = _remote_settings(args)
+    variants, shard = None, None
+    if args.shard is not None:
+        index, count = parse_shard(args.shard)
+        shards = split_plan(cfg, Bucketer(cfg).variants, count)
+        variants = shards[index]
+        shard = {
+            "index": index,
+            "count": count,
+            "variants": [str(v) for v in variants],
+            "expected_compile_s": shard_costs(cfg, shards)[index],
+        }
+    try:
+        report = warmup(
+            cfg,
+            _cache_dir(args),
+            jobs=args.jobs,
+            progress=not args.quiet,
+            variants=variants,
+            max_size=max_size,
+            lock_timeout=args.lock_timeout,
+            allow_shared_dir=args.insecure_allow_shared_dir or None,
+            remote=remote,
+        )
+    except WarmupInterrupted as e:
+        r = e.report
+        print(
+            f"kernel-cache warmup: {e}; a second warmup compiles only the "
+            f"{r['not_started'] + len(r['failed'])} left",
+            file=sys.stderr,
+        )
+        if args.json:
+            print(json.dumps({**r, "interrupted": signal.Signals(e.signum).name}, indent=2))
+        return 128 + e.signum
+    report["shard"] = shard
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items()}, indent=2))
+    else:
+        where = _cache_dir(args) + (f" and {report['remote']}" if report["remote"] else "")
+        part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
+        print(
+            f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
+            f"{report['cached']} cached, {report['fetched']} fetched from Redis, "
+            f"{len(report['failed'])} failed in {report['seconds']:.1f} s -> {where}"
+        )
+        for q in report["quarantined"]:
+            print(f"  quarantined {q['variant']}: {q['reason']} -> {q['path']}")
+        if "gc" in report:
+            g = report["gc"]
+            print(
+                f"size limit {format_size(g['max_size'])}: removed {len(g['removed'])} "
+                f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
+                f" cache now {format_size(g['after_bytes'])}"
+            )
+    for f in report["failed"]:
+        print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
+    over = "gc" in report and not report["gc"]["under_limit"]
+    if over:
+        g = report["gc"]
+        print(
+            f"kernel-cache warmup: error: the cache holds {g['after_bytes']} bytes of this "
+            f"plan's artifacts, above the size limit {g['max_size']} bytes "
+            "(--max-size / KERNEL_CACHE_MAX_SIZE); nothing else is left to remove: "
+            "raise the limit",
+            file=sys.stderr,
+        )
+    return 1 if report["failed"] or over else 0
+
+
+def cmd_verify(args) -> int:
+    from kernel_cache.trust.signing import load_signing_key
+    from warmup.check.verify import verify_plan
+
+    cfg = config_from_args(args)
+    load_signing_key(required=args.require_signed or None)
+    tiers = None
+    if args.redis_url:  # coverage: Redis alone must hold the whole plan
+        from kernel_cache.store.redis import RedisTier
+
+        tiers = [RedisTier(_remote_settings(args), fail_open=False)]
+    report = verify_plan(
+        cfg,
+        _cache_dir(args),
+        bundles=args.bundle,
+        tiers=tiers,
+        allow_shared_dir=args.insecure_allow_shared_dir or None,
+    )
+    if tiers:
+        report["tier"] = tiers[0].location
+        if report.get("repair"):  # the warmup that repairs Redis must publish to it
+            report["repair"] += f" --redis-url {tiers[0].location}"
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        status = "ok" if report["ok"] else "FAILED"
+        print(
+            f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
+            f"{report['compiled']} compiled, {len(report['missing'])} missing, "
+            f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
+            f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+            + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
+        )
+        for line in source_lines(report):
+            print(line)
+        for name, a in report["build_only_accepted"].items():
+            print(
+                f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
+                f"(this process: {a['here']})"
+            )
+        for c in report["corrupt"]:
+            print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
+        for c in report["unrunnable"]:
+            print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
+        if report["missing"]:
+            print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
+        if not report["ok"]:
+            print(f"  repair: {report['repair']}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+#: How verify names the kind of tier an entry came from.
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis"}
+
+
+def source_lines(report: dict) -> list[str]:
+    """Where verify loaded the plan from, one line per tier:
+    ``"  6 from bundle /opt/kernel-cache-bundle"``."""
+    kinds = report.get("source_kinds", {})
+    return [
+        f"  {n} from {TIER_KINDS.get(kinds.get(where), kinds.get(where, 'tier'))} {where}"
+        for where, n in report["sources"].items()
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=version())
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
+    engine_options(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_plan)
+
+    sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
+    engine_options(sw)
+    sw.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
+    sw.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="compile worker processes (default min(2, cpus))",
+    )
+    sw.add_argument(
+        "--max-size",
+        default=None,
+        metavar="SIZE",
+        help="size limit of the cache (bytes or 500M, 2G; default $KERNEL_CACHE_MAX_SIZE): "
+        "entries of other plans are removed, least recently used first",
+    )
+    sw.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for another process compiling the same variant "
+        "(env KERNEL_CACHE_LOCK_TIMEOUT, default 900)",
+    )
+    sw.add_argument("--json", action="store_true")
+    sw.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (by default a progress bar in a terminal, one line per "
+        "variant otherwise)",
+    )
+    trust_option(sw)
+    fleet_options(sw, warmup=True)
+    sw.set_defaults(func=cmd_warmup)
+
+    sv = sub.add_parser("verify", help="load every variant of the plan and check it")
+    engine_options(sv)
+    sv.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
+    bundle_option(sv)
+    sv.add_argument("--json", action="store_true")
+    trust_option(sv)
+    fleet_options(sv, warmup=False)
+    sv.set_defaults(func=cmd_verify)
+
+    from warmup.cli.commands import add_commands
+
+    add_commands(sub)
+
+    from warmup.tune import add_tune_command
+
+    add_tune_command(sub)
+    for sp in sub.choices.values():
+        # before or after the subcommand; SUPPRESS: absent here unless given, so a
+        # -v before the subcommand is not reset by the subcommand's default
+        sp.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log at INFO level",
+        )
+        sp.set_defaults(_subparser=sp)
+    p.set_defaults(_subcommands=tuple(sub.choices))
+    return p
+
+
+def version() -> str:
+    """``kernel-cache 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)``: the versions that
+    are key components too."""
+    import platform
+
+    import torch
+
+    from kernel_cache import __version__
+
+    py = platform.python_version()
+    return f"kernel-cache {__version__} (torch {torch.__version__}, Python {py})"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown subcommand or argument is reported
+    with the nearest name there is (``did you mean --jobs?``), an argument with
+    the subcommand's usage."""
+    import difflib
+
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    commands = parser.get_default("_subcommands") or ()
+    # the top-level options take no value: the first other word is the subcommand
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is not None and commands and word not in commands:
+        near = difflib.get_close_matches(word, commands, n=1)
+        parser.error(
+            f"unknown subcommand {word!r}"
+            + (f"; did you mean {near[0]}?" if near else f"; choose from {', '.join(commands)}")
+        )
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sp = args._subparser
+        flags = [f for f in sp._option_string_actions if f.startswith("--")]
+        first = next((a for a in extra if a.startswith("-")), "")
+        near = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1)
+        hint = f"; did you mean {near[0]}?" if near else f"; see kernel-cache {args.command} -h"
+        sp.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+#: Exit status after the reader of stdout went away (``| head``): 128 + SIGPIPE,
+#: what a shell reports for a command the closed pipe killed.
+EXIT_CLOSED_STDOUT = 141
+
+
+def quiet_on_closed_stdout(main_fn):
+    """Wrap a command's ``main``: when stdout's reader has gone (``kernel-cache ls
+    --json | head``), exit with :data:`EXIT_CLOSED_STDOUT` and no traceback.
+
+    stdout is flushed before returning, so the error surfaces here rather than
+    at interpreter exit, then pointed at ``/dev/null`` so that the final flush
+    of what is still buffered succeeds."""
+
+    @functools.wraps(main_fn)
+    def wrapper(*args, **kwargs):
+        try:
+            try:
+                return main_fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_CLOSED_STDOUT
+
+    return wrapper
+
+
+@quiet_on_closed_stdout
+def main(argv=None) -> int:
+    args = parse_args(build_parser(), argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except KernelCacheError as e:
+        print(f"kernel-cache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
