@@ -19,7 +19,8 @@ from kernel_cache.errors import (
     ShapeError,
 )
 from kernel_cache.plan.buckets import Bucketer, KernelVariant
-from kernel_cache.runtime.load import AttentionRuntime, load_plan
+from kernel_cache.runtime.dispatch import AttentionRuntime
+from kernel_cache.runtime.load import load_plan
 
 __all__ = [
     "AttentionRuntime",

@@ -5,7 +5,7 @@ import torch
 
 from kernel_cache import ShapeError, make_config
 from kernel_cache.plan.buckets import KernelVariant
-from kernel_cache.runtime.load import SMALL_TABLE, AttentionRuntime, _Slot
+from kernel_cache.runtime.dispatch import SMALL_TABLE, AttentionRuntime, _Slot
 
 
 @pytest.mark.parametrize("num_seqs,num_blocks", [(4, 2), (8, 64)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_cache import Bucketer, ShapeError, make_config
-from kernel_cache.runtime.load import AttentionRuntime
+from kernel_cache.runtime.dispatch import AttentionRuntime
 
 CFG = make_config(
     "llama-3.2-1b", max_model_len=128, block_size=64, max_num_seqs=4, max_num_batched_tokens=128

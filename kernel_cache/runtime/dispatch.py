@@ -1,0 +1,557 @@
+"""Dispatch: the hot path an engine calls every step, with zero compiles.
+
+:class:`AttentionRuntime` (made by :func:`kernel_cache.runtime.load.load_plan`)
+picks buckets from host-side lengths (Python ints, lists, CPU tensors) with a
+bisect, checks the inputs against the variant's static shapes (a static
+AOTInductor kernel would run a wrong-shaped input silently), pads into
+per-variant buffers that are reused across calls, runs the loaded kernel and
+slices the output. It never reads a GPU scalar and never compiles. On CUDA a
+call only enqueues its work (single-threaded AOTInductor runners, lengths copied
+from pinned staging rows) and can be captured in a CUDA graph when the lengths
+are passed as device tensors (``device_seq_lens``; ``device_seq_len`` and
+``device_query_len``): README, "The hot path on CUDA, and CUDA graphs".
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from array import array
+from collections import Counter
+
+import torch
+
+from kernel_cache.config.engine import EngineConfig, config_to_cli
+from kernel_cache.errors import ShapeError
+from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
+
+#: Pinned staging rows per slot for the lengths a CUDA call copies to the device;
+#: a row is rewritten only after the GPU has run the copy that read it, so the
+#: host may run up to RING / 2 calls of one variant ahead of the GPU before a
+#: call waits.
+RING = 64
+
+#: Block tables up to this many entries are range-checked with Python's max over
+#: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
+#: measured with benchmarks/dispatch.py); larger ones with numpy's.
+SMALL_TABLE = 256
+
+
+class _Slot:
+    """One loaded variant with everything its calls reuse: the runner, the padded
+    input buffers and views of them, made once (dispatch is a hot path: every
+    torch op saved is microseconds per call)."""
+
+    __slots__ = (
+        "variant",
+        "runner",
+        "calls",
+        "qbuf",
+        "btbuf",
+        "lens",
+        "lens_host",
+        "lens_arr",
+        "zeros",
+        "lens_views",
+        "ring",
+        "ring_np",
+        "ring_rows",
+        "ring_i",
+        "ring_events",
+        "bt_rows",
+        "rows",
+        "bt_max",
+    )
+
+    def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device):
+        self.variant = v
+        self.runner = runner
+        self.calls = 0
+        dev = device
+        self.qbuf = torch.zeros(
+            (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
+        )
+        n = 2 if v.kernel == PAGED_ATTENTION else v.num_seqs
+        shape = (v.num_blocks,) if v.kernel == PAGED_ATTENTION else (v.num_seqs, v.num_blocks)
+        self.btbuf = torch.zeros(shape, dtype=torch.int32, device=dev)
+        # Lengths are written on the host into an int32 array that a CPU tensor
+        # shares (torch.frombuffer): no torch op per call. On CUDA the device
+        # buffer is refreshed from it with one copy.
+        self.lens_arr = array("i", bytes(4 * n))
+        self.zeros = array("i", bytes(4 * n))
+        self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
+        self.ring = self.ring_np = self.ring_rows = self.ring_events = None
+        self.ring_i = 0
+        if dev.type == "cpu":
+            self.lens = self.lens_host
+            self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+        else:
+            # Prefill's two lengths 16 bytes apart: AOTInductor compiled each [1]
+            # input as 16-byte aligned and copies an unaligned one on every call.
+            width = 8 if n == 2 else n
+            self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
+            self.lens_views = (self.lens[0:1], self.lens[4:5]) if n == 2 else (self.lens,)
+            # Pinned staging rows, used in turn (see AttentionRuntime._upload_lens).
+            self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
+            self.ring_np = self.ring.numpy()
+            self.ring_rows = list(self.ring)
+            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
+        # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
+        # no copy): one max() finds an id >= the pool and a negative one (which
+        # wraps above 2**31). Python's max over a memoryview for small tables
+        # (about 2 us in a dispatch loop here), numpy's for large ones; None on CUDA.
+        self.bt_max = None
+        if dev.type == "cpu" and self.btbuf.numel():
+            import functools
+
+            import numpy
+
+            u32 = self.btbuf.numpy().view(numpy.uint32)
+            if u32.size <= SMALL_TABLE:
+                self.bt_max = functools.partial(max, memoryview(u32).cast("B").cast("I"))
+            else:
+                self.bt_max = u32.max
+        self.rows: dict = {}  # num_seqs -> (qbuf[:num_seqs], btbuf[:num_seqs])
+
+    def row_views(self, n: int):
+        views = self.rows[n] = (self.qbuf[:n], self.btbuf[:n])
+        return views
+
+
+def _dead_ref():
+    return None
+
+
+class AttentionRuntime:
+    """The attention object an engine calls, holding one loaded kernel per variant.
+
+    The shape, dtype, device and layout checks of ``key_cache``/``value_cache``
+    run once per pair of tensor objects (remembered by weak reference): changing
+    a pool's metadata in place (``resize_``, ``set_``) after a call is not seen.
+
+    ``counters``: ``loads`` (artifacts loaded at start), ``calls`` (per variant,
+    a :class:`collections.Counter`), ``compiles`` (always 0: this class has no
+    compile path).
+    """
+
+    def __init__(self, config: EngineConfig, bucketer: Bucketer, runners: dict, load_seconds=0.0):
+        self.config = config
+        self.bucketer = bucketer
+        self._runners = runners
+        self._slots: dict = {}
+        self.load_seconds = load_seconds
+        #: Where the variants came from: ``{tier location: count}``.
+        self.sources: dict[str, int] = {}
+        #: Build-only components taken from stored records (see keys.BUILD_ONLY):
+        #: ``{name: {"here": value, "stored": [values]}}``.
+        self.build_only_accepted: dict[str, dict] = {}
+        #: ``{variant: resolved launch config}`` the loaded artifacts were compiled with.
+        self.launch: dict = {}
+        self._device = torch.device(config.device)
+        self._dtype = config.torch_dtype()
+        c = config
+        self._qshape = (c.num_heads, c.head_dim)
+        self._kvshape = (c.block_size, c.num_kv_heads, c.head_dim)
+        # The KV pool passed last and found good, as weak references: an engine
+        # passes the same two tensors on every call, so they are checked once.
+        self._kv_ok: tuple = (_dead_ref, _dead_ref)
+        #: CPU only: check every block id against the pool before a kernel reads
+        #: it (an id outside the pool aborts the process inside the kernel). One
+        #: reduction over the padded table: about 2 us of a decode call's host
+        #: time here (docs/benchmarks.md, "Dispatch overhead"). An engine that
+        #: builds its block tables itself may set it to False.
+        self.check_block_ids = True
+
+    @property
+    def variants(self) -> tuple[KernelVariant, ...]:
+        return tuple(self._runners)
+
+    @property
+    def counters(self) -> dict:
+        """``{"loads", "calls": Counter(variant -> calls), "compiles"}`` (a snapshot)."""
+        calls = Counter({s.variant: s.calls for s in self._slots.values() if s.calls})
+        return {"loads": len(self._runners), "calls": calls, "compiles": 0}
+
+    # -- checks ------------------------------------------------------------
+    def _check(self, query, key_cache, value_cache):
+        if query.dim() != 3 or query.shape[1:] != self._qshape:
+            raise ShapeError(
+                f"query shape {tuple(query.shape)}: expected [n, num_heads, "
+                f"head_dim] = [n, {self._qshape[0]}, {self._qshape[1]}]"
+            )
+        # t.is_cuda / t.is_cpu: a device object per check (t.device.type) costs
+        # about half a microsecond, three times per call.
+        dt, cuda = self._dtype, self._device.type == "cuda"
+        if query.dtype != dt or not (query.is_cuda if cuda else query.is_cpu):
+            raise ShapeError(
+                f"query is {query.dtype} on {query.device}; the plan is "
+                f"{self._dtype} on {self._device.type}"
+            )
+        ok = self._kv_ok
+        if ok[0]() is key_cache and ok[1]() is value_cache:
+            return
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if t.dim() != 4 or t.shape[1:] != self._kvshape:
+                raise ShapeError(
+                    f"{name} shape {tuple(t.shape)}: expected [num_pool_blocks, block_size, "
+                    f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
+                )
+            if t.dtype != dt or not (t.is_cuda if cuda else t.is_cpu):
+                raise ShapeError(
+                    f"{name} is {t.dtype} on {t.device}; the plan is "
+                    f"{self._dtype} on {self._device.type}"
+                )
+            if not t.is_contiguous():
+                # The artifacts were compiled for the contiguous paged layout; a
+                # strided view (a slice of a larger pool, a permuted tensor) would be
+                # read with the wrong strides.
+                raise ShapeError(
+                    f"{name} is not contiguous (strides {tuple(t.stride())}); the kernels "
+                    "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
+                    "head_dim] layout: pass the pool tensor itself or .contiguous()"
+                )
+        self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
+
+    @staticmethod
+    def _check_block_ids(name: str, slot: _Slot, key_cache) -> None:
+        """On the CPU, every block id a kernel will read (the slot's padded block
+        table) must lie in the pool: an out-of-range id would abort the process
+        inside the kernel. On CUDA the table lives on the device and reading it
+        would synchronize: not checked (``slot.bt_max`` is None)."""
+        top = slot.bt_max
+        pool = key_cache.shape[0]
+        if top is not None and int(top()) >= pool:
+            lo, hi = (int(x) for x in torch.aminmax(slot.btbuf))
+            bad = lo if lo < 0 else hi
+            raise ShapeError(
+                f"{name} holds block id {bad}, outside the KV pool [0, {pool}) "
+                f"(key_cache.shape[0] = num_pool_blocks = {pool}); every id up to the "
+                "bucket's num_blocks columns must be a block of the pool (pad with 0)"
+            )
+
+    def _check_device_lens(self, name: str, t, n: int) -> None:
+        """``t`` must be ``[n]`` int32 on the plan's CUDA device (metadata only:
+        its values are never read here)."""
+        if self._device.type != "cuda":
+            raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
+        if t is None:
+            raise ShapeError(
+                f"{name} is missing: give device_seq_len and device_query_len together"
+            )
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
+            raise ShapeError(
+                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
+                "torch.int32 on the plan's CUDA device"
+            )
+
+    @staticmethod
+    def _staging_row(slot: _Slot, name: str):
+        """The next pinned staging row of ``slot`` (a numpy int32 view) to write
+        host lengths into; :meth:`_upload_lens` then copies it to the device.
+
+        The ring's two halves each have an event, recorded after the copy out
+        of the half's last row; entering a half waits for that event of the
+        previous lap, which has long completed unless the host is RING / 2 calls
+        of this variant ahead of the GPU (then it waits, bounding the queue).
+        Under CUDA-graph capture the copy would replay the lengths of the
+        capture, so the lengths must come from the device instead.
+
+        Raises: ShapeError under CUDA-graph capture (names ``name``).
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise ShapeError(
+                f"capturing a CUDA graph: pass the lengths as device tensors ({name}=...) "
+                "that the engine rewrites before each replay; host lengths would be baked "
+                "into the graph (README, 'CUDA graphs')"
+            )
+        i = slot.ring_i
+        if i % (RING // 2) == 0:
+            slot.ring_events[i // (RING // 2)].synchronize()
+        return slot.ring_np[i]
+
+    @staticmethod
+    def _upload_lens(slot: _Slot) -> None:
+        """Copy the row :meth:`_staging_row` returned to the slot's device lengths
+        (pinned source: the copy is enqueued and the call returns)."""
+        i = slot.ring_i
+        slot.lens.copy_(slot.ring_rows[i], non_blocking=True)
+        if i % (RING // 2) == RING // 2 - 1:
+            slot.ring_events[i // (RING // 2)].record()
+        slot.ring_i = (i + 1) % RING
+
+    def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
+        key = (kernel, query_len, num_blocks, num_seqs)
+        slot = self._slots.get(key)
+        if slot is None:
+            v = KernelVariant(
+                kernel=kernel, query_len=query_len, num_blocks=num_blocks, num_seqs=num_seqs
+            )
+            r = self._runners.get(v)
+            if r is None:  # the plan was loaded partially (load_plan(strict=False))
+                raise ShapeError(
+                    f"variant {v} is not loaded; warm it up: kernel-cache warmup "
+                    f"{config_to_cli(self.config)}"
+                )
+            slot = self._slots[key] = _Slot(v, r, self.config, self._dtype, self._device)
+        slot.calls += 1
+        return slot
+
+    # -- dispatch ----------------------------------------------------------
+    def prefill(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len: int,
+        *,
+        device_seq_len=None,
+        device_query_len=None,
+    ):
+        """Attention for one sequence's chunk of ``query_len`` new tokens.
+
+        Args:
+            query: ``[query_len, num_heads, head_dim]``, the chunk's queries.
+            key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
+            block_table: 1-D int32 tensor, at least ``ceil(seq_len / block_size)`` blocks.
+            seq_len: host int, KV tokens of the sequence including this chunk (tokens).
+            device_seq_len, device_query_len: CUDA only, optional, both or
+                neither: ``[1]`` int32 tensors on the device (each its own
+                allocation: an input not 16-byte aligned is copied by the
+                artifact) holding the KV length and the real query length, which
+                the kernel then reads instead of a copy of the host values
+                (``seq_len`` and ``query.shape[0]`` still pick the buckets and are
+                checked; the device tensors are never read on the host). For CUDA
+                graphs: see the README, "CUDA graphs".
+
+        Returns: ``[query_len, num_heads, head_dim]``.
+
+        Raises:
+            ShapeError: a shape, dtype or device mismatch, non-contiguous KV
+                caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
+                beyond the plan's limits (names the limit), bad device lengths, a
+                CUDA-graph capture without device lengths, or (CPU only) a block
+                id outside the pool.
+        """
+        self._check(query, key_cache, value_cache)
+        q = query.shape[0]
+        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
+            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
+        try:
+            seq_len = operator.index(seq_len)
+        except TypeError:
+            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
+        if not 1 <= q <= seq_len:
+            raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
+        if seq_len > self.config.max_model_len:
+            raise ShapeError(
+                f"seq_len {seq_len} is above max_model_len {self.config.max_model_len}; "
+                "raise --max-model-len and warm up"
+            )
+        need = -(-seq_len // self.config.block_size)
+        nb = self.bucketer.blocks_bucket(need)
+        qb = self.bucketer.query_bucket(q)
+        width = block_table.shape[0] if block_table.dim() == 1 else -1
+        if width < need or block_table.dtype != torch.int32:
+            raise ShapeError(
+                f"block_table shape {tuple(block_table.shape)} {block_table.dtype}:"
+                f" expected 1-D int32 with at least {need} blocks"
+            )
+        slot = self._slot(PAGED_ATTENTION, qb, nb, 1)
+        if q == qb and query.is_contiguous():
+            qin = query
+        else:
+            qin = slot.qbuf
+            qin[:q].copy_(query)
+        btbuf = slot.btbuf
+        cuda_table = slot.ring is not None and block_table.is_cuda
+        if width == nb and cuda_table and block_table.is_contiguous():
+            btbuf = block_table  # CUDA: the engine's table as it is (ids not checked)
+        elif width == nb:
+            btbuf.copy_(block_table)
+        elif width > nb:
+            btbuf.copy_(block_table[:nb])
+        else:
+            btbuf[:width].copy_(block_table)
+            btbuf[width:].zero_()
+        if device_seq_len is not None or device_query_len is not None:
+            self._check_device_lens("device_seq_len", device_seq_len, 1)
+            self._check_device_lens("device_query_len", device_query_len, 1)
+            lq, lq2 = device_seq_len, device_query_len
+        else:
+            if slot.ring is None:  # CPU: the kernel reads the host buffer itself
+                slot.lens_arr[0] = seq_len
+                slot.lens_arr[1] = q
+            else:
+                row = self._staging_row(slot, "device_seq_len, device_query_len")
+                row[0] = seq_len
+                row[4] = q
+                self._upload_lens(slot)
+            lq, lq2 = slot.lens_views
+        if self.check_block_ids:
+            self._check_block_ids("block_table", slot, key_cache)
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
+        return out[:q] if q != qb else out
+
+    def decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, *, device_seq_lens=None
+    ):
+        """One decode step for a batch of sequences.
+
+        Args:
+            query: ``[num_seqs, num_heads, head_dim]``.
+            key_cache, value_cache: ``[num_pool_blocks, block_size, num_kv_heads, head_dim]``.
+            block_tables: ``[num_seqs, >= max blocks]`` int32.
+            seq_lens: host-side KV lengths in tokens (list of ints or a CPU tensor),
+                the query token included. Never a GPU tensor (reading it would sync).
+            device_seq_lens: CUDA only, optional: ``[num_seqs]`` int32 on the device
+                holding the lengths the kernel reads instead of a copy of
+                ``seq_lens`` (which still picks the bucket and is checked;
+                ``device_seq_lens`` is never read on the host). A 0 in it makes
+                that row's output zeros. For CUDA graphs: see the README,
+                "CUDA graphs".
+
+        Returns: ``[num_seqs, num_heads, head_dim]``.
+
+        Raises:
+            ShapeError: shapes, dtypes, non-contiguous KV caches, a GPU ``seq_lens``,
+                a length below 1 or not an integer, ``num_seqs > max_num_seqs``,
+                ``seq_len > max_model_len``, a bad ``device_seq_lens``, a CUDA-graph
+                capture without ``device_seq_lens``, or (CPU only) a block id
+                outside the pool.
+
+        Not thread-safe: a runtime reuses its padding buffers across calls; give
+        each thread its own runtime (``load_plan``) or serialize calls.
+        """
+        self._check(query, key_cache, value_cache)
+        s = query.shape[0]
+        if isinstance(seq_lens, torch.Tensor):
+            if seq_lens.device.type != "cpu":
+                raise ShapeError(
+                    "seq_lens must be host-side (a list or a CPU tensor); "
+                    "reading a GPU tensor would synchronize the device"
+                )
+            if seq_lens.numel() != s:
+                raise ShapeError(f"seq_lens has {seq_lens.numel()} entries for {s} queries")
+            if seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+                raise ShapeError(f"seq_lens is {seq_lens.dtype}; expected integers (tokens)")
+            shortest, longest = (int(x) for x in torch.aminmax(seq_lens)) if s else (1, 0)
+        else:
+            if len(seq_lens) != s:
+                raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
+            try:  # one C loop: rejects floats and strings, and is what the slot takes
+                lens_arr = array("i", seq_lens)
+            except (TypeError, OverflowError):
+                bad = next((n for n in seq_lens if not isinstance(n, int)), seq_lens)
+                raise ShapeError(
+                    f"seq_lens holds {bad!r}; expected ints (tokens) below 2**31"
+                ) from None
+            shortest, longest = (min(lens_arr), max(lens_arr)) if s else (1, 0)
+            # bool is an int subclass (True == 1): looked for only where one could hide
+            if shortest <= 1 and any(n is True or n is False for n in seq_lens):
+                bad = next(n for n in seq_lens if n is True or n is False)
+                raise ShapeError(f"seq_lens holds {bad!r}, a bool; expected ints (tokens)")
+        if shortest < 1:
+            raise ShapeError(
+                f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
+                "token (its query token): drop finished or empty sequences from the batch"
+            )
+        if longest > self.config.max_model_len:
+            raise ShapeError(
+                f"seq_len {longest} is above max_model_len "
+                f"{self.config.max_model_len}; raise --max-model-len and warm up"
+            )
+        if s > self.config.max_num_seqs:
+            raise ShapeError(
+                f"num_seqs {s} is above max_num_seqs {self.config.max_num_seqs}; "
+                "raise --max-num-seqs and warm up"
+            )
+        need = max(1, -(-longest // self.config.block_size))
+        shape = block_tables.shape
+        if len(shape) != 2 or shape[0] != s or shape[1] < need or block_tables.dtype != torch.int32:
+            raise ShapeError(
+                f"block_tables shape {tuple(block_tables.shape)} "
+                f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
+            )
+        if not self.bucketer.num_seqs_buckets:
+            if device_seq_lens is not None:
+                raise ShapeError(
+                    "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
+                    "this plan decodes one sequence at a time through prefill"
+                )
+            return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
+        nb = self.bucketer.blocks_bucket(need)
+        sb = self.bucketer.num_seqs_bucket(s)
+        slot = self._slot(BATCHED_DECODE, 1, nb, sb)
+        if s == sb and query.is_contiguous():
+            qin = query
+        else:
+            qin = slot.qbuf
+            rows = slot.rows.get(s) or slot.row_views(s)
+            rows[0].copy_(query)
+        btbuf = slot.btbuf
+        width = shape[1]
+        cuda_table = slot.ring is not None and block_tables.is_cuda
+        if s == sb and width == nb and cuda_table and block_tables.is_contiguous():
+            btbuf = block_tables  # CUDA: the engine's tables as they are (ids not checked)
+        else:
+            src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
+            if s == sb and src is not None:
+                btbuf.copy_(src)
+            elif src is not None:
+                rows = slot.rows.get(s) or slot.row_views(s)
+                rows[1].copy_(src)
+            else:
+                btbuf[:s, :width].copy_(block_tables)
+                btbuf[:s, width:].zero_()
+            if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
+                btbuf[s : slot.bt_rows].zero_()
+            slot.bt_rows = s
+        if self.check_block_ids:
+            self._check_block_ids("block_tables", slot, key_cache)
+        if device_seq_lens is not None:
+            self._check_device_lens("device_seq_lens", device_seq_lens, s)
+            if s == sb:
+                lens = device_seq_lens
+            else:  # rows past the batch: length 0, nothing read
+                lens = slot.lens
+                lens[:s].copy_(device_seq_lens)
+                lens[s:].zero_()
+        elif slot.ring is None:  # CPU: the kernel reads the host buffer itself
+            if isinstance(seq_lens, torch.Tensor):
+                slot.lens_host[:s].copy_(seq_lens)
+            else:
+                slot.lens_arr[:s] = lens_arr
+            if s < sb:
+                slot.lens_arr[s:] = slot.zeros[: sb - s]
+            lens = slot.lens
+        else:
+            row = self._staging_row(slot, "device_seq_lens")
+            row[:s] = seq_lens.numpy() if isinstance(seq_lens, torch.Tensor) else lens_arr
+            if s < sb:
+                row[s:] = 0
+            self._upload_lens(slot)
+            lens = slot.lens
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
+        return out[:s] if s != sb else out
+
+    def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):
+        lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        outs = [
+            self.prefill(query[i : i + 1], key_cache, value_cache, block_tables[i], n)
+            for i, n in enumerate(lens)
+        ]
+        return torch.cat(outs, dim=0)
+
+    def stats(self) -> dict:
+        """Counters as JSON-ready data."""
+        c = self.counters
+        return {
+            "loads": c["loads"],
+            "compiles": c["compiles"],
+            "calls": {str(v): n for v, n in sorted(c["calls"].items(), key=str)},
+            "load_seconds": round(self.load_seconds, 4),
+            "sources": dict(self.sources),
+            "build_only_accepted": self.build_only_accepted,
+        }
