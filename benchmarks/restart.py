@@ -16,6 +16,12 @@ a fresh Python process by:
       ``save_cache_artifacts`` wrote after (b), into empty Inductor cache and
       temp directories (a new machine or pod), then the same compiles and calls.
 
+``--ways a`` runs only (a) (the others compile, minutes per round on a CPU).
+``--baseline DIR`` adds (a) as another checkout (e.g. main before a change)
+does it, interleaved with (a) round by round: a before/after in one run. The
+baseline warms its own cache (its keys differ) with its own CLI, and its
+starts run its own ``benchmarks/_restart_child.py`` with ``PYTHONPATH=DIR``.
+
 Each start is a fresh process (benchmarks/_restart_child.py). Reported per way:
 seconds to ready excluding and including ``import torch`` (median, min-max over
 repeats), the ratio to (a) (ratio of medians, and the min-max of per-round
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -62,6 +70,27 @@ WAYS = {
     "c": "torch.compile, warm Inductor cache",
     "d": "torch.compile + load_cache_artifacts",
 }
+BASELINE = "a@baseline"
+
+
+def baseline_setup(cfg, base: Path, cache: Path) -> None:
+    """Warm ``cfg``'s whole plan with the baseline checkout's own CLI into
+    ``cache`` (untimed).
+
+    Raises:
+        SystemExit: the baseline is not a checkout, or its warmup failed.
+    """
+    import subprocess
+
+    from kernel_cache.config.engine import config_to_cli
+
+    if not (base / "benchmarks" / "_restart_child.py").is_file():
+        raise SystemExit(f"--baseline {base}: no benchmarks/_restart_child.py there")
+    cmd = [sys.executable, "-m", "warmup.cli", "warmup", "--jobs", "2", "--quiet"]
+    cmd += shlex.split(config_to_cli(cfg, cache))
+    proc = subprocess.run(cmd, cwd=base, env={**os.environ, "PYTHONPATH": str(base)})
+    if proc.returncode != 0:
+        raise SystemExit(f"--baseline {base}: its warmup exited {proc.returncode}: {cmd}")
 
 
 def subset_cache(cfg, variants, src: Path, dst: Path) -> Path:
@@ -98,7 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default=str(OUT_DIR / "restart-work"))
     p.add_argument("--jobs", type=int, default=2, help="warmup workers for the setup")
     p.add_argument("--out", default=str(OUT_DIR / "restart.json"))
+    p.add_argument("--ways", default="abcd", help="which of (a)-(d) to run, e.g. 'a'")
+    p.add_argument("--baseline", default=None, help="another checkout: its (a), interleaved")
     args = p.parse_args(argv)
+    if not set(args.ways) <= set(WAYS) or "a" not in args.ways:
+        raise SystemExit(f"--ways {args.ways!r}: letters of 'abcd', 'a' included")
+    if args.baseline and args.variants is not None:
+        raise SystemExit("--baseline loads the whole plan: leave out --variants")
     if args.repeats < 1 or args.cold_repeats < 1:
         raise SystemExit("--repeats and --cold-repeats must be >= 1")
 
@@ -122,10 +157,25 @@ def main(argv=None) -> int:
     base = {"config": cfg.model_dump_json(), "variants": names}
     warm_dir = work / "inductor-warm"
     artifacts = work / "mega-cache.bin"
-    runs: dict[str, list[dict]] = {k: [] for k in WAYS}
+    ways = {k: v for k, v in WAYS.items() if k in args.ways}
+    runs: dict[str, list[dict]] = {k: [] for k in ways}
+    base_dir = None
+    if args.baseline:
+        base_dir = Path(args.baseline).resolve()
+        base_cache = work / "baseline-cache"
+        baseline_setup(cfg, base_dir, base_cache)
+        ways[BASELINE] = f"kernel_cache load_plan, {base_dir}"
+        runs[BASELINE] = []
+        base_spec = {
+            "config": cfg.model_dump_json(exclude_defaults=True),
+            "variants": names,
+            "path": "kernel_cache",
+            "cache_dir": str(base_cache),
+        }
+        base_cmd = [sys.executable, str(base_dir / "benchmarks" / "_restart_child.py")]
 
     # (b) cold; the first leaves the warm directory and the artifacts behind.
-    for r in range(args.cold_repeats):
+    for r in range(args.cold_repeats if "b" in ways else 0):
         d = warm_dir if r == 0 else work / f"inductor-cold-{r}"
         spec = {**base, "path": "torch_compile", "seed": r}
         if r == 0:
@@ -142,13 +192,18 @@ def main(argv=None) -> int:
         runs["a"].append(
             child({**base, "path": "kernel_cache", "cache_dir": str(kc_dir)}, inductor_env(empty))
         )
-        runs["c"].append(
-            child({**base, "path": "torch_compile", "seed": r}, inductor_env(warm_dir))
-        )
-        fresh = work / f"inductor-mega-{r}"
-        spec = {**base, "path": "torch_compile", "load_artifacts": str(artifacts), "seed": r}
-        runs["d"].append(child(spec, inductor_env(fresh)))
-        shutil.rmtree(fresh, ignore_errors=True)
+        if base_dir is not None:
+            env = {**inductor_env(empty), "PYTHONPATH": str(base_dir)}
+            runs[BASELINE].append(run_json_child([*base_cmd, json.dumps(base_spec)], env=env))
+        if "c" in ways:
+            runs["c"].append(
+                child({**base, "path": "torch_compile", "seed": r}, inductor_env(warm_dir))
+            )
+        if "d" in ways:
+            fresh = work / f"inductor-mega-{r}"
+            spec = {**base, "path": "torch_compile", "load_artifacts": str(artifacts), "seed": r}
+            runs["d"].append(child(spec, inductor_env(fresh)))
+            shutil.rmtree(fresh, ignore_errors=True)
 
     for rs in runs.values():
         for x in rs:
@@ -157,7 +212,7 @@ def main(argv=None) -> int:
     a_ex = summary([x["ready_s"] for x in runs["a"]])
     a_in = summary([x["ready_incl_import_s"] for x in runs["a"]])
     a_sc = summary([x["start_cost_s"] for x in runs["a"]])
-    for k, label in WAYS.items():
+    for k, label in ways.items():
         rs = runs[k]
         ex = summary([x["ready_s"] for x in rs])
         inc = summary([x["ready_incl_import_s"] for x in rs])
@@ -206,12 +261,18 @@ def main(argv=None) -> int:
     }
     doc["results"] = results
     doc["target"] = {
-        "a_at_least_100x_faster_than_c_excl_import": results["c"]["ratio_to_a_excl_import"] >= 100,
-        "a_at_least_100x_faster_than_c_start_cost": results["c"]["ratio_to_a_start_cost"] >= 100,
         "a_no_trace_no_compile": not results["a"]["traced_at_start"]
         and not results["a"]["compiled_at_start"]
         and not results["a"]["compile_stack_imported"],
     }
+    if "c" in results:
+        ratio = results["c"]
+        doc["target"]["a_at_least_100x_faster_than_c_excl_import"] = (
+            ratio["ratio_to_a_excl_import"] >= 100
+        )
+        doc["target"]["a_at_least_100x_faster_than_c_start_cost"] = (
+            ratio["ratio_to_a_start_cost"] >= 100
+        )
     out = write_json(args.out, doc)
 
     rows = []
