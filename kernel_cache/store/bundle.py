@@ -42,14 +42,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kernel_cache.errors import BundleError, CorruptEntryError
+from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
 from kernel_cache.store.tier import (
     Entry,
     EntryMeta,
     PutOutcome,
     PutResult,
     Tier,
-    describe_errors,
 )
 
 BUNDLE_FORMAT = "kc-bundle-1"

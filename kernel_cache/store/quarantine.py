@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
@@ -142,8 +143,7 @@ def quarantine_files(
     reason: str,
     variant: str = "",
     *,
-    meta: bytes | None,
-    artifact: str | None,
+    files: Callable[[], tuple[bytes | None, str | None]],
     shared: bool = False,
 ) -> Path:
     """Move an entry's files into ``<root>/quarantine/<key>.<time>.<pid>/`` with a
@@ -152,8 +152,9 @@ def quarantine_files(
 
     Args:
         root: the cache directory.
-        meta: the stored metadata bytes, unparsed (written as ``meta.json``), or None.
-        artifact: the artifact's value file, relative to ``root`` (moved), or None.
+        files: called once the quarantine folder exists: the stored metadata
+            bytes, unparsed (written as ``meta.json``), or None, and the
+            artifact's value file relative to ``root`` (moved), or None.
         shared: a deliberately shared cache (folders 0777 minus the umask, else 0755).
 
     Returns:
@@ -165,14 +166,15 @@ def quarantine_files(
     root = Path(root)
     dfd, name = _make_folder(root, key, 0o777 if shared else 0o755)
     try:
-        files = []
+        meta, artifact = files()
+        kept = []
         if meta is not None:
             _write_new(dfd, "meta.json", meta)
-            files.append("meta.json")
+            kept.append("meta.json")
         if artifact:
             moved = _move_artifact(root, artifact, dfd)
             if moved:
-                files.append(moved)
+                kept.append(moved)
         record = {
             "key": key,
             "variant": variant,
@@ -181,7 +183,7 @@ def quarantine_files(
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "source": str(root / artifact) if artifact else None,
-            "files": files,
+            "files": kept,
         }
         _write_new(
             dfd, "reason.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()

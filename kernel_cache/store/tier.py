@@ -31,7 +31,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from kernel_cache.errors import CacheWriteError, CorruptEntryError, UntrustedCacheError
+from kernel_cache.errors import (
+    CacheWriteError,
+    CorruptEntryError,
+    UntrustedCacheError,
+    describe_errors,
+)
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
 
 ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
@@ -82,17 +87,6 @@ class EntryMeta(BaseModel):
     def record(self) -> dict:
         """The JSON record: the fields it was made or read with, extra ones included."""
         return self.model_dump(mode="json", exclude_unset=True)
-
-
-def describe_errors(e: ValidationError) -> str:
-    """Pydantic's errors as ``field a.b: what was wrong (got value)``, joined by ``; ``."""
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(document)"
-        got = repr(err.get("input"))
-        got = got if len(got) <= 60 else got[:57] + "..."
-        parts.append(f"field {loc}: {err['msg']} (got {got})")
-    return "; ".join(parts)
 
 
 def make_meta(key: CacheKey, variant: str, data: bytes, compile_seconds: float, **extra) -> dict:
@@ -619,8 +613,7 @@ class DiskTier(Tier):
             key,
             reason,
             variant,
-            meta=self.raw_meta(key),
-            artifact=self.artifact_filename(key),
+            files=lambda: (self.raw_meta(key), self.artifact_filename(key)),
             shared=self.allow_shared,
         )
         self.delete(key)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernel_cache.store.tier import describe_errors
+from kernel_cache.errors import describe_errors
 
 log = logging.getLogger("kernel_cache.store.usage")
 
