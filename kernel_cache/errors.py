@@ -84,3 +84,15 @@ class UntrustedCacheError(KernelCacheError):
 class LockTimeoutError(KernelCacheError):
     """Waiting for another process's per-key compile lock took longer than the
     lock timeout. Names the key, the lock file and the holder's pid if known."""
+
+
+def describe_errors(e) -> str:
+    """A pydantic ``ValidationError``'s errors as ``field a.b: what was wrong
+    (got value)``, joined by ``; ``, for the messages of the errors above."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(document)"
+        got = repr(err.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        parts.append(f"field {loc}: {err['msg']} (got {got})")
+    return "; ".join(parts)

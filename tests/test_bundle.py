@@ -16,7 +16,7 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.tier import DiskTier, PutOutcome
 
 from .conftest import ROOT, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir
@@ -194,8 +194,8 @@ def test_manifest_cannot_point_outside_the_bundle(bundle, tmp_path):
 
 def test_bundle_tier_writes_nothing_and_bad_paths_are_clear_errors(bundle, tmp_path):
     tier = BundleTier(bundle)
-    with pytest.raises(BundleError, match="read-only"):
-        tier.put("k", b"x", {})
+    refused = tier.put("k", b"x", {})
+    assert refused.outcome is PutOutcome.READ_ONLY and "kernel-cache import" in refused.reason
     with pytest.raises(BundleError, match="read-only"):
         tier.delete(next(tier.iter_meta())["key"])
     with pytest.raises(BundleError, match="not a directory"):

@@ -23,7 +23,7 @@ from kernel_cache.errors import (
     UntrustedCacheError,
 )
 from kernel_cache.store.locks import KeyLock, LockBusy
-from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.store.tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
 from .conftest import ROOT
@@ -98,8 +98,9 @@ def test_read_only_tier_writes_nothing_and_reads_what_was_published(tmp_path):
     verify_entry(e)
     assert e.data == data and [m["key"] for m in ro.iter_meta()] == [key]
     assert ro.get("f" * 64) is None
-    with pytest.raises(CacheWriteError, match="read-only"):
-        ro.put(key, data, e.meta)
+    refused = ro.put(key, data, e.meta)  # refused, and it says so
+    assert refused.outcome is PutOutcome.READ_ONLY and not refused.ok
+    assert "read-only" in refused.reason and str(tmp_path / "c") in refused.reason
     ro.close()
     assert tree_state(tmp_path / "c") == before
     assert DiskTier(tmp_path / "absent", read_only=True).get(key) is None

@@ -106,7 +106,7 @@ def test_entry_is_raw_bytes_plus_json_meta_with_ttl(redis_db, tiny_config):
     key = build_key(tiny_config, Bucketer(tiny_config).variants[0])
     data = bytes(range(256)) * 4000  # 1 MB of every byte value
     meta = make_meta(key, "v", data, 1.0)
-    assert tier.put(key.hexdigest, data, meta) is True
+    assert tier.put(key.hexdigest, data, meta).stored
     name = f"kernel_cache:entry:{key.hexdigest}"
     c = tier.client
     assert c.hstrlen(name, "data") == len(data)  # raw, not base64 (which is 4/3 larger)

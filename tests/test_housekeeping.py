@@ -68,7 +68,7 @@ def test_gc_removes_least_recently_used_first_never_a_kept_plan(tmp_path, tiny_c
     report = gc(tier, 0, plan_digests(tiny_config))  # the kept plan alone is above 0
     assert not report["under_limit"] and report["kept_bytes"] == 6000
     assert {r["key"] for r in list_entries(tier)} == set(plan)
-    assert set(usage.read_usage(tmp_path)["last_used"]) == set(plan)
+    assert set(usage.read_usage(tmp_path).last_used) == set(plan)
     tier.close()
 
 

@@ -11,7 +11,7 @@ from kernel_cache.errors import CorruptEntryError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.bundle import MANIFEST, export_bundle, import_bundle
-from kernel_cache.store.lookup import Lookup
+from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.tier import DiskTier, make_meta
 from kernel_cache.trust.signing import (
     ENV_REQUIRE_SIGNED,
@@ -33,12 +33,15 @@ OTHER = b"fedcba9876543210-other-secret"
 
 
 class SharedDisk(DiskTier):
-    """A real disk tier marked as a shared store with Redis's semantics
-    (untrusted, a bad entry is a miss), so Lookup's rules are tested without Redis."""
+    """A real disk tier named "shared" in reports; the lookup gives it Redis's
+    policy (:func:`_as_shared`), so Lookup's rules are tested without Redis."""
 
     name = "shared"
-    trusted = False
-    corrupt_is_miss = True
+
+
+def _as_shared(tier, **policy) -> Source:
+    """``tier`` as a shared store: untrusted, a bad entry is a miss."""
+    return Source(tier, trusted=False, corrupt_is_miss=True, **policy)
 
 
 def _signed(tiny_config, secret=SECRET, index=0, data=b"artifact bytes " * 8000):
@@ -116,13 +119,13 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     """Right key, right checksum, wrong signature: never returned, never copied."""
     monkeypatch.setenv(ENV_SIGNING_KEY, SECRET.decode())
     local, shared = DiskTier(tmp_path / "local"), SharedDisk(tmp_path / "shared")
-    shared.promote_into = local
+    promoted = _as_shared(shared, promote_into=local)  # the lookup's policy, not the tier's
     key, data, meta = _signed(tiny_config)
     forged_data = b"malicious package " * 8000
     forged = make_meta(_ckey(tiny_config), "v", forged_data, 1)
     forged["signature"] = {**meta["signature"], "mac": mac(OTHER, key, forged_data)}
     shared.put(key, forged_data, forged)
-    lookup = Lookup([local, shared])
+    lookup = Lookup([local, promoted])
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         assert lookup.find(_ckey(tiny_config)) is None
     assert "rejected shared entry" in caplog.text and "forged or altered" in caplog.text
@@ -130,10 +133,10 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     assert local.get(key) is None
 
     shared.put(key, data, meta)  # the genuine signed entry is used and promoted
-    found = Lookup([local, shared]).find(_ckey(tiny_config))
-    assert found.entry.data == data and found.tier is shared
+    found = Lookup([local, promoted]).find(_ckey(tiny_config))
+    assert found.entry.data == data and found.tier is shared and found.promoted.stored
     assert local.get(key).data == data and local.get(key).meta["signature"] == meta["signature"]
-    assert Lookup([local, shared]).find(_ckey(tiny_config)).tier is local
+    assert Lookup([local, promoted]).find(_ckey(tiny_config)).tier is local
 
 
 def test_untrusted_tier_without_key_checks_checksum_only(tiny_config, tmp_path, monkeypatch):
@@ -143,9 +146,9 @@ def test_untrusted_tier_without_key_checks_checksum_only(tiny_config, tmp_path, 
     key, data, meta = _signed(tiny_config, secret=None)
     assert "signature" not in meta
     shared.put(key, data, meta)
-    assert Lookup([shared]).find(_ckey(tiny_config)).entry.data == data
+    assert Lookup([_as_shared(shared)]).find(_ckey(tiny_config)).entry.data == data
     shared.put(key, data + b"x", meta)  # wrong size: rejected as a miss, not raised
-    lookup = Lookup([shared])
+    lookup = Lookup([_as_shared(shared)])
     assert lookup.find(_ckey(tiny_config)) is None and "size" in lookup.rejected[0].reason
 
 

@@ -26,8 +26,9 @@ For each chosen ``batched_decode`` variant:
    Of the candidates that match the reference and beat the default, the one
    with the lowest median time is kept; else the defaults are kept.
 
-Each variant's measurement is stored as soon as it is done, in a disk tier
-beside the artifacts (``<cache-dir>/tune``), under a key made of the default
+Each variant's measurement is stored as soon as it is done, as a JSON file
+beside the artifacts (``<cache-dir>/tune/<key>.json``, :func:`save_result`),
+under a key made of the default
 artifact's key (kernel source, variant, geometry, dtype, device, versions), the
 candidate list and the timing settings; an interrupted tune run again with the
 same arguments reuses every finished variant and compiles nothing it has.
@@ -46,13 +47,14 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
-from kernel_cache.errors import CompileError, ConfigError, CorruptEntryError
+from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey, build_key, environment
 from kernel_cache.plan.launch import (
@@ -61,7 +63,7 @@ from kernel_cache.plan.launch import (
     check_launch,
     variant_defaults,
 )
-from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.store.tier import DiskTier, Tier, verify_entry
 
 TUNE_FORMAT = "kc-tune1"
 
@@ -158,7 +160,7 @@ def measure_variant(
     config: EngineConfig,
     variant: KernelVariant,
     cands: list[dict],
-    tier: DiskTier,
+    tier: Tier,
     env: dict,
     settings: TuneSettings,
 ) -> dict:
@@ -271,6 +273,49 @@ def _check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None
             )
 
 
+def _result_path(results_dir: Path, key: CacheKey) -> Path:
+    return Path(results_dir) / f"{key.hexdigest}.json"
+
+
+def load_result(results_dir: str | Path, key: CacheKey) -> dict | None:
+    """The stored measurement under ``key`` (:func:`result_key`), or None if
+    there is none or it cannot be read (a damaged one is removed: measured again)."""
+    path = _result_path(Path(results_dir), key)
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and doc.get("result_key") == key.hexdigest:
+        return doc["result"]
+    path.unlink(missing_ok=True)
+    return None
+
+
+def save_result(results_dir: str | Path, key: CacheKey, result: dict) -> Path:
+    """Store one variant's measurement (a JSON file ``<results_dir>/<key>.json``,
+    written to a temporary file beside it and renamed, so a reader sees all of
+    it or none). The file names its key, so a file copied under another name
+    is not taken for that key's result.
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    path = _result_path(Path(results_dir), key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"result_key": key.hexdigest, "tune_format": TUNE_FORMAT, "result": result}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def tune(
     config: EngineConfig,
     variants: list[KernelVariant],
@@ -302,45 +347,34 @@ def tune(
     env = environment(config)
     cands = {v: candidates(v, settings, config) for v in variants}
     results_dir = Path(cache_dir) / "tune"
-    results = DiskTier(results_dir)
-    keys, done = {}, {}
+    keys = {
+        v: result_key(build_key(config, v, env, launch=cands[v][0]).hexdigest, cands[v], settings)
+        for v in variants
+    }
+    done = {}
+    for v in variants:
+        r = load_result(results_dir, keys[v])
+        if r is not None:
+            done[v] = {**r, "from_cache": True}
+    todo = [v for v in variants if v not in done]
+    items = [(v, cfg) for v in todo for cfg in cands[v]]
+    echo(
+        f"tune: {len(variants)} variants, {len(done)} measured before (cached), "
+        f"{len(items)} candidate artifacts to check"
+    )
+    comp = compile_items(config, cache_dir, items, jobs=jobs, progress=progress)
+    if comp["failed"]:
+        f = comp["failed"][0]
+        raise CompileError(f"tune: candidate of {f['variant']} failed to compile: {f['error']}")
+    art = DiskTier(cache_dir)
     try:
-        for v in variants:
-            dkey = build_key(config, v, env, launch=cands[v][0]).hexdigest
-            keys[v] = result_key(dkey, cands[v], settings)
-            try:
-                entry = results.get(keys[v].hexdigest)
-                if entry is not None:
-                    verify_entry(entry)
-                    done[v] = {**json.loads(entry.data), "from_cache": True}
-            except (CorruptEntryError, ValueError):
-                results.delete(keys[v].hexdigest)
-        todo = [v for v in variants if v not in done]
-        items = [(v, cfg) for v in todo for cfg in cands[v]]
-        echo(
-            f"tune: {len(variants)} variants, {len(done)} measured before (cached), "
-            f"{len(items)} candidate artifacts to check"
-        )
-        comp = compile_items(config, cache_dir, items, jobs=jobs, progress=progress)
-        if comp["failed"]:
-            f = comp["failed"][0]
-            raise CompileError(f"tune: candidate of {f['variant']} failed to compile: {f['error']}")
-        art = DiskTier(cache_dir)
-        try:
-            for v in todo:
-                r = measure_variant(config, v, cands[v], art, env, settings)
-                data = json.dumps(r, sort_keys=True).encode()
-                results.put(
-                    keys[v].hexdigest,
-                    data,
-                    make_meta(keys[v], str(v), data, 0.0, kind="tune_result"),
-                )
-                done[v] = {**r, "from_cache": False}
-                echo(f"measured {v}: kept {_fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
-        finally:
-            art.close()
+        for v in todo:
+            r = measure_variant(config, v, cands[v], art, env, settings)
+            save_result(results_dir, keys[v], r)
+            done[v] = {**r, "from_cache": False}
+            echo(f"measured {v}: kept {_fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
     finally:
-        results.close()
+        art.close()
     ordered = [done[v] for v in variants]
     return {
         "table": make_table(config, env, variants, ordered, settings),

@@ -105,47 +105,53 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         Path(path).unlink(missing_ok=True)
 
 
-def default_tiers(
-    cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None
-) -> list[Tier]:
-    """The lookup order at engine start: bundles (``bundles``, i.e. ``--bundle``,
-    then ``$KERNEL_CACHE_BUNDLE``), then the local disk cache, then Redis when
-    ``KERNEL_CACHE_REDIS_URL`` is set (:mod:`kernel_cache.store.redis`).
+def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None):
+    """The :class:`~kernel_cache.store.lookup.Lookup` of engine start: bundles
+    (``bundles``, i.e. ``--bundle``, then ``$KERNEL_CACHE_BUNDLE``), then the
+    local disk cache, then Redis when ``KERNEL_CACHE_REDIS_URL`` is set
+    (:mod:`kernel_cache.store.redis`).
 
     The local cache is opened only if its directory exists: engine start never
     creates a cache directory. It is opened read-only (no lock, database, journal
     or temporary file is created in it) and its trust is checked
     (:mod:`kernel_cache.trust.permissions`; ``allow_shared_dir`` opts out). The one
-    exception is a verified Redis hit, which is copied into the local cache
-    (created if needed) through a separate writable handle, opened only then.
+    exception is a verified Redis hit, which the lookup copies into the local
+    cache (created if needed) through a separate writable handle, opened only then.
 
     Raises:
         BundleError: a bundle path is not a bundle (names it).
         ConfigError: a malformed ``KERNEL_CACHE_REDIS_*`` setting.
     """
     from kernel_cache.store.bundle import BundleTier, bundle_paths
+    from kernel_cache.store.lookup import Lookup, Source
     from kernel_cache.store.redis import tiers_from_env
 
-    tiers: list[Tier] = [BundleTier(p) for p in bundle_paths(bundles)]
+    sources: list = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
     if directory.is_dir():
-        tiers.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
+        sources.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
     remote = tiers_from_env()
-    for r in remote:  # a writable handle on the local cache, opened on the first copy
-        r.promote_into = DiskTier(directory, allow_shared=allow_shared_dir)
-    return tiers + remote
+    if remote:  # a writable handle on the local cache, opened on the first copy
+        local = DiskTier(directory, allow_shared=allow_shared_dir)
+        sources += [Source(r, promote_into=local) for r in remote]
+    return Lookup(sources)
+
+
+def default_tiers(
+    cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None
+) -> list[Tier]:
+    """The tiers of :func:`default_lookup`, in lookup order (for listings)."""
+    return default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir).tiers
 
 
 def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -> None:
-    """Best-effort usage records (kernel_cache.store.usage) for the local disk tiers:
-    ``hits`` maps ``id(tier)`` to the keys it served; misses go to the first
-    disk tier. Never raises, never writes to a read-only directory."""
-    import kernel_cache.store.usage as usage
-
+    """Best-effort usage records for the tiers that keep them (the local disk
+    cache: :meth:`~kernel_cache.store.tier.Tier.note_usage`): ``hits`` maps
+    ``id(tier)`` to the keys it served; misses go to the first such tier.
+    Never raises, never writes to a read-only directory."""
     first = True
     for tier in tiers:
-        if isinstance(tier, DiskTier):
-            usage.record(tier.directory, hits=hits.get(id(tier), ()), misses=misses if first else 0)
+        if tier.note_usage(hits.get(id(tier), ()), misses if first else 0):
             first = False
 
 
@@ -224,13 +230,13 @@ def load_plan(
     t0 = time.perf_counter()
     bucketer = Bucketer(config)
     load_signing_key()  # --require-signed without a key fails here, at start
-    tiers = (
-        default_tiers(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
+    lookup = (
+        default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
-        else tiers
+        else Lookup(tiers)
     )
+    tiers = lookup.tiers
     env = environment(config)
-    lookup = Lookup(tiers)
     launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     runners, missing = {}, []
     sources: Counter = Counter()
@@ -241,12 +247,7 @@ def load_plan(
         try:
             found = lookup.find(key)
         except CorruptEntryError as e:
-            bundle = any(t.name == "bundle" and t.location == e.where for t in tiers)
-            fix = (
-                f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
-                if bundle
-                else f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
-            )
+            fix = lookup.failed_in.repair_hint(config, cache_dir)
             raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
         if found is None:
             missing.append(v)

@@ -38,16 +38,24 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
-from kernel_cache.errors import BundleError, CorruptEntryError
-from kernel_cache.store.tier import Entry, Tier
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
+from kernel_cache.store.tier import (
+    Entry,
+    EntryMeta,
+    PutOutcome,
+    PutResult,
+    Tier,
+)
 
 BUNDLE_FORMAT = "kc-bundle-1"
 MANIFEST = "manifest.json"
 ENV_BUNDLE = "KERNEL_CACHE_BUNDLE"
 
 _FILE_RE = re.compile(r"artifacts/([0-9a-f]{64})\.pt2")
-_ENTRY_FIELDS = ("variant", "key", "components", "file", "sha256", "size")
 
 
 def bundle_paths(explicit=None, environ=None) -> list[Path]:
@@ -64,12 +72,38 @@ def bundle_paths(explicit=None, environ=None) -> list[Path]:
     return out
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
+class BundleEntry(EntryMeta):
+    """One entry of a bundle manifest: an :class:`EntryMeta` record plus the
+    ``file`` holding its bytes (``artifacts/<sha256>.pt2``, checked on read by
+    :meth:`BundleTier.get`); ``variant`` and ``components`` are required here."""
+
+    variant: str
+    components: dict[str, str]
+    file: str
+
+
+class BundleManifest(BaseModel):
+    """A bundle's ``manifest.json`` (see the module docstring).
+
+    ``plan``, ``tools`` and ``created`` are informational and kept as written.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    bundle_format: Literal["kc-bundle-1"]
+    created: int | float | None = None
+    plan: dict | None = None
+    tools: dict | None = None
+    entries: tuple[BundleEntry, ...]
+
+
+def read_manifest(directory: str | os.PathLike) -> BundleManifest:
     """Read and check a bundle's ``manifest.json``.
 
     Raises:
         BundleError: the directory or manifest is missing, the manifest is not
-            JSON, has another ``bundle_format``, or an entry lacks a field.
+            JSON, has another ``bundle_format``, or a field is missing or of
+            the wrong type (names the manifest and the field, e.g. ``entries.3.size``).
     """
     d = Path(directory)
     path = d / MANIFEST
@@ -90,15 +124,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             f"bundle manifest {str(path)!r}: bundle_format {got!r}, this kernel-cache reads "
             f"{BUNDLE_FORMAT!r}; export the bundle again with this version"
         )
-    entries = doc.get("entries")
-    if not isinstance(entries, list):
-        raise BundleError(f"bundle manifest {str(path)!r} has no 'entries' list")
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or not all(f in e for f in _ENTRY_FIELDS):
-            raise BundleError(
-                f"bundle manifest {str(path)!r}: entry {i} lacks one of {list(_ENTRY_FIELDS)}"
-            )
-    return doc
+    try:
+        return BundleManifest.model_validate(doc)
+    except ValidationError as e:
+        raise BundleError(
+            f"bundle manifest {str(path)!r}: {describe_errors(e)}; export the bundle again"
+        ) from None
 
 
 class BundleTier(Tier):
@@ -108,7 +139,8 @@ class BundleTier(Tier):
     record as metadata; the caller verifies it (size, sha256) before loading.
     A ``file`` field that is not ``artifacts/<sha256>.pt2`` of its own sha256
     (a path outside the bundle, a renamed file) makes the entry corrupt.
-    ``put`` and ``delete`` raise :class:`BundleError`: a bundle is never written.
+    ``put`` answers ``read-only`` and ``delete`` raises :class:`BundleError`: a
+    bundle is never written.
 
     Raises (constructor): BundleError, from :func:`read_manifest`.
     """
@@ -120,7 +152,7 @@ class BundleTier(Tier):
         self.directory = Path(directory)
         self.location = str(self.directory)
         self.manifest = read_manifest(self.directory)
-        self._entries = {e["key"]: e for e in self.manifest["entries"]}
+        self._entries = {e.key: e.record() for e in self.manifest.entries}
 
     def get_meta(self, key: str) -> dict | None:
         e = self._entries.get(key)
@@ -145,18 +177,25 @@ class BundleTier(Tier):
             ) from None
         return Entry(key=key, meta=meta, data=data, where=self.location)
 
-    def put(self, key: str, data: bytes, meta: dict) -> None:
-        raise BundleError(
+    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
+        """Never writes: ``read-only``, with how to get a writable copy."""
+        why = (
             f"bundle {self.location!r} is read-only; copy it into a local cache with "
             f"kernel-cache import {self.location}"
         )
+        return PutResult(PutOutcome.READ_ONLY, self.location, why)
 
     def delete(self, key: str) -> None:
         raise BundleError(f"bundle {self.location!r} is read-only; entries cannot be deleted")
 
     def iter_meta(self) -> Iterator[dict]:
-        for e in self.manifest["entries"]:
-            yield dict(e)
+        for e in self.manifest.entries:
+            yield e.record()
+
+    def repair_hint(self, config, cache_dir=None) -> str:
+        from kernel_cache.config.engine import config_to_cli
+
+        return f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
 
 
 def tool_versions() -> dict:

@@ -123,7 +123,7 @@ def list_entries(tier: Tier) -> list[dict]:
     Sorted naturally by variant (:func:`variant_sort_key`), then model, dtype,
     device and creation; corrupt entries last."""
     d = _directory(tier)
-    last = usage.read_usage(d)["last_used"] if d is not None else {}
+    last = usage.read_usage(d).last_used if d is not None else {}
     rows = []
     for key, m, reason in tier.iter_records():
         if m is None:
@@ -193,16 +193,16 @@ def cache_stats(tier: Tier) -> dict:
     seconds of the first record or None)}``."""
     rows = list_entries(tier)
     d = _directory(tier)
-    u = usage.read_usage(d) if d is not None else {"hits": 0, "misses": 0, "since": None}
+    u = usage.read_usage(d) if d is not None else usage.UsageRecord()
     return {
         "location": tier.location,
         "entries": len(rows),
         "corrupt": sum(r["status"] == "corrupt" for r in rows),
         "bytes": sum(r["size"] for r in rows),
         "disk_bytes": dir_bytes(d) if d is not None else None,
-        "hits": int(u["hits"]),
-        "misses": int(u["misses"]),
-        "since": u["since"],
+        "hits": u.hits,
+        "misses": u.misses,
+        "since": u.since,
     }
 
 

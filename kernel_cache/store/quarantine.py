@@ -1,6 +1,7 @@
 """Move a corrupt or untrusted cache entry out of the way, keeping it for a post-mortem.
 
-``warmup`` calls :func:`quarantine_entry` while it holds the entry's key lock
+``warmup`` calls :meth:`DiskTier.quarantine <kernel_cache.store.tier.DiskTier.quarantine>`
+(which uses :func:`quarantine_files`) while it holds the entry's key lock
 (never on a guess made without the lock: another process may just have
 published a good entry under that key). The entry leaves the index and its
 files go to::
@@ -31,6 +32,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
@@ -93,24 +95,25 @@ def _move_artifact(root: Path, filename: str, dfd: int) -> str | None:
             os.close(fd)
 
 
-def quarantine_entry(tier, key: str, reason: str, variant: str = "") -> Path:
-    """Move ``key``'s entry from ``tier`` (a writable :class:`~kernel_cache.store.tier.DiskTier`)
-    into ``<cache>/quarantine/`` with a reason file, and log it once. Follows no
-    symbolic link (see the module docstring).
+def quarantine_entry(tier, key: str, reason: str, variant: str = "") -> Path | None:
+    """Move ``key``'s bad entry out of ``tier``'s way (:meth:`Tier.quarantine
+    <kernel_cache.store.tier.Tier.quarantine>`): a disk tier keeps it under
+    ``<cache>/quarantine/``. Returns that folder, or None where the tier keeps
+    nothing."""
+    where = tier.quarantine(key, reason, variant)
+    return Path(where) if where else None
 
-    Returns:
-        The quarantine folder of this entry.
+
+def _make_folder(root: Path, key: str, mode: int) -> tuple[int, str]:
+    """Create ``quarantine/<key>.<UTC time>.<pid>[.n]`` under ``root`` without
+    following a link; returns its descriptor and name.
 
     Raises:
         UntrustedCacheError: ``quarantine/`` is a symbolic link (or not a folder).
-        CacheWriteError, CacheBusyError: from the tier (the entry then stays
-            where it was; the next warmup tries again).
     """
     from kernel_cache.trust.permissions import CACHE_PATHS, refuse_link
 
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    mode = 0o777 if tier.allow_shared else 0o755
-    root = Path(tier.directory)
     makedirs(root, mode)
     try:
         qfd = open_dir_nofollow(root, [QUARANTINE_DIR], create_mode=mode, kind="quarantine folder")
@@ -127,22 +130,51 @@ def quarantine_entry(tier, key: str, reason: str, variant: str = "") -> Path:
                 if n == 99:
                     raise
                 name = f"{key}.{stamp}.{os.getpid()}.{n + 1}"
-        dfd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=qfd)
+        return os.open(
+            name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=qfd
+        ), name
     finally:
         os.close(qfd)
-    dest = root / QUARANTINE_DIR / name
+
+
+def quarantine_files(
+    root: str | os.PathLike,
+    key: str,
+    reason: str,
+    variant: str = "",
+    *,
+    files: Callable[[], tuple[bytes | None, str | None]],
+    shared: bool = False,
+) -> Path:
+    """Move an entry's files into ``<root>/quarantine/<key>.<time>.<pid>/`` with a
+    reason file (see the module docstring); the caller removes the entry from
+    its index afterwards. Follows no symbolic link.
+
+    Args:
+        root: the cache directory.
+        files: called once the quarantine folder exists: the stored metadata
+            bytes, unparsed (written as ``meta.json``), or None, and the
+            artifact's value file relative to ``root`` (moved), or None.
+        shared: a deliberately shared cache (folders 0777 minus the umask, else 0755).
+
+    Returns:
+        The quarantine folder of this entry.
+
+    Raises:
+        UntrustedCacheError: ``quarantine/`` is a symbolic link (or not a folder).
+    """
+    root = Path(root)
+    dfd, name = _make_folder(root, key, 0o777 if shared else 0o755)
     try:
-        files = []
-        meta = tier.raw_meta(key)
+        meta, artifact = files()
+        kept = []
         if meta is not None:
             _write_new(dfd, "meta.json", meta)
-            files.append("meta.json")
-        filename = tier.artifact_filename(key)
-        src = root / filename if filename else None
-        if filename:
-            moved = _move_artifact(root, filename, dfd)
+            kept.append("meta.json")
+        if artifact:
+            moved = _move_artifact(root, artifact, dfd)
             if moved:
-                files.append(moved)
+                kept.append(moved)
         record = {
             "key": key,
             "variant": variant,
@@ -150,17 +182,15 @@ def quarantine_entry(tier, key: str, reason: str, variant: str = "") -> Path:
             "quarantined_at": time.time(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "source": str(src) if src else None,
-            "files": files,
+            "source": str(root / artifact) if artifact else None,
+            "files": kept,
         }
         _write_new(
             dfd, "reason.json", (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
         )
     finally:
         os.close(dfd)
-    tier.delete(key)
-    log.warning("quarantined cache entry %s (%s): %s -> %s", key[:16], variant, reason, dest)
-    return dest
+    return root / QUARANTINE_DIR / name
 
 
 def list_quarantine(cache_dir: str | os.PathLike) -> list[dict]:

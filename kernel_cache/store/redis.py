@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
-from kernel_cache.store.tier import Entry, Tier, parse_meta
+from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 
@@ -322,8 +322,14 @@ class RedisTier(Tier):
     def contains(self, key: str) -> bool:
         return bool(self._run("contains", lambda c: c.exists(self._name("entry", key)), 0))
 
-    def put(self, key: str, data: bytes, meta: dict) -> bool:
-        """Publish atomically (one ``MULTI``/``EXEC``); False if Redis failed."""
+    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
+        """Publish atomically (one ``MULTI``/``EXEC``).
+
+        Returns ``stored``, or (fail-open) ``failed`` with the Redis error.
+
+        Raises:
+            RemoteUnavailableError: Redis failed and the tier is not fail-open.
+        """
         import json
 
         name = self._name("entry", key)
@@ -338,7 +344,10 @@ class RedisTier(Tier):
             p.execute()
             return True
 
-        return bool(self._run("put", op, False))
+        if self._run("put", op, False):
+            return PutResult(PutOutcome.STORED, self.location)
+        why = f"Redis at {self.location} is unavailable: {self.error}"
+        return PutResult(PutOutcome.FAILED, self.location, why)
 
     def delete(self, key: str) -> None:
         self._run("delete", lambda c: c.delete(self._name("entry", key)))

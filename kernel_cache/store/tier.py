@@ -26,9 +26,17 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
-from kernel_cache.errors import CacheWriteError, CorruptEntryError, UntrustedCacheError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from kernel_cache.errors import (
+    CacheWriteError,
+    CorruptEntryError,
+    UntrustedCacheError,
+    describe_errors,
+)
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
 
 ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
@@ -55,70 +63,150 @@ class Entry:
     where: str = ""
 
 
+class EntryMeta(BaseModel):
+    """An entry's JSON metadata record (see the module docstring).
+
+    ``key``, ``sha256`` and ``size`` (bytes) are required; the other fields
+    are written by :func:`make_meta` and may be absent from older records.
+    Fields beyond these (``timings``, ``cpu_target``, ``cpu_features``,
+    ``signature``, ``imported_from``, a bundle's ``file``) are kept as stored.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    key: str
+    sha256: str
+    size: StrictInt = Field(ge=0)
+    variant: str | None = None
+    components: dict[str, str] | None = None
+    # int | float: a number read back is written back unchanged (5 stays 5)
+    compile_seconds: int | float | None = None
+    created: int | float | None = None
+    format: str | None = None
+
+    def record(self) -> dict:
+        """The JSON record: the fields it was made or read with, extra ones included."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
 def make_meta(key: CacheKey, variant: str, data: bytes, compile_seconds: float, **extra) -> dict:
-    """The JSON metadata record for a new entry."""
-    return {
-        "key": key.hexdigest,
-        "variant": variant,
-        "components": key.as_dict(),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "size": len(data),
-        "compile_seconds": round(compile_seconds, 3),
-        "created": time.time(),
-        "format": ARTIFACT_FORMAT,
+    """The JSON metadata record for a new entry (an :class:`EntryMeta` record)."""
+    return EntryMeta(
+        key=key.hexdigest,
+        variant=variant,
+        components=key.as_dict(),
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        compile_seconds=round(compile_seconds, 3),
+        created=time.time(),
+        format=ARTIFACT_FORMAT,
         **extra,
-    }
+    ).record()
 
 
 def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
-    """Parse a metadata record; :class:`CorruptEntryError` if it is not valid JSON
-    with the required fields."""
+    """Parse a metadata record (JSON, validated as :class:`EntryMeta`); returns
+    the parsed object as stored.
+
+    Raises:
+        CorruptEntryError: not JSON, not an object, or a field missing or of the
+            wrong type (names the field, what was wrong and the value).
+    """
     try:
         meta = json.loads(raw)
     except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise CorruptEntryError(key, f"metadata is not JSON ({e})", where) from None
-    if not isinstance(meta, dict) or not {"key", "sha256", "size"} <= set(meta):
-        raise CorruptEntryError(key, "metadata lacks key/sha256/size", where)
-    return meta
+    check_meta(meta, key, where)
+    return meta  # as stored: validated, never rewritten
+
+
+def check_meta(meta, key: str, where: str = "") -> EntryMeta:
+    """``meta`` (parsed JSON) as an :class:`EntryMeta`.
+
+    Raises:
+        CorruptEntryError: naming the field and what was wrong.
+    """
+    if not isinstance(meta, dict):
+        raise CorruptEntryError(
+            key, f"metadata is a JSON {type(meta).__name__}, not an object", where
+        )
+    try:
+        return EntryMeta.model_validate(meta)
+    except ValidationError as e:
+        raise CorruptEntryError(key, f"metadata: {describe_errors(e)}", where) from None
 
 
 def verify_entry(entry: Entry) -> None:
     """Check an entry before its code is loaded.
 
     Raises:
-        CorruptEntryError: the metadata names another key, the size differs
-            (truncated bytes), or the sha256 of the bytes does not match.
+        CorruptEntryError: the metadata is malformed (names the field), names
+            another key, the size differs (truncated bytes), or the sha256 of
+            the bytes does not match.
     """
-    m = entry.meta
-    if m.get("key") != entry.key:
-        raise CorruptEntryError(
-            entry.key, f"metadata is for key {str(m.get('key'))[:16]}", entry.where
-        )
-    if m.get("size") != len(entry.data):
+    m = check_meta(entry.meta, entry.key, entry.where)
+    if m.key != entry.key:
+        raise CorruptEntryError(entry.key, f"metadata is for key {m.key[:16]}", entry.where)
+    if m.size != len(entry.data):
         raise CorruptEntryError(
             entry.key,
-            f"size {len(entry.data)} bytes != recorded {m.get('size')} (truncated?)",
+            f"size {len(entry.data)} bytes != recorded {m.size} (truncated?)",
             entry.where,
         )
     digest = hashlib.sha256(entry.data).hexdigest()
-    if digest != m.get("sha256"):
+    if digest != m.sha256:
         raise CorruptEntryError(
-            entry.key, f"sha256 {digest[:16]} != recorded {str(m.get('sha256'))[:16]}", entry.where
+            entry.key, f"sha256 {digest[:16]} != recorded {m.sha256[:16]}", entry.where
         )
 
 
+class PutOutcome(str, Enum):
+    """What :meth:`Tier.put` did."""
+
+    STORED = "stored"  #: the entry is now in the tier
+    PRESENT = "present"  #: the same record was there already; nothing was written
+    READ_ONLY = "read-only"  #: refused: the tier is read-only (``reason`` says which)
+    FAILED = "failed"  #: a fail-open tier could not store it (``reason`` says why)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """The typed result of :meth:`Tier.put`: the outcome, the tier's location
+    (for reports) and, unless stored, why."""
+
+    outcome: PutOutcome
+    where: str = ""
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True if the tier holds the entry now (stored or already present)."""
+        return self.outcome in (PutOutcome.STORED, PutOutcome.PRESENT)
+
+    @property
+    def stored(self) -> bool:
+        """True if this call wrote the entry."""
+        return self.outcome is PutOutcome.STORED
+
+
 class Tier(abc.ABC):
-    """A place entries are stored: memory, a bundle, a local disk cache, Redis."""
+    """A place entries are stored: a bundle, a local disk cache, Redis.
+
+    The interface is get, put, contains and iteration over metadata. Whether a
+    tier's entries are trusted, whether a bad one is a miss and where a hit is
+    copied are the policy of the lookup that orders the tiers
+    (:class:`kernel_cache.store.lookup.Source`); :attr:`trusted` and
+    :attr:`corrupt_is_miss` are only the defaults it starts from. :attr:`name`
+    and :attr:`location` are for reports (where an entry came from).
+    """
 
     name: str = "tier"
     location: str = ""
-    #: False for shared stores others can write (Redis, bundles): their entries
-    #: must also pass :func:`kernel_cache.trust.signing.check_untrusted`.
+    #: Default policy: False for shared stores others can write (Redis, bundles),
+    #: whose entries must also pass :func:`kernel_cache.trust.signing.check_untrusted`.
     trusted: bool = True
-    #: Where a verified hit of this tier is copied (Redis: the local cache), or None.
-    promote_into: Tier | None = None
-    #: True where an entry failing its checks is a miss rather than an error
-    #: (Redis: a shared cache that warmup repairs); see kernel_cache.store.lookup.
+    #: Default policy: True where an entry failing its checks is a miss rather
+    #: than an error (Redis: a shared cache that warmup repairs).
     corrupt_is_miss: bool = False
 
     @abc.abstractmethod
@@ -134,8 +222,14 @@ class Tier(abc.ABC):
         """The metadata record alone, or None."""
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes, meta: dict) -> None:
-        """Publish an entry atomically: readers see all of it or none of it."""
+    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
+        """Publish an entry atomically: readers see all of it or none of it.
+
+        Returns the outcome (:class:`PutResult`): stored, already present,
+        refused as read-only, or failed (a fail-open tier) with the reason.
+        A fail-closed tier raises instead of failing (the disk tier:
+        CacheWriteError, CacheBusyError).
+        """
 
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
@@ -153,6 +247,25 @@ class Tier(abc.ABC):
 
     def contains(self, key: str) -> bool:
         return self.get_meta(key) is not None
+
+    def quarantine(self, key: str, reason: str, variant: str = "") -> str:
+        """Move ``key``'s bad entry out of the way; returns where it was kept, or
+        ``""`` where the tier keeps nothing (this default deletes it)."""
+        self.delete(key)
+        return ""
+
+    def note_usage(self, hits, misses: int) -> bool:
+        """Record ``hits`` (keys served now) and ``misses`` (a count) where the
+        tier keeps usage records; returns whether it does (this default: no).
+        Best effort, never raises."""
+        return False
+
+    def repair_hint(self, config, cache_dir=None) -> str:
+        """How a corrupt entry of this tier is replaced, for error messages
+        (``config``: the EngineConfig; ``cache_dir``: the local cache given, if any)."""
+        from kernel_cache.config.engine import config_to_cli
+
+        return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -426,8 +539,12 @@ class DiskTier(Tier):
         return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     # -- writing -------------------------------------------------------------
-    def put(self, key: str, data: bytes, meta: dict) -> None:
+    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
         """Publish bytes and metadata in one transaction (see the class docstring).
+
+        Returns :class:`PutResult`: ``read-only`` (nothing written) for a tier
+        opened read-only, ``present`` when the same bytes and metadata are
+        stored already, else ``stored``.
 
         Raises:
             CacheWriteError: a full disk (ENOSPC/EDQUOT) or an unwritable
@@ -438,7 +555,12 @@ class DiskTier(Tier):
         from kernel_cache import _testhooks
         from kernel_cache.store.disk import as_write_error
 
+        if self.read_only:
+            why = f"cache {self.directory} was opened read-only; nothing is written there"
+            return PutResult(PutOutcome.READ_ONLY, self.location, why)
         raw_meta = json.dumps(meta, sort_keys=True).encode()
+        if self._holds(key, data, raw_meta):
+            return PutResult(PutOutcome.PRESENT, self.location, "the same entry is stored")
         needed = len(data) + len(raw_meta)
 
         def attempt():
@@ -462,6 +584,50 @@ class DiskTier(Tier):
             if err is None:
                 raise
             raise err from None
+        return PutResult(PutOutcome.STORED, self.location)
+
+    def _holds(self, key: str, data: bytes, raw_meta: bytes) -> bool:
+        """True if ``key`` is stored with exactly ``raw_meta`` and bytes of
+        ``data``'s size and sha256 (a readable entry; anything else is rewritten)."""
+        try:
+            if self._value("meta/" + key) != raw_meta:
+                return False
+            entry = self.get(key)
+            return entry is not None and entry.data == data
+        except (CorruptEntryError, UntrustedCacheError, OSError):
+            return False
+
+    def quarantine(self, key: str, reason: str, variant: str = "") -> str:
+        """Move ``key``'s entry into ``<cache>/quarantine/`` with a reason file
+        (:mod:`kernel_cache.store.quarantine`), remove it from the index and log
+        it once. Returns the quarantine folder.
+
+        Raises:
+            UntrustedCacheError: ``quarantine/`` is a symbolic link (or not a folder).
+            CacheWriteError, CacheBusyError: the entry then stays where it was.
+        """
+        from kernel_cache.store.quarantine import log, quarantine_files
+
+        dest = quarantine_files(
+            self.directory,
+            key,
+            reason,
+            variant,
+            files=lambda: (self.raw_meta(key), self.artifact_filename(key)),
+            shared=self.allow_shared,
+        )
+        self.delete(key)
+        log.warning("quarantined cache entry %s (%s): %s -> %s", key[:16], variant, reason, dest)
+        return str(dest)
+
+    def note_usage(self, hits, misses: int) -> bool:
+        """Best-effort usage record in this cache (:mod:`kernel_cache.store.usage`;
+        skipped where the directory is read-only). Returns True: a disk cache
+        keeps usage records."""
+        from kernel_cache.store import usage
+
+        usage.record(self.directory, hits=hits, misses=misses)
+        return True
 
     def delete(self, key: str) -> None:
         def attempt():

@@ -30,6 +30,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kernel_cache.errors import describe_errors
+
 log = logging.getLogger("kernel_cache.store.usage")
 
 USAGE_FILE = "usage.json"
@@ -38,23 +42,45 @@ LOCK_FILE = "usage.json.lock"
 LOCK_TIMEOUT = 2.0
 
 
-def _empty() -> dict:
-    return {"since": None, "hits": 0, "misses": 0, "last_used": {}}
+class UsageRecord(BaseModel):
+    """The usage record of a local cache (``usage.json``, see the module docstring):
+    ``since`` (unix seconds of the first record, None before), ``hits`` and
+    ``misses`` (counts), ``last_used`` (``{key: unix seconds}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    since: int | float | None = None
+    hits: int = Field(default=0, ge=0)
+    misses: int = Field(default=0, ge=0)
+    last_used: dict[str, int | float] = Field(default_factory=dict)
+
+    def updated(self, hits: list[str], misses: int, forget: list[str], now: float):
+        """A new record with ``hits`` used at ``now``, ``misses`` added, ``forget`` dropped."""
+        last = {**self.last_used, **dict.fromkeys(hits, now)}
+        for k in forget:
+            last.pop(k, None)
+        return UsageRecord(
+            since=now if self.since is None else self.since,
+            hits=self.hits + len(hits),
+            misses=self.misses + int(misses),
+            last_used=last,
+        )
 
 
-def read_usage(directory: str | os.PathLike) -> dict:
-    """The usage record of a cache directory (zeros if there is none or it is unreadable)."""
+def read_usage(directory: str | os.PathLike) -> UsageRecord:
+    """The usage record of a cache directory: zeros if there is none or it cannot
+    be read (best effort; a malformed one is logged at debug level, naming the
+    file and the field, and counts as none)."""
+    path = Path(directory) / USAGE_FILE
     try:
-        doc = json.loads((Path(directory) / USAGE_FILE).read_bytes())
-    except (OSError, ValueError):
-        return _empty()
-    if not isinstance(doc, dict):
-        return _empty()
-    out = _empty()
-    out.update({k: doc[k] for k in out if k in doc})
-    if not isinstance(out["last_used"], dict):
-        out["last_used"] = {}
-    return out
+        raw = path.read_bytes()
+    except OSError:
+        return UsageRecord()
+    try:
+        return UsageRecord.model_validate_json(raw)
+    except ValidationError as e:
+        log.debug("usage record %s ignored: %s", path, describe_errors(e))
+        return UsageRecord()
 
 
 def writable(directory: str | os.PathLike) -> bool:
@@ -93,19 +119,11 @@ def record(
     now = time.time() if now is None else now
     try:
         with FileLock(str(d / LOCK_FILE), timeout=LOCK_TIMEOUT):
-            doc = read_usage(d)
-            if doc["since"] is None:
-                doc["since"] = now
-            doc["hits"] = int(doc["hits"]) + len(hits)
-            doc["misses"] = int(doc["misses"]) + int(misses)
-            for k in hits:
-                doc["last_used"][k] = now
-            for k in forget:
-                doc["last_used"].pop(k, None)
+            doc = read_usage(d).updated(hits, misses, forget, now)
             fd, tmp = tempfile.mkstemp(prefix=".usage-", suffix=".tmp", dir=d)
             try:
                 with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, sort_keys=True)
+                    json.dump(doc.model_dump(mode="json"), f, sort_keys=True)
                 os.replace(tmp, d / USAGE_FILE)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)

@@ -67,7 +67,6 @@ from kernel_cache.plan.keys import build_key, environment, key_from_components
 from kernel_cache.plan.launch import describe_plan, resolve_plan
 from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.quarantine import quarantine_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
 from kernel_cache.trust.signing import load_signing_key, sign_meta
 from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
@@ -232,8 +231,8 @@ def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantRes
         res.status = Status.CACHED
         return True
     if why != "missing":
-        where = quarantine_entry(tier, key, why, res.variant)
-        res.quarantined = {"reason": why, "path": str(where)}
+        where = tier.quarantine(key, why, res.variant)
+        res.quarantined = {"reason": why, "path": where}
     return False
 
 
@@ -296,9 +295,11 @@ def _load_check(device: str, res: VariantResult, data: bytes) -> None:
 
 def _publish(tier: DiskTier, remote: RedisTier | None, key: str, data: bytes, meta: dict) -> None:
     """Step 5: local cache first (atomic), then Redis (a failure there is noted)."""
-    tier.put(key, data, meta)
+    stored = tier.put(key, data, meta)
+    if not stored.ok:  # the writable handle of a warmup never refuses; say so if it does
+        raise CacheWriteError(f"cannot publish {key[:16]} to {stored.where}: {stored.reason}")
     if remote is not None:
-        remote.put(key, data, meta)
+        remote.put(key, data, meta)  # a failure is kept in remote.error
 
 
 def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
@@ -648,7 +649,7 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
             if not _same_published(
                 have, want, secret is not None
             ):  # missing, unsigned, other key, other bytes
-                uploaded += rtier.put(key, entry.data, want)
+                uploaded += rtier.put(key, entry.data, want).stored
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
             found = lookup.find(build_key(config, item[0], env, launch=item[1]))
             (fetched if found else left).append(item)

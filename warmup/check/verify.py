@@ -20,7 +20,7 @@ from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer
 from kernel_cache.plan.keys import build_key, environment
 from kernel_cache.plan.launch import describe_plan, launch_json, resolve_plan
 from kernel_cache.runtime.inputs import make_inputs
-from kernel_cache.runtime.load import check_cpu_features, default_tiers, load_package
+from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
 from kernel_cache.store.lookup import Lookup, merge_accepted
 from kernel_cache.store.tier import Tier
 
@@ -65,13 +65,12 @@ def verify_plan(
     t0 = time.perf_counter()
     before = set(compile_stack_loaded())
     bucketer = Bucketer(config)
-    tiers = (
-        default_tiers(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
+    lookup = (
+        default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
-        else tiers
+        else Lookup(tiers)
     )
     env = environment(config)
-    lookup = Lookup(tiers)
     launch = resolve_plan(config, bucketer.variants, env["device_arch"])
     modules = {}
     report = {

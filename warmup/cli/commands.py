@@ -53,13 +53,21 @@ def _tiers(args):
     return default_tiers(_cache_dir(args), args.bundle)
 
 
+def _sources(args):
+    """The engine-start lookup's tiers with its policy (Redis hits are copied
+    into the local cache)."""
+    from kernel_cache.runtime.load import default_lookup
+
+    return default_lookup(_cache_dir(args), args.bundle).sources
+
+
 # -- export / import ---------------------------------------------------------
 def cmd_export(args) -> int:
     from kernel_cache.store.bundle import export_bundle
     from kernel_cache.store.housekeeping import format_size
 
     cfg = config_from_args(args)
-    report = export_bundle(cfg, args.out, _tiers(args))
+    report = export_bundle(cfg, args.out, _sources(args))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
