@@ -30,6 +30,14 @@ from gpu_common import write_json
 from kernel_cache import AttentionRuntime, make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 
+try:  # absent before the kernels read pinned lengths in place (a baseline run)
+    from kernel_cache.runtime.dispatch import mapped_pinned_reads
+except ImportError:
+
+    def mapped_pinned_reads(device) -> bool:
+        return False
+
+
 LIMITS = dict(
     max_model_len=8192,
     block_size=16,
@@ -76,14 +84,13 @@ def cases() -> dict:
     dec = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=512, num_seqs=32)
     pre = KernelVariant(kernel=PAGED_ATTENTION, query_len=2048, num_blocks=512, num_seqs=1)
     dev, dt = "cuda", torch.bfloat16
-    rt = AttentionRuntime(
-        cfg,
-        b,
-        {
-            dec: StubRunner(torch.empty(32, 32, 128, device=dev, dtype=dt)),
-            pre: StubRunner(torch.empty(2048, 32, 128, device=dev, dtype=dt)),
-        },
-    )
+    runners = {
+        dec: StubRunner(torch.empty(32, 32, 128, device=dev, dtype=dt)),
+        pre: StubRunner(torch.empty(2048, 32, 128, device=dev, dtype=dt)),
+    }
+    rt = AttentionRuntime(cfg, b, runners)
+    copied = AttentionRuntime(cfg, b, runners)  # lengths copied to the device per call
+    copied.map_pinned_lengths = False
     kc = torch.zeros(64, 16, 8, 128, device=dev, dtype=dt)  # block ids are not read
     vc = torch.zeros_like(kc)
     bt = torch.zeros(32, 512, device=dev, dtype=torch.int32)
@@ -96,14 +103,16 @@ def cases() -> dict:
     row = slot.ring_np[0]
     mv = memoryview(row).cast("B").cast("i")
     arr = array("i", lens)
-    pinned = slot.ring_rows[0]
+    pinned = slot.ring[0]
     ev = torch.cuda.Event()
     out = {
         "decode 32 x 8192, host lengths": lambda: rt.decode(q32, kc, vc, bt, lens),
+        "decode 32 x 8192, host lengths, copied": lambda: copied.decode(q32, kc, vc, bt, lens),
         "decode 32 x 8192, device_seq_lens": lambda: rt.decode(
             q32, kc, vc, bt, lens, device_seq_lens=dlens
         ),
         "prefill 2048 @ 8192": lambda: rt.prefill(q2k, kc, vc, bt[0], 8192),
+        "prefill 2048 @ 8192, copied": lambda: copied.prefill(q2k, kc, vc, bt[0], 8192),
         "piece: array('i', lens)": lambda: array("i", lens),
         "piece: numpy row[:32] = array": lambda: row.__setitem__(slice(0, 32), arr),
         "piece: memoryview row[:32] = array": lambda: mv.__setitem__(slice(0, 32), arr),
@@ -137,6 +146,7 @@ def main(argv=None) -> int:
     rows = {name: timed(fn, args.calls, args.repeats) for name, fn in cases().items()}
     write_json({"calls": args.calls, "repeats": args.repeats, "rows": rows}, args.out,
                "gpu_dispatch_host.json")  # fmt: skip
+    print(f"lengths read from pinned rows by the kernels: {mapped_pinned_reads('cuda')}")
     print(f"host us per call, median (min-max) of {args.repeats} x {args.calls} calls:")
     for name, r in rows.items():
         print(f"  {name:45s} {r['median']:7.2f} ({r['min']:.2f}-{r['max']:.2f})")
