@@ -583,3 +583,35 @@ def test_gpu_host_lengths_through_the_staging_ring_match_reference(
         assert rel_err(dec, reference_decode(q8, kc, vc, tables, lens)) < 1e-2, lens
         ref = reference_attention(q512, kc, vc, table, seq_len)
         assert rel_err(pre, ref) < REL_TOL[torch.bfloat16], seq_len
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "copied"])
+def test_gpu_decode_of_two_sequences_gets_one_lengths_argument(mapped):
+    """A decode bucket of 2 sequences has 2 lengths, like prefill: its kernel still
+    gets one ``[2]`` lengths tensor holding the host lengths, padded with 0
+    (recorded by a stub runner, so no artifact is needed)."""
+    from kernel_cache import AttentionRuntime
+    from kernel_cache.plan.buckets import BATCHED_DECODE, KernelVariant
+
+    limits = {**GRANITE_LIMITS, "max_num_seqs": 2, "num_seqs_buckets": (2,)}
+    cfg = make_config("granite-3.3-8b", device="cuda", **limits)
+    v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=256, num_seqs=2)
+    seen = []
+
+    class Recorder:
+        def run(self, args):
+            seen.append([a.clone() for a in args[3:]])
+            return [torch.zeros(2, H, D, device="cuda", dtype=torch.bfloat16)]
+
+    rt = AttentionRuntime(cfg, Bucketer(cfg), {v: Recorder()})
+    rt.map_pinned_lengths = mapped
+    kc = torch.zeros(4, BS, KVH, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.zeros(2, 256, device="cuda", dtype=torch.int32)
+    for lens in ([4000, 17], [3]):
+        n = len(lens)
+        rt.decode(_q(n, 1), kc, kc, tables[:n], lens)
+    torch.cuda.synchronize()
+    assert [[t.tolist() for t in args] for args in seen] == [
+        [[[0] * 256] * 2, [4000, 17]],
+        [[[0] * 256] * 2, [3, 0]],
+    ]

@@ -60,9 +60,12 @@ class _HostArray:
 
 def _mapped(host: torch.Tensor, device):
     """``host`` (pinned) as a CUDA tensor on ``device`` over the same memory, or
-    None where torch would copy it instead (another device than the one the
-    memory was registered with)."""
-    dev = torch.as_tensor(_HostArray(host), device=device)
+    None where torch refuses the pointer or would copy it instead (another
+    device than the one the memory was registered with)."""
+    try:
+        dev = torch.as_tensor(_HostArray(host), device=device)
+    except (RuntimeError, TypeError, ValueError):  # torch or CUDA refused the pointer
+        return None
     return dev if dev.is_cuda and dev.data_ptr() == host.data_ptr() else None
 
 
@@ -130,7 +133,8 @@ class _Slot:
         self.qbuf = torch.zeros(
             (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
         )
-        n = 2 if v.kernel == PAGED_ATTENTION else v.num_seqs
+        prefill = v.kernel == PAGED_ATTENTION
+        n = 2 if prefill else v.num_seqs
         shape = (v.num_blocks,) if v.kernel == PAGED_ATTENTION else (v.num_seqs, v.num_blocks)
         self.btbuf = torch.zeros(shape, dtype=torch.int32, device=dev)
         # Lengths are written on the host into an int32 array that a CPU tensor
@@ -143,13 +147,13 @@ class _Slot:
         self.ring_i = 0
 
         def views(t):  # prefill's two [1] lengths 16 bytes apart, decode's [n]
-            return (t[0:1], t[4:5]) if n == 2 else (t[:n],)
+            return (t[0:1], t[4:5]) if prefill else (t[:n],)
 
         if dev.type == "cpu":
             self.lens = self.lens_host
-            self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+            self.lens_views = (self.lens[0:1], self.lens[1:2]) if prefill else (self.lens,)
         else:
-            width = 8 if n == 2 else -(-n // 4) * 4
+            width = 8 if prefill else -(-n // 4) * 4
             self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
             self.lens_views = views(self.lens)
             self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
