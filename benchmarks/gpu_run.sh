@@ -73,9 +73,13 @@ CPP
   done
 }
 
+# SUITE_ARGS: extra pytest arguments (e.g. -k "not triton_" to split the suite over
+# calls). At the limit pytest gets SIGINT, so it still prints its failures and summary.
 suite() {
-  KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout "${SUITE_TIMEOUT:-570}" \
-    python3 -m pytest -v -rs -m gpu tests/test_gpu.py --durations=15 -p no:cacheprovider
+  # shellcheck disable=SC2086
+  KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout -s INT -k 30 "${SUITE_TIMEOUT:-570}" \
+    python3 -m pytest -v -rs -m gpu tests/test_gpu.py --durations=15 -p no:cacheprovider \
+    ${SUITE_ARGS:-}
 }
 
 case "${1:-probe}" in
