@@ -22,6 +22,9 @@ synchronization around each block):
 * ``host only``: the same dispatch with the kernel replaced by a runner that
   returns a preallocated output, i.e. everything dispatch adds, without the
   kernel's noise;
+* with ``--host-only``, only the host-only ways (no warmup, no compiled kernel:
+  the runtime is built around stub runners), e.g. to profile dispatch's Python
+  path on a machine without the plan's artifacts;
 * with ``--baseline DIR`` (another checkout, e.g. main before a change), also
   that checkout's dispatch, host only, interleaved: a before/after in one run.
 
@@ -168,6 +171,15 @@ def make_cases(cfg, b: Bucketer, g: torch.Generator):
     return cases
 
 
+def load_compiled(cfg, cache_dir: str, cases) -> AttentionRuntime:
+    """Warm up (compile if missing) the cases' variants and load them."""
+    needed = list(dict.fromkeys(c["variant"] for c in cases))
+    rep = warmup(cfg, cache_dir, jobs=min(2, len(needed)), variants=needed, progress=True)
+    if rep["failed"]:
+        raise SystemExit(f"warmup failed: {rep['failed']}")
+    return load_plan(cfg, cache_dir, strict=False)
+
+
 def time_block(fn, calls: int, device: str, clock=time.perf_counter) -> float:
     """Seconds per call over ``calls`` back-to-back calls."""
     sync(device)
@@ -203,6 +215,11 @@ def main(argv=None) -> int:
         help="another checkout (its kernel_cache/): also time its host-only dispatch, "
         "interleaved, for a before/after in one run",
     )
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="time only dispatch around stub runners: no warmup, no compiled kernel",
+    )
     p.add_argument("--out", default=str(OUT_DIR / "dispatch.json"))
     args = p.parse_args(argv)
     cfg = config_from_args(args)
@@ -213,31 +230,29 @@ def main(argv=None) -> int:
     b = Bucketer(cfg)
     g = torch.Generator().manual_seed(0)
     cases = make_cases(cfg, b, g)
-    needed = list(dict.fromkeys(c["variant"] for c in cases))
-    rep = warmup(cfg, args.cache_dir, jobs=min(2, len(needed)), variants=needed, progress=True)
-    if rep["failed"]:
-        raise SystemExit(f"warmup failed: {rep['failed']}")
-    rt = load_plan(cfg, args.cache_dir, strict=False)
+    rt = None if args.host_only else load_compiled(cfg, args.cache_dir, cases)
     baseline = load_baseline(args.baseline) if args.baseline else None
 
     results = []
     with torch.no_grad():
         for c in cases:
             v = c["variant"]
-            runner = rt._runners[v]  # the very kernel dispatch calls
-            dispatch = getattr(rt, c["method"])
-            out = dispatch(*c["args"])
-            direct_out = runner.run(c["padded"])[0]
-            err = float((out - direct_out[: out.shape[0]]).abs().max())
-            if err > 0:
-                raise SystemExit(f"{c['name']}: dispatch and direct outputs differ by {err}")
+            fns = {}
+            if rt is None:
+                direct_out = torch.empty_like(c["padded"][0])
+            else:
+                runner = rt._runners[v]  # the very kernel dispatch calls
+                dispatch = getattr(rt, c["method"])
+                out = dispatch(*c["args"])
+                direct_out = runner.run(c["padded"])[0]
+                err = float((out - direct_out[: out.shape[0]]).abs().max())
+                if err > 0:
+                    raise SystemExit(f"{c['name']}: dispatch and direct outputs differ by {err}")
+                fns["dispatch"] = lambda d=dispatch, a=c["args"]: d(*a)
+                fns["direct"] = lambda r=runner, a=c["padded"]: r.run(a)
             host_rt = AttentionRuntime(cfg, b, {v: HostOnlyRunner(direct_out)})
             host = getattr(host_rt, c["method"])
-            fns = {
-                "dispatch": lambda d=dispatch, a=c["args"]: d(*a),
-                "direct": lambda r=runner, a=c["padded"]: r.run(a),
-                "host_only": lambda h=host, a=c["args"]: h(*a),
-            }
+            fns["host_only"] = lambda h=host, a=c["args"]: h(*a)
             if cfg.device == "cpu":  # the same, without the block-id check
                 nocheck_rt = AttentionRuntime(cfg, b, {v: HostOnlyRunner(direct_out)})
                 nocheck_rt.check_block_ids = False
@@ -263,20 +278,15 @@ def main(argv=None) -> int:
                         t[k].append(time_block(f, calls[k], cfg.device, clock))
             finally:
                 gc.enable()
-            over = [a - d for a, d in zip(t["dispatch"], t["direct"], strict=True)]
-            pct = [100 * o / d for o, d in zip(over, t["direct"], strict=True)]
-            results.append(
-                {
-                    "case": c["name"],
-                    "variant": str(v),
-                    "calls_per_block": calls,
-                    "direct_us": summary([x * 1e6 for x in t["direct"]]),
-                    "dispatch_us": summary([x * 1e6 for x in t["dispatch"]]),
-                    "overhead_us": summary([x * 1e6 for x in over]),
-                    "overhead_pct": summary(pct),
-                    "host_only_us": summary([x * 1e6 for x in t["host_only"]]),
-                }
-            )
+            results.append({"case": c["name"], "variant": str(v), "calls_per_block": calls})
+            if "direct" in t:
+                over = [a - d for a, d in zip(t["dispatch"], t["direct"], strict=True)]
+                pct = [100 * o / d for o, d in zip(over, t["direct"], strict=True)]
+                results[-1]["direct_us"] = summary([x * 1e6 for x in t["direct"]])
+                results[-1]["dispatch_us"] = summary([x * 1e6 for x in t["dispatch"]])
+                results[-1]["overhead_us"] = summary([x * 1e6 for x in over])
+                results[-1]["overhead_pct"] = summary(pct)
+            results[-1]["host_only_us"] = summary([x * 1e6 for x in t["host_only"]])
             if "host_only_no_id_check" in t:
                 results[-1]["host_only_no_id_check_us"] = summary(
                     [x * 1e6 for x in t["host_only_no_id_check"]]
@@ -302,7 +312,9 @@ def main(argv=None) -> int:
     doc["results"] = results
     doc["target"] = {
         "target_us": TARGET_US,
-        "overhead_under_target": all(r["overhead_us"]["median"] < TARGET_US for r in results),
+        "overhead_under_target": None
+        if args.host_only
+        else all(r["overhead_us"]["median"] < TARGET_US for r in results),
         "host_only_under_target": all(r["host_only_us"]["median"] < TARGET_US for r in results),
     }
     out = write_json(args.out, doc)
@@ -310,18 +322,19 @@ def main(argv=None) -> int:
         f"Dispatch overhead per call, {cfg.model} ({cfg.dtype}, {cfg.device}), "
         f"{args.repeats} rounds of up to {args.calls} calls, {clock_name} clock, "
         f"{torch.get_num_threads()} thread(s), median (min-max)",
-        ["case", "direct us", "dispatch us", "overhead us", "overhead %", "host only us"]
+        ["case"]
+        + ([] if args.host_only else ["direct us", "dispatch us", "overhead us", "overhead %"])
+        + ["host only us"]
         + (["host only, no id check us"] if cfg.device == "cpu" else [])
         + (["baseline host only us", "host only / baseline"] if baseline else []),
         [
-            [
-                r["case"],
-                fmt(r["direct_us"], digits=1),
-                fmt(r["dispatch_us"], digits=1),
-                fmt(r["overhead_us"], digits=1),
-                fmt(r["overhead_pct"], digits=1),
-                fmt(r["host_only_us"], digits=1),
+            [r["case"]]
+            + [
+                fmt(r[k], digits=1)
+                for k in ("direct_us", "dispatch_us", "overhead_us", "overhead_pct")
+                if k in r
             ]
+            + [fmt(r["host_only_us"], digits=1)]
             + ([fmt(r["host_only_no_id_check_us"], digits=1)] if cfg.device == "cpu" else [])
             + (
                 [

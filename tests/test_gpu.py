@@ -548,3 +548,70 @@ def test_gpu_capture_with_host_lengths_is_refused(granite_rt, granite_pool):
     out = granite_rt.decode(q, kc, vc, tables, [4096] * 8)
     ref = reference_decode(q, kc, vc, tables, [4096] * 8)
     assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "copied"])
+def test_gpu_host_lengths_through_the_staging_ring_match_reference(
+    granite_rt, granite_pool, mapped
+):
+    """Host lengths reach the kernel through the pinned staging rows, read in
+    place by the kernel (mapped) or copied to the device per call: more than
+    two laps of the ring of decode and of prefill calls, each with new lengths,
+    enqueued back to back; sampled outputs match the reference for the lengths
+    of their own call (a row rewritten before its kernel ran would not)."""
+    from kernel_cache.runtime.dispatch import RING, AttentionRuntime, mapped_pinned_reads
+
+    if mapped and not mapped_pinned_reads(torch.device("cuda")):
+        pytest.skip("kernels cannot read pinned host memory on this machine")
+    kc, vc, bt = granite_pool
+    rt = AttentionRuntime(granite_rt.config, granite_rt.bucketer, granite_rt._runners)
+    rt.map_pinned_lengths = mapped
+    gen = torch.Generator().manual_seed(5)
+    q8, q512 = _q(8, 21), _q(512, 22)
+    tables, table = bt[8:16, :256].contiguous(), bt[20, :256].contiguous()
+    kept = []
+    for step in range(2 * RING + 20):
+        lens = torch.randint(1, 4097, (8,), generator=gen).tolist()
+        seq_len = int(torch.randint(512, 4097, (1,), generator=gen))
+        dec = rt.decode(q8, kc, vc, tables, lens)
+        pre = rt.prefill(q512, kc, vc, table, seq_len)
+        if step % 16 == 5:
+            kept.append((dec, lens, pre, seq_len))
+    assert all((s.ring_args is not None) == mapped for s in rt._slots.values())
+    torch.cuda.synchronize()
+    for dec, lens, pre, seq_len in kept:
+        assert rel_err(dec, reference_decode(q8, kc, vc, tables, lens)) < 1e-2, lens
+        ref = reference_attention(q512, kc, vc, table, seq_len)
+        assert rel_err(pre, ref) < REL_TOL[torch.bfloat16], seq_len
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "copied"])
+def test_gpu_decode_of_two_sequences_gets_one_lengths_argument(mapped):
+    """A decode bucket of 2 sequences has 2 lengths, like prefill: its kernel still
+    gets one ``[2]`` lengths tensor holding the host lengths, padded with 0
+    (recorded by a stub runner, so no artifact is needed)."""
+    from kernel_cache import AttentionRuntime
+    from kernel_cache.plan.buckets import BATCHED_DECODE, KernelVariant
+
+    limits = {**GRANITE_LIMITS, "max_num_seqs": 2, "num_seqs_buckets": (2,)}
+    cfg = make_config("granite-3.3-8b", device="cuda", **limits)
+    v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=256, num_seqs=2)
+    seen = []
+
+    class Recorder:
+        def run(self, args):
+            seen.append([a.clone() for a in args[3:]])
+            return [torch.zeros(2, H, D, device="cuda", dtype=torch.bfloat16)]
+
+    rt = AttentionRuntime(cfg, Bucketer(cfg), {v: Recorder()})
+    rt.map_pinned_lengths = mapped
+    kc = torch.zeros(4, BS, KVH, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.zeros(2, 256, device="cuda", dtype=torch.int32)
+    for lens in ([4000, 17], [3]):
+        n = len(lens)
+        rt.decode(_q(n, 1), kc, kc, tables[:n], lens)
+    torch.cuda.synchronize()
+    assert [[t.tolist() for t in args] for args in seen] == [
+        [[[0] * 256] * 2, [4000, 17]],
+        [[[0] * 256] * 2, [3, 0]],
+    ]

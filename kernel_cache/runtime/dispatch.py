@@ -25,11 +25,15 @@ from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import ShapeError
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 
-#: Pinned staging rows per slot for the lengths a CUDA call copies to the device;
-#: a row is rewritten only after the GPU has run the copy that read it, so the
-#: host may run up to RING / 2 calls of one variant ahead of the GPU before a
-#: call waits.
+#: torch.cuda.is_current_stream_capturing without its Python frame (hot path);
+#: False on a torch built without CUDA.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+
+#: Pinned staging rows per slot for the lengths of a CUDA call; a row is
+#: rewritten only after the GPU has run the kernel that read it, so the host may
+#: run up to RING / 2 calls of one variant ahead of the GPU before a call waits.
 RING = 64
+_HALF = RING // 2
 
 #: Block tables up to this many entries are range-checked with Python's max over
 #: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
@@ -37,10 +41,66 @@ RING = 64
 SMALL_TABLE = 256
 
 
+class _HostArray:
+    """A ``__cuda_array_interface__`` over page-locked host memory: torch wraps
+    it as a CUDA tensor whose kernels read that memory directly (under unified
+    addressing, every ``cudaHostAlloc`` block is mapped at the same address on
+    the device). Holds ``host`` alive as long as the tensor."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "<i4",
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 2,
+        }
+
+
+def _mapped(host: torch.Tensor, device):
+    """``host`` (pinned) as a CUDA tensor on ``device`` over the same memory, or
+    None where torch refuses the pointer or would copy it instead (another
+    device than the one the memory was registered with)."""
+    try:
+        dev = torch.as_tensor(_HostArray(host), device=device)
+    except (RuntimeError, TypeError, ValueError):  # torch or CUDA refused the pointer
+        return None
+    return dev if dev.is_cuda and dev.data_ptr() == host.data_ptr() else None
+
+
+_mapped_ok: dict = {}
+
+
+def mapped_pinned_reads(device) -> bool:
+    """Whether kernels on ``device`` read page-locked host memory through its
+    host address (checked once per process and device: a kernel reads values
+    written on the host after the tensor was made; it synchronizes). False
+    where that fails: dispatch then copies the lengths to the device per call."""
+    key = str(device)
+    if key not in _mapped_ok:
+        try:
+            host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+            dev = _mapped(host, device)
+            host.numpy()[:] = range(3, 11)
+            _mapped_ok[key] = dev is not None and (dev * 1).tolist() == list(range(3, 11))
+        except Exception:  # any CUDA or torch refusal: fall back to the copy
+            _mapped_ok[key] = False
+    return _mapped_ok[key]
+
+
 class _Slot:
     """One loaded variant with everything its calls reuse: the runner, the padded
     input buffers and views of them, made once (dispatch is a hot path: every
-    torch op saved is microseconds per call)."""
+    torch op saved is microseconds per call).
+
+    On CUDA, host lengths go through a ring of pinned rows (``ring``; the host
+    writes row ``ring_i`` through ``ring_mv``/``ring_np``). Where kernels read
+    pinned memory directly (:func:`mapped_pinned_reads`), ``ring_args[i]`` are the
+    kernel's length arguments over row i itself, with no copy; else the row is
+    copied to ``lens`` (``ring_rows[i]`` is the copy's source) and the kernel
+    reads ``lens_views``. Each row starts 16 bytes apart (AOTInductor copies an
+    input that is not 16-byte aligned on every call)."""
 
     __slots__ = (
         "variant",
@@ -55,7 +115,9 @@ class _Slot:
         "lens_views",
         "ring",
         "ring_np",
+        "ring_mv",
         "ring_rows",
+        "ring_args",
         "ring_i",
         "ring_events",
         "bt_rows",
@@ -63,7 +125,7 @@ class _Slot:
         "bt_max",
     )
 
-    def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device):
+    def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device, mapped=False):
         self.variant = v
         self.runner = runner
         self.calls = 0
@@ -71,30 +133,37 @@ class _Slot:
         self.qbuf = torch.zeros(
             (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
         )
-        n = 2 if v.kernel == PAGED_ATTENTION else v.num_seqs
+        prefill = v.kernel == PAGED_ATTENTION
+        n = 2 if prefill else v.num_seqs
         shape = (v.num_blocks,) if v.kernel == PAGED_ATTENTION else (v.num_seqs, v.num_blocks)
         self.btbuf = torch.zeros(shape, dtype=torch.int32, device=dev)
         # Lengths are written on the host into an int32 array that a CPU tensor
-        # shares (torch.frombuffer): no torch op per call. On CUDA the device
-        # buffer is refreshed from it with one copy.
+        # shares (torch.frombuffer): no torch op per call.
         self.lens_arr = array("i", bytes(4 * n))
         self.zeros = array("i", bytes(4 * n))
         self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
-        self.ring = self.ring_np = self.ring_rows = self.ring_events = None
+        self.ring = self.ring_np = self.ring_mv = self.ring_rows = None
+        self.ring_args = self.ring_events = None
         self.ring_i = 0
+
+        def views(t):  # prefill's two [1] lengths 16 bytes apart, decode's [n]
+            return (t[0:1], t[4:5]) if prefill else (t[:n],)
+
         if dev.type == "cpu":
             self.lens = self.lens_host
-            self.lens_views = (self.lens[0:1], self.lens[1:2]) if n == 2 else (self.lens,)
+            self.lens_views = (self.lens[0:1], self.lens[1:2]) if prefill else (self.lens,)
         else:
-            # Prefill's two lengths 16 bytes apart: AOTInductor compiled each [1]
-            # input as 16-byte aligned and copies an unaligned one on every call.
-            width = 8 if n == 2 else n
+            width = 8 if prefill else -(-n // 4) * 4
             self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
-            self.lens_views = (self.lens[0:1], self.lens[4:5]) if n == 2 else (self.lens,)
-            # Pinned staging rows, used in turn (see AttentionRuntime._upload_lens).
+            self.lens_views = views(self.lens)
             self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
             self.ring_np = self.ring.numpy()
-            self.ring_rows = list(self.ring)
+            self.ring_mv = [memoryview(r).cast("B").cast("i") for r in self.ring_np]
+            on_device = _mapped(self.ring, dev) if mapped else None
+            if on_device is not None:
+                self.ring_args = [views(on_device[i]) for i in range(RING)]
+            else:
+                self.ring_rows = list(self.ring)
             self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
         self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
         # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
@@ -153,6 +222,9 @@ class AttentionRuntime:
         c = config
         self._qshape = (c.num_heads, c.head_dim)
         self._kvshape = (c.block_size, c.num_kv_heads, c.head_dim)
+        # The config is frozen: its limits read once (attribute lookups on the
+        # pydantic model cost more than on the runtime).
+        self._max_len, self._block, self._max_seqs = c.max_model_len, c.block_size, c.max_num_seqs
         # The KV pool passed last and found good, as weak references: an engine
         # passes the same two tensors on every call, so they are checked once.
         self._kv_ok: tuple = (_dead_ref, _dead_ref)
@@ -162,6 +234,12 @@ class AttentionRuntime:
         #: time here (docs/benchmarks.md, "Dispatch overhead"). An engine that
         #: builds its block tables itself may set it to False.
         self.check_block_ids = True
+        #: CUDA only: kernels read each call's host lengths from a pinned staging
+        #: row directly (True where :func:`mapped_pinned_reads` passed at load),
+        #: saving a host-to-device copy per call (about 8 us of host time on the
+        #: H200 machine); False copies the row to the device first. Applies to
+        #: variants not called yet.
+        self.map_pinned_lengths = self._device.type == "cuda" and mapped_pinned_reads(self._device)
 
     @property
     def variants(self) -> tuple[KernelVariant, ...]:
@@ -175,7 +253,9 @@ class AttentionRuntime:
 
     # -- checks ------------------------------------------------------------
     def _check(self, query, key_cache, value_cache):
-        if query.dim() != 3 or query.shape[1:] != self._qshape:
+        # shape[1:] of any tensor that is not [n, num_heads, head_dim] differs
+        # from the tuple (length or entries): no dim() call needed.
+        if query.shape[1:] != self._qshape:
             raise ShapeError(
                 f"query shape {tuple(query.shape)}: expected [n, num_heads, "
                 f"head_dim] = [n, {self._qshape[0]}, {self._qshape[1]}]"
@@ -246,38 +326,48 @@ class AttentionRuntime:
             )
 
     @staticmethod
-    def _staging_row(slot: _Slot, name: str):
-        """The next pinned staging row of ``slot`` (a numpy int32 view) to write
-        host lengths into; :meth:`_upload_lens` then copies it to the device.
+    def _staging_row(slot: _Slot, name: str) -> int:
+        """The index of ``slot``'s next pinned staging row, for the host to write
+        this call's lengths into (``slot.ring_mv[i]`` / ``slot.ring_np[i]``);
+        :meth:`_staged_lens` gives the kernel's length arguments for it and
+        :meth:`_staged_done` hands the row to the GPU after the kernel is enqueued.
 
-        The ring's two halves each have an event, recorded after the copy out
-        of the half's last row; entering a half waits for that event of the
+        The ring's two halves each have an event, recorded after the kernel of
+        the half's last row; entering a half waits for that event of the
         previous lap, which has long completed unless the host is RING / 2 calls
         of this variant ahead of the GPU (then it waits, bounding the queue).
-        Under CUDA-graph capture the copy would replay the lengths of the
+        Under CUDA-graph capture the graph would replay the lengths of the
         capture, so the lengths must come from the device instead.
 
         Raises: ShapeError under CUDA-graph capture (names ``name``).
         """
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise ShapeError(
                 f"capturing a CUDA graph: pass the lengths as device tensors ({name}=...) "
                 "that the engine rewrites before each replay; host lengths would be baked "
                 "into the graph (README, 'CUDA graphs')"
             )
         i = slot.ring_i
-        if i % (RING // 2) == 0:
-            slot.ring_events[i // (RING // 2)].synchronize()
-        return slot.ring_np[i]
+        if i % _HALF == 0:
+            slot.ring_events[i // _HALF].synchronize()
+        return i
 
     @staticmethod
-    def _upload_lens(slot: _Slot) -> None:
-        """Copy the row :meth:`_staging_row` returned to the slot's device lengths
-        (pinned source: the copy is enqueued and the call returns)."""
-        i = slot.ring_i
+    def _staged_lens(slot: _Slot, i: int) -> tuple:
+        """The kernel's length arguments holding staging row ``i``: views of the
+        pinned row itself where kernels read it directly, else of the slot's
+        device lengths after an enqueued copy of the row (pinned source)."""
+        if slot.ring_args is not None:
+            return slot.ring_args[i]
         slot.lens.copy_(slot.ring_rows[i], non_blocking=True)
-        if i % (RING // 2) == RING // 2 - 1:
-            slot.ring_events[i // (RING // 2)].record()
+        return slot.lens_views
+
+    @staticmethod
+    def _staged_done(slot: _Slot, i: int) -> None:
+        """After the kernel that reads row ``i`` is enqueued: close the ring's half
+        with an event at its last row, and move to the next row."""
+        if i % _HALF == _HALF - 1:
+            slot.ring_events[i // _HALF].record()
         slot.ring_i = (i + 1) % RING
 
     def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
@@ -293,7 +383,9 @@ class AttentionRuntime:
                     f"variant {v} is not loaded; warm it up: kernel-cache warmup "
                     f"{config_to_cli(self.config)}"
                 )
-            slot = self._slots[key] = _Slot(v, r, self.config, self._dtype, self._device)
+            slot = self._slots[key] = _Slot(
+                v, r, self.config, self._dtype, self._device, self.map_pinned_lengths
+            )
         slot.calls += 1
         return slot
 
@@ -336,20 +428,8 @@ class AttentionRuntime:
         """
         self._check(query, key_cache, value_cache)
         q = query.shape[0]
-        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
-            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
-        try:
-            seq_len = operator.index(seq_len)
-        except TypeError:
-            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
-        if not 1 <= q <= seq_len:
-            raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
-        if seq_len > self.config.max_model_len:
-            raise ShapeError(
-                f"seq_len {seq_len} is above max_model_len {self.config.max_model_len}; "
-                "raise --max-model-len and warm up"
-            )
-        need = -(-seq_len // self.config.block_size)
+        seq_len = self._prefill_seq_len(seq_len, q)
+        need = -(-seq_len // self._block)
         nb = self.bucketer.blocks_bucket(need)
         qb = self.bucketer.query_bucket(q)
         width = block_table.shape[0] if block_table.dim() == 1 else -1
@@ -364,35 +444,62 @@ class AttentionRuntime:
         else:
             qin = slot.qbuf
             qin[:q].copy_(query)
-        btbuf = slot.btbuf
-        cuda_table = slot.ring is not None and block_table.is_cuda
-        if width == nb and cuda_table and block_table.is_contiguous():
-            btbuf = block_table  # CUDA: the engine's table as it is (ids not checked)
-        elif width == nb:
-            btbuf.copy_(block_table)
-        elif width > nb:
-            btbuf.copy_(block_table[:nb])
-        else:
-            btbuf[:width].copy_(block_table)
-            btbuf[width:].zero_()
+        btbuf = self._prefill_table(slot, block_table, width, nb)
+        if self.check_block_ids and slot.bt_max is not None:
+            self._check_block_ids("block_table", slot, key_cache)
+        i = None
         if device_seq_len is not None or device_query_len is not None:
             self._check_device_lens("device_seq_len", device_seq_len, 1)
             self._check_device_lens("device_query_len", device_query_len, 1)
             lq, lq2 = device_seq_len, device_query_len
-        else:
-            if slot.ring is None:  # CPU: the kernel reads the host buffer itself
-                slot.lens_arr[0] = seq_len
-                slot.lens_arr[1] = q
-            else:
-                row = self._staging_row(slot, "device_seq_len, device_query_len")
-                row[0] = seq_len
-                row[4] = q
-                self._upload_lens(slot)
+        elif slot.ring is None:  # CPU: the kernel reads the host buffer itself
+            slot.lens_arr[0] = seq_len
+            slot.lens_arr[1] = q
             lq, lq2 = slot.lens_views
-        if self.check_block_ids:
-            self._check_block_ids("block_table", slot, key_cache)
+        else:
+            i = self._staging_row(slot, "device_seq_len, device_query_len")
+            row = slot.ring_mv[i]
+            row[0] = seq_len
+            row[4] = q
+            lq, lq2 = self._staged_lens(slot, i)
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
+        if i is not None:
+            self._staged_done(slot, i)
         return out[:q] if q != qb else out
+
+    def _prefill_seq_len(self, seq_len, q: int) -> int:
+        """``seq_len`` as an int, checked: an integer (not a bool), at least the
+        chunk's ``q`` tokens, at most max_model_len. Raises ShapeError."""
+        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
+            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
+        try:
+            seq_len = operator.index(seq_len)
+        except TypeError:
+            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
+        if not 1 <= q <= seq_len:
+            raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
+        if seq_len > self._max_len:
+            raise ShapeError(
+                f"seq_len {seq_len} is above max_model_len {self._max_len}; "
+                "raise --max-model-len and warm up"
+            )
+        return seq_len
+
+    @staticmethod
+    def _prefill_table(slot: _Slot, block_table, width: int, nb: int):
+        """The ``[nb]`` block table the kernel reads: on CUDA the engine's own
+        when it is exactly ``nb`` wide and contiguous (ids not checked), else the
+        slot's buffer holding its first ``nb`` ids, zero-padded."""
+        btbuf = slot.btbuf
+        if width == nb and slot.ring is not None and block_table.is_cuda:
+            if block_table.is_contiguous():
+                return block_table
+        if width >= nb:
+            btbuf.copy_(block_table if width == nb else block_table[:nb])
+        else:
+            btbuf[:width].copy_(block_table)
+            btbuf[width:].zero_()
+        return btbuf
 
     def decode(
         self, query, key_cache, value_cache, block_tables, seq_lens, *, device_seq_lens=None
@@ -426,6 +533,53 @@ class AttentionRuntime:
         """
         self._check(query, key_cache, value_cache)
         s = query.shape[0]
+        lens_arr, longest = self._decode_seq_lens(seq_lens, s)
+        if s > self._max_seqs:
+            raise ShapeError(
+                f"num_seqs {s} is above max_num_seqs {self._max_seqs}; "
+                "raise --max-num-seqs and warm up"
+            )
+        need = max(1, -(-longest // self._block))
+        shape = block_tables.shape
+        if len(shape) != 2 or shape[0] != s or shape[1] < need or block_tables.dtype != torch.int32:
+            raise ShapeError(
+                f"block_tables shape {tuple(block_tables.shape)} "
+                f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
+            )
+        if not self.bucketer.num_seqs_buckets:
+            if device_seq_lens is not None:
+                raise ShapeError(
+                    "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
+                    "this plan decodes one sequence at a time through prefill"
+                )
+            return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
+        sb = self.bucketer.num_seqs_bucket(s)
+        slot = self._slot(BATCHED_DECODE, 1, self.bucketer.blocks_bucket(need), sb)
+        if s == sb and query.is_contiguous():
+            qin = query
+        else:
+            qin = slot.qbuf
+            rows = slot.rows.get(s) or slot.row_views(s)
+            rows[0].copy_(query)
+        btbuf = self._decode_tables(slot, block_tables, s)
+        if self.check_block_ids and slot.bt_max is not None:
+            self._check_block_ids("block_tables", slot, key_cache)
+        i = None
+        if device_seq_lens is not None:
+            lens = self._decode_device_lens(slot, device_seq_lens, s)
+        else:
+            lens, i = self._decode_host_lens(slot, seq_lens, lens_arr, s)
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
+        if i is not None:
+            self._staged_done(slot, i)
+        return out[:s] if s != sb else out
+
+    def _decode_seq_lens(self, seq_lens, s: int) -> tuple:
+        """Check decode's host ``seq_lens`` for ``s`` queries: ``(lens, longest)``,
+        ``lens`` an int32 ``array`` of them (None for a CPU tensor, used as it
+        is). Raises ShapeError: a GPU tensor, a wrong count, a non-integer or
+        bool, a length below 1 or above max_model_len."""
+        lens_arr = None
         if isinstance(seq_lens, torch.Tensor):
             if seq_lens.device.type != "cpu":
                 raise ShapeError(
@@ -457,84 +611,79 @@ class AttentionRuntime:
                 f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
                 "token (its query token): drop finished or empty sequences from the batch"
             )
-        if longest > self.config.max_model_len:
+        if longest > self._max_len:
             raise ShapeError(
                 f"seq_len {longest} is above max_model_len "
-                f"{self.config.max_model_len}; raise --max-model-len and warm up"
+                f"{self._max_len}; raise --max-model-len and warm up"
             )
-        if s > self.config.max_num_seqs:
-            raise ShapeError(
-                f"num_seqs {s} is above max_num_seqs {self.config.max_num_seqs}; "
-                "raise --max-num-seqs and warm up"
-            )
-        need = max(1, -(-longest // self.config.block_size))
-        shape = block_tables.shape
-        if len(shape) != 2 or shape[0] != s or shape[1] < need or block_tables.dtype != torch.int32:
-            raise ShapeError(
-                f"block_tables shape {tuple(block_tables.shape)} "
-                f"{block_tables.dtype}: expected [{s}, >= {need}] int32"
-            )
-        if not self.bucketer.num_seqs_buckets:
-            if device_seq_lens is not None:
-                raise ShapeError(
-                    "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
-                    "this plan decodes one sequence at a time through prefill"
-                )
-            return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
-        nb = self.bucketer.blocks_bucket(need)
-        sb = self.bucketer.num_seqs_bucket(s)
-        slot = self._slot(BATCHED_DECODE, 1, nb, sb)
-        if s == sb and query.is_contiguous():
-            qin = query
-        else:
-            qin = slot.qbuf
-            rows = slot.rows.get(s) or slot.row_views(s)
-            rows[0].copy_(query)
+        return lens_arr, longest
+
+    @staticmethod
+    def _decode_tables(slot: _Slot, block_tables, s: int):
+        """The ``[num_seqs bucket, nb]`` block tables the kernel reads: on CUDA the
+        engine's own when they are exactly that shape and contiguous (ids not
+        checked), else the slot's buffer holding the first ``nb`` ids of each of
+        the ``s`` rows, zero-padded, with rows past ``s`` reset to block 0."""
         btbuf = slot.btbuf
-        width = shape[1]
-        cuda_table = slot.ring is not None and block_tables.is_cuda
-        if s == sb and width == nb and cuda_table and block_tables.is_contiguous():
-            btbuf = block_tables  # CUDA: the engine's tables as they are (ids not checked)
+        sb, nb = btbuf.shape
+        width = block_tables.shape[1]
+        if s == sb and width == nb and slot.ring is not None and block_tables.is_cuda:
+            if block_tables.is_contiguous():
+                return block_tables
+        src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
+        if s == sb and src is not None:
+            btbuf.copy_(src)
+        elif src is not None:
+            rows = slot.rows.get(s) or slot.row_views(s)
+            rows[1].copy_(src)
         else:
-            src = block_tables if width == nb else block_tables[:, :nb] if width > nb else None
-            if s == sb and src is not None:
-                btbuf.copy_(src)
-            elif src is not None:
-                rows = slot.rows.get(s) or slot.row_views(s)
-                rows[1].copy_(src)
-            else:
-                btbuf[:s, :width].copy_(block_tables)
-                btbuf[:s, width:].zero_()
-            if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
-                btbuf[s : slot.bt_rows].zero_()
-            slot.bt_rows = s
-        if self.check_block_ids:
-            self._check_block_ids("block_tables", slot, key_cache)
-        if device_seq_lens is not None:
-            self._check_device_lens("device_seq_lens", device_seq_lens, s)
-            if s == sb:
-                lens = device_seq_lens
-            else:  # rows past the batch: length 0, nothing read
-                lens = slot.lens
-                lens[:s].copy_(device_seq_lens)
-                lens[s:].zero_()
-        elif slot.ring is None:  # CPU: the kernel reads the host buffer itself
-            if isinstance(seq_lens, torch.Tensor):
+            btbuf[:s, :width].copy_(block_tables)
+            btbuf[:s, width:].zero_()
+        if s < slot.bt_rows:  # rows of earlier, larger batches: reset to block 0
+            btbuf[s : slot.bt_rows].zero_()
+        slot.bt_rows = s
+        return btbuf
+
+    def _decode_host_lens(self, slot: _Slot, seq_lens, lens_arr, s: int) -> tuple:
+        """Write the ``s`` host lengths (``lens_arr``, or the CPU tensor
+        ``seq_lens`` where it is None) and 0 past them up to the bucket:
+        ``(kernel's lengths argument, staging row index or None)``. On the CPU
+        into the slot's host buffer, which the kernel reads; on CUDA into the
+        next pinned staging row (:meth:`_staging_row`: raises ShapeError under
+        CUDA-graph capture); the caller calls :meth:`_staged_done` after the
+        kernel is enqueued."""
+        sb = slot.variant.num_seqs
+        if slot.ring is None:
+            if lens_arr is None:
                 slot.lens_host[:s].copy_(seq_lens)
             else:
                 slot.lens_arr[:s] = lens_arr
             if s < sb:
                 slot.lens_arr[s:] = slot.zeros[: sb - s]
-            lens = slot.lens
+            return slot.lens, None
+        i = self._staging_row(slot, "device_seq_lens")
+        if lens_arr is None:
+            row = slot.ring_np[i]
+            row[:s] = seq_lens.numpy()
+            row[s:sb] = 0
         else:
-            row = self._staging_row(slot, "device_seq_lens")
-            row[:s] = seq_lens.numpy() if isinstance(seq_lens, torch.Tensor) else lens_arr
+            row = slot.ring_mv[i]
+            row[:s] = lens_arr
             if s < sb:
-                row[s:] = 0
-            self._upload_lens(slot)
-            lens = slot.lens
-        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
-        return out[:s] if s != sb else out
+                row[s:sb] = slot.zeros[: sb - s]
+        return self._staged_lens(slot, i)[0], i
+
+    def _decode_device_lens(self, slot: _Slot, device_seq_lens, s: int):
+        """``device_seq_lens`` (checked: ``[s]`` int32 on the device) as the
+        kernel's ``[num_seqs bucket]`` lengths: itself for a full bucket, else
+        copied into the slot's device lengths with 0 (nothing read) past ``s``."""
+        self._check_device_lens("device_seq_lens", device_seq_lens, s)
+        if s == slot.variant.num_seqs:
+            return device_seq_lens
+        lens = slot.lens_views[0]
+        lens[:s].copy_(device_seq_lens)
+        lens[s:].zero_()
+        return lens
 
     def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):
         lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
