@@ -78,19 +78,41 @@ class HostOnlyRunner:
 
 def load_baseline(root: str):
     """Another checkout's ``kernel_cache`` package (e.g. main before a change),
-    imported as ``kernel_cache_baseline`` next to this one."""
-    import importlib.util
+    imported whole from ``root`` beside this one.
 
-    pkg = Path(root) / "kernel_cache"
-    name = "kernel_cache_baseline"
-    spec = importlib.util.spec_from_file_location(
-        name, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
-    )
-    if spec is None or not (pkg / "__init__.py").is_file():
+    Its modules import each other as ``kernel_cache.*``, so they are imported
+    with ``root`` first on ``sys.path`` and this checkout's modules moved out of
+    ``sys.modules``; afterwards this checkout's modules are put back and the
+    baseline's live on through the returned package (its functions keep their
+    own module globals). A function-level import the baseline runs later
+    would find this checkout's module: dispatch's hot path has none.
+
+    Raises:
+        SystemExit: ``root`` has no ``kernel_cache`` package, or the import did
+            not come from ``root``.
+    """
+    import importlib
+
+    pkg = Path(root).resolve() / "kernel_cache"
+    if not (pkg / "__init__.py").is_file():
         raise SystemExit(f"--baseline {root}: no kernel_cache package there")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+
+    def ours(name: str) -> bool:
+        return name == "kernel_cache" or name.startswith("kernel_cache.")
+
+    saved = {k: m for k, m in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(pkg.parent))
+    try:
+        mod = importlib.import_module("kernel_cache")
+    finally:
+        sys.path.remove(str(pkg.parent))
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    if not Path(mod.__file__).resolve().is_relative_to(pkg):
+        raise SystemExit(f"--baseline {root}: imported {mod.__file__} instead")
     return mod
 
 
