@@ -82,13 +82,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, KernelVariant
 
 log = logging.getLogger("kernel_cache.plan.launch")
 
-ENV_TUNING = "KERNEL_CACHE_TUNING"
+ENV_TUNING = settings.var("tuning")
 TABLE_FORMAT = "kernel-cache-launch/1"
 BUNDLED_DIR = Path(__file__).parent / "launch_tables"
 
@@ -521,8 +522,7 @@ class Resolver:
     def __init__(
         self, environ: Mapping | None = None, bundled_dir: str | os.PathLike | None = None
     ):
-        environ = os.environ if environ is None else environ
-        self.override = override_table(environ.get(ENV_TUNING))
+        self.override = override_table(settings.get("tuning", environ))
         self.bundled_dir = Path(bundled_dir) if bundled_dir is not None else BUNDLED_DIR
         self._bundled: dict[str, LaunchTable | None] = {}
 
@@ -680,7 +680,7 @@ def _cached_resolver(value: str | None, stamp, bundled_dir: str) -> Resolver:
 def current_resolver() -> Resolver:
     """A process-wide :class:`Resolver` for the current ``KERNEL_CACHE_TUNING``
     (rebuilt when its value or the file's modification time changes)."""
-    value = os.environ.get(ENV_TUNING)
+    value = settings.get("tuning")
     stamp = None
     if value and not value.lstrip().startswith("{"):
         try:
