@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+from kernel_cache.config import settings
 from kernel_cache.plan.buckets import Bucketer, KernelVariant
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
@@ -78,7 +79,7 @@ log = logging.getLogger("kernel_cache.warmup")
 
 #: Set to 1 to keep the compile scratch directory (Inductor's sources, objects
 #: and precompiled headers) for debugging; its path is logged.
-ENV_KEEP_SCRATCH = "KERNEL_CACHE_KEEP_SCRATCH"
+ENV_KEEP_SCRATCH = settings.var("keep_scratch")
 
 
 def check_cached(
@@ -776,7 +777,7 @@ def _new_scratch() -> str:
 
 
 def _drop_scratch(scratch: str) -> None:
-    if os.environ.get(ENV_KEEP_SCRATCH) == "1":
+    if settings.get("keep_scratch"):
         log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
         return
     shutil.rmtree(scratch, ignore_errors=True)
