@@ -518,6 +518,17 @@ def override_table(value: str | None) -> LaunchTable | None:
     return parse_table(doc, origin)
 
 
+class LaunchChoice(BaseModel):
+    """A report's record of one variant a launch table sets (:func:`describe_plan`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: dict[str, int] = Field(description="the resolved launch config")
+    source: Literal["env", "bundled", "default"] = Field(
+        description="env (KERNEL_CACHE_TUNING), bundled or default"
+    )
+
+
 @dataclass(frozen=True)
 class Resolved:
     """One variant's resolved launch config and where it came from
