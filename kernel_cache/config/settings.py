@@ -15,10 +15,14 @@ its default. A value that does not validate raises :class:`SettingError` (a
 ``1/true/yes/on`` and ``0/false/no/off`` (any case) and nothing else: a
 misspelt ``ture`` is an error, not "off".
 
-``Settings()`` reads :data:`os.environ` through pydantic-settings' own
-environment source with the same validators; :func:`read` and :func:`get`
-validate the variables picked out of a mapping (``model_validate``), which is
-what lets them take ``environ`` and costs a few microseconds per call.
+``Settings`` (a ``pydantic_settings.BaseSettings`` with ``env_prefix
+KERNEL_CACHE_``) is made on first use: ``Settings()`` reads :data:`os.environ`
+through pydantic-settings' environment source (about 6 ms a call). The fields
+themselves live on the plain pydantic model :class:`SettingsFields` (its
+base), and :func:`get` validates one picked-out variable with that field's
+type, constraints and parsers (a cached ``TypeAdapter``, about a microsecond):
+that is what lets it take ``environ``, and engine start never imports
+pydantic-settings.
 
 The ``KERNEL_CACHE_TEST_*`` fault-injection hooks (:mod:`kernel_cache._testhooks`,
 :mod:`warmup.build.compiler`) are test-only and not in the model; see
@@ -34,8 +38,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, TypeAdapter, ValidationError
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+)
 
 from kernel_cache.errors import ConfigError
 
@@ -168,30 +180,18 @@ def _split_paths(text: str) -> tuple[Path, ...]:
 
 
 Bool = Annotated[bool, _before(parse_bool)]
-BucketList = Annotated[tuple[int, ...] | None, NoDecode, _before(parse_int_list)]
-PathList = Annotated[tuple[Path, ...], NoDecode, _before(_split_paths)]
+BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
+PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
 Size = Annotated[int | None, _before(parse_size_bytes)]
 RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
 
 
-class Settings(BaseSettings):
-    """The ``KERNEL_CACHE_*`` variables (see the module docstring)."""
+class SettingsFields(BaseModel):
+    """The fields of :class:`Settings`, as a plain pydantic model: :func:`get`
+    validates with them without importing pydantic-settings (about 20-40 ms of
+    imports an engine start need not pay)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix=PREFIX,
-        case_sensitive=False,
-        env_ignore_empty=True,
-        extra="ignore",
-        frozen=True,
-    )
-
-    def __init__(self, **values):
-        try:
-            super().__init__(**values)
-        except ValidationError as e:
-            name = str(e.errors()[0]["loc"][0])
-            raw = {**_pick(os.environ, VARIABLES), **values}
-            raise _error(name, e, raw.get(name)) from None
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     # -- where things are -----------------------------------------------------------
     dir: Path | None = _f(
@@ -293,8 +293,50 @@ class Settings(BaseSettings):
     )  # fmt: skip
 
 
+def _settings_class():
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class Settings(BaseSettings, SettingsFields):
+        """The ``KERNEL_CACHE_*`` variables (see the module docstring); ``Settings()``
+        reads :data:`os.environ` with pydantic-settings' environment source.
+
+        Raises:
+            SettingError: a variable that does not validate.
+        """
+
+        model_config = SettingsConfigDict(
+            env_prefix=PREFIX,
+            case_sensitive=False,
+            env_ignore_empty=True,
+            enable_decoding=False,  # lists are comma- or pathsep-separated, not JSON
+            extra="ignore",
+            frozen=True,
+        )
+
+        def __init__(self, **values):
+            try:
+                super().__init__(**values)
+            except ValidationError as e:
+                name = str(e.errors()[0]["loc"][0])
+                raw = {**_pick(os.environ, VARIABLES), **values}
+                raise _error(name, e, raw.get(name)) from None
+
+    Settings.__module__ = __name__
+    return Settings
+
+
+def __getattr__(name: str):
+    """``Settings``, the pydantic-settings class, made on first use."""
+    if name == "Settings":
+        cls = globals()["Settings"] = _settings_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_FIELDS = SettingsFields.model_fields
+
 #: ``{field name: variable name}`` for every field.
-VARIABLES: dict[str, str] = {name: PREFIX + name.upper() for name in Settings.model_fields}
+VARIABLES: dict[str, str] = {name: PREFIX + name.upper() for name in _FIELDS}
 
 
 def var(name: str) -> str:
@@ -307,13 +349,13 @@ def _adapter(name: str) -> TypeAdapter:
     """A validator of field ``name`` alone (its type, constraints and parsers):
     validating the whole ``Settings`` runs pydantic-settings' sources, about
     6 ms, where this takes microseconds."""
-    return TypeAdapter(Settings.model_fields[name].rebuild_annotation())
+    return TypeAdapter(_FIELDS[name].rebuild_annotation())
 
 
 def _error(name: str, e: ValidationError, value) -> SettingError:
     """The :class:`SettingError` of field ``name`` holding ``value``."""
     variable = VARIABLES[name]
-    extra = Settings.model_fields[name].json_schema_extra or {}
+    extra = _FIELDS[name].json_schema_extra or {}
     if name == "signing_key":
         shown = "'***'"
     elif name == "redis_url" and isinstance(value, str):
@@ -344,14 +386,15 @@ def _pick(environ: Mapping[str, str], names) -> dict[str, str]:
     return out
 
 
-def read(environ: Mapping[str, str] | None = None) -> Settings:
+def read(environ: Mapping[str, str] | None = None) -> SettingsFields:
     """All variables of ``environ`` (default :data:`os.environ`), validated.
 
     Raises:
         SettingError: the first variable that does not validate.
     """
     raw = _pick(os.environ if environ is None else environ, VARIABLES)
-    return Settings.model_construct(**{name: _validate(name, v) for name, v in raw.items()})
+    cls = globals().get("Settings") or __getattr__("Settings")
+    return cls.model_construct(**{name: _validate(name, v) for name, v in raw.items()})
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
@@ -364,7 +407,7 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """
     raw = _pick(os.environ if environ is None else environ, (name,))
     if not raw:
-        return Settings.model_fields[name].default
+        return _FIELDS[name].default
     return _validate(name, raw[name])
 
 
@@ -391,7 +434,7 @@ def _default_text(f) -> str:
     return f"{d} {extra.get('unit', '')}".strip()
 
 
-def markdown_table(model: type[Settings] = Settings) -> str:
+def markdown_table(model: type[BaseModel] = SettingsFields) -> str:
     """The README's table: one row per field of ``model``, then the test-only variables."""
     rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for name, f in model.model_fields.items():
