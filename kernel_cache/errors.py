@@ -96,3 +96,44 @@ def describe_errors(e) -> str:
         got = got if len(got) <= 60 else got[:57] + "..."
         parts.append(f"field {loc}: {err['msg']} (got {got})")
     return "; ".join(parts)
+
+
+def _accepted(model, loc) -> list[str] | None:
+    """The fields of the (nested) pydantic model that holds ``loc``'s last part."""
+    import typing
+
+    cur = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        ann = cur.model_fields[part].annotation
+        cands = (ann, *typing.get_args(ann))
+        cur = next((a for a in cands if hasattr(a, "model_fields")), None)
+        if cur is None:
+            return None
+    return sorted(cur.model_fields)
+
+
+def validation_message(origin: str, e, model=None) -> str:
+    """One line per problem of a pydantic ``ValidationError`` ``e``, each naming
+    ``origin`` (the file or variable), the field's location
+    (``entries[0].config.num_kv_splits``), the value given and the problem;
+    for an unknown field, the accepted ones (those of ``model``, the validated
+    pydantic model class, where given)."""
+    lines = []
+    for err in e.errors(include_url=False):
+        where = ""
+        for part in err["loc"]:
+            where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "required field missing"
+        elif err["type"] == "extra_forbidden":
+            msg = f"unknown field (value {err['input']!r})"
+            accepted = _accepted(model, err["loc"]) if model is not None else None
+            if accepted:
+                msg += f"; accepted: {', '.join(accepted)}"
+        elif err["type"] != "value_error" and not isinstance(err["input"], (dict, list)):
+            where += f"={err['input']!r}"
+        lines.append(f"{origin}: {where or '(document)'}: {msg}")
+    return "\n".join(lines)

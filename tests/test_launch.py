@@ -192,8 +192,14 @@ def test_cuda_prefill_tiles_default_per_query_bucket_and_merge_table_entries():
 
 
 BAD = [
-    (table(entry(kernel="flash")), r"entries\[0\]: unknown kernel 'flash'"),
-    (table({**entry(), "tile": 4}), r"entries\[0\]: unknown field\(s\) \['tile'\]"),
+    (
+        table(entry(kernel="flash")),
+        r"entries\[0\]\.kernel='flash': Input should be 'paged_attention' or 'batched_decode'",
+    ),
+    (
+        table({**entry(), "tile": 4}),
+        r"entries\[0\]\.tile: unknown field \(value 4\); accepted: config, device_arch",
+    ),
     (table(entry(tile_n=64)), r"unknown field\(s\) \['tile_n'\] for kernel batched_decode"),
     (
         table(entry(kernel="paged_attention", num_seqs=1, num_kv_splits=2)),
@@ -220,11 +226,23 @@ BAD = [
         table(entry(num_blocks=8, num_kv_splits=9)),
         r"num_kv_splits=9 is outside \[1, num_blocks=8\]",
     ),
-    (table(entry(num_kv_splits="2")), r"num_kv_splits='2' must be an integer"),
+    (
+        table(entry(num_kv_splits="2")),
+        r"entries\[0\]\.config\.num_kv_splits='2': Input should be a valid integer",
+    ),
     (table(entry(), entry()), r"entries\[1\].*a second entry for the same key"),
-    ({**table(), "tables": []}, r"unknown top-level field\(s\) \['tables'\]"),
-    (table({k: v for k, v in entry().items() if k != "num_seqs"}), r"missing field\(s\)"),
-    (table(entry(num_blocks=0)), r"num_blocks=0 must be an integer >= 1"),
+    (
+        {**table(), "tables": []},
+        r"tables: unknown field \(value \[\]\); accepted: about, device_arch, entries, format",
+    ),
+    (
+        table({k: v for k, v in entry().items() if k != "num_seqs"}),
+        r"entries\[0\]\.num_seqs: required field missing",
+    ),
+    (
+        table(entry(num_blocks=0)),
+        r"entries\[0\]\.num_blocks=0: Input should be greater than or equal to 1",
+    ),
 ]
 
 

@@ -61,6 +61,7 @@ from kernel_cache.plan.launch import (
     TABLE_FORMAT,
     arch_family,
     check_launch,
+    parse_table,
     variant_defaults,
 )
 from kernel_cache.store.tier import DiskTier, Tier, verify_entry
@@ -510,8 +511,10 @@ def write_table(doc: dict, out: str | Path) -> Path:
     """Write the table atomically (a temporary file beside it, then rename).
 
     Raises:
-        ConfigError: ``out`` cannot be written (the temporary file is removed).
+        ConfigError: ``out`` cannot be written (the temporary file is removed),
+            or ``doc`` is not a valid table (:class:`~kernel_cache.plan.launch.LaunchTableDoc`).
     """
+    parse_table(doc, f"--out {str(out)!r} (the tuned table)")
     out = check_out(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:

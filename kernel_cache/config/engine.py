@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from kernel_cache.config import settings
 from kernel_cache.config.recipe import DEFAULT_CPU_TARGET
 from kernel_cache.errors import ConfigError
 
@@ -30,9 +31,9 @@ from kernel_cache.errors import ConfigError
 #: ``bfloat16`` the CUDA default.
 DTYPES = ("float32", "bfloat16", "float16")
 
-ENV_KV_BUCKETS = "KERNEL_CACHE_KV_BUCKETS"
-ENV_QUERY_BUCKETS = "KERNEL_CACHE_QUERY_BUCKETS"
-ENV_NUM_SEQS_BUCKETS = "KERNEL_CACHE_NUM_SEQS_BUCKETS"
+ENV_KV_BUCKETS = settings.var("kv_buckets")
+ENV_QUERY_BUCKETS = settings.var("query_buckets")
+ENV_NUM_SEQS_BUCKETS = settings.var("num_seqs_buckets")
 DEVICES = ("cpu", "cuda")
 KV_LADDERS = ("4/3", "pow2")
 
@@ -43,33 +44,26 @@ def parse_bucket_list(text: str, name: str, example: str = "128,256,512") -> tup
     Raises:
         ConfigError: naming ``name`` (the env variable or flag) and the bad token.
     """
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip()
-        if not tok:
-            continue
-        if not tok.isdigit() or int(tok) < 1:
-            raise ConfigError(
-                f"{name}: entry {tok!r} is not a positive integer; expected a comma-separated "
-                f"list such as {example}"
-            )
-        out.append(int(tok))
-    if not out:
-        raise ConfigError(f"{name}: empty list; expected a comma-separated list of integers")
-    return tuple(out)
+    try:
+        return settings.parse_int_list(text)
+    except ValueError as e:
+        raise ConfigError(
+            f"{name}: {e}; expected a comma-separated list of positive integers such as {example}"
+        ) from None
 
 
 def env_overrides(environ=None) -> dict:
-    """Bucket overrides from ``KERNEL_CACHE_*_BUCKETS`` (KV in tokens)."""
-    environ = os.environ if environ is None else environ
+    """Bucket overrides from ``KERNEL_CACHE_*_BUCKETS`` (KV in tokens), the
+    variables of ``environ`` (default :data:`os.environ`) that are set.
+
+    Raises:
+        ConfigError: a list that is not of positive integers (names the variable).
+    """
     out = {}
-    for var, field in (
-        (ENV_KV_BUCKETS, "kv_buckets"),
-        (ENV_QUERY_BUCKETS, "query_buckets"),
-        (ENV_NUM_SEQS_BUCKETS, "num_seqs_buckets"),
-    ):
-        if environ.get(var):
-            out[field] = parse_bucket_list(environ[var], var)
+    for field in ("kv_buckets", "query_buckets", "num_seqs_buckets"):
+        value = settings.get(field, environ)
+        if value is not None:
+            out[field] = value
     return out
 
 

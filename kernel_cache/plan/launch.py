@@ -61,9 +61,12 @@ An entry without a device architecture (none on the entry, none on the table;
 allowed in ``KERNEL_CACHE_TUNING`` only) applies on every device; one with an
 architecture wins over it.
 
-**Validation** (:class:`~kernel_cache.errors.ConfigError` naming the source,
-the entry and the rule): an unknown kernel, top-level field, entry field or
-config field; a value that is not an integer; a prefill tile that is not a
+**Validation** by the frozen pydantic models :class:`LaunchTableDoc` and
+:class:`LaunchEntry` (JSON Schema: ``docs/schemas/launch-table.schema.json``),
+errors as :class:`~kernel_cache.errors.ConfigError` naming the source, the
+field's location (``entries[0].config.num_kv_splits``), the value and the rule:
+an unknown kernel, top-level field, entry field or config field; a value that
+is not an integer; a prefill tile that is not a
 power of two in ``[16, 256]`` (``block_m``, ``block_n``), ``num_warps`` not a
 power of two in ``[1, 16]``, ``num_stages`` outside ``[1, 8]``; ``num_kv_splits`` outside
 ``[1, num_blocks]``; ``blocks_per_chunk`` that does not divide the blocks of one
@@ -81,14 +84,18 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig
-from kernel_cache.errors import ConfigError
+from kernel_cache.errors import ConfigError, validation_message
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, KernelVariant
 
 log = logging.getLogger("kernel_cache.plan.launch")
 
-ENV_TUNING = "KERNEL_CACHE_TUNING"
+ENV_TUNING = settings.var("tuning")
 TABLE_FORMAT = "kernel-cache-launch/1"
 BUNDLED_DIR = Path(__file__).parent / "launch_tables"
 
@@ -116,8 +123,6 @@ KEY_FIELDS = (
     "num_seqs",
     "num_blocks",
 )
-_TABLE_FIELDS = {"format", "device_arch", "about", "entries"}
-_ENTRY_FIELDS = {*KEY_FIELDS, "device_arch", "config", "measured"}
 
 DEFAULT, BUNDLED, OVERRIDE = "default", "bundled", "env"
 
@@ -328,6 +333,74 @@ def variant_lookup_key(config: EngineConfig, variant: KernelVariant) -> tuple:
     )
 
 
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+LaunchValue = Annotated[int, Field(strict=True)]
+
+
+def _arch(v: str | None) -> str | None:
+    if v is not None and not v.strip():
+        raise ValueError(f"device_arch={v!r} must be a non-empty string")
+    return v
+
+
+class LaunchEntry(BaseModel):
+    """One entry of a launch table: the lookup key (buckets in sequences and KV
+    blocks), an optional device architecture, the launch config (a subset of
+    :data:`FIELDS` of the kernel; the rest take their defaults) and free-form
+    measurements.
+
+    Raises (as a ``ValidationError``): a key field that is not an integer >= 1,
+    a ``paged_attention`` entry with ``num_seqs`` other than 1, a config that
+    :func:`check_launch` refuses."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kernel: Literal["paged_attention", "batched_decode"] = Field(description="the kernel")
+    head_dim: PositiveInt = Field(description="head dimension")
+    num_queries_per_kv: PositiveInt = Field(description="query heads per KV head (GQA group)")
+    num_kv_heads: PositiveInt = Field(description="KV heads")
+    num_seqs: PositiveInt = Field(description="batch bucket in sequences (1 for paged_attention)")
+    num_blocks: PositiveInt = Field(description="KV bucket in blocks")
+    device_arch: str | None = Field(
+        None, description="device architecture (arch_family); default: the table's"
+    )
+    config: dict[str, LaunchValue] = Field(
+        description="launch parameters: blocks_per_chunk, num_kv_splits (batched_decode); "
+        "block_m, block_n, num_warps, num_stages (paged_attention on CUDA)"
+    )
+    measured: dict[str, Any] | None = Field(None, description="free-form measurements")
+
+    _device_arch = field_validator("device_arch")(_arch)
+
+    def label(self) -> str:
+        """``batched_decode head_dim=8 ... num_blocks=2``, for error messages."""
+        return " ".join([self.kernel, *(f"{k}={getattr(self, k)}" for k in KEY_FIELDS[1:])])
+
+    @model_validator(mode="after")
+    def _rules(self) -> LaunchEntry:
+        if self.kernel == PAGED_ATTENTION and self.num_seqs != 1:
+            raise ValueError(f"paged_attention variants have num_seqs 1, got {self.num_seqs}")
+        check_launch(self.kernel, self.num_blocks, self.config, f"({self.label()})")
+        return self
+
+
+class LaunchTableDoc(BaseModel):
+    """A launch table file (``kernel-cache tune --out``, the bundled tables,
+    ``KERNEL_CACHE_TUNING``); see the module docstring."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["kernel-cache-launch/1"] = Field(TABLE_FORMAT, description="table format")
+    device_arch: str | None = Field(
+        None, description="device architecture of every entry without its own "
+        "(required in a bundled table)"
+    )  # fmt: skip
+    about: dict[str, Any] = Field(default_factory=dict, description="free-form provenance")
+    entries: tuple[LaunchEntry, ...] = Field((), description="the entries, one per key and arch")
+
+    _device_arch = field_validator("device_arch")(_arch)
+
+
 @dataclass(frozen=True)
 class LaunchTable:
     """A validated table. ``entries`` maps ``(lookup key, arch or None)`` to the
@@ -357,76 +430,28 @@ def parse_table(doc, origin: str, *, require_arch: str | None = None) -> LaunchT
     Raises:
         ConfigError: see the module docstring's validation rules.
     """
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{origin}: a launch table must be a JSON object with 'entries'")
-    unknown = sorted(set(doc) - _TABLE_FIELDS)
-    if unknown:
-        raise ConfigError(
-            f"{origin}: unknown top-level field(s) {unknown}; accepted: {sorted(_TABLE_FIELDS)}"
-        )
-    fmt = doc.get("format", TABLE_FORMAT)
-    if fmt != TABLE_FORMAT:
-        raise ConfigError(f"{origin}: format {fmt!r} is not {TABLE_FORMAT!r}")
-    arch = doc.get("device_arch")
-    if arch is not None:
-        if not isinstance(arch, str) or not arch.strip():
-            raise ConfigError(f"{origin}: device_arch={arch!r} must be a non-empty string")
-        arch = arch_family(arch)
+    try:
+        model = LaunchTableDoc.model_validate(doc)
+    except ValidationError as e:
+        raise ConfigError(validation_message(origin, e, LaunchTableDoc)) from None
+    arch = arch_family(model.device_arch) if model.device_arch is not None else None
     if require_arch is not None and arch != arch_family(require_arch):
         raise ConfigError(
             f"{origin}: device_arch={arch!r} does not match the file's architecture "
             f"{arch_family(require_arch)!r}; a bundled table holds one architecture"
         )
-    entries = doc.get("entries", [])
-    if not isinstance(entries, list):
-        raise ConfigError(f"{origin}: 'entries' must be a list")
-    about = doc.get("about", {})
-    if not isinstance(about, dict):
-        raise ConfigError(f"{origin}: 'about' must be a JSON object")
-    table = LaunchTable(origin=origin, device_arch=arch, about=about)
-    for i, e in enumerate(entries):
-        where = f"{origin}: entries[{i}]"
-        if not isinstance(e, dict):
-            raise ConfigError(f"{where}: must be a JSON object")
-        unknown = sorted(set(e) - _ENTRY_FIELDS)
-        if unknown:
+    table = LaunchTable(origin=origin, device_arch=arch, about=dict(model.about))
+    for i, e in enumerate(model.entries):
+        label = f"{origin}: entries[{i}] ({e.label()})"
+        entry_arch = arch_family(e.device_arch) if e.device_arch is not None else arch
+        if require_arch is not None and entry_arch != arch:
             raise ConfigError(
-                f"{where}: unknown field(s) {unknown}; accepted: {sorted(_ENTRY_FIELDS)}"
+                f"{label}: device_arch={entry_arch!r} in the bundled table of {arch!r}"
             )
-        missing = [k for k in (*KEY_FIELDS, "config") if k not in e]
-        if missing:
-            raise ConfigError(f"{where}: missing field(s) {missing}")
-        if e["kernel"] not in FIELDS:
-            raise ConfigError(
-                f"{where}: unknown kernel {e['kernel']!r}; accepted kernels: {', '.join(FIELDS)}"
-            )
-        for k in KEY_FIELDS[1:]:
-            v = e[k]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{where}: {k}={v!r} must be an integer >= 1")
-        if e["kernel"] == PAGED_ATTENTION and e["num_seqs"] != 1:
-            raise ConfigError(
-                f"{where}: paged_attention variants have num_seqs 1, got {e['num_seqs']}"
-            )
-        key = tuple(e[k] for k in KEY_FIELDS)
-        label = (
-            f"{where} ({e['kernel']} head_dim={e['head_dim']} "
-            f"num_queries_per_kv={e['num_queries_per_kv']} num_kv_heads={e['num_kv_heads']} "
-            f"num_seqs={e['num_seqs']} num_blocks={e['num_blocks']})"
-        )
-        entry_arch = e.get("device_arch", arch)
-        if entry_arch is not None:
-            if not isinstance(entry_arch, str) or not entry_arch.strip():
-                raise ConfigError(f"{label}: device_arch={entry_arch!r} must be a non-empty string")
-            entry_arch = arch_family(entry_arch)
-            if require_arch is not None and entry_arch != arch:
-                raise ConfigError(
-                    f"{label}: device_arch={entry_arch!r} in the bundled table of {arch!r}"
-                )
-        cfg = check_launch(e["kernel"], e["num_blocks"], e["config"], label)
+        key = tuple(getattr(e, k) for k in KEY_FIELDS)
         if (key, entry_arch) in table.entries:
             raise ConfigError(f"{label}: a second entry for the same key and device_arch")
-        table.entries[(key, entry_arch)] = cfg
+        table.entries[(key, entry_arch)] = check_launch(e.kernel, e.num_blocks, e.config, label)
     return table
 
 
@@ -493,6 +518,17 @@ def override_table(value: str | None) -> LaunchTable | None:
     return parse_table(doc, origin)
 
 
+class LaunchChoice(BaseModel):
+    """A report's record of one variant a launch table sets (:func:`describe_plan`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: dict[str, int] = Field(description="the resolved launch config")
+    source: Literal["env", "bundled", "default"] = Field(
+        description="env (KERNEL_CACHE_TUNING), bundled or default"
+    )
+
+
 @dataclass(frozen=True)
 class Resolved:
     """One variant's resolved launch config and where it came from
@@ -521,8 +557,7 @@ class Resolver:
     def __init__(
         self, environ: Mapping | None = None, bundled_dir: str | os.PathLike | None = None
     ):
-        environ = os.environ if environ is None else environ
-        self.override = override_table(environ.get(ENV_TUNING))
+        self.override = override_table(settings.get("tuning", environ))
         self.bundled_dir = Path(bundled_dir) if bundled_dir is not None else BUNDLED_DIR
         self._bundled: dict[str, LaunchTable | None] = {}
 
@@ -680,7 +715,7 @@ def _cached_resolver(value: str | None, stamp, bundled_dir: str) -> Resolver:
 def current_resolver() -> Resolver:
     """A process-wide :class:`Resolver` for the current ``KERNEL_CACHE_TUNING``
     (rebuilt when its value or the file's modification time changes)."""
-    value = os.environ.get(ENV_TUNING)
+    value = settings.get("tuning")
     stamp = None
     if value and not value.lstrip().startswith("{"):
         try:

@@ -42,6 +42,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kernel_cache.config import settings
 from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
 from kernel_cache.store.tier import (
     Entry,
@@ -53,7 +54,7 @@ from kernel_cache.store.tier import (
 
 BUNDLE_FORMAT = "kc-bundle-1"
 MANIFEST = "manifest.json"
-ENV_BUNDLE = "KERNEL_CACHE_BUNDLE"
+ENV_BUNDLE = settings.var("bundle")
 
 _FILE_RE = re.compile(r"artifacts/([0-9a-f]{64})\.pt2")
 
@@ -62,14 +63,8 @@ def bundle_paths(explicit=None, environ=None) -> list[Path]:
     """Bundle directories in lookup order: ``explicit`` (``--bundle``, in the
     order given), then ``$KERNEL_CACHE_BUNDLE`` (``os.pathsep``-separated);
     empty items are skipped and duplicates dropped."""
-    environ = os.environ if environ is None else environ
-    items = [str(p) for p in (explicit or [])]
-    items += environ.get(ENV_BUNDLE, "").split(os.pathsep)
-    out: list[Path] = []
-    for item in items:
-        if item and Path(item) not in out:
-            out.append(Path(item))
-    return out
+    items = [Path(p) for p in (explicit or []) if str(p)]
+    return list(dict.fromkeys([*items, *settings.get("bundle", environ)]))
 
 
 class BundleEntry(EntryMeta):

@@ -48,12 +48,13 @@ import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
 from kernel_cache import _testhooks
-from kernel_cache.errors import CacheBusyError, CacheWriteError, ConfigError, DamagedIndexError
+from kernel_cache.config import settings
+from kernel_cache.errors import CacheBusyError, CacheWriteError, DamagedIndexError
 
 log = logging.getLogger("kernel_cache")
 
 DBNAME = "cache.db"
-ENV_DB_TIMEOUT = "KERNEL_CACHE_DB_TIMEOUT"
+ENV_DB_TIMEOUT = settings.var("db_timeout")
 #: Seconds a writer keeps retrying a locked index before CacheBusyError. Long
 #: enough for dozens of processes publishing at once (each write holds the lock
 #: for milliseconds), short enough that a stuck holder is reported.
@@ -199,16 +200,7 @@ def db_timeout_from_env() -> float:
     Raises:
         ConfigError: not a positive number.
     """
-    raw = os.environ.get(ENV_DB_TIMEOUT)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_DB_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{ENV_DB_TIMEOUT}={raw!r}: expected a positive number of seconds")
-    return value
+    return settings.get("db_timeout")
 
 
 # -- errors ---------------------------------------------------------------------

@@ -36,11 +36,12 @@ import time
 from pathlib import Path
 
 import kernel_cache.store.usage as usage
+from kernel_cache.config import settings
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.keys import runtime_digest
 from kernel_cache.store.tier import Tier
 
-ENV_MAX_SIZE = "KERNEL_CACHE_MAX_SIZE"
+ENV_MAX_SIZE = settings.var("max_size")
 
 #: Seconds an unreferenced value file is kept by ``gc`` and ``clear``. A
 #: publish writes its file and commits its index row within one SQLite write
@@ -51,9 +52,6 @@ ORPHAN_GRACE_S = 3600.0
 
 _HEX2 = re.compile(r"[0-9a-f]{2}")
 
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*")
-
 
 def parse_size(text: str, name: str = "SIZE") -> int:
     """Bytes from ``"500M"``, ``"1.5GiB"``, ``"1048576"`` (units are powers of 1024).
@@ -61,13 +59,13 @@ def parse_size(text: str, name: str = "SIZE") -> int:
     Raises:
         KernelCacheError: not a size (names ``name``, the value and the form).
     """
-    m = _SIZE_RE.fullmatch(str(text))
-    if not m:
+    try:
+        return settings.parse_size_bytes(text)
+    except ValueError:
         raise KernelCacheError(
             f"{name}={text!r} is not a size; expected bytes or a number with K, M, G or T "
             "(powers of 1024), e.g. 500M or 2G"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        ) from None
 
 
 def format_size(n: float) -> str:
@@ -80,10 +78,12 @@ def format_size(n: float) -> str:
 
 
 def max_size_from_env(environ=None) -> int | None:
-    """``$KERNEL_CACHE_MAX_SIZE`` in bytes, or None if unset or empty."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_MAX_SIZE, "").strip()
-    return parse_size(raw, ENV_MAX_SIZE) if raw else None
+    """``$KERNEL_CACHE_MAX_SIZE`` in bytes, or None if unset or empty.
+
+    Raises:
+        ConfigError: not a size (bytes, or a number with K, M, G or T).
+    """
+    return settings.get("max_size", environ)
 
 
 def _directory(tier: Tier) -> Path | None:

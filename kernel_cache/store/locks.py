@@ -31,14 +31,15 @@ import socket
 import time
 from pathlib import Path
 
-from kernel_cache.errors import ConfigError, LockTimeoutError
+from kernel_cache.config import settings
+from kernel_cache.errors import LockTimeoutError
 from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 LOCKS_DIR = "locks"
-ENV_LOCK_TIMEOUT = "KERNEL_CACHE_LOCK_TIMEOUT"
+ENV_LOCK_TIMEOUT = settings.var("lock_timeout")
 #: Seconds a warmup waits for another process compiling the same key. A CPU
 #: compile of one variant takes about 8 s here (2-core CPU, tiny geometry); a
 #: large GPU kernel can take minutes, hence 15 minutes.
@@ -51,16 +52,7 @@ def lock_timeout_from_env() -> float:
     Raises:
         ConfigError: not a number >= 0.
     """
-    raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ConfigError(f"{ENV_LOCK_TIMEOUT}={raw!r}: expected seconds >= 0")
-    return value
+    return settings.get("lock_timeout")
 
 
 def pid_alive(pid: int) -> bool | None:

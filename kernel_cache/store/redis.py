@@ -40,22 +40,28 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
 from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 
-ENV_REDIS_URL = "KERNEL_CACHE_REDIS_URL"
-ENV_REDIS_TIMEOUT = "KERNEL_CACHE_REDIS_TIMEOUT"
-ENV_REDIS_TTL = "KERNEL_CACHE_REDIS_TTL"
-ENV_REDIS_LOCK_TTL = "KERNEL_CACHE_REDIS_LOCK_TTL"
-ENV_REDIS_LOCK_WAIT = "KERNEL_CACHE_REDIS_LOCK_WAIT"
+ENV_REDIS_URL = env_settings.var("redis_url")
+ENV_REDIS_TIMEOUT = env_settings.var("redis_timeout")
+ENV_REDIS_TTL = env_settings.var("redis_ttl")
+ENV_REDIS_LOCK_TTL = env_settings.var("redis_lock_ttl")
+ENV_REDIS_LOCK_WAIT = env_settings.var("redis_lock_wait")
 
-_SCHEMES = ("redis://", "rediss://", "unix://")
+#: RedisSettings field -> the Settings field of its variable
+_ENV_FIELDS = {
+    "timeout_s": "redis_timeout",
+    "ttl_s": "redis_ttl",
+    "lock_ttl_s": "redis_lock_ttl",
+    "lock_wait_s": "redis_lock_wait",
+}
 
 #: where each RedisSettings field comes from, for error messages
 _SOURCES = {
@@ -110,27 +116,7 @@ class RedisSettings(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(_SCHEMES):
-            raise ValueError(
-                f"Redis URL {redact(v)!r} must start with one of {', '.join(_SCHEMES)}, "
-                "e.g. redis://10.0.0.5:6379/0"
-            )
-        if not v.startswith("unix://"):  # what redis-py's from_url would fail on later
-            parts = urlsplit(v)
-            try:
-                parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
-            except ValueError:
-                raise ValueError(
-                    f"Redis URL {redact(v)!r}: the port is not a number in 0..65535, "
-                    "e.g. redis://10.0.0.5:6379/0"
-                ) from None
-            db = parts.path.strip("/")
-            if db and not db.isdigit():
-                raise ValueError(
-                    f"Redis URL {redact(v)!r}: the database {db!r} is not a number, "
-                    "e.g. redis://10.0.0.5:6379/0"
-                )
-        return v
+        return env_settings.check_redis_url(v)  # what redis-py's from_url would fail on later
 
     @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
     @classmethod
@@ -157,24 +143,14 @@ class RedisSettings(BaseModel):
         Raises:
             ConfigError: a malformed URL or number (names the variable and value).
         """
-        environ = os.environ if environ is None else environ
-        url = url or environ.get(ENV_REDIS_URL) or None
         if not url:
-            return None
+            url = env_settings.get("redis_url", environ)
+            if url is None:
+                return None
         fields: dict = {"url": url}
-        for var, name, typ in (
-            (ENV_REDIS_TIMEOUT, "timeout_s", float),
-            (ENV_REDIS_TTL, "ttl_s", int),
-            (ENV_REDIS_LOCK_TTL, "lock_ttl_s", float),
-            (ENV_REDIS_LOCK_WAIT, "lock_wait_s", float),
-        ):
-            if environ.get(var):
-                try:
-                    fields[name] = typ(environ[var])
-                except ValueError:
-                    raise ConfigError(
-                        f"{var}={environ[var]!r} is not a number of seconds"
-                    ) from None
+        for name, env_name in _ENV_FIELDS.items():
+            if env_settings.is_set(env_name, environ):
+                fields[name] = env_settings.get(env_name, environ)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**fields)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from kernel_cache.config import settings
 from kernel_cache.errors import (
     CacheWriteError,
     CorruptEntryError,
@@ -39,16 +40,16 @@ from kernel_cache.errors import (
 )
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
 
-ENV_CACHE_DIR = "KERNEL_CACHE_DIR"
+ENV_CACHE_DIR = settings.var("dir")
 
 
 def default_cache_dir() -> Path:
     """``$KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernel_cache``, else
     ``~/.cache/kernel_cache`` (a relative ``XDG_CACHE_HOME`` is ignored, as the
     XDG Base Directory spec says)."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env)
+    env = settings.get("dir")
+    if env is not None:
+        return env
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
 

@@ -39,14 +39,13 @@ import os
 import stat
 from pathlib import Path
 
-from kernel_cache.errors import ConfigError, UntrustedCacheError
+from kernel_cache.config import settings
+from kernel_cache.errors import UntrustedCacheError
 
 log = logging.getLogger("kernel_cache")
 
-ENV_ALLOW_SHARED = "KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR"
+ENV_ALLOW_SHARED = settings.var("insecure_allow_shared_dir")
 FLAG_ALLOW_SHARED = "--insecure-allow-shared-dir"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 _warned: set[str] = set()
 
 
@@ -56,14 +55,7 @@ def allow_shared_from_env() -> bool:
     Raises:
         ConfigError: the variable holds something else.
     """
-    raw = os.environ.get(ENV_ALLOW_SHARED, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ConfigError(
-        f"{ENV_ALLOW_SHARED}={os.environ[ENV_ALLOW_SHARED]!r}: expected 1 or 0 (unset means 0)"
-    )
+    return settings.get("insecure_allow_shared_dir")
 
 
 def resolve_allow_shared(allow_shared: bool | None) -> bool:

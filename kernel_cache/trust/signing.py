@@ -31,11 +31,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from kernel_cache.errors import CorruptEntryError, KernelCacheError
+from kernel_cache.config import settings
+from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
 
-ENV_SIGNING_KEY = "KERNEL_CACHE_SIGNING_KEY"
-ENV_SIGNING_KEY_FILE = "KERNEL_CACHE_SIGNING_KEY_FILE"
-ENV_REQUIRE_SIGNED = "KERNEL_CACHE_REQUIRE_SIGNED"
+ENV_SIGNING_KEY = settings.var("signing_key")
+ENV_SIGNING_KEY_FILE = settings.var("signing_key_file")
+ENV_REQUIRE_SIGNED = settings.var("require_signed")
 
 ALGORITHM = "hmac-sha256"
 
@@ -57,22 +58,13 @@ class SignatureError(CorruptEntryError):
     its key and bytes. The entry is never loaded."""
 
 
-def _truthy(value: str | None) -> bool:
-    """``KERNEL_CACHE_REQUIRE_SIGNED`` as a bool: 1/true/yes/on or 0/false/no/off
-    (unset or empty: off).
-
-    Raises:
-        SigningKeyError: any other value (a misspelt "require" must not mean "off").
-    """
-    raw = (value or "").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    raise SigningKeyError(
-        f"{ENV_REQUIRE_SIGNED}={value!r}: expected 1 or 0 (true/false, yes/no, on/off; "
-        "unset means 0)"
-    )
+def _setting(name: str, environ: Mapping[str, str] | None):
+    """:func:`kernel_cache.config.settings.get`, its error as a :class:`SigningKeyError`
+    (a misspelt ``KERNEL_CACHE_REQUIRE_SIGNED`` must not mean "off")."""
+    try:
+        return settings.get(name, environ)
+    except ConfigError as e:
+        raise SigningKeyError(str(e)) from None
 
 
 _warned_paths: set[str] = set()
@@ -109,11 +101,12 @@ def load_signing_key(
         SigningKeyError: both variables are set, the key file cannot be read, the
             key is shorter than :data:`MIN_KEY_BYTES`, or none is set while required.
     """
-    environ = os.environ if environ is None else environ
     if required is None:
-        required = _truthy(environ.get(ENV_REQUIRE_SIGNED))
-    value = environ.get(ENV_SIGNING_KEY) or None
-    path = environ.get(ENV_SIGNING_KEY_FILE) or None
+        required = _setting("require_signed", environ)
+    value = _setting("signing_key", environ)
+    value = value.get_secret_value() if value is not None else None
+    path = _setting("signing_key_file", environ)
+    path = str(path) if path is not None else None
     if value and path:
         raise SigningKeyError(
             f"both {ENV_SIGNING_KEY} and {ENV_SIGNING_KEY_FILE} are set; set only one"

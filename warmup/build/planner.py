@@ -52,7 +52,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernel_cache.config import settings
 from kernel_cache.plan.buckets import Bucketer, KernelVariant
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
@@ -64,7 +68,7 @@ from kernel_cache.errors import (
     UntrustedCacheError,
 )
 from kernel_cache.plan.keys import build_key, environment, key_from_components
-from kernel_cache.plan.launch import describe_plan, resolve_plan
+from kernel_cache.plan.launch import LaunchChoice, describe_plan, resolve_plan
 from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
@@ -77,7 +81,7 @@ log = logging.getLogger("kernel_cache.warmup")
 
 #: Set to 1 to keep the compile scratch directory (Inductor's sources, objects
 #: and precompiled headers) for debugging; its path is logged.
-ENV_KEEP_SCRATCH = "KERNEL_CACHE_KEEP_SCRATCH"
+ENV_KEEP_SCRATCH = settings.var("keep_scratch")
 
 
 def check_cached(
@@ -154,6 +158,106 @@ class VariantResult:
         out = {k: v for k, v in asdict(self).items() if v is not None}
         out["status"] = self.status.value
         return out
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class VariantRow(BaseModel):
+    """A :class:`VariantResult` in the report (fields left None are left out)."""
+
+    model_config = _FROZEN
+
+    variant: str = Field(description="the variant, e.g. batched_decode:1:2:4")
+    status: Status = Field(description="the outcome")
+    key: str = Field("", description="the cache key (64 hex)")
+    pid: int = Field(0, description="the process that handled it")
+    compiler_ran: bool = Field(False, description="the compiler ran for it in this run")
+    seconds: float = Field(0.0, description="wall time of its work (s)")
+    lock_wait_s: float = Field(0.0, description="time spent waiting for its key's lock (s)")
+    timings: dict[str, float] | None = Field(None, description="compile phases (s)")
+    check_s: float | None = Field(None, description="load check time (s)")
+    check_processes: int = Field(0, description="load-check processes started for it")
+    libstdcxx: str = Field("", description="libstdc++ the load check ran with")
+    error: str | None = Field(None, description="why it failed or was not started")
+    fatal: bool = Field(False, description="its error stopped the remaining work")
+    quarantined: dict[str, str] | None = Field(None, description="{reason, path} of a bad entry")
+    remote_error: str | None = Field(None, description="the first Redis failure it saw")
+
+
+class FailedRow(BaseModel):
+    model_config = _FROZEN
+
+    variant: str
+    error: str
+
+
+class QuarantinedRow(BaseModel):
+    model_config = _FROZEN
+
+    variant: str
+    reason: str = Field(description="why the cached entry was bad")
+    path: str = Field(description="where it was moved (quarantine/)")
+
+
+class LoadCheckSummary(BaseModel):
+    model_config = _FROZEN
+
+    checked: int = Field(description="artifacts load-checked")
+    children: int = Field(description="check processes started")
+    libstdcxx: str = Field(description="libstdc++ of the check processes")
+    seconds: float = Field(description="total load-check time (s)")
+
+
+class GcSummary(BaseModel):
+    """The size-limit pass (:func:`kernel_cache.store.housekeeping.gc`)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    removed: list[dict[str, Any]] = Field(description="{variant, key, size} removed")
+    removed_bytes: int
+    before_bytes: int
+    after_bytes: int
+    max_size: int = Field(description="the limit (bytes)")
+    under_limit: bool = Field(description="False: this plan alone is larger than the limit")
+
+
+class ShardInfo(BaseModel):
+    model_config = _FROZEN
+
+    index: int
+    count: int
+    variants: list[str]
+    expected_compile_s: float
+
+
+class WarmupReport(BaseModel):
+    """What ``kernel-cache warmup --json`` prints (:func:`warmup` returns it as a dict)."""
+
+    model_config = _FROZEN
+
+    variants: int = Field(description="variants in the plan (or shard)")
+    compiled: int = Field(description="variants this process compiled and published")
+    compiler_runs: int = Field(description="compiles run (including discarded ones)")
+    cached: int
+    fetched: int = Field(description="copied from Redis")
+    not_started: int
+    uploaded: int = Field(description="local entries Redis lacked, now published")
+    failed: list[FailedRow]
+    quarantined: list[QuarantinedRow]
+    found_bad: dict[str, str] = Field(description="{variant: why its cached entry was bad}")
+    seconds: float
+    fingerprint: str = Field(description="the plan's fingerprint (16 hex)")
+    pid: int
+    repair: str | None = Field(description="the command that finishes the work, if any failed")
+    load_check: LoadCheckSummary
+    remote: str | None = Field(description="the Redis URL (password hidden)")
+    remote_error: str | None
+    results: list[VariantRow]
+    launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
+    gc: GcSummary | None = Field(None, description="with a size limit")
+    shard: ShardInfo | None = Field(None, description="with --shard (set by the CLI)")
+    interrupted: str | None = Field(None, description="the signal that stopped it (CLI)")
 
 
 class WarmupInterrupted(KernelCacheError):
@@ -533,7 +637,7 @@ def warmup(
         gc_report["removed"] = first["removed"] + gc_report["removed"]
         gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
         gc_report["before_bytes"] = first["before_bytes"]
-        out["gc"] = gc_report
+        out["gc"] = GcSummary.model_validate(gc_report).model_dump()
     return out
 
 
@@ -547,7 +651,7 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
         {"variant": r.variant, "error": r.error or ""} for r in results if r.status is Status.FAILED
     ]
     checked = [r for r in results if r.check_s is not None]
-    return {
+    out = {
         "variants": len(plan),
         "compiled": count(Status.COMPILED),
         "compiler_runs": sum(r.compiler_ran for r in results),
@@ -573,6 +677,8 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
         "results": [r.as_dict() for r in results],
         "launch": describe_plan(resolved),
     }
+    WarmupReport.model_validate(out)  # the report is what its model (and schema) says
+    return out
 
 
 def compile_items(
@@ -777,7 +883,7 @@ def _new_scratch() -> str:
 
 
 def _drop_scratch(scratch: str) -> None:
-    if os.environ.get(ENV_KEEP_SCRATCH) == "1":
+    if settings.get("keep_scratch"):
         log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
         return
     shutil.rmtree(scratch, ignore_errors=True)

@@ -12,13 +12,14 @@ import sys
 import time
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.kernels.builtin import build_module
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer
 from kernel_cache.plan.keys import build_key, environment
-from kernel_cache.plan.launch import describe_plan, launch_json, resolve_plan
+from kernel_cache.plan.launch import LaunchChoice, describe_plan, launch_json, resolve_plan
 from kernel_cache.runtime.inputs import make_inputs
 from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
 from kernel_cache.store.lookup import Lookup, merge_accepted
@@ -29,6 +30,62 @@ COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor
 #: Max abs difference accepted between a compiled kernel and eager on the same
 #: padded inputs (fp32 measured here within 2e-7; bf16/fp16 round differently).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 3e-3}
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class CorruptRow(BaseModel):
+    model_config = _FROZEN
+
+    variant: str
+    key: str | None = Field(description="the cache key (64 hex)")
+    reason: str = Field(description="checksum, truncation, signature, trust, ...")
+    where: str | None = Field(description="the tier or file it came from")
+
+
+class UnrunnableRow(BaseModel):
+    model_config = _FROZEN
+
+    variant: str
+    reason: str = Field(description="the CPU instructions it needs that this CPU lacks")
+
+
+class MismatchedRow(BaseModel):
+    model_config = _FROZEN
+
+    variant: str
+    max_abs_err: float = Field(description="max abs difference from eager")
+
+
+class AcceptedComponent(BaseModel):
+    model_config = _FROZEN
+
+    here: str | None = Field(description="this machine's value of a build-only key component")
+    stored: list[str | None] = Field(description="the values the loaded entries were built with")
+
+
+class VerifyReport(BaseModel):
+    """What ``kernel-cache verify --json`` prints (:func:`verify_plan` returns it as a dict)."""
+
+    model_config = _FROZEN
+
+    ok: bool = Field(description="all loaded, all match eager, nothing compiled")
+    variants: int
+    loaded: int
+    compiled: int = Field(description="compile-stack modules imported while verifying")
+    compile_stack_imported: list[str]
+    missing: list[str] = Field(description="variants in no tier")
+    corrupt: list[CorruptRow]
+    unrunnable: list[UnrunnableRow]
+    mismatched: list[MismatchedRow]
+    max_abs_err: float
+    sources: dict[str, int] = Field(description="{tier location: variants loaded from it}")
+    source_kinds: dict[str, str] = Field(description="{tier location: bundle | disk | redis}")
+    build_only_accepted: dict[str, AcceptedComponent]
+    launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
+    seconds: float
+    repair: str | None = Field(None, description="the warmup command that repairs it")
 
 
 def compile_stack_loaded() -> list[str]:
@@ -142,4 +199,5 @@ def verify_plan(
     report["seconds"] = round(time.perf_counter() - t0, 3)
     if not report["ok"]:
         report["repair"] = f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
+    VerifyReport.model_validate(report)  # the report is what its model (and schema) says
     return report

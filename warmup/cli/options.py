@@ -8,10 +8,10 @@ they never import each other through it.
 from __future__ import annotations
 
 import argparse
-import os
 import typing
 from pathlib import Path
 
+from kernel_cache.config import settings
 from kernel_cache.config.engine import (
     DEFAULT_MODEL,
     ENGINE_OPTION_FIELDS,
@@ -96,7 +96,7 @@ def _cache_dir(args) -> str:
     d = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     if args.cache_dir:
         source = "--cache-dir"
-    elif os.environ.get(ENV_CACHE_DIR):
+    elif settings.is_set("dir"):
         source = f"${ENV_CACHE_DIR}"
     else:
         source = "the default"

@@ -1,0 +1,464 @@
+"""Every ``KERNEL_CACHE_*`` environment variable, in one pydantic-settings model.
+
+:class:`Settings` has one field per variable (its name is ``KERNEL_CACHE_`` +
+the field's name in capitals), with its type, default, unit and meaning; the
+README's table of variables is generated from it (:func:`markdown_table`,
+``python -m warmup.schemas``).
+
+Values are read when asked for, never frozen at import: :func:`get` reads one
+variable (the modules that use a variable call it per call or per engine
+start), :func:`read` validates them all. Both take an optional ``environ``
+mapping instead of :data:`os.environ`. An unset, empty or blank variable takes
+its default. A value that does not validate raises :class:`SettingError` (a
+:class:`~kernel_cache.errors.ConfigError`) naming the variable, the value
+(never a signing key's), what is expected and the fix. Booleans accept
+``1/true/yes/on`` and ``0/false/no/off`` (any case) and nothing else: a
+misspelt ``ture`` is an error, not "off".
+
+``Settings`` (a ``pydantic_settings.BaseSettings`` with ``env_prefix
+KERNEL_CACHE_``) is made on first use: ``Settings()`` reads :data:`os.environ`
+through pydantic-settings' environment source (about 6 ms a call). The fields
+themselves live on the plain pydantic model :class:`SettingsFields` (its
+base), and :func:`get` validates one picked-out variable with that field's
+type, constraints and parsers (a cached ``TypeAdapter``, about a microsecond):
+that is what lets it take ``environ``, and engine start never imports
+pydantic-settings.
+
+The ``KERNEL_CACHE_TEST_*`` fault-injection hooks (:mod:`kernel_cache._testhooks`,
+:mod:`warmup.build.compiler`) are test-only and not in the model; see
+:data:`TEST_ONLY`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+)
+
+from kernel_cache.errors import ConfigError
+
+PREFIX = "KERNEL_CACHE_"
+
+#: Test-only variables (fault injection for the test suite), not part of the model.
+TEST_ONLY: dict[str, str] = {
+    "KERNEL_CACHE_TEST_PAUSE_AT": "point[,point]: pause at named points (_testhooks.py)",
+    "KERNEL_CACHE_TEST_PAUSE_MARKER": "file written when a pause point is reached",
+    "KERNEL_CACHE_TEST_FAULT": "enospc@point: raise ENOSPC at a named point",
+    "KERNEL_CACHE_TEST_COMPILE_LOG": "file each compiler run appends `pid variant` to",
+    "KERNEL_CACHE_TEST_BAD_COMPILE": "variant whose compile is made to fail (compiler.py)",
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class SettingError(ConfigError):
+    """A ``KERNEL_CACHE_*`` variable holds a value its field does not accept.
+    ``variable`` is its name, ``value`` what it held."""
+
+    def __init__(self, message: str, variable: str = "", value: str | None = None):
+        super().__init__(message)
+        self.variable = variable
+        self.value = value
+
+
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (any case, blanks around).
+
+    Raises:
+        ValueError: anything else.
+    """
+    raw = str(text).strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{text!r} is not a boolean")
+
+
+def parse_size_bytes(text: str) -> int:
+    """Bytes from ``"500M"``, ``"1.5GiB"``, ``"1048576"`` (units are powers of 1024).
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = _SIZE_RE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``"128, 256,512"`` -> ``(128, 256, 512)``; empty items are skipped.
+
+    Raises:
+        ValueError: an item that is not a positive integer, or no item at all.
+    """
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        if not tok.isdigit() or int(tok) < 1:
+            raise ValueError(f"entry {tok!r} is not a positive integer")
+        out.append(int(tok))
+    if not out:
+        raise ValueError("empty list")
+    return tuple(out)
+
+
+def check_redis_url(v: str) -> str:
+    """A Redis URL that redis-py's ``from_url`` accepts (scheme, port, database).
+
+    Raises:
+        ValueError: naming the URL (password hidden) and what is wrong.
+    """
+    from urllib.parse import urlsplit
+
+    shown = re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", v)
+    if not v.startswith(_REDIS_SCHEMES):
+        raise ValueError(
+            f"Redis URL {shown!r} must start with one of {', '.join(_REDIS_SCHEMES)}, "
+            "e.g. redis://10.0.0.5:6379/0"
+        )
+    if not v.startswith("unix://"):
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+        except ValueError:
+            raise ValueError(
+                f"Redis URL {shown!r}: the port is not a number in 0..65535, "
+                "e.g. redis://10.0.0.5:6379/0"
+            ) from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(
+                f"Redis URL {shown!r}: the database {db!r} is not a number, "
+                "e.g. redis://10.0.0.5:6379/0"
+            )
+    return v
+
+
+def _f(default, description: str, *, type: str, unit: str = "", expected: str, example: str,
+       shown_default: str | None = None, **kw) -> Any:  # fmt: skip
+    """A field with the README's columns in ``json_schema_extra``."""
+    extra = {"type": type, "unit": unit, "expected": expected, "example": example}
+    if shown_default is not None:
+        extra["shown_default"] = shown_default
+    return Field(default, description=description, json_schema_extra=extra, **kw)
+
+
+_SECONDS_POS = "a number of seconds > 0"
+_BOOL = "1 or 0 (true/false, yes/no, on/off; unset means 0)"
+_BUCKETS = "a comma-separated list of positive integers"
+
+
+def _before(parse):
+    """A validator that parses a string (an environment value) with ``parse``."""
+    return BeforeValidator(lambda v: parse(v) if isinstance(v, str) else v)
+
+
+def _split_paths(text: str) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(Path(p) for p in text.split(os.pathsep) if p.strip()))
+
+
+Bool = Annotated[bool, _before(parse_bool)]
+BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
+PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
+Size = Annotated[int | None, _before(parse_size_bytes)]
+RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
+
+
+class SettingsFields(BaseModel):
+    """The fields of :class:`Settings`, as a plain pydantic model: :func:`get`
+    validates with them without importing pydantic-settings (about 20-40 ms of
+    imports an engine start need not pay)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # -- where things are -----------------------------------------------------------
+    dir: Path | None = _f(
+        None, "the local cache directory (the --cache-dir flag wins)",
+        type="path", expected="a directory path", example="/var/cache/kernel_cache",
+        shown_default="$XDG_CACHE_HOME/kernel_cache, else ~/.cache/kernel_cache",
+    )  # fmt: skip
+    bundle: PathList = _f(
+        (), "bundle directories searched before the local cache, after --bundle",
+        type=f"paths ({os.pathsep!r}-separated)", expected="directory paths",
+        example="/opt/models/kc-bundle", shown_default="none",
+    )  # fmt: skip
+    tuning: str | None = _f(
+        None, "launch-config table overriding the bundled one: a path to a JSON file "
+        "or the JSON text itself (starting with {)",
+        type="path or JSON", expected="a launch table file or inline JSON",
+        example="/etc/kc/tuning.json", shown_default="none (bundled table, then defaults)",
+    )  # fmt: skip
+    # -- plan -------------------------------------------------------------------------
+    kv_buckets: BucketList = _f(
+        None, "KV buckets replacing the computed ladder (flags win)",
+        type="int list", unit="tokens", expected=_BUCKETS, example="128,256,512",
+        shown_default="computed ladder",
+    )  # fmt: skip
+    query_buckets: BucketList = _f(
+        None, "prefill query buckets (flags win)",
+        type="int list", unit="tokens", expected=_BUCKETS, example="16,64,256",
+        shown_default="computed ladder",
+    )  # fmt: skip
+    num_seqs_buckets: BucketList = _f(
+        None, "decode-batch buckets (flags win)",
+        type="int list", unit="sequences", expected=_BUCKETS, example="1,2,4,8",
+        shown_default="computed ladder",
+    )  # fmt: skip
+    # -- local cache --------------------------------------------------------------------
+    db_timeout: float = _f(
+        60.0, "longest wait for the cache index (SQLite) locked by other processes",
+        type="float", unit="s", expected=_SECONDS_POS, example="60", gt=0,
+    )  # fmt: skip
+    lock_timeout: float = _f(
+        900.0, "longest wait of a warmup for another process compiling the same key",
+        type="float", unit="s", expected="a number of seconds >= 0", example="900", ge=0,
+    )  # fmt: skip
+    max_size: Size = _f(
+        None, "size limit of the cache: warmup and gc remove least recently used "
+        "entries of other plans above it (--max-size wins)",
+        type="size", unit="bytes", expected="bytes or a number with K, M, G or T "
+        "(powers of 1024)", example="2G", shown_default="no limit",
+    )  # fmt: skip
+    insecure_allow_shared_dir: Bool = _f(
+        False, "skip the ownership and permission checks of the cache directory and "
+        "its files (a shared or group directory; checksums still apply)",
+        type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    keep_scratch: Bool = _f(
+        False, "keep warmup's compile scratch directory (Inductor sources, objects) "
+        "for debugging; its path is logged",
+        type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    # -- signing ------------------------------------------------------------------------
+    signing_key: SecretStr | None = _f(
+        None, "HMAC secret signing and checking entries (>= 16 bytes; not with "
+        "_SIGNING_KEY_FILE)",
+        type="secret", expected="the secret text", example="$(openssl rand -hex 32)",
+        shown_default="none (unsigned)",
+    )  # fmt: skip
+    signing_key_file: Path | None = _f(
+        None, "file holding the HMAC secret (blanks around it stripped; chmod 600)",
+        type="path", expected="a readable file path", example="/etc/kc/signing.key",
+        shown_default="none",
+    )  # fmt: skip
+    require_signed: Bool = _f(
+        False, "refuse to start without a signing key (--require-signed)",
+        type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    # -- Redis --------------------------------------------------------------------------
+    redis_url: RedisUrl = _f(
+        None, "shared Redis tier (--redis-url wins)",
+        type="URL", expected="redis://HOST:PORT/DB, rediss://... or unix://PATH",
+        example="redis://10.0.0.5:6379/0", shown_default="none (local only)",
+    )  # fmt: skip
+    redis_timeout: float = _f(
+        2.0, "socket connect and read timeout of every Redis call (--redis-timeout wins)",
+        type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0,
+    )  # fmt: skip
+    redis_ttl: int | None = _f(
+        None, "expiry of a Redis entry (--redis-ttl wins)",
+        type="int", unit="s", expected="an integer number of seconds >= 1 "
+        "(an entry TTL must be >= 1 second; unset: no expiry)", example="604800",
+        shown_default="no expiry", ge=1,
+    )  # fmt: skip
+    redis_lock_ttl: float = _f(
+        30.0, "expiry of a Redis build lock, renewed every third of it while compiling",
+        type="float", unit="s", expected=_SECONDS_POS, example="30", gt=0,
+    )  # fmt: skip
+    redis_lock_wait: float = _f(
+        900.0, "longest wait for a live Redis build-lock holder before compiling anyway",
+        type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0,
+    )  # fmt: skip
+
+
+def _settings_class():
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class Settings(BaseSettings, SettingsFields):
+        """The ``KERNEL_CACHE_*`` variables (see the module docstring); ``Settings()``
+        reads :data:`os.environ` with pydantic-settings' environment source.
+
+        Raises:
+            SettingError: a variable that does not validate.
+        """
+
+        model_config = SettingsConfigDict(
+            env_prefix=PREFIX,
+            case_sensitive=False,
+            env_ignore_empty=True,
+            enable_decoding=False,  # lists are comma- or pathsep-separated, not JSON
+            extra="ignore",
+            frozen=True,
+        )
+
+        def __init__(self, **values):
+            try:
+                super().__init__(**values)
+            except ValidationError as e:
+                name = str(e.errors()[0]["loc"][0])
+                raw = {**_pick(os.environ, VARIABLES), **values}
+                raise _error(name, e, raw.get(name)) from None
+
+    Settings.__module__ = __name__
+    return Settings
+
+
+def __getattr__(name: str):
+    """``Settings``, the pydantic-settings class, made on first use."""
+    if name == "Settings":
+        cls = globals()["Settings"] = _settings_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_FIELDS = SettingsFields.model_fields
+
+#: ``{field name: variable name}`` for every field.
+VARIABLES: dict[str, str] = {name: PREFIX + name.upper() for name in _FIELDS}
+
+
+def var(name: str) -> str:
+    """The variable of field ``name``: ``"db_timeout"`` -> ``"KERNEL_CACHE_DB_TIMEOUT"``."""
+    return VARIABLES[name]
+
+
+@functools.cache
+def _adapter(name: str) -> TypeAdapter:
+    """A validator of field ``name`` alone (its type, constraints and parsers):
+    validating the whole ``Settings`` runs pydantic-settings' sources, about
+    6 ms, where this takes microseconds."""
+    return TypeAdapter(_FIELDS[name].rebuild_annotation())
+
+
+def _error(name: str, e: ValidationError, value) -> SettingError:
+    """The :class:`SettingError` of field ``name`` holding ``value``."""
+    variable = VARIABLES[name]
+    extra = _FIELDS[name].json_schema_extra or {}
+    if name == "signing_key":
+        shown = "'***'"
+    elif name == "redis_url" and isinstance(value, str):
+        shown = repr(re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", value))  # hide the password
+    else:
+        shown = repr(value)
+    problem = str(e.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
+    msg = (
+        f"{variable}={shown}: {problem}; expected {extra.get('expected', 'a valid value')}; "
+        f"fix: set it like {variable}={extra.get('example', '...')}, or unset it for the default"
+    )
+    return SettingError(msg, variable, value)
+
+
+def _validate(name: str, value):
+    try:
+        return _adapter(name).validate_python(value)
+    except ValidationError as e:
+        raise _error(name, e, value) from None
+
+
+def _pick(environ: Mapping[str, str], names) -> dict[str, str]:
+    out = {}
+    for name in names:
+        raw = environ.get(VARIABLES[name])
+        if raw is not None and raw.strip():
+            out[name] = raw
+    return out
+
+
+def read(environ: Mapping[str, str] | None = None) -> SettingsFields:
+    """All variables of ``environ`` (default :data:`os.environ`), validated.
+
+    Raises:
+        SettingError: the first variable that does not validate.
+    """
+    raw = _pick(os.environ if environ is None else environ, VARIABLES)
+    cls = globals().get("Settings") or __getattr__("Settings")
+    return cls.model_construct(**{name: _validate(name, v) for name, v in raw.items()})
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of field ``name`` (e.g. ``"db_timeout"``) from ``environ``
+    (default :data:`os.environ`); only that variable is validated.
+
+    Raises:
+        SettingError: that variable does not validate.
+        KeyError: ``name`` is not a field.
+    """
+    raw = _pick(os.environ if environ is None else environ, (name,))
+    if not raw:
+        return _FIELDS[name].default
+    return _validate(name, raw[name])
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the variable of field ``name`` is set to something not blank."""
+    return bool(_pick(os.environ if environ is None else environ, (name,)))
+
+
+# -- the README table -------------------------------------------------------------------
+
+TABLE_START = "<!-- settings-table:start (generated: python -m warmup.schemas) -->"
+TABLE_END = "<!-- settings-table:end -->"
+
+
+def _default_text(f) -> str:
+    extra = f.json_schema_extra or {}
+    if "shown_default" in extra:
+        return extra["shown_default"]
+    d = f.default
+    if isinstance(d, bool):
+        return "0"
+    if isinstance(d, float) and d.is_integer():
+        d = int(d)
+    return f"{d} {extra.get('unit', '')}".strip()
+
+
+def markdown_table(model: type[BaseModel] = SettingsFields) -> str:
+    """The README's table: one row per field of ``model``, then the test-only variables."""
+    rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
+    for name, f in model.model_fields.items():
+        extra = f.json_schema_extra or {}
+        typ = extra["type"] + (f" ({extra['unit']})" if extra.get("unit") else "")
+        rows.append(f"| `{PREFIX}{name.upper()}` | {typ} | {_default_text(f)} | {f.description} |")
+    for variable, meaning in TEST_ONLY.items():
+        rows.append(f"| `{variable}` | test-only | unset | {meaning} |")
+    return "\n".join(rows)
+
+
+def update_readme(path: str | os.PathLike) -> bool:
+    """Replace the table between :data:`TABLE_START` and :data:`TABLE_END` in
+    ``path``; True if the file changed.
+
+    Raises:
+        ConfigError: the markers are missing.
+    """
+    p = Path(path)
+    text = p.read_text()
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ConfigError(f"{p}: no {TABLE_START!r} ... {TABLE_END!r} section to replace")
+    new = text[: start + len(TABLE_START)] + "\n" + markdown_table() + "\n" + text[end:]
+    if new != text:
+        p.write_text(new)
+    return new != text
