@@ -100,17 +100,15 @@ def test_bundled_launch_tables_validate():
 
 def test_the_warmup_report_is_its_model(tiny_config, tmp_path):
     """The report ``warmup`` builds validates (and a wrong row does not)."""
-    from kernel_cache.plan.buckets import Bucketer
-    from kernel_cache.plan.keys import environment
-    from kernel_cache.plan.launch import resolve_plan
+    from kernel_cache.plan.plan import Plan
     from warmup.build.planner import Status, VariantResult, VariantRow, WarmupReport, _report
 
-    b = Bucketer(tiny_config)
-    plan = b.variants
-    resolved = resolve_plan(tiny_config, plan, environment(tiny_config)["device_arch"])
-    rows = [VariantResult(str(plan[0]), Status.FAILED, error="boom", timings={"total_s": 1.0})]
-    rows += [VariantResult(str(v), Status.CACHED) for v in plan[1:]]
-    out = _report(tiny_config, tmp_path, plan, rows, time.perf_counter(), b, None, resolved, {}, 0)
+    plan = Plan.build(tiny_config)
+    items = list(plan)
+    v = plan.variants
+    rows = [VariantResult(str(v[0]), Status.FAILED, error="boom", timings={"total_s": 1.0})]
+    rows += [VariantResult(str(x), Status.CACHED) for x in v[1:]]
+    out = _report(tiny_config, tmp_path, plan, items, rows, time.perf_counter(), None, {}, 0)
     report = WarmupReport.model_validate(json.loads(json.dumps(out)))
     assert report.failed[0].error == "boom" and report.repair
     assert [r.status for r in report.results][:2] == [Status.FAILED, Status.CACHED]

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
-from kernel_cache.plan.keys import CacheKey, build_key, environment
+from kernel_cache.plan.keys import CacheKey
 from kernel_cache.plan.launch import (
     TABLE_FORMAT,
     arch_family,
@@ -64,6 +64,7 @@ from kernel_cache.plan.launch import (
     parse_table,
     variant_defaults,
 )
+from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.tier import DiskTier, Tier, verify_entry
 
 TUNE_FORMAT = "kc-tune1"
@@ -158,45 +159,85 @@ def _stats(xs: list[float]) -> dict:
 
 
 def measure_variant(
-    config: EngineConfig,
-    variant: KernelVariant,
-    cands: list[dict],
-    tier: Tier,
-    env: dict,
-    settings: TuneSettings,
+    config: EngineConfig, items: list[PlanItem], tier: Tier, settings: TuneSettings
 ) -> dict:
-    """Check and time every candidate of ``variant`` (artifacts already in ``tier``).
+    """Check and time every candidate of one variant (artifacts already in ``tier``).
+
+    ``items``: the candidates, defaults first, each the variant under one launch
+    config (:meth:`kernel_cache.plan.plan.Plan.with_launch`), keyed.
 
     Returns the JSON-ready result: ``variant``, ``config`` (kept), ``speedup``
     (default median / kept median), ``paired_ratio_median``, ``inner``,
     ``rounds``, ``candidates`` (per candidate: ``config``, median/min/max ms,
     ``ratio_median``, ``ratio_q25``, ``max_abs_err``, ``ok``, ``beats_default``).
+
+    Raises:
+        CompileError: a candidate's artifact is not in ``tier``.
+        CorruptEntryError: one fails verification.
     """
+    from kernel_cache.runtime.inputs import make_inputs
+    from warmup.check.verify import TOLERANCE
+
+    variant, cands = items[0].variant, [i.launch for i in items]
+    runners = _load_candidates(config, items, tier)
+    args = list(make_inputs(config, variant, seed=settings.seed + 1))
+    errs = _errors(args, runners)
+    samples, inner = _time_candidates(config, args, runners, settings)
+    rows = _rows(cands, samples, errs, TOLERANCE[config.dtype], settings)
+    winners = [r for r in rows if r["beats_default"]]
+    kept = min(winners, key=lambda r: r["median_ms"]) if winners else rows[0]
+    return {
+        "variant": str(variant),
+        "config": kept["config"],
+        "default": cands[0],
+        "speedup": round(rows[0]["median_ms"] / kept["median_ms"], 4),
+        "paired_ratio_median": kept["ratio_median"],
+        "default_ms": [rows[0][k] for k in ("median_ms", "min_ms", "max_ms")],
+        "kept_ms": [kept[k] for k in ("median_ms", "min_ms", "max_ms")],
+        "inner": inner,
+        "rounds": settings.rounds,
+        "candidates": rows,
+        "default_ok": rows[0]["ok"],
+    }
+
+
+def _load_candidates(config: EngineConfig, items: list[PlanItem], tier: DiskTier) -> list:
+    """The loaded runner of each item's artifact, in order.
+
+    Raises:
+        CompileError: an artifact is not in ``tier``.
+        CorruptEntryError: one fails verification or the loader rejects it.
+    """
+    from kernel_cache.runtime.load import load_package
+
+    runners = []
+    for item in items:
+        entry = tier.get(item.hexdigest)
+        if entry is None:
+            raise CompileError(
+                f"{item.variant} {item.launch}: the compiled candidate is not in the cache"
+            )
+        verify_entry(entry)
+        runners.append(load_package(entry.data, config.device, entry.where, item.hexdigest))
+    return runners
+
+
+def _errors(args: list, runners: list) -> list[float]:
+    """Each runner's max abs difference from the reference decode on ``args``."""
     import torch
 
     from kernel_cache.kernels.reference import reference_decode
-    from kernel_cache.runtime.inputs import make_inputs
-    from kernel_cache.runtime.load import load_package
-    from warmup.check.verify import TOLERANCE
 
-    runners = []
-    for cfg in cands:
-        key = build_key(config, variant, env, launch=cfg).hexdigest
-        entry = tier.get(key)
-        if entry is None:
-            raise CompileError(f"{variant} {cfg}: the compiled candidate is not in the cache")
-        verify_entry(entry)
-        runners.append(load_package(entry.data, config.device, entry.where, key))
-
-    args = list(make_inputs(config, variant, seed=settings.seed + 1))
     q, kc, vc, bt, lens = args
     with torch.no_grad():
         ref = reference_decode(q, kc, vc, bt, lens.tolist())
-    tol = TOLERANCE[config.dtype]
-    errs = []
-    for r in runners:
-        out = r.run(args)[0]
-        errs.append(float((out.float() - ref.float()).abs().max()))
+    return [float((r.run(args)[0].float() - ref.float()).abs().max()) for r in runners]
+
+
+def _time_candidates(config: EngineConfig, args: list, runners: list, settings: TuneSettings):
+    """Warm timing (module docstring, step 4): ``(samples, inner)`` where
+    ``samples[i]`` are runner i's seconds per call, one per round."""
+    import torch
 
     sync = torch.cuda.synchronize if config.device == "cuda" else (lambda: None)
 
@@ -219,7 +260,12 @@ def measure_variant(
         rng.shuffle(order)
         for i in order:
             samples[i].append(timed(runners[i], inner))
+    return samples, inner
 
+
+def _rows(cands: list[dict], samples, errs, tol: float, settings: TuneSettings) -> list[dict]:
+    """Per candidate: its timing, paired ratios against the defaults (the
+    first), correctness and whether it beats the defaults (:data:`RULE`)."""
     rows = []
     base = samples[0]
     for cfg, xs, err in zip(cands, samples, errs, strict=True):
@@ -240,21 +286,7 @@ def measure_variant(
                 ),
             }
         )
-    winners = [r for r in rows if r["beats_default"]]
-    kept = min(winners, key=lambda r: r["median_ms"]) if winners else rows[0]
-    return {
-        "variant": str(variant),
-        "config": kept["config"],
-        "default": cands[0],
-        "speedup": round(rows[0]["median_ms"] / kept["median_ms"], 4),
-        "paired_ratio_median": kept["ratio_median"],
-        "default_ms": [rows[0][k] for k in ("median_ms", "min_ms", "max_ms")],
-        "kept_ms": [kept[k] for k in ("median_ms", "min_ms", "max_ms")],
-        "inner": inner,
-        "rounds": settings.rounds,
-        "candidates": rows,
-        "default_ok": rows[0]["ok"],
-    }
+    return rows
 
 
 def _check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None:
@@ -345,20 +377,15 @@ def tune(
     variants = list(dict.fromkeys(variants))
     _check_variants(config, variants)
     echo = echo or (lambda msg: None)
-    env = environment(config)
-    cands = {v: candidates(v, settings, config) for v in variants}
-    results_dir = Path(cache_dir) / "tune"
-    keys = {
-        v: result_key(build_key(config, v, env, launch=cands[v][0]).hexdigest, cands[v], settings)
-        for v in variants
+    plan = Plan.build(config, log_launch=False)
+    cands = {
+        v: [plan.with_launch(v, cfg) for cfg in candidates(v, settings, config)] for v in variants
     }
-    done = {}
-    for v in variants:
-        r = load_result(results_dir, keys[v])
-        if r is not None:
-            done[v] = {**r, "from_cache": True}
+    results_dir = Path(cache_dir) / "tune"
+    keys = {v: _result_key(cands[v], settings) for v in variants}
+    done = _cached_results(results_dir, keys)
     todo = [v for v in variants if v not in done]
-    items = [(v, cfg) for v in todo for cfg in cands[v]]
+    items = [item for v in todo for item in cands[v]]
     echo(
         f"tune: {len(variants)} variants, {len(done)} measured before (cached), "
         f"{len(items)} candidate artifacts to check"
@@ -370,7 +397,7 @@ def tune(
     art = DiskTier(cache_dir)
     try:
         for v in todo:
-            r = measure_variant(config, v, cands[v], art, env, settings)
+            r = measure_variant(config, cands[v], art, settings)
             save_result(results_dir, keys[v], r)
             done[v] = {**r, "from_cache": False}
             echo(f"measured {v}: kept {_fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
@@ -378,7 +405,7 @@ def tune(
         art.close()
     ordered = [done[v] for v in variants]
     return {
-        "table": make_table(config, env, variants, ordered, settings),
+        "table": make_table(config, plan.env, variants, ordered, settings),
         "variants": len(variants),
         "measured": sum(not r["from_cache"] for r in ordered),
         "from_cache": sum(r["from_cache"] for r in ordered),
@@ -387,6 +414,22 @@ def tune(
         "seconds": round(time.perf_counter() - t0, 3),
         "results": ordered,
     }
+
+
+def _result_key(cands: list[PlanItem], settings: TuneSettings) -> CacheKey:
+    """:func:`result_key` of a variant's candidates (the defaults first)."""
+    return result_key(cands[0].hexdigest, [i.launch for i in cands], settings)
+
+
+def _cached_results(results_dir: Path, keys: dict) -> dict:
+    """``{variant: result}`` of the variants (``keys``: variant -> result key)
+    measured before (:func:`load_result`)."""
+    done = {}
+    for v, key in keys.items():
+        r = load_result(results_dir, key)
+        if r is not None:
+            done[v] = {**r, "from_cache": True}
+    return done
 
 
 def _fmt_cfg(cfg: dict) -> str:

@@ -15,15 +15,14 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError, MissingVariantsError
-from kernel_cache.plan.buckets import Bucketer
-from kernel_cache.plan.keys import build_key, environment
-from kernel_cache.plan.launch import resolve_plan
+from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.dispatch import AttentionRuntime
 from kernel_cache.store.tier import DiskTier, Tier, default_cache_dir
 from kernel_cache.trust.signing import load_signing_key
@@ -198,6 +197,7 @@ def load_plan(
     bundles=None,
     strict: bool = True,
     allow_shared_dir: bool | None = None,
+    plan: Plan | None = None,
 ) -> AttentionRuntime:
     """Engine start: load every variant of ``config``'s plan and return the runtime.
 
@@ -215,6 +215,8 @@ def load_plan(
         strict: raise on missing variants (default); with False, load what is there.
         allow_shared_dir: skip the trust checks of the cache directory (default
             ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``; see :mod:`kernel_cache.trust.permissions`).
+        plan: ``config``'s :class:`~kernel_cache.plan.plan.Plan` if the caller
+            has built it (default: built here, once).
 
     Raises:
         MissingVariantsError: variants not in any tier, with the warmup command.
@@ -225,48 +227,78 @@ def load_plan(
             users or owned by another user (names the path and the fix).
         SigningKeyError: signed entries are required and no key is set.
     """
-    from kernel_cache.store.lookup import Lookup, merge_accepted
+    from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()
-    bucketer = Bucketer(config)
     load_signing_key()  # --require-signed without a key fails here, at start
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
         else Lookup(tiers)
     )
-    tiers = lookup.tiers
-    env = environment(config)
-    launch = resolve_plan(config, bucketer.variants, env["device_arch"])
-    runners, missing = {}, []
-    sources: Counter = Counter()
-    accepted: dict = {}
-    hits: dict[int, list[str]] = {}
-    for v in bucketer.variants:
-        key = build_key(config, v, env, launch=launch[v].config)
+    plan = Plan.build(config) if plan is None else plan
+    found = _find_plan(plan, lookup, cache_dir)
+    record_lookups(lookup.tiers, found.hits, len(found.missing))
+    if found.missing and strict:
+        raise MissingVariantsError(
+            found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
+        )
+    rt = AttentionRuntime(config, plan.bucketer, found.runners, time.perf_counter() - t0)
+    rt.launch = {i.variant: i.launch for i in plan}
+    rt.sources = dict(found.sources)
+    rt.build_only_accepted = found.accepted
+    _log_accepted(found.accepted)
+    log.info(
+        "loaded %d variants in %.3f s from %s", len(found.runners), rt.load_seconds,
+        dict(found.sources),
+    )  # fmt: skip
+    return rt
+
+
+@dataclass
+class _Found:
+    """What :func:`_find_plan` found: ``runners`` by variant, ``missing``
+    variants, ``sources`` (tier location -> variants), ``accepted`` build-only
+    components, ``hits`` (``id(tier)`` -> keys it served)."""
+
+    runners: dict = field(default_factory=dict)
+    missing: list = field(default_factory=list)
+    sources: Counter = field(default_factory=Counter)
+    accepted: dict = field(default_factory=dict)
+    hits: dict[int, list[str]] = field(default_factory=dict)
+
+
+def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
+    """Look every item of ``plan`` up through ``lookup`` (a
+    :class:`~kernel_cache.store.lookup.Lookup`) and load what is found.
+
+    Raises:
+        CorruptEntryError: naming the variant and the repair command.
+        CpuTargetError: from :func:`check_cpu_features`.
+    """
+    from kernel_cache.store.lookup import merge_accepted
+
+    config, out = plan.config, _Found()
+    for item in plan:
+        v = item.variant
         try:
-            found = lookup.find(key)
+            hit = lookup.find(item.key)
         except CorruptEntryError as e:
             fix = lookup.failed_in.repair_hint(config, cache_dir)
             raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
-        if found is None:
-            missing.append(v)
+        if hit is None:
+            out.missing.append(v)
             continue
-        entry = found.entry
+        entry = hit.entry
         check_cpu_features(config, v, entry)
-        runners[v] = load_package(entry.data, config.device, entry.where, entry.key)
-        sources[found.tier.location] += 1
-        hits.setdefault(id(found.tier), []).append(entry.key)
-        merge_accepted(accepted, found.accepted)
-    record_lookups(tiers, hits, len(missing))
-    if missing and strict:
-        raise MissingVariantsError(
-            missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
-        )
-    rt = AttentionRuntime(config, bucketer, runners, time.perf_counter() - t0)
-    rt.launch = {v: r.config for v, r in launch.items()}
-    rt.sources = dict(sources)
-    rt.build_only_accepted = accepted
+        out.runners[v] = load_package(entry.data, config.device, entry.where, entry.key)
+        out.sources[hit.tier.location] += 1
+        out.hits.setdefault(id(hit.tier), []).append(entry.key)
+        merge_accepted(out.accepted, hit.accepted)
+    return out
+
+
+def _log_accepted(accepted: dict) -> None:
     for name, a in accepted.items():
         log.info(
             "build-only component %s: accepted %s recorded at build time (this process: %s)",
@@ -274,5 +306,3 @@ def load_plan(
             ", ".join(map(repr, a["stored"])),
             repr(a["here"]),
         )
-    log.info("loaded %d variants in %.3f s from %s", len(runners), rt.load_seconds, dict(sources))
-    return rt

@@ -231,55 +231,15 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
         BundleError: a variant is missing or corrupt (lists them and the warmup
             command), or ``out`` exists and is not an empty directory.
     """
-    from kernel_cache.config.engine import config_to_cli
-    from kernel_cache.plan.buckets import Bucketer
-    from kernel_cache.plan.keys import build_key, environment
-    from kernel_cache.store.lookup import Lookup
+    from kernel_cache.plan.plan import Plan
     from kernel_cache.trust.signing import load_signing_key, sign_meta
 
     secret = load_signing_key()
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BundleError(
-            f"--out {str(out)!r} exists and is not an empty directory; "
-            "choose a new directory (a bundle is never overwritten in place)"
-        )
-    bucketer = Bucketer(config)
-    env = environment(config)
-    lookup = Lookup(tiers)
-    found, missing, corrupt = [], [], []
-    for v in bucketer.variants:
-        key = build_key(config, v, env)
-        try:
-            hit = lookup.find(key)
-        except CorruptEntryError as e:
-            corrupt.append(f"{v} ({e.reason})")
-            continue
-        if hit is None:
-            missing.append(str(v))
-        else:
-            found.append((v, hit))
-    if missing or corrupt:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {', '.join(missing)}")
-        if corrupt:
-            parts.append(f"{len(corrupt)} corrupt: {', '.join(corrupt)}")
-        raise BundleError(
-            f"refusing to export an incomplete plan ({len(bucketer.variants)} variants; "
-            f"{'; '.join(parts)}); warm it first: kernel-cache warmup {config_to_cli(config)}"
-        )
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "artifacts").mkdir(parents=True)
-    except OSError as e:
-        raise BundleError(
-            f"--out {str(out)!r}: cannot create the bundle directory beside it ({e}); "
-            "choose a writable location"
-        ) from None
+    _refuse_existing(out)
+    plan = Plan.build(config, log_launch=False)
+    found = _find_plan(plan, tiers)
+    tmp = _make_temp_dir(out)
     entries, total = [], 0
     try:
         for v, hit in found:
@@ -313,8 +273,8 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
             "created": time.time(),
             "plan": {
                 "config": config.model_dump(mode="json"),
-                "fingerprint": bucketer.fingerprint(),
-                "variants": [str(v) for v in bucketer.variants],
+                "fingerprint": plan.fingerprint(),
+                "variants": [str(v) for v in plan.variants],
             },
             "tools": tool_versions(),
             "entries": entries,
@@ -332,8 +292,74 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
         "variants": len(entries),
         "files": len({e["sha256"] for e in entries}),
         "bytes": total,
-        "fingerprint": bucketer.fingerprint(),
+        "fingerprint": plan.fingerprint(),
     }
+
+
+def _refuse_existing(out: Path) -> None:
+    """Raises BundleError: ``out`` exists and is not an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BundleError(
+            f"--out {str(out)!r} exists and is not an empty directory; "
+            "choose a new directory (a bundle is never overwritten in place)"
+        )
+
+
+def _find_plan(plan, tiers: list[Tier]) -> list:
+    """``[(variant, Found)]`` for every item of ``plan`` (a
+    :class:`~kernel_cache.plan.plan.Plan`), looked up in ``tiers`` as engine start does.
+
+    Raises:
+        BundleError: variants are missing or corrupt (lists them and the warmup command).
+    """
+    from kernel_cache.config.engine import config_to_cli
+    from kernel_cache.store.lookup import Lookup
+
+    lookup = Lookup(tiers)
+    found, missing, corrupt = [], [], []
+    for item in plan:
+        try:
+            hit = lookup.find(item.key)
+        except CorruptEntryError as e:
+            corrupt.append(f"{item.variant} ({e.reason})")
+            continue
+        if hit is None:
+            missing.append(str(item.variant))
+        else:
+            found.append((item.variant, hit))
+    if missing or corrupt:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {', '.join(missing)}")
+        if corrupt:
+            parts.append(f"{len(corrupt)} corrupt: {', '.join(corrupt)}")
+        raise BundleError(
+            f"refusing to export an incomplete plan ({len(plan)} variants; "
+            f"{'; '.join(parts)}); warm it first: kernel-cache warmup "
+            f"{config_to_cli(plan.config)}"
+        )
+    return found
+
+
+def _make_temp_dir(out: Path) -> Path:
+    """A fresh ``.<name>.tmp-<pid>/artifacts`` beside ``out``; returns the
+    temporary bundle directory.
+
+    Raises:
+        BundleError: it cannot be created (names ``--out``).
+    """
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "artifacts").mkdir(parents=True)
+    except OSError as e:
+        raise BundleError(
+            f"--out {str(out)!r}: cannot create the bundle directory beside it ({e}); "
+            "choose a writable location"
+        ) from None
+    return tmp
 
 
 def import_bundle(bundle: str | os.PathLike, disk) -> dict:

@@ -273,13 +273,17 @@ def remove_orphans(tier: Tier, *, grace_s: float = ORPHAN_GRACE_S, now: float | 
     return out
 
 
-def plan_digests(config) -> set[str]:
-    """The runtime digests of every variant of ``config``'s plan in this environment."""
-    from kernel_cache.plan.buckets import Bucketer
-    from kernel_cache.plan.keys import build_key, environment
+def plan_digests(plan) -> set[str]:
+    """The runtime digests of every variant of a plan in this environment.
 
-    env = environment(config)
-    return {build_key(config, v, env).runtime_digest for v in Bucketer(config).variants}
+    ``plan``: a :class:`~kernel_cache.plan.plan.Plan`, or an ``EngineConfig``
+    whose plan is built here.
+    """
+    from kernel_cache.plan.plan import Plan
+
+    if not isinstance(plan, Plan):
+        plan = Plan.build(plan, log_launch=False)
+    return {item.key.runtime_digest for item in plan}
 
 
 def gc(

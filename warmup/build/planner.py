@@ -57,7 +57,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernel_cache.config import settings
-from kernel_cache.plan.buckets import Bucketer, KernelVariant
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
     CacheWriteError,
@@ -67,14 +66,16 @@ from kernel_cache.errors import (
     LockTimeoutError,
     UntrustedCacheError,
 )
-from kernel_cache.plan.keys import build_key, environment, key_from_components
-from kernel_cache.plan.launch import LaunchChoice, describe_plan, resolve_plan
+from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.plan.keys import key_from_components
+from kernel_cache.plan.launch import LaunchChoice
+from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
-from kernel_cache.trust.signing import load_signing_key, sign_meta
 from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
 from kernel_cache.trust.permissions import resolve_allow_shared
+from kernel_cache.trust.signing import load_signing_key, sign_meta
 from warmup.build.loadcheck import LoadChecker, die_with_parent
 
 log = logging.getLogger("kernel_cache.warmup")
@@ -472,15 +473,14 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     return res
 
 
-def _precheck(config, plan, cache_dir, allow_shared):
-    """Sort the plan's ``(variant, launch config)`` items into cached and to-do
-    without writing anything if possible.
+def _precheck(config, plan: list[PlanItem], cache_dir, allow_shared):
+    """Sort the plan's items into cached and to-do without writing anything if
+    possible.
 
     Returns (cached, todo, bad, writable) where ``bad`` maps a variant to the
     reason its entry is unusable. Raises CacheWriteError when the directory
     cannot be written and something must be compiled.
     """
-    env = environment(config)
     write_error = None
     try:
         tier = DiskTier(cache_dir, allow_shared=allow_shared)
@@ -491,15 +491,14 @@ def _precheck(config, plan, cache_dir, allow_shared):
     cached, todo, bad = [], [], {}
     features = _cpu_features(config)
     try:
-        for v, launch in plan:
-            key = build_key(config, v, env, launch=launch).hexdigest
-            why = check_cached(tier, key, config.device, features)
+        for item in plan:
+            why = check_cached(tier, item.hexdigest, config.device, features)
             if why is None:
-                cached.append((v, launch))
+                cached.append(item)
             else:
-                todo.append((v, launch))
+                todo.append(item)
                 if why != "missing":
-                    bad[str(v)] = why
+                    bad[str(item.variant)] = why
         sizes = [m.get("size", 0) for m in tier.iter_meta()] if write_error and todo else []
     finally:
         tier.close()
@@ -579,13 +578,10 @@ def warmup(
     import kernel_cache.store.usage as usage
 
     t0 = time.perf_counter()
-    bucketer = Bucketer(config)
-    plan = list(bucketer.variants if variants is None else variants)
+    plan = Plan.build(config)
+    items = list(plan) if variants is None else plan.items_for(variants)
     allow_shared = resolve_allow_shared(allow_shared_dir)
     lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
-    env = environment(config)
-    resolved = resolve_plan(config, plan, env["device_arch"])
-    items = [(v, resolved[v].config) for v in plan]
     secret = load_signing_key()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     rtier = RedisTier(remote) if remote is not None else None
@@ -594,11 +590,11 @@ def warmup(
         todo, fetched, uploaded = _remote_precheck(
             config, cached, todo, cache_dir, allow_shared, writable, rtier, secret
         )
-    keep = housekeeping.plan_digests(config) if max_size is not None else set()
+    keep = housekeeping.plan_digests(plan) if max_size is not None else set()
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
     first = _gc(cache_dir, max_size, keep, allow_shared) if gc_on else None  # make room first
-    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
-    results += [VariantResult(str(v), Status.FETCHED) for v, _ in fetched]
+    results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
+    results += [VariantResult(str(i.variant), Status.FETCHED) for i in fetched]
     options = {
         "lock_timeout": lock_timeout,
         "allow_shared": allow_shared,
@@ -606,11 +602,9 @@ def warmup(
     }
 
     def report(results) -> dict:
-        return _report(
-            config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded
-        )
+        return _report(config, cache_dir, plan, items, results, t0, rtier, bad, uploaded)
 
-    reporter = _Reporter(len(plan), len(plan) - len(todo), progress)
+    reporter = _Reporter(len(items), len(items) - len(todo), progress)
     try:
         if todo:
             results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
@@ -621,28 +615,39 @@ def warmup(
         raise WarmupInterrupted(e.signum, report(results)) from None
     finally:
         reporter.close()
-    if rtier is not None:
-        failure = next((r.remote_error for r in results if r.remote_error), None)
-        if failure is not None and rtier.error is None:
-            rtier.note_failure(failure)  # a worker's Redis failure: this process warns once
-        rtier.close()
-    usage.record(
-        cache_dir,
-        hits=[build_key(config, v, env, launch=launch).hexdigest for v, launch in cached],
-        misses=sum(r.status is Status.COMPILED for r in results),
-    )
+    _close_remote(rtier, results)
+    compiled = sum(r.status is Status.COMPILED for r in results)
+    usage.record(cache_dir, hits=[i.hexdigest for i in cached], misses=compiled)
     out = report(results)
     if gc_on:
-        gc_report = _gc(cache_dir, max_size, keep, allow_shared)
-        gc_report["removed"] = first["removed"] + gc_report["removed"]
-        gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
-        gc_report["before_bytes"] = first["before_bytes"]
+        gc_report = _gc_after(first, cache_dir, max_size, keep, allow_shared)
         out["gc"] = GcSummary.model_validate(gc_report).model_dump()
     return out
 
 
-def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad, uploaded) -> dict:
-    """The JSON report of :func:`warmup` (see there) from its result rows."""
+def _close_remote(rtier: RedisTier | None, results: list[VariantResult]) -> None:
+    """Close the Redis tier; a worker's Redis failure makes this process warn once."""
+    if rtier is None:
+        return
+    failure = next((r.remote_error for r in results if r.remote_error), None)
+    if failure is not None and rtier.error is None:
+        rtier.note_failure(failure)
+    rtier.close()
+
+
+def _gc_after(first: dict, cache_dir, max_size, keep, allow_shared) -> dict:
+    """The size limit applied again after compiling; its report counts the
+    entries removed by both passes (``first`` is the pass before compiling)."""
+    gc_report = _gc(cache_dir, max_size, keep, allow_shared)
+    gc_report["removed"] = first["removed"] + gc_report["removed"]
+    gc_report["removed_bytes"] = sum(r["size"] for r in gc_report["removed"])
+    gc_report["before_bytes"] = first["before_bytes"]
+    return gc_report
+
+
+def _report(config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploaded) -> dict:
+    """The JSON report of :func:`warmup` (see there) from its result rows;
+    ``items`` are the plan items warmup was asked for."""
 
     def count(status: Status) -> int:
         return sum(r.status is status for r in results)
@@ -652,7 +657,7 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
     ]
     checked = [r for r in results if r.check_s is not None]
     out = {
-        "variants": len(plan),
+        "variants": len(items),
         "compiled": count(Status.COMPILED),
         "compiler_runs": sum(r.compiler_ran for r in results),
         "cached": count(Status.CACHED),
@@ -663,7 +668,7 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
         "quarantined": [{"variant": r.variant, **r.quarantined} for r in results if r.quarantined],
         "found_bad": bad,
         "seconds": round(time.perf_counter() - t0, 3),
-        "fingerprint": bucketer.fingerprint(),
+        "fingerprint": plan.fingerprint(),
         "pid": os.getpid(),
         "repair": f"kernel-cache warmup {config_to_cli(config, cache_dir)}" if failed else None,
         "load_check": {
@@ -675,7 +680,7 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
         "remote": rtier.location if rtier is not None else None,
         "remote_error": rtier.error if rtier is not None else None,
         "results": [r.as_dict() for r in results],
-        "launch": describe_plan(resolved),
+        "launch": plan.describe_launch(items),
     }
     WarmupReport.model_validate(out)  # the report is what its model (and schema) says
     return out
@@ -684,12 +689,13 @@ def _report(config, cache_dir, plan, results, t0, bucketer, rtier, resolved, bad
 def compile_items(
     config: EngineConfig,
     cache_dir: str | Path,
-    items: list[tuple[KernelVariant, dict]],
+    items: list[PlanItem],
     *,
     jobs: int = 1,
     progress: bool = True,
 ) -> dict:
-    """Compile each ``(variant, launch config)`` whose artifact is not cached
+    """Compile each item (a variant, its launch config and key:
+    :meth:`kernel_cache.plan.plan.Plan.with_launch`) whose artifact is not cached
     (``kernel-cache tune`` compiles several configs of one variant this way),
     with the same single-flight and load-check steps as :func:`warmup`.
 
@@ -701,7 +707,7 @@ def compile_items(
     """
     allow_shared = resolve_allow_shared(None)
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
-    results = [VariantResult(str(v), Status.CACHED) for v, _ in cached]
+    results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
     options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
     reporter = _Reporter(len(items), len(cached), progress)
     try:
@@ -737,13 +743,12 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
     """With Redis: publish cached entries Redis lacks (signed when a key is
     set: the local cache is trusted), and copy verified Redis hits of the
     to-do items into the local cache. Returns (todo, fetched, uploaded)."""
-    env = environment(config)
     tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
     lookup = Lookup([rtier], exact=True, promote_into=tier)
     left, fetched, uploaded = [], [], 0
     try:
-        for v, launch in cached:
-            key = build_key(config, v, env, launch=launch).hexdigest
+        for item in cached:
+            key = item.hexdigest
             if rtier.is_down():
                 continue
             entry = tier.get(key)
@@ -757,7 +762,7 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
             ):  # missing, unsigned, other key, other bytes
                 uploaded += rtier.put(key, entry.data, want).stored
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
-            found = lookup.find(build_key(config, item[0], env, launch=item[1]))
+            found = lookup.find(item.key)
             (fetched if found else left).append(item)
     finally:
         tier.close()
@@ -852,15 +857,12 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     try:
         pin_environment(config.device, config.cpu_target, scratch)
         cfg_json = config.model_dump_json()
-        env = environment(config)
         for blocking in (False, True):
-            for v, launch in busy if blocking else todo:
-                key = build_key(config, v, env, launch=launch).as_dict()
-                opts = {**options, "blocking": blocking, "launch": launch, "check": False}
-                opts["key"] = key
-                r = build_variant(cfg_json, v.model_dump_json(), cache_dir, opts)
+            for item in busy if blocking else todo:
+                opts = {**_item_options(item, options, blocking), "check": False}
+                r = build_variant(cfg_json, item.variant.model_dump_json(), cache_dir, opts)
                 if r.status is Status.BUSY and not blocking:
-                    busy.append((v, launch))
+                    busy.append(item)
                     continue
                 results.append(r)
                 reporter.finished(r)
@@ -898,8 +900,77 @@ def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
     return VariantResult(str(v), Status.FAILED, error=why)
 
 
+def _item_options(item: PlanItem, options: dict, blocking: bool) -> dict:
+    """A worker's options for ``item``: its key (computed once, in the plan)
+    and launch config, and whether to wait for the locks."""
+    return {**options, "blocking": blocking, "launch": item.launch, "key": item.key.as_dict()}
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt(signum, [])
+
+
+class _Pool:
+    """The worker pools of :func:`_run_pool`: a new pool replaces one a dying
+    worker broke; each future remembers its item and the pool it went to."""
+
+    def __init__(self, config: EngineConfig, cache_dir: str, jobs: int, scratch: str, options):
+        self.config, self.cache_dir, self.jobs, self.scratch = config, cache_dir, jobs, scratch
+        self.options, self.cfg_json = options, config.model_dump_json()
+        self.pools = [self._new()]
+        self.futs: dict = {}  # future -> PlanItem
+        self.pool_of: dict = {}  # future -> index in pools of the pool it was sent to
+        self.retried: set[str] = set()
+        self.fatal: str | None = None
+
+    def _new(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=self.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(), self.config.device, self.config.cpu_target, self.scratch),
+        )
+
+    def submit(self, item: PlanItem, blocking: bool):
+        opts = _item_options(item, self.options, blocking)
+        v_json = item.variant.model_dump_json()
+        f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
+        self.futs[f], self.pool_of[f] = item, len(self.pools) - 1
+        return f
+
+    def _not_started(self, v) -> VariantResult:
+        return VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {self.fatal}")
+
+    def outcome(self, f, pending: set) -> VariantResult | None:
+        """The row of a finished future, or None when its item went back into
+        ``pending`` (a first death of its worker, or busy on the first pass)."""
+        item = self.futs[f]
+        v = item.variant
+        if f.cancelled():
+            return self._not_started(v)
+        try:
+            r = f.result()
+        except BrokenProcessPool as e:
+            if str(v) not in self.retried and self.fatal is None:
+                self.retried.add(str(v))
+                if self.pool_of[f] == len(self.pools) - 1:  # the newest pool broke
+                    self.pools.append(self._new())
+                pending.add(self.submit(item, True))
+                return None
+            r = _worker_failure(v, e)
+        except Exception as e:
+            r = _worker_failure(v, e)
+        if r.status is Status.BUSY:
+            if self.fatal is None:
+                pending.add(self.submit(item, True))
+                return None
+            r = self._not_started(v)
+        return r
+
+
 def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
-    """Build ``todo`` (``[(variant, launch config)]``) in ``jobs`` worker processes.
+    """Build ``todo`` (:class:`~kernel_cache.plan.plan.PlanItem` s) in ``jobs``
+    worker processes.
 
     A worker that dies (SIGKILL, out of memory, a crash) breaks the pool and
     fails every variant in flight; those are tried once more in a new pool, and
@@ -911,83 +982,37 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     """
     if jobs == 0:
         return _in_process(config, todo, cache_dir, reporter, options)
-    cfg_json = config.model_dump_json()
     scratch = _new_scratch()
     results: list[VariantResult] = []
-    fatal = None
-    env = environment(config)
-
-    def new_pool() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(
-            max_workers=jobs,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(os.getpid(), config.device, config.cpu_target, scratch),
-        )
-
-    pools = [new_pool()]
-    futs: dict = {}  # future -> (variant, launch)
-    pool_of: dict = {}  # future -> index in pools of the pool it was sent to
-    retried: set[str] = set()
-
-    def submit(item, blocking: bool):
-        v, launch = item
-        key = build_key(config, v, env, launch=launch).as_dict()
-        opts = {**options, "blocking": blocking, "launch": launch, "key": key}
-        f = pools[-1].submit(build_variant, cfg_json, v.model_dump_json(), cache_dir, opts)
-        futs[f], pool_of[f] = item, len(pools) - 1
-        return f
-
-    def on_signal(signum, frame):
-        raise _Interrupt(signum, [])
-
-    old = signal.signal(signal.SIGTERM, on_signal) if _main_thread() else None
-    pending = {submit(item, False) for item in todo}
+    pool = _Pool(config, cache_dir, jobs, scratch, options)
+    old = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+    pending = {pool.submit(item, False) for item in todo}
     try:
         while pending:
-            reporter.running([str(futs[f][0]) for f in pending if f.running()])
+            reporter.running([str(pool.futs[f].variant) for f in pending if f.running()])
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
-                item = futs[f]
-                v = item[0]
-                if f.cancelled():
-                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
-                else:
-                    try:
-                        r = f.result()
-                    except BrokenProcessPool as e:
-                        if str(v) not in retried and fatal is None:
-                            retried.add(str(v))
-                            if pool_of[f] == len(pools) - 1:  # the newest pool broke
-                                pools.append(new_pool())
-                            pending.add(submit(item, True))
-                            continue
-                        r = _worker_failure(v, e)
-                    except Exception as e:
-                        r = _worker_failure(v, e)
-                if r.status is Status.BUSY:
-                    if fatal is None:
-                        pending.add(submit(item, True))
-                        continue
-                    r = VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {fatal}")
+                r = pool.outcome(f, pending)
+                if r is None:
+                    continue
                 results.append(r)
                 reporter.finished(r)
-                if r.fatal and fatal is None:
-                    fatal = r.error
+                if r.fatal and pool.fatal is None:
+                    pool.fatal = r.error
                     for p in pending:
                         p.cancel()
     except (KeyboardInterrupt, _Interrupt) as e:
         signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
-        for pool in pools:
-            _stop_workers(pool)
+        for p in pool.pools:
+            _stop_workers(p)
         seen = {r.variant for r in results}
-        left = [VariantResult(str(v), Status.NOT_STARTED) for v, _ in todo if str(v) not in seen]
-        raise _Interrupt(signum, results + left) from None
+        left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
+        raise _Interrupt(signum, results + [r for r in left if r.variant not in seen]) from None
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-        for pool in pools:
-            pool.shutdown(wait=True, cancel_futures=True)
+        for p in pool.pools:
+            p.shutdown(wait=True, cancel_futures=True)
         _drop_scratch(scratch)
     return results
 

@@ -16,7 +16,8 @@ import datetime as _dt
 
 from kernel_cache.errors import CorruptEntryError, ShapeError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
-from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, build_key, environment
+from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS
+from kernel_cache.plan.plan import Plan
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.tier import Tier
 
@@ -90,85 +91,81 @@ def explain(
     taken from the record), "reason" (corrupt, not_in_plan), "nearest": [{"variant",
     "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
     """
-    env = environment(config)
-    bucketer = Bucketer(config)
-    plan = set(bucketer.variants)
-    wanted = list(bucketer.variants) if variants is None else list(variants)
+    plan = Plan.build(config, log_launch=False)
+    items = list(plan) if variants is None else plan.items_for(variants)
     lookup = Lookup(tiers)
     stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
     results, hits, outside = [], 0, 0
-    for v in wanted:
-        key = build_key(config, v, env)
-        r = {"variant": str(v), "key": key.hexdigest}
-        if v not in plan:
+    for item in items:
+        r = {"variant": str(item.variant), "key": item.key.hexdigest}
+        if item.variant not in plan:
             # a hit or a miss means nothing here: warmup never builds it, dispatch never runs it
             outside += 1
-            r.update(status="not_in_plan", reason=not_in_plan(bucketer, v))
+            r.update(status="not_in_plan", reason=not_in_plan(plan.bucketer, item.variant))
             results.append(r)
             continue
-        try:
-            found = lookup.find(key)
-        except CorruptEntryError as e:
-            found = None
-            r.update(status="corrupt", where=e.where, reason=e.reason)
+        found = _find(lookup, item, r)
         if found is not None:
             hits += 1
-            if variants is None:
-                continue
-            r.update(
-                status="hit",
-                where=found.tier.location,
-                accepted={n: {"here": a, "stored": b} for n, (a, b) in found.accepted.items()},
-            )
-            results.append(r)
+            if variants is not None:
+                accepted = {n: {"here": a, "stored": b} for n, (a, b) in found.accepted.items()}
+                r.update(status="hit", where=found.tier.location, accepted=accepted)
+                results.append(r)
             continue
         r.setdefault("status", "miss")
-        here = key.as_dict()
-        ranked = []
-        for where, meta in stored:
-            comps = meta.get("components")
-            if not isinstance(comps, dict):
-                continue
-            diff = differences(here, comps)
-            runtime_diff = sum(not d["build_only"] for d in diff)
-            same_variant = comps.get("variant") == here["variant"]
-            same_kernel = str(comps.get("variant")).split(":")[0] == v.kernel
-            ranked.append(
-                (
-                    (
-                        not same_variant,
-                        runtime_diff,
-                        not same_kernel,
-                        len(diff),
-                        -float(meta.get("created") or 0),
-                    ),
-                    where,
-                    meta,
-                    diff,
-                )
-            )
-        ranked.sort(key=lambda x: x[0])
-        r["nearest"] = [
-            {
-                "variant": meta.get("variant"),
-                "key": meta.get("key"),
-                "where": where,
-                "created": meta.get("created"),
-                "differences": diff,
-                "lines": [format_difference(d) for d in diff],
-            }
-            for _, where, meta, diff in ranked[:nearest]
-        ]
+        r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
         results.append(r)
     return {
-        "variants": len(wanted),
+        "variants": len(items),
         "hits": hits,
-        "misses": len(wanted) - hits - outside,
+        "misses": len(items) - hits - outside,
         "not_in_plan": outside,
         "stored": len(stored),
         "tiers": [t.location for t in tiers],
         "results": results,
     }
+
+
+def _find(lookup: Lookup, item, r: dict):
+    """Engine start's lookup of ``item``'s key; a corrupt entry is noted in ``r``
+    (status, where, reason) and counts as a miss (None)."""
+    try:
+        return lookup.find(item.key)
+    except CorruptEntryError as e:
+        r.update(status="corrupt", where=e.where, reason=e.reason)
+        return None
+
+
+def nearest_entries(here: dict, v: KernelVariant, stored: list, nearest: int) -> list[dict]:
+    """The ``nearest`` stored entries (``stored``: ``[(where, meta)]``) to a key
+    whose components are ``here``, ranked as the module docstring says:
+    ``[{"variant", "key", "where", "created", "differences", "lines"}]``."""
+    ranked = []
+    for where, meta in stored:
+        comps = meta.get("components")
+        if not isinstance(comps, dict):
+            continue
+        diff = differences(here, comps)
+        rank = (
+            comps.get("variant") != here["variant"],
+            sum(not d["build_only"] for d in diff),
+            str(comps.get("variant")).split(":")[0] != v.kernel,
+            len(diff),
+            -float(meta.get("created") or 0),
+        )
+        ranked.append((rank, where, meta, diff))
+    ranked.sort(key=lambda x: x[0])
+    return [
+        {
+            "variant": meta.get("variant"),
+            "key": meta.get("key"),
+            "where": where,
+            "created": meta.get("created"),
+            "differences": diff,
+            "lines": [format_difference(d) for d in diff],
+        }
+        for _, where, meta, diff in ranked[:nearest]
+    ]
 
 
 def _blocks(n: int, block_size: int) -> str:

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.kernels.builtin import build_module
-from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer
-from kernel_cache.plan.keys import build_key, environment
-from kernel_cache.plan.launch import LaunchChoice, describe_plan, launch_json, resolve_plan
+from kernel_cache.plan.buckets import PAGED_ATTENTION
+from kernel_cache.plan.launch import LaunchChoice, launch_json
+from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.runtime.inputs import make_inputs
 from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
 from kernel_cache.store.lookup import Lookup, merge_accepted
@@ -121,73 +121,27 @@ def verify_plan(
     """
     t0 = time.perf_counter()
     before = set(compile_stack_loaded())
-    bucketer = Bucketer(config)
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
         else Lookup(tiers)
     )
-    env = environment(config)
-    launch = resolve_plan(config, bucketer.variants, env["device_arch"])
-    modules = {}
-    report = {
-        "variants": len(bucketer.variants),
-        "loaded": 0,
-        "missing": [],
-        "corrupt": [],
-        "unrunnable": [],
-        "mismatched": [],
-        "max_abs_err": 0.0,
-        "sources": {},
-        "source_kinds": {},
-        "build_only_accepted": {},
-        "launch": describe_plan(launch),
-    }
-    tol = TOLERANCE[config.dtype]
-    for v in bucketer.variants:
-        cfg = launch[v].config
-        key = build_key(config, v, env, launch=cfg)
-        try:
-            found = lookup.find(key)
-            if found is None and lookup.rejected:  # Redis held a bad or unsigned entry
-                raise lookup.rejected[-1]
-            if found is None:
-                report["missing"].append(str(v))
-                continue
-            entry = found.entry
-            check_cpu_features(config, v, entry)
-            runner = load_package(entry.data, config.device, entry.where, entry.key)
-        except CorruptEntryError as e:
-            report["corrupt"].append(
-                {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
-            )
-            continue
-        except CpuTargetError as e:
-            report["unrunnable"].append({"variant": str(v), "reason": str(e)})
+    plan = Plan.build(config)
+    report = _empty_report(plan)
+    oracle = _Oracle(config)
+    for item in plan:
+        runner, found = _load_item(config, item, lookup, report)
+        if runner is None:
             continue
         report["loaded"] += 1
         src = found.tier.location
         report["sources"][src] = report["sources"].get(src, 0) + 1
         report["source_kinds"][src] = found.tier.name
         merge_accepted(report["build_only_accepted"], found.accepted)
-        args = make_inputs(config, v, seed=1)
-        out = runner.run(list(args))[0]
-        mk = (v.kernel, launch_json(cfg))
-        if mk not in modules:
-            c = config
-            # The CUDA prefill's tiles are the Triton kernel's; the oracle takes none.
-            kw = {} if v.kernel == PAGED_ATTENTION else cfg
-            modules[mk] = build_module(v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **kw)
-        mod = modules[mk]
-        with torch.no_grad():
-            ref = mod(*args)
-        if v.kernel == PAGED_ATTENTION:  # rows past the real chunk are padding: not compared
-            real = int(args[5][0])
-            out, ref = out[:real], ref[:real]
-        err = float((out.float() - ref.float()).abs().max())
+        err = oracle.error(item, runner)
         report["max_abs_err"] = max(report["max_abs_err"], err)
-        if not err <= tol:
-            report["mismatched"].append({"variant": str(v), "max_abs_err": err})
+        if not err <= TOLERANCE[config.dtype]:
+            report["mismatched"].append({"variant": str(item.variant), "max_abs_err": err})
     newly = sorted(set(compile_stack_loaded()) - before)
     report["compiled"] = len(newly)
     report["compile_stack_imported"] = newly
@@ -201,3 +155,69 @@ def verify_plan(
         report["repair"] = f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
     VerifyReport.model_validate(report)  # the report is what its model (and schema) says
     return report
+
+
+def _empty_report(plan: Plan) -> dict:
+    return {
+        "variants": len(plan),
+        "loaded": 0,
+        "missing": [],
+        "corrupt": [],
+        "unrunnable": [],
+        "mismatched": [],
+        "max_abs_err": 0.0,
+        "sources": {},
+        "source_kinds": {},
+        "build_only_accepted": {},
+        "launch": plan.describe_launch(),
+    }
+
+
+def _load_item(config: EngineConfig, item: PlanItem, lookup: Lookup, report: dict):
+    """Find and load one item as engine start does: ``(runner, found)``, or
+    ``(None, None)`` with the variant noted in ``report`` as missing, corrupt
+    or unrunnable."""
+    v = item.variant
+    try:
+        found = lookup.find(item.key)
+        if found is None and lookup.rejected:  # Redis held a bad or unsigned entry
+            raise lookup.rejected[-1]
+        if found is None:
+            report["missing"].append(str(v))
+            return None, None
+        entry = found.entry
+        check_cpu_features(config, v, entry)
+        return load_package(entry.data, config.device, entry.where, entry.key), found
+    except CorruptEntryError as e:
+        report["corrupt"].append(
+            {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
+        )
+    except CpuTargetError as e:
+        report["unrunnable"].append({"variant": str(v), "reason": str(e)})
+    return None, None
+
+
+class _Oracle:
+    """Eager modules of the same kernels and launch configs, built once per
+    ``(kernel, launch config)``; :meth:`error` compares a runner with one."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.modules: dict = {}
+
+    def error(self, item: PlanItem, runner) -> float:
+        """Max abs difference between ``runner`` and eager on seeded inputs."""
+        c, v, cfg = self.config, item.variant, item.launch
+        args = make_inputs(c, v, seed=1)
+        out = runner.run(list(args))[0]
+        mk = (v.kernel, launch_json(cfg))
+        if mk not in self.modules:
+            # The CUDA prefill's tiles are the Triton kernel's; the oracle takes none.
+            kw = {} if v.kernel == PAGED_ATTENTION else cfg
+            self.modules[mk] = build_module(v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **kw)
+        with torch.no_grad():
+            ref = self.modules[mk](*args)
+        if v.kernel == PAGED_ATTENTION:  # rows past the real chunk are padding: not compared
+            real = int(args[5][0])
+            out, ref = out[:real], ref[:real]
+        return float((out.float() - ref.float()).abs().max())
