@@ -16,6 +16,7 @@ import torch
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.kernels.builtin import build_module
+from kernel_cache.kernels.slots import SLOTS, kernel_path
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer
 from kernel_cache.plan.keys import build_key, environment
 from kernel_cache.plan.launch import describe_plan, launch_json, resolve_plan
@@ -56,7 +57,10 @@ def verify_plan(
     table sets: ``{variant: {"config", "source"}}``),
     ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
     (``{tier location: "bundle" | "disk" | "redis"}``),
-    ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
+    ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``),
+    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``.
+    Every variant, the engine's own kernels' included, is compared with the
+    built-in slot's eager kernel (the plain PyTorch formulation).
 
     Raises:
         UntrustedCacheError: see :mod:`kernel_cache.trust.permissions`
@@ -86,6 +90,7 @@ def verify_plan(
         "source_kinds": {},
         "build_only_accepted": {},
         "launch": describe_plan(launch),
+        "kernels": {slot: kernel_path(config, slot) for slot in SLOTS},
     }
     tol = TOLERANCE[config.dtype]
     for v in bucketer.variants:
@@ -131,7 +136,9 @@ def verify_plan(
         err = float((out.float() - ref.float()).abs().max())
         report["max_abs_err"] = max(report["max_abs_err"], err)
         if not err <= tol:
-            report["mismatched"].append({"variant": str(v), "max_abs_err": err})
+            report["mismatched"].append(
+                {"variant": str(v), "max_abs_err": err, "kernel": kernel_path(config, v.kernel)}
+            )
     newly = sorted(set(compile_stack_loaded()) - before)
     report["compiled"] = len(newly)
     report["compile_stack_imported"] = newly
