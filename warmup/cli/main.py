@@ -51,7 +51,7 @@ def cmd_plan(args) -> int:
     print(f"query buckets:         {list(b.query_buckets)}")
     print(f"num_seqs buckets:      {list(b.num_seqs_buckets)}")
     for slot, path in doc["kernels"].items():
-        print(f"kernel {slot + ':':16}{path}")
+        print(f"kernel {slot}: {path}")
     n_pa = sum(v.kernel == "paged_attention" for v in b.variants)
     print(
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
