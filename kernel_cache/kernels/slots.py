@@ -181,6 +181,11 @@ def normalize(kernels) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out.items()))
 
 
+#: Entry-point names resolved in this process (engine start resolves one per
+#: variant; reading every installed package's metadata each time costs ms).
+_RESOLVED: dict[str, str] = {}
+
+
 def entry_point_path(slot: str, name: str) -> str:
     """The ``module:attr`` an installed entry point ``name`` of
     :data:`ENTRY_POINT_GROUP` names (read from package metadata, nothing imported).
@@ -190,6 +195,8 @@ def entry_point_path(slot: str, name: str) -> str:
     """
     from importlib.metadata import entry_points
 
+    if name in _RESOLVED:
+        return _RESOLVED[name]
     eps = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in eps:
         known = ", ".join(sorted(eps)) or "none installed"
@@ -197,6 +204,7 @@ def entry_point_path(slot: str, name: str) -> str:
             f"kernels: {slot}={name!r} is neither an import path nor an entry point of group "
             f"{ENTRY_POINT_GROUP!r} ({known}); expected {FORM}"
         )
+    _RESOLVED[name] = eps[name]
     return eps[name]
 
 
@@ -254,8 +262,10 @@ def build(slot: str, path: str | None, num_heads: int, num_kv_heads: int, head_d
     where = f"kernel {slot}={path}"
     try:
         mod = factory(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, **launch)
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        if path == SLOTS[slot].default:  # a built-in refusing launch parameters: as it says
+            raise
+        raise CompileError(f"{where}: the factory refused its arguments: {e}") from None
     except Exception as e:
         raise CompileError(
             f"{where}: the factory raised {type(e).__name__}: {e} (called with num_heads="
