@@ -163,6 +163,7 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
         query_buckets=(1, 64, 256),
         num_seqs_buckets=(2, 16),
         cpu_target="native",
+        kernels={"batched_decode": "pkg.mod:Decode", "paged_attention": "pkg.mod:Prefill"},
         use_env=False,
     )
     defaults = EngineConfig.model_fields

@@ -169,6 +169,12 @@ class EngineConfig(BaseModel):
     num_seqs_buckets: tuple[int, ...] | None = Field(
         None, description="decode-batch buckets in sequences (env KERNEL_CACHE_NUM_SEQS_BUCKETS)"
     )
+    kernels: tuple[tuple[str, str], ...] = Field(
+        (),
+        description="the engine's own implementation of a kernel slot, as SLOT=package."
+        "module:Factory (repeatable; slots: paged_attention, batched_decode; see "
+        "kernel_cache.kernels.slots); the other slots keep the built-in kernels",
+    )
 
     @field_validator(
         "num_heads",
@@ -186,6 +192,16 @@ class EngineConfig(BaseModel):
         if v < 1:
             raise ValueError(f"{info.field_name} must be an integer >= 1, got {v}")
         return v
+
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _kernels(cls, v):
+        from kernel_cache.kernels.slots import normalize
+
+        try:
+            return normalize(v)
+        except ConfigError as e:  # pydantic reports a ValueError with the field name
+            raise ValueError(str(e).removeprefix("kernels: ")) from None
 
     @field_validator("kv_dense_cap")
     @classmethod
@@ -350,9 +366,15 @@ def _explain_validation(e: ValidationError) -> str:
 ENGINE_OPTION_FIELDS = tuple(f for f in EngineConfig.model_fields if f not in GEOMETRY_FIELDS)
 
 
+#: Fields whose flag is not the field's name: ``kernels`` is ``--kernel
+#: SLOT=PATH``, once per slot.
+_FLAGS = {"kernels": "--kernel"}
+
+
 def option_flag(field: str) -> str:
-    """The command-line flag of an :class:`EngineConfig` field: ``--max-model-len``."""
-    return "--" + field.replace("_", "-")
+    """The command-line flag of an :class:`EngineConfig` field: ``--max-model-len``
+    (``--kernel`` for ``kernels``)."""
+    return _FLAGS.get(field) or "--" + field.replace("_", "-")
 
 
 def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
@@ -364,7 +386,10 @@ def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
     parts = [f"--model {shlex.quote(config.model)}"]
     for field in ENGINE_OPTION_FIELDS:
         value = getattr(config, field)
-        if value is None:
+        if value is None or value == ():
+            continue
+        if field == "kernels":
+            parts += [f"{option_flag(field)} {shlex.quote(f'{k}={p}')}" for k, p in value]
             continue
         if isinstance(value, tuple):
             value = ",".join(map(str, value))

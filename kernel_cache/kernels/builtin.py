@@ -358,16 +358,28 @@ class RealKVBatchedDecode(BatchedDecode):
 
 
 def build_module(
-    kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, **launch
+    kernel: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    impl: str | None = None,
+    **launch,
 ) -> nn.Module:
-    """The module for ``kernel`` ("paged_attention" or "batched_decode"):
-    :class:`RealKVPagedAttention` or :class:`RealKVBatchedDecode`: the
-    real-KV kernels when compiled for the CPU, the plain kernels eagerly and
-    off the CPU.
+    """The module of slot ``kernel`` ("paged_attention" or "batched_decode") from
+    the factory ``impl`` names (an import path, see :mod:`kernel_cache.kernels.slots`;
+    None: the slot's default, :class:`RealKVPagedAttention` or
+    :class:`RealKVBatchedDecode`: the real-KV kernels when compiled for the
+    CPU, the plain kernels eagerly and off the CPU).
 
     ``launch``: the variant's launch parameters as keywords (for ``batched_decode``
     ``blocks_per_chunk`` and ``num_kv_splits``; ``paged_attention`` takes none),
     usually the resolved config of :func:`kernel_cache.plan.launch.resolve_plan`.
+
+    Raises:
+        ConfigError: an unknown slot, or launch parameters a built-in refuses.
+        CompileError: ``impl`` does not import or does not return a module.
     """
-    cls = {"paged_attention": RealKVPagedAttention, "batched_decode": RealKVBatchedDecode}[kernel]
-    return cls(num_heads, num_kv_heads, head_dim, **launch).eval()
+    from kernel_cache.kernels.slots import build
+
+    return build(kernel, impl, num_heads, num_kv_heads, head_dim, **launch)

@@ -7,7 +7,10 @@ component (``kernel-cache explain``). The idea follows JAX's
 
 What counts (:data:`COMPONENTS`, in order): the artifact format version, the
 sources (every project file the compile path imports, found by code:
-:func:`source_files`), the variant, its resolved launch config (defaults
+:func:`source_files`, plus the files of the engine's own kernel for the
+variant's slot: :func:`kernel_source_files`), the variant, the import path of
+its slot's implementation (``kernel``: :mod:`kernel_cache.kernels.slots`; the
+built-in factory unless the config names another), its resolved launch config (defaults
 written out; :mod:`kernel_cache.plan.launch`), the geometry, the dtype, the device
 type and architecture (on the CPU, the instruction-set target:
 :mod:`kernel_cache.config.recipe`), the torch, Python and C++ compiler versions, and
@@ -71,16 +74,18 @@ from pathlib import Path
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.config.recipe import DEFAULT_CPU_TARGET, compile_options, device_arch
 from kernel_cache.errors import ConfigError
+from kernel_cache.kernels.slots import kernel_path
 from kernel_cache.plan.buckets import KernelVariant
 
 #: Bump when the stored layout (bytes + metadata schema) or the way a key is
 #: computed changes; entries of another format simply miss.
-ARTIFACT_FORMAT = "kc2"
+ARTIFACT_FORMAT = "kc3"
 
 COMPONENTS = (
     "format",
     "sources",
     "variant",
+    "kernel",
     "launch_config",
     "geometry",
     "dtype",
@@ -119,19 +124,36 @@ HASHED_PACKAGES = ("kernel_cache", "warmup")
 
 
 def _module_file(name: str) -> Path | None:
-    """The source file of module ``name`` inside :data:`HASHED_PACKAGES`,
-    found without importing it (nor its package); None if there is none."""
+    """The source file of module ``name`` (a package's ``__init__.py``, or a
+    top-level single-file module), found without importing it (nor its
+    package); None if there is none."""
     import importlib.util
 
     top, *rest = name.split(".")
-    spec = importlib.util.find_spec(top)  # a top-level lookup executes nothing
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level lookup executes nothing
+    except (ImportError, ValueError):
         return None
+    if spec is None:
+        return None
+    if not spec.submodule_search_locations:  # a single-file top-level module
+        origin = Path(spec.origin) if spec.origin else None
+        ok = not rest and origin is not None and origin.suffix == ".py" and origin.is_file()
+        return origin if ok else None
     base = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
     for cand in (base.with_suffix(".py"), base / "__init__.py"):
         if cand.is_file():
             return cand
     return None
+
+
+def _rel(name: str, path: Path) -> str:
+    """``path`` as recorded in the key: relative to the folder above its
+    top-level package (``mykernels/helpers.py``)."""
+    top = _module_file(name.split(".")[0])
+    if top is None or top.name != "__init__.py":
+        return path.name
+    return f"{name.split('.')[0]}/{path.relative_to(top.parent).as_posix()}"
 
 
 def _imports(path: Path, module: str) -> set[str]:
@@ -158,11 +180,13 @@ def _imports(path: Path, module: str) -> set[str]:
 
 
 @functools.cache
-def source_files(roots: tuple[str, ...] = COMPILE_ROOTS) -> dict[str, str]:
-    """Every source file of :data:`HASHED_PACKAGES` the compile path can run:
-    ``roots`` and, transitively, what they import (function-level imports
-    included), as ``{"warmup/build/compiler.py": sha256 hex (16 chars)}``, sorted
-    by path.
+def source_files(
+    roots: tuple[str, ...] = COMPILE_ROOTS, packages: tuple[str, ...] = HASHED_PACKAGES
+) -> dict[str, str]:
+    """Every source file of ``packages`` the compile path can run: ``roots``
+    and, transitively, what they import within ``packages`` (function-level
+    imports included), as ``{"warmup/build/compiler.py": sha256 hex (16
+    chars)}``, sorted by path.
 
     The set is found by reading the code (``ast``), not kept by hand, so a new
     helper module a kernel imports is covered by the next build. A test runs a
@@ -177,21 +201,22 @@ def source_files(roots: tuple[str, ...] = COMPILE_ROOTS) -> dict[str, str]:
     seen: set[str] = set()
     while todo:
         name = todo.pop()
-        if name in seen or name.split(".")[0] not in HASHED_PACKAGES:
+        if name in seen or name.split(".")[0] not in packages:
             continue
         seen.add(name)
         path = _module_file(name)
         if path is None:
             if name in roots:
-                from kernel_cache.errors import ConfigError
-
                 raise ConfigError(
-                    f"cannot find module {name!r}, whose sources are part of every cache key; "
-                    "install kernel-cache whole (kernel_cache and warmup)"
+                    f"cannot find module {name!r}, whose sources are part of the cache key; "
+                    + (
+                        "install kernel-cache whole (kernel_cache and warmup)"
+                        if packages == HASHED_PACKAGES
+                        else "make it importable here (pip install it or add it to PYTHONPATH)"
+                    )
                 )
             continue  # "from pkg import name" where name is not a module
-        rel = f"{name.split('.')[0]}/{path.relative_to(_module_file(name.split('.')[0]).parent)}"
-        found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        found[_rel(name, path)] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         parents = name.split(".")
         # A package's __init__ runs before its modules: its bytes count, but its
         # imports are re-exports, followed only where a module of the compile
@@ -199,17 +224,33 @@ def source_files(roots: tuple[str, ...] = COMPILE_ROOTS) -> dict[str, str]:
         for i in range(1, len(parents)):
             init = _module_file(".".join(parents[:i]))
             if init is not None:
-                rel_init = f"{parents[0]}/{init.relative_to(_module_file(parents[0]).parent)}"
-                found[rel_init] = hashlib.sha256(init.read_bytes()).hexdigest()[:16]
+                found[_rel(parents[0], init)] = hashlib.sha256(init.read_bytes()).hexdigest()[:16]
         if path.name != "__init__.py" or name in roots:
             todo.extend(_imports(path, name))
     return dict(sorted(found.items()))
 
 
-def sources_component(roots: tuple[str, ...] = COMPILE_ROOTS) -> str:
-    """The ``sources`` key component: :func:`source_files` as compact JSON, so a
-    stored entry records which file changed (``kernel-cache explain``)."""
-    return json.dumps(source_files(roots), separators=(",", ":"))
+def kernel_source_files(path: str) -> dict[str, str]:
+    """The source files of a slot implementation ``path`` (``package.module:Factory``):
+    its module and every module of its top-level package it imports, found as
+    :func:`source_files` finds the project's (nothing is imported).
+
+    Raises:
+        ConfigError: the module cannot be found on ``sys.path``.
+    """
+    module = path.partition(":")[0]
+    return source_files((module,), (module.split(".")[0],))
+
+
+def sources_component(roots: tuple[str, ...] = COMPILE_ROOTS, kernel: str | None = None) -> str:
+    """The ``sources`` key component: :func:`source_files` (and, given a slot
+    implementation's import path ``kernel``, :func:`kernel_source_files`) as
+    compact JSON, so a stored entry records which file changed (``kernel-cache
+    explain``)."""
+    files = dict(source_files(roots))
+    if kernel is not None:
+        files.update(kernel_source_files(kernel))
+    return json.dumps(dict(sorted(files.items())), separators=(",", ":"))
 
 
 def cxx_executable() -> str | None:
@@ -435,10 +476,12 @@ def build_key(
 
         launch = launch_for(config, variant, env["device_arch"])
     opts = recipe_options(config) if compile_options is None else compile_options
+    kernel = kernel_path(config, variant.kernel)
     values = {
         "format": ARTIFACT_FORMAT,
-        "sources": sources_component(),
+        "sources": sources_component(kernel=kernel),
         "variant": str(variant),
+        "kernel": kernel,
         "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
         "geometry": json.dumps(config.geometry(), sort_keys=True),
         "dtype": config.dtype,

@@ -261,8 +261,9 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
                     "compile_seconds": m.get("compile_seconds"),
                     "created": m.get("created"),
                     "format": m.get("format"),
-                    # a CPU artifact's instruction-set record, checked at engine start
-                    **{f: m[f] for f in ("cpu_target", "cpu_features") if f in m},
+                    # a CPU artifact's instruction-set record, checked at engine start;
+                    # the import path of the kernel it holds
+                    **{f: m[f] for f in ("cpu_target", "cpu_features", "kernel") if f in m},
                 }
             )
             signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)

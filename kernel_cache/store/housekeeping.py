@@ -118,7 +118,8 @@ def list_entries(tier: Tier) -> list[dict]:
     """One row per entry: ``variant``, ``model`` (:func:`model_label`),
     ``dtype``, ``device``, ``key``, ``size`` (bytes), ``compile_seconds``,
     ``created`` and ``last_used`` (unix seconds; None if never used),
-    ``runtime_digest``, ``status`` (``ok`` or ``corrupt``) and, for a corrupt
+    ``runtime_digest``, ``kernel`` (the import path of the kernel the entry
+    holds, None if not recorded), ``status`` (``ok`` or ``corrupt``) and, for a corrupt
     entry, ``reason`` (its size is its artifact file's, its other fields None).
     Sorted naturally by variant (:func:`variant_sort_key`), then model, dtype,
     device and creation; corrupt entries last."""
@@ -140,6 +141,7 @@ def list_entries(tier: Tier) -> list[dict]:
                     "created": None,
                     "last_used": last.get(key),
                     "runtime_digest": None,
+                    "kernel": None,
                     "status": "corrupt",
                     "reason": reason,
                 }
@@ -159,6 +161,7 @@ def list_entries(tier: Tier) -> list[dict]:
                 "created": m.get("created"),
                 "last_used": last.get(m["key"]),
                 "runtime_digest": runtime_digest(comps) if comps else None,
+                "kernel": m.get("kernel") or comps.get("kernel"),
                 "status": "ok",
             }
         )

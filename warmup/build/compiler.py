@@ -24,6 +24,7 @@ from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.runtime.inputs import make_inputs
 from kernel_cache.kernels.builtin import build_module
+from kernel_cache.kernels.slots import check_output
 from kernel_cache.plan.launch import launch_for
 from kernel_cache.config.recipe import (
     BASE_OPTIONS,
@@ -76,7 +77,9 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
 
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
-    """The module compiled for ``variant``: on CUDA, ``batched_decode`` is the Triton
+    """The module compiled for ``variant``: the engine's own implementation of
+    the variant's slot when ``config.kernels`` names one (built by its factory
+    through :mod:`kernel_cache.kernels.slots`, with ``launch``); otherwise, on CUDA, ``batched_decode`` is the Triton
     paged-decode kernel (:class:`kernel_cache.kernels.triton_decode.TritonBatchedDecode`,
     taking ``num_kv_splits`` from ``launch``) and ``paged_attention`` the Triton
     paged-prefill kernel (:class:`kernel_cache.kernels.triton_prefill.TritonPagedAttention`,
@@ -84,6 +87,12 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
     everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels.builtin`
     (also the eager oracle verify compares against), built with ``launch`` (the
     variant's launch config; None: the kernel's defaults)."""
+    impl = dict(config.kernels).get(variant.kernel)
+    if impl is not None:
+        c = config
+        return build_module(
+            variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=impl, **(launch or {})
+        )
     if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
         from kernel_cache.kernels.triton_decode import TritonBatchedDecode
 
@@ -137,11 +146,31 @@ def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | 
 
     mod = module_for(config, variant, launch)
     args = make_inputs(config, variant, seed=0)
+    impl = dict(config.kernels).get(variant.kernel)
+    if impl is not None:  # the engine's code: check the contract before export
+        check_output(variant.kernel, impl, mod, args)
     pool = torch.export.Dim("num_pool_blocks", min=1, max=2**31 - 1)
     dyn = [None] * len(args)
     dyn[1] = {0: pool}
     dyn[2] = {0: pool}
     return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
+
+
+def _impl(config: EngineConfig, variant: KernelVariant) -> str:
+    """`` (kernel batched_decode=pkg.mod:Factory)`` for an engine's kernel, else ``""``."""
+    impl = dict(config.kernels).get(variant.kernel)
+    return f" (kernel {variant.kernel}={impl})" if impl else ""
+
+
+#: Lines of an exporter's message kept in a CompileError (torch's can run to
+#: hundreds of lines of graph and stack).
+EXPORT_LINES = 12
+
+
+def _first_lines(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    more = f"\n... ({len(lines) - EXPORT_LINES} more lines)" if len(lines) > EXPORT_LINES else ""
+    return "\n".join(lines[:EXPORT_LINES]) + more
 
 
 def _has_option(cfg, dotted: str) -> bool:
@@ -221,8 +250,13 @@ def compile_with_options(
     t0 = time.perf_counter()
     try:
         ep = export_variant(config, variant, launch)
+    except CompileError as e:  # the engine's kernel broke the slot's contract
+        raise CompileError(f"{variant}: {e}") from None
     except Exception as e:
-        raise CompileError(f"torch.export failed for {variant}: {type(e).__name__}: {e}") from None
+        raise CompileError(
+            f"torch.export failed for {variant}{_impl(config, variant)}: "
+            f"{type(e).__name__}: {_first_lines(e)}"
+        ) from None
     t1 = time.perf_counter()
     _testhooks.record_compile(str(variant))  # TEST-ONLY count (inert unless a test sets it)
     _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
@@ -235,7 +269,7 @@ def compile_with_options(
                 )
         except Exception as e:
             raise CompileError(
-                f"AOTInductor failed for {variant}: {type(e).__name__}: {e}"
+                f"AOTInductor failed for {variant}{_impl(config, variant)}: {type(e).__name__}: {e}"
             ) from None
         data = Path(path).read_bytes()
     t2 = time.perf_counter()

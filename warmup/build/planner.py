@@ -374,7 +374,7 @@ def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, d
     res.compiler_ran = True
     data, timings = compile_variant(config, variant, launch=launch)
     res.timings = timings
-    extra = {"timings": timings}
+    extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
     if config.device == "cpu":
         extra["cpu_target"] = config.cpu_target
         extra["cpu_features"] = required_cpu_features(config)

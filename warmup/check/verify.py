@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.kernels.builtin import build_module
+from kernel_cache.kernels.slots import SLOTS, kernel_path
 from kernel_cache.plan.buckets import PAGED_ATTENTION
 from kernel_cache.plan.launch import LaunchChoice, launch_json
 from kernel_cache.plan.plan import Plan, PlanItem
@@ -56,6 +57,7 @@ class MismatchedRow(BaseModel):
 
     variant: str
     max_abs_err: float = Field(description="max abs difference from eager")
+    kernel: str = Field(description="import path of the variant's kernel")
 
 
 class AcceptedComponent(BaseModel):
@@ -84,6 +86,7 @@ class VerifyReport(BaseModel):
     source_kinds: dict[str, str] = Field(description="{tier location: bundle | disk | redis}")
     build_only_accepted: dict[str, AcceptedComponent]
     launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
+    kernels: dict[str, str] = Field(description="{slot: import path of the kernel the plan holds}")
     seconds: float
     repair: str | None = Field(None, description="the warmup command that repairs it")
 
@@ -113,7 +116,10 @@ def verify_plan(
     table sets: ``{variant: {"config", "source"}}``),
     ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
     (``{tier location: "bundle" | "disk" | "redis"}``),
-    ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``), ``seconds``.
+    ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``),
+    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``.
+    Every variant, the engine's own kernels' included, is compared with the
+    built-in slot's eager kernel (the plain PyTorch formulation).
 
     Raises:
         UntrustedCacheError: see :mod:`kernel_cache.trust.permissions`
@@ -141,7 +147,13 @@ def verify_plan(
         err = oracle.error(item, runner)
         report["max_abs_err"] = max(report["max_abs_err"], err)
         if not err <= TOLERANCE[config.dtype]:
-            report["mismatched"].append({"variant": str(item.variant), "max_abs_err": err})
+            report["mismatched"].append(
+                {
+                    "variant": str(item.variant),
+                    "max_abs_err": err,
+                    "kernel": kernel_path(config, item.variant.kernel),
+                }
+            )
     newly = sorted(set(compile_stack_loaded()) - before)
     report["compiled"] = len(newly)
     report["compile_stack_imported"] = newly
@@ -170,6 +182,7 @@ def _empty_report(plan: Plan) -> dict:
         "source_kinds": {},
         "build_only_accepted": {},
         "launch": plan.describe_launch(),
+        "kernels": {slot: kernel_path(plan.config, slot) for slot in SLOTS},
     }
 
 

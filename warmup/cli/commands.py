@@ -131,6 +131,15 @@ def _rows(args):
         tier.close()
 
 
+def _kernel_label(path: str | None) -> str:
+    """``built-in`` for a slot's default factory, else the import path."""
+    from kernel_cache.kernels.slots import SLOTS
+
+    if not path:
+        return "-"
+    return "built-in" if path in {s.default for s in SLOTS.values()} else path
+
+
 def cmd_ls(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -146,7 +155,8 @@ def cmd_ls(args) -> int:
     if not rows and not args.bundle and not Path(where).is_dir():
         title += " (no cache directory there yet)"
     table = Table(title=title, title_justify="left")
-    cols = ("variant", "model", "dtype", "key", "size", "compile s", "created", "last used")
+    cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
+    cols += ("last used",)
     for col in cols + (("status",) if corrupt else ()):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
     for r in rows:
@@ -158,6 +168,7 @@ def cmd_ls(args) -> int:
             r["variant"],
             r["model"],
             dtype,
+            _kernel_label(r.get("kernel")),
             r["key"][:12],
             format_size(r["size"]),
             f"{cs:.1f}" if isinstance(cs, (int, float)) else "-",

@@ -35,7 +35,7 @@ from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and exa
 def cmd_plan(args) -> int:
     cfg = config_from_args(args)
     b = Bucketer(cfg)
-    doc = {"config": cfg.model_dump(mode="json"), **b.describe()}
+    doc = {"config": cfg.model_dump(mode="json"), **b.describe(), "kernels": _kernels(cfg)}
     launch = _plan_launch(cfg, b)
     if launch is not None:
         doc["launch"] = describe_plan(launch[0])
@@ -50,6 +50,8 @@ def cmd_plan(args) -> int:
     print(f"kv buckets (blocks):   {list(b.num_blocks_buckets)}")
     print(f"query buckets:         {list(b.query_buckets)}")
     print(f"num_seqs buckets:      {list(b.num_seqs_buckets)}")
+    for slot, path in doc["kernels"].items():
+        print(f"kernel {slot}: {path}")
     n_pa = sum(v.kernel == "paged_attention" for v in b.variants)
     print(
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
@@ -63,6 +65,13 @@ def cmd_plan(args) -> int:
             "GPU architecture): run this plan on the GPU machine to see it"
         )
     return 0
+
+
+def _kernels(cfg) -> dict:
+    """``{slot: import path}`` of every slot of ``cfg``'s plan (built-in or the engine's)."""
+    from kernel_cache.kernels.slots import SLOTS, kernel_path
+
+    return {slot: kernel_path(cfg, slot) for slot in SLOTS}
 
 
 def _plan_launch(cfg, bucketer):
@@ -245,6 +254,11 @@ def cmd_verify(args) -> int:
         )
         for line in source_lines(report):
             print(line)
+        for slot, path in report["kernels"].items():
+            print(f"  kernel {slot}: {path}")
+        for m in report["mismatched"]:
+            err = m["max_abs_err"]
+            print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
         for name, a in report["build_only_accepted"].items():
             print(
                 f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "

@@ -21,6 +21,7 @@ from kernel_cache.config.engine import (
     option_flag,
 )
 from kernel_cache.errors import KernelCacheError
+from kernel_cache.kernels.slots import parse_kernel_option
 from kernel_cache.plan.buckets import Bucketer, parse_bucket_list
 from kernel_cache.store.tier import ENV_CACHE_DIR, default_cache_dir
 
@@ -43,6 +44,12 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     for field in ENGINE_OPTION_FIELDS:
         info = EngineConfig.model_fields[field]
         kw: dict = {"dest": field, "help": info.description}
+        if field == "kernels":  # --kernel SLOT=PATH, repeatable
+            g.add_argument(
+                option_flag(field), dest=field, action="append", metavar="SLOT=PATH",
+                help=info.description,
+            )  # fmt: skip
+            continue
         if typing.get_origin(info.annotation) is typing.Literal:
             kw["choices"] = typing.get_args(info.annotation)
         elif info.annotation is int:
@@ -73,6 +80,8 @@ def config_from_args(args) -> EngineConfig:
         value = getattr(args, field)
         if field.endswith("_buckets"):
             value = parse_bucket_list(value, option_flag(field)) if value else None
+        elif field == "kernels":
+            value = [parse_kernel_option(v, option_flag(field)) for v in value or ()] or None
         fields[field] = value
     cfg = make_config(args.model, **fields)
     Bucketer(cfg)  # validate overrides against the limits now, with a clear error
