@@ -192,3 +192,41 @@ def test_compile_options_this_torch_lacks_are_left_out():
     assert _has_option(inductor_config, "max_autotune")
     assert not _has_option(inductor_config, "aot_inductor.no_such_option")
     assert not _has_option(inductor_config, "no_such_group.option")
+
+
+_REPIN = r"""
+import os, sys
+from kernel_cache.errors import ConfigError
+from warmup.build import compiler
+
+if sys.argv[1] == "repin":
+    compiler.pin_environment("cpu", "x86-64-v3")
+    import torch._inductor.config  # noqa: F401  (imported under the pinned environment)
+    os.environ["TRITON_PTXAS_PATH"] = "/opt/bundled/ptxas"  # as Inductor sets it, once
+    compiler.pin_environment("cpu", "x86-64-v3")
+    print(os.environ.get("TRITON_PTXAS_PATH"))
+else:
+    os.environ["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"
+    import torch._inductor.config  # noqa: F401  (imported before any pin)
+    try:
+        compiler.pin_environment("cpu", "x86-64-v3")
+    except ConfigError as e:
+        print("refused:", e)
+"""
+
+
+def test_a_second_pin_keeps_what_the_compile_stack_set_and_refuses_a_stale_import():
+    """Each compile re-pins the environment: variables Inductor sets once per process
+    (``TRITON_PTXAS_PATH``, behind a functools.cache) survive the second pin, so a
+    worker's later variants use the same tools; a compile stack imported under a
+    pinned variable the recipe removes is still refused."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_PTXAS_PATH", None)
+    env.pop("TORCHINDUCTOR_MAX_AUTOTUNE", None)
+    run = [sys.executable, "-c", _REPIN]
+    again = subprocess.run([*run, "repin"], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == "/opt/bundled/ptxas"
+    stale = subprocess.run([*run, "stale"], capture_output=True, text=True, env=env, timeout=300)
+    assert stale.returncode == 0, stale.stderr
+    assert "refused:" in stale.stdout and "TORCHINDUCTOR_MAX_AUTOTUNE" in stale.stdout

@@ -45,26 +45,39 @@ _READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
 _READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
 
 
+#: The environment :func:`pin_environment` last installed in this process.
+_pinned: dict[str, str] | None = None
+
+
 def pin_environment(device: str, cpu_target: str, scratch: str | None = None) -> None:
     """Replace this process's environment with the recipe's
     (:func:`kernel_cache.config.recipe.compile_environment`). Called first thing in a
-    compile worker, before torch's compile stack is imported.
+    compile worker, before torch's compile stack is imported, and again before
+    each compile.
+
+    Between two calls the compile stack sets variables of its own, once per
+    process (Inductor points ``TRITON_PTXAS_PATH`` at the ``ptxas`` bundled
+    with torch, behind a ``functools.cache``): those are kept, so every
+    variant a worker compiles runs the same tools.
 
     Raises:
-        ConfigError: the compile stack was imported already with a pinned
-            variable set (the variable's value is baked into Inductor's config),
-            or an unusable ``cpu_target``.
+        ConfigError: the compile stack was imported already under an
+            environment whose pinned variables differ from the recipe's (their
+            values are baked into Inductor's config), or an unusable ``cpu_target``.
     """
     import sys
 
     from kernel_cache.errors import ConfigError
 
+    global _pinned
     env = compile_environment(os.environ, device, cpu_target, scratch)
     stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
+    before = os.environ if _pinned is None else _pinned
+    own = {} if _pinned is None else _set_since(_pinned, env)
     dirty = sorted(
         k
-        for k in os.environ
-        if classify(k).action == PINNED and k not in _READ_AT_CALL and env.get(k) != os.environ[k]
+        for k in set(before) | set(env)
+        if classify(k).action == PINNED and k not in _READ_AT_CALL and env.get(k) != before.get(k)
     )
     if stale and dirty:
         raise ConfigError(
@@ -72,14 +85,22 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
             f"{', '.join(dirty)} set; compile in a worker process (--jobs 1 or more) or unset them"
         )
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**own, **env})
+    _pinned = dict(env)
     tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
+
+
+def _set_since(pinned: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """Variables this process set or changed since ``pinned`` was installed
+    that the new ``env`` does not set itself."""
+    return {k: v for k, v in os.environ.items() if pinned.get(k) != v and k not in env}
 
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
     """The module compiled for ``variant``: the engine's own implementation of
     the variant's slot when ``config.kernels`` names one (built by its factory
-    through :mod:`kernel_cache.kernels.slots`, with ``launch``); otherwise, on CUDA, ``batched_decode`` is the Triton
+    through :mod:`kernel_cache.kernels.slots`, with ``launch``); otherwise, on
+    CUDA, ``batched_decode`` is the Triton
     paged-decode kernel (:class:`kernel_cache.kernels.triton_decode.TritonBatchedDecode`,
     taking ``num_kv_splits`` from ``launch``) and ``paged_attention`` the Triton
     paged-prefill kernel (:class:`kernel_cache.kernels.triton_prefill.TritonPagedAttention`,
