@@ -143,50 +143,20 @@ def check_loadable(
     results: list[dict | None] = [None] * len(staged)
     info = {"children": 0, "libstdcxx": "", "seconds": 0.0}
     with tempfile.TemporaryDirectory(prefix="kernel_cache-check-") as tmp:
-        items = []
+        todo = []
         for i, s in enumerate(staged):
             path = Path(tmp) / f"{i}.pt2"
             path.write_bytes(s.data)
-            items.append({"index": i, "variant": s.variant, "path": str(path)})
-        todo = items
+            todo.append({"index": i, "variant": s.variant, "path": str(path)})
         while todo:
             listing = Path(tmp) / f"batch{info['children']}.json"
             listing.write_text(json.dumps(todo))
             info["children"] += 1
-            cmd = [sys.executable, "-m", "warmup.build.loadcheck", "--device", device, str(listing)]
-            try:
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=timeout, env=_child_env()
-                )
-                out, err, rc, timed_out = proc.stdout, proc.stderr, proc.returncode, False
-            except subprocess.TimeoutExpired as e:
-                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-                rc, timed_out = -9, True
-            events = []
-            for line in out.splitlines():
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict) and "event" in ev:
-                    events.append(ev)
+            out, err, rc, timed_out = _run_child(listing, device, timeout)
+            events = _events(out)
             child_lib = next((e.get("libstdcxx", "") for e in events if e["event"] == "start"), "")
             info["libstdcxx"] = info["libstdcxx"] or child_lib
-            loading = None
-            for ev in events:
-                if ev["event"] == "loading":
-                    loading = ev["index"]
-                elif ev["event"] == "ok":
-                    results[ev["index"]] = {"variant": staged[ev["index"]].variant, "ok": True}
-                    loading = None
-                elif ev["event"] == "rejected":
-                    results[ev["index"]] = {
-                        "variant": staged[ev["index"]].variant,
-                        "ok": False,
-                        "error": str(ev.get("error", "rejected by the loader")),
-                    }
-                    loading = None
+            loading = _record(events, staged, results)
             if rc == 0:
                 break
             if loading is None:
@@ -212,6 +182,54 @@ def check_loadable(
             todo = [it for it in todo if results[it["index"]] is None]
     info["seconds"] = round(time.perf_counter() - t0, 3)
     return [r for r in results if r is not None], info
+
+
+def _run_child(listing: Path, device: str, timeout: float) -> tuple[str, str, int, bool]:
+    """Run one check child over ``listing``: ``(stdout, stderr, returncode,
+    timed_out)``; a child past ``timeout`` seconds is killed (returncode -9)."""
+    cmd = [sys.executable, "-m", "warmup.build.loadcheck", "--device", device, str(listing)]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=_child_env()
+        )
+        return proc.stdout, proc.stderr, proc.returncode, False
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return out, err, -9, True
+
+
+def _events(out: str) -> list[dict]:
+    """The child's JSON event lines (``{"event": ...}``) in order; other lines skipped."""
+    events = []
+    for line in out.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and "event" in ev:
+            events.append(ev)
+    return events
+
+
+def _record(events: list[dict], staged: list[Staged], results: list) -> int | None:
+    """Fill ``results`` from a child's ``ok`` / ``rejected`` events; the index
+    it was loading when its output ended (None if it ended between loads)."""
+    loading = None
+    for ev in events:
+        if ev["event"] == "loading":
+            loading = ev["index"]
+        elif ev["event"] == "ok":
+            results[ev["index"]] = {"variant": staged[ev["index"]].variant, "ok": True}
+            loading = None
+        elif ev["event"] == "rejected":
+            results[ev["index"]] = {
+                "variant": staged[ev["index"]].variant,
+                "ok": False,
+                "error": str(ev.get("error", "rejected by the loader")),
+            }
+            loading = None
+    return loading
 
 
 def die_with_parent(parent: int) -> None:

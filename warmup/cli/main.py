@@ -137,31 +137,19 @@ def _remote_settings(args):
 
 
 def cmd_warmup(args) -> int:
+    from kernel_cache.store.housekeeping import max_size_from_env, parse_size
     from kernel_cache.trust.signing import load_signing_key
     from warmup.build.planner import WarmupInterrupted, warmup
-    from warmup.build.shard import parse_shard, shard_costs, split_plan
 
     cfg = config_from_args(args)
     if args.jobs < 1:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
     if args.lock_timeout is not None and not args.lock_timeout >= 0:
         raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
-    from kernel_cache.store.housekeeping import format_size, max_size_from_env, parse_size
-
     max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
     load_signing_key(required=args.require_signed or None)
     remote = _remote_settings(args)
-    variants, shard = None, None
-    if args.shard is not None:
-        index, count = parse_shard(args.shard)
-        shards = split_plan(cfg, Bucketer(cfg).variants, count)
-        variants = shards[index]
-        shard = {
-            "index": index,
-            "count": count,
-            "variants": [str(v) for v in variants],
-            "expected_compile_s": shard_costs(cfg, shards)[index],
-        }
+    variants, shard = _shard_of(cfg, args.shard)
     try:
         report = warmup(
             cfg,
@@ -186,24 +174,53 @@ def cmd_warmup(args) -> int:
         return 128 + e.signum
     report["shard"] = shard
     if args.json:
-        print(json.dumps({k: v for k, v in report.items()}, indent=2))
+        print(json.dumps(report, indent=2))
     else:
-        where = _cache_dir(args) + (f" and {report['remote']}" if report["remote"] else "")
-        part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
+        _print_warmup(report, _cache_dir(args), shard)
+    return _warmup_status(report)
+
+
+def _shard_of(cfg, spec: str | None) -> tuple[list | None, dict | None]:
+    """``(variants, shard report)`` of ``--shard I/N`` (``(None, None)`` without one)."""
+    from warmup.build.shard import parse_shard, shard_costs, split_plan
+
+    if spec is None:
+        return None, None
+    index, count = parse_shard(spec)
+    shards = split_plan(cfg, Bucketer(cfg).variants, count)
+    return shards[index], {
+        "index": index,
+        "count": count,
+        "variants": [str(v) for v in shards[index]],
+        "expected_compile_s": shard_costs(cfg, shards)[index],
+    }
+
+
+def _print_warmup(report: dict, cache_dir: str, shard: dict | None) -> None:
+    """The human-readable summary of a warmup report (stdout)."""
+    from kernel_cache.store.housekeeping import format_size
+
+    where = cache_dir + (f" and {report['remote']}" if report["remote"] else "")
+    part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
+    print(
+        f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
+        f"{report['cached']} cached, {report['fetched']} fetched from Redis, "
+        f"{len(report['failed'])} failed in {report['seconds']:.1f} s -> {where}"
+    )
+    for q in report["quarantined"]:
+        print(f"  quarantined {q['variant']}: {q['reason']} -> {q['path']}")
+    if "gc" in report:
+        g = report["gc"]
         print(
-            f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
-            f"{report['cached']} cached, {report['fetched']} fetched from Redis, "
-            f"{len(report['failed'])} failed in {report['seconds']:.1f} s -> {where}"
+            f"size limit {format_size(g['max_size'])}: removed {len(g['removed'])} "
+            f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
+            f" cache now {format_size(g['after_bytes'])}"
         )
-        for q in report["quarantined"]:
-            print(f"  quarantined {q['variant']}: {q['reason']} -> {q['path']}")
-        if "gc" in report:
-            g = report["gc"]
-            print(
-                f"size limit {format_size(g['max_size'])}: removed {len(g['removed'])} "
-                f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
-                f" cache now {format_size(g['after_bytes'])}"
-            )
+
+
+def _warmup_status(report: dict) -> int:
+    """Exit status of a finished warmup: 1 if a variant failed or the plan alone
+    is above the size limit (both explained on stderr), else 0."""
     for f in report["failed"]:
         print(f"  failed {f['variant']}: {f['error']}", file=sys.stderr)
     over = "gc" in report and not report["gc"]["under_limit"]
