@@ -118,7 +118,8 @@ def load_baseline(root: str):
 
 def baseline_host_runtime(base, cfg, v, out):
     """The baseline's AttentionRuntime with a host-only runner for ``v``."""
-    bcfg = base.make_config(None, **cfg.model_dump(exclude={"model"}))
+    known = set(base.EngineConfig.model_fields) - {"model"}  # fields the baseline has
+    bcfg = base.make_config(None, **cfg.model_dump(include=known))
     bv = base.KernelVariant(**v.model_dump())
     return base.AttentionRuntime(bcfg, base.Bucketer(bcfg), {bv: HostOnlyRunner(out)})
 

@@ -106,6 +106,8 @@ class _Slot:
         "variant",
         "runner",
         "calls",
+        "num_seqs",
+        "num_blocks",
         "qbuf",
         "btbuf",
         "lens",
@@ -129,6 +131,8 @@ class _Slot:
         self.variant = v
         self.runner = runner
         self.calls = 0
+        # The bucket as plain ints: a tensor's .shape builds a torch.Size per call.
+        self.num_seqs, self.num_blocks = v.num_seqs, v.num_blocks
         dev = device
         self.qbuf = torch.zeros(
             (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
@@ -625,7 +629,7 @@ class AttentionRuntime:
         checked), else the slot's buffer holding the first ``nb`` ids of each of
         the ``s`` rows, zero-padded, with rows past ``s`` reset to block 0."""
         btbuf = slot.btbuf
-        sb, nb = btbuf.shape
+        sb, nb = slot.num_seqs, slot.num_blocks
         width = block_tables.shape[1]
         if s == sb and width == nb and slot.ring is not None and block_tables.is_cuda:
             if block_tables.is_contiguous():
@@ -652,7 +656,7 @@ class AttentionRuntime:
         next pinned staging row (:meth:`_staging_row`: raises ShapeError under
         CUDA-graph capture); the caller calls :meth:`_staged_done` after the
         kernel is enqueued."""
-        sb = slot.variant.num_seqs
+        sb = slot.num_seqs
         if slot.ring is None:
             if lens_arr is None:
                 slot.lens_host[:s].copy_(seq_lens)
@@ -678,7 +682,7 @@ class AttentionRuntime:
         kernel's ``[num_seqs bucket]`` lengths: itself for a full bucket, else
         copied into the slot's device lengths with 0 (nothing read) past ``s``."""
         self._check_device_lens("device_seq_lens", device_seq_lens, s)
-        if s == slot.variant.num_seqs:
+        if s == slot.num_seqs:
             return device_seq_lens
         lens = slot.lens_views[0]
         lens[:s].copy_(device_seq_lens)
