@@ -136,6 +136,21 @@ def test_free_form_values_are_checked_where_used(tmp_path, monkeypatch):
         _cache_dir(Args())
 
 
+def test_engine_start_names_a_cache_dir_that_is_a_file(tmp_path, monkeypatch):
+    """Engine start with $KERNEL_CACHE_DIR (or cache_dir) pointing at a file says
+    so, as the command line does, rather than "17 variants are not cached"."""
+    from kernel_cache.runtime.load import default_lookup
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    monkeypatch.setenv("KERNEL_CACHE_DIR", str(a_file))
+    with pytest.raises(ConfigError, match=r"\$KERNEL_CACHE_DIR.*not a directory"):
+        default_lookup()
+    monkeypatch.delenv("KERNEL_CACHE_DIR")
+    with pytest.raises(ConfigError, match=r"cache_dir.*not a directory"):
+        default_lookup(a_file / "below")
+
+
 # -- the README table -----------------------------------------------------------------
 
 
