@@ -75,6 +75,18 @@ def test_a_bad_value_is_a_config_error_naming_variable_and_value(name, monkeypat
         Settings()
 
 
+SECONDS = sorted(n for n, f in Settings.model_fields.items() if f.annotation is float)
+
+
+@pytest.mark.parametrize("name", SECONDS)
+@pytest.mark.parametrize("bad", ["inf", "nan", "1e300", "1e400"])
+def test_a_number_of_seconds_is_finite_and_bounded(name, bad):
+    """``inf`` or ``1e300`` seconds passed and then broke in a socket or lock call
+    (KERNEL_CACHE_REDIS_TIMEOUT=inf: OverflowError traceback from warmup)."""
+    with pytest.raises(SettingError, match=re.escape(f"{VARIABLES[name]}={bad!r}")):
+        settings.get(name, {VARIABLES[name]: bad})
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_unset_empty_or_blank_is_the_default(name):
     default = Settings.model_fields[name].default
