@@ -75,6 +75,18 @@ def test_a_bad_value_is_a_config_error_naming_variable_and_value(name, monkeypat
         Settings()
 
 
+SECONDS = sorted(n for n, f in Settings.model_fields.items() if f.annotation is float)
+
+
+@pytest.mark.parametrize("name", SECONDS)
+@pytest.mark.parametrize("bad", ["inf", "nan", "1e300", "1e400"])
+def test_a_number_of_seconds_is_finite_and_bounded(name, bad):
+    """``inf`` or ``1e300`` seconds passed and then broke in a socket or lock call
+    (KERNEL_CACHE_REDIS_TIMEOUT=inf: OverflowError traceback from warmup)."""
+    with pytest.raises(SettingError, match=re.escape(f"{VARIABLES[name]}={bad!r}")):
+        settings.get(name, {VARIABLES[name]: bad})
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_unset_empty_or_blank_is_the_default(name):
     default = Settings.model_fields[name].default
@@ -134,6 +146,21 @@ def test_free_form_values_are_checked_where_used(tmp_path, monkeypatch):
 
     with pytest.raises(KernelCacheError, match=r"\$KERNEL_CACHE_DIR.*not a directory"):
         _cache_dir(Args())
+
+
+def test_engine_start_names_a_cache_dir_that_is_a_file(tmp_path, monkeypatch):
+    """Engine start with $KERNEL_CACHE_DIR (or cache_dir) pointing at a file says
+    so, as the command line does, rather than "17 variants are not cached"."""
+    from kernel_cache.runtime.load import default_lookup
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    monkeypatch.setenv("KERNEL_CACHE_DIR", str(a_file))
+    with pytest.raises(ConfigError, match=r"\$KERNEL_CACHE_DIR.*not a directory"):
+        default_lookup()
+    monkeypatch.delenv("KERNEL_CACHE_DIR")
+    with pytest.raises(ConfigError, match=r"cache_dir.*not a directory"):
+        default_lookup(a_file / "below")
 
 
 # -- the README table -----------------------------------------------------------------

@@ -165,7 +165,11 @@ def _f(default, description: str, *, type: str, unit: str = "", expected: str, e
     return Field(default, description=description, json_schema_extra=extra, **kw)
 
 
-_SECONDS_POS = "a number of seconds > 0"
+#: the longest any timeout, lock TTL or wait may be (about 31 years): ``inf`` or
+#: ``1e300`` seconds overflow a socket's or lock's timeout (``OverflowError``).
+_MAX_SECONDS = 1e9
+_SECONDS_POS = "a number of seconds > 0 and <= 1e9"
+_SECONDS = {"le": _MAX_SECONDS, "allow_inf_nan": False}
 _BOOL = "1 or 0 (true/false, yes/no, on/off; unset means 0)"
 _BUCKETS = "a comma-separated list of positive integers"
 
@@ -229,11 +233,12 @@ class SettingsFields(BaseModel):
     # -- local cache --------------------------------------------------------------------
     db_timeout: float = _f(
         60.0, "longest wait for the cache index (SQLite) locked by other processes",
-        type="float", unit="s", expected=_SECONDS_POS, example="60", gt=0,
+        type="float", unit="s", expected=_SECONDS_POS, example="60", gt=0, **_SECONDS,
     )  # fmt: skip
     lock_timeout: float = _f(
         900.0, "longest wait of a warmup for another process compiling the same key",
-        type="float", unit="s", expected="a number of seconds >= 0", example="900", ge=0,
+        type="float", unit="s", expected="a number of seconds >= 0 and <= 1e9", example="900",
+        ge=0, **_SECONDS,
     )  # fmt: skip
     max_size: Size = _f(
         None, "size limit of the cache: warmup and gc remove least recently used "
@@ -275,7 +280,7 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     redis_timeout: float = _f(
         2.0, "socket connect and read timeout of every Redis call (--redis-timeout wins)",
-        type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0,
+        type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0, **_SECONDS,
     )  # fmt: skip
     redis_ttl: int | None = _f(
         None, "expiry of a Redis entry (--redis-ttl wins)",
@@ -285,11 +290,11 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     redis_lock_ttl: float = _f(
         30.0, "expiry of a Redis build lock, renewed every third of it while compiling",
-        type="float", unit="s", expected=_SECONDS_POS, example="30", gt=0,
+        type="float", unit="s", expected=_SECONDS_POS, example="30", gt=0, **_SECONDS,
     )  # fmt: skip
     redis_lock_wait: float = _f(
         900.0, "longest wait for a live Redis build-lock holder before compiling anyway",
-        type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0,
+        type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0, **_SECONDS,
     )  # fmt: skip
 
 

@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
-from kernel_cache.errors import CorruptEntryError, CpuTargetError, MissingVariantsError
+from kernel_cache.errors import (
+    ConfigError,
+    CorruptEntryError,
+    CpuTargetError,
+    MissingVariantsError,
+)
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.dispatch import AttentionRuntime
-from kernel_cache.store.tier import DiskTier, Tier, default_cache_dir
+from kernel_cache.store.tier import ENV_CACHE_DIR, DiskTier, Tier, default_cache_dir
 from kernel_cache.trust.signing import load_signing_key
 
 log = logging.getLogger("kernel_cache")
@@ -119,7 +124,8 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
 
     Raises:
         BundleError: a bundle path is not a bundle (names it).
-        ConfigError: a malformed ``KERNEL_CACHE_REDIS_*`` setting.
+        ConfigError: a malformed ``KERNEL_CACHE_REDIS_*`` setting, or a cache
+            directory (or a folder above it) that is a file.
     """
     from kernel_cache.store.bundle import BundleTier, bundle_paths
     from kernel_cache.store.lookup import Lookup, Source
@@ -127,6 +133,7 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
 
     sources: list = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
+    _check_not_a_file(directory, "cache_dir" if cache_dir else f"${ENV_CACHE_DIR}")
     if directory.is_dir():
         sources.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
     remote = tiers_from_env()
@@ -134,6 +141,25 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
         local = DiskTier(directory, allow_shared=allow_shared_dir)
         sources += [Source(r, promote_into=local) for r in remote]
     return Lookup(sources)
+
+
+def _check_not_a_file(directory: Path, source: str) -> None:
+    """Raise :class:`ConfigError` when ``directory``, or a folder above it,
+    exists and is not a directory (the command line's check, at engine start)."""
+    for p in (directory, *directory.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:
+            return
+        if not p.is_dir():
+            what = "it is" if p == directory else f"{p} is"
+            raise ConfigError(
+                f"cache directory {directory} (from {source}): {what} a file, not a directory; "
+                f"fix: point {source} at a directory (a new one or a kernel-cache cache), "
+                f"or move {p} out of the way"
+            )
+        return
 
 
 def default_tiers(
