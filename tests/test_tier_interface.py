@@ -197,6 +197,13 @@ def test_malformed_manifest_names_the_file_and_the_field(tmp_path):
     assert "entries.0" not in msg
 
 
+def test_a_manifest_listing_a_key_twice_is_refused(tmp_path):
+    e = _bundle_entry(K("a"))
+    (tmp_path / MANIFEST).write_text(json.dumps(_manifest([e, e])))
+    with pytest.raises(BundleError, match=r"entries\.1: key [0-9a-f]{16}\.\.\. is listed twice"):
+        read_manifest(tmp_path)
+
+
 def test_a_valid_manifest_reads_as_a_frozen_model_and_entries_keep_their_fields(tmp_path):
     k = K("a")
     e = {**_bundle_entry(k), "cpu_features": ["avx2"]}
@@ -210,7 +217,7 @@ def test_a_valid_manifest_reads_as_a_frozen_model_and_entries_keep_their_fields(
 
 def test_usage_record_is_validated_and_a_malformed_one_starts_over(tmp_path, caplog):
     (tmp_path / usage.USAGE_FILE).write_text(json.dumps({"hits": 3, "last_used": ["x"]}))
-    with caplog.at_level(logging.DEBUG, logger="kernel_cache.store.usage"):
+    with caplog.at_level(logging.WARNING, logger="kernel_cache.store.usage"):
         assert usage.read_usage(tmp_path) == usage.UsageRecord()
     assert "field last_used" in caplog.text and usage.USAGE_FILE in caplog.text
     assert usage.record(tmp_path, hits=["k"], misses=2, now=7.0)

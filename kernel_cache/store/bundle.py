@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from kernel_cache.config import settings
 from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
@@ -90,6 +90,15 @@ class BundleManifest(BaseModel):
     plan: dict | None = None
     tools: dict | None = None
     entries: tuple[BundleEntry, ...]
+
+    @model_validator(mode="after")
+    def _one_entry_per_key(self) -> BundleManifest:
+        seen: set[str] = set()
+        for n, e in enumerate(self.entries):
+            if e.key in seen:
+                raise ValueError(f"entries.{n}: key {e.key[:16]}... is listed twice")
+            seen.add(e.key)
+        return self
 
 
 def read_manifest(directory: str | os.PathLike) -> BundleManifest:

@@ -69,8 +69,8 @@ class UsageRecord(BaseModel):
 
 def read_usage(directory: str | os.PathLike) -> UsageRecord:
     """The usage record of a cache directory: zeros if there is none or it cannot
-    be read (best effort; a malformed one is logged at debug level, naming the
-    file and the field, and counts as none)."""
+    be read (best effort; a malformed one is logged as a warning, naming the
+    file and the field, and counts as none: ``gc`` then sees no entry as used)."""
     path = Path(directory) / USAGE_FILE
     try:
         raw = path.read_bytes()
@@ -79,7 +79,12 @@ def read_usage(directory: str | os.PathLike) -> UsageRecord:
     try:
         return UsageRecord.model_validate_json(raw)
     except ValidationError as e:
-        log.debug("usage record %s ignored: %s", path, describe_errors(e))
+        log.warning(
+            "usage record %s is malformed and ignored (%s); gc treats every entry as "
+            "unused until it is written again",
+            path,
+            describe_errors(e),
+        )
         return UsageRecord()
 
 

@@ -200,7 +200,10 @@ def _print_warmup(report: dict, cache_dir: str, shard: dict | None) -> None:
     """The human-readable summary of a warmup report (stdout)."""
     from kernel_cache.store.housekeeping import format_size
 
-    where = cache_dir + (f" and {report['remote']}" if report["remote"] else "")
+    remote = report["remote"]
+    if remote and report["remote_error"]:
+        remote = f"{remote} (unavailable: local only)"
+    where = cache_dir + (f" and {remote}" if remote else "")
     part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
     print(
         f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
