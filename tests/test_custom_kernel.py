@@ -120,7 +120,21 @@ def test_the_key_names_the_kernel_and_hashes_its_package_without_importing(examp
 
 def test_a_kernel_module_that_cannot_be_found_is_a_clear_error(tiny_model):
     cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": "kc_nowhere:F"})
-    with pytest.raises(ConfigError, match="cannot find module 'kc_nowhere'.*PYTHONPATH"):
+    with pytest.raises(
+        ConfigError,
+        match="kernel batched_decode=kc_nowhere:F: cannot find module 'kc_nowhere'.*PYTHONPATH",
+    ):
+        build_key(cfg, Bucketer(cfg).variants[-1])
+
+
+def test_a_kernel_module_with_a_syntax_error_is_a_clear_error(tmp_path, monkeypatch, tiny_model):
+    (tmp_path / "kc_broken.py").write_text("def f(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source_files.cache_clear()
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": "kc_broken:F"})
+    with pytest.raises(
+        ConfigError, match=r"batched_decode=kc_broken:F: cannot read its sources.*SyntaxError"
+    ):
         build_key(cfg, Bucketer(cfg).variants[-1])
 
 
