@@ -368,3 +368,31 @@ def test_editing_the_kernels_helper_misses_explains_and_recompiles(
     run_cli("warmup", *args, "--jobs", "2", env=env, check=True)
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == first["compiled"]
     assert "missing" not in engine_start(tiny_model, cache_copy, kernels)
+
+
+def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
+    """The README: ``ls``'s kernel column names the import path each entry holds
+    (a 160-column table cut it to ``kc_example_kernels.decode:SdpaDec…``)."""
+    import argparse
+
+    from warmup.cli import commands
+
+    row = {
+        "variant": "batched_decode:1:1:4",
+        "model": "4h/2kv/d8 bs16",
+        "dtype": "float32",
+        "device": "cpu",
+        "key": "612ba077f0f6c73fba886b582c92bda3",
+        "size": 455791,
+        "compile_seconds": 4.88,
+        "created": 1796105627.5,
+        "last_used": 1796105649.0,
+        "kernel": DECODE,
+        "status": "ok",
+    }
+    rows = [row, {**row, "kernel": PREFILL, "variant": "paged_attention:32:2:1"}]
+    monkeypatch.setattr(commands, "_rows", lambda args: ("/cache", rows))
+    monkeypatch.setattr(commands.shutil, "get_terminal_size", lambda *a: os.terminal_size((80, 24)))
+    assert commands.cmd_ls(argparse.Namespace(json=False, bundle=None)) == 0
+    out = capsys.readouterr().out
+    assert DECODE in out and PREFILL in out

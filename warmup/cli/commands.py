@@ -157,8 +157,15 @@ def cmd_ls(args) -> int:
     table = Table(title=title, title_justify="left")
     cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
     cols += ("last used",)
+    # The kernel column names the import path in full (a squeezed table cuts
+    # the other columns first): two factories of one module differ at its end.
+    kernel_width = max((len(_kernel_label(r.get("kernel"))) for r in rows), default=6)
     for col in cols + (("status",) if corrupt else ()):
-        table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+        table.add_column(
+            col,
+            justify="right" if col in ("size", "compile s") else "left",
+            min_width=kernel_width if col == "kernel" else None,
+        )
     for r in rows:
         cs = r["compile_seconds"]
         dtype = r["dtype"] or "-"
