@@ -157,14 +157,13 @@ def cmd_ls(args) -> int:
     table = Table(title=title, title_justify="left")
     cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
     cols += ("last used",)
-    # The kernel column names the import path in full (a squeezed table cuts
-    # the other columns first): two factories of one module differ at its end.
-    kernel_width = max((len(_kernel_label(r.get("kernel"))) for r in rows), default=6)
+    # The kernel column names the import path in full, folded over lines in a
+    # narrow table rather than cut: two factories of one module differ at its end.
     for col in cols + (("status",) if corrupt else ()):
         table.add_column(
             col,
             justify="right" if col in ("size", "compile s") else "left",
-            min_width=kernel_width if col == "kernel" else None,
+            overflow="fold" if col == "kernel" else "ellipsis",
         )
     for r in rows:
         cs = r["compile_seconds"]
