@@ -180,13 +180,16 @@ def make_requests(trace, count, start, max_model_len, max_new=None, seed=0) -> l
 
     Prompt + output must fit ``max_model_len`` (the last output token's KV is
     never written, so the KV peaks one below). A longer request is scaled down
-    by one factor on both lengths (at least 1 token each); ``max_new`` first
-    clips the output. Each change is described in the request's ``note``.
+    by one factor on both lengths (at least 1 token each); an empty prompt
+    gets one token; ``max_new`` first clips the output. Each change is
+    described in the request's ``note``.
     """
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, r in enumerate(read_trace(trace, limit=count, start=start)):
         ctx, gen, notes = r.context_tokens, max(1, r.generated_tokens), []
+        if ctx < 1:  # a request has at least one prompt token (as warmup.trace.fit_request)
+            ctx, notes = 1, ["prompt raised to 1 token"]
         if max_new is not None and gen > max_new:
             gen, notes = max_new, [f"output clipped to --max-new-tokens {max_new}"]
         if ctx + gen > max_model_len:

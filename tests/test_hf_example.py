@@ -82,6 +82,16 @@ def test_counts_that_would_serve_nothing_are_refused(trace, tmp_path, args, says
     assert says in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_empty_prompt_in_the_trace_gets_one_token(tmp_path):
+    """A trace row with ContextTokens 0 was served with no prompt: an
+    UnboundLocalError in serve()."""
+    p = tmp_path / "t.csv"
+    p.write_text("ContextTokens,GeneratedTokens\n0,5\n3,0\n")
+    reqs = load_example().make_requests(p, 2, 0, 32)
+    assert [(len(r.prompt), r.new_tokens) for r in reqs] == [(1, 5), (3, 1)]
+    assert "0 prompt + 5 output tokens -> 1 + 5 (prompt raised to 1 token)" in reqs[0].note
+
+
 def test_request_lengths_fit_the_plan(trace):
     """A request that fits is served as the trace has it; a longer one is scaled
     (both lengths, one factor) to prompt + output <= max_model_len, and says so."""
