@@ -60,12 +60,19 @@ def test_kernels_is_a_sorted_immutable_config_field(tiny_model):
         ({"flash": DECODE}, "unknown slot 'flash'; known slots: paged_attention, batched_decode"),
         ({"batched_decode": "not a path"}, "expected package.module:Factory"),
         ({"batched_decode": "pkg.mod:"}, "'pkg.mod:' is not an import path"),
+        ([("batched_decode",)], "('batched_decode',) is not a (slot, path) pair"),
+        (5, "5 is not a mapping"),
     ],
 )
 def test_bad_kernels_are_config_errors(tiny_model, kernels, says):
     with pytest.raises(ConfigError, match="kernels") as e:
         make_config(str(tiny_model), kernels=kernels)
     assert says in str(e.value)
+
+
+def test_one_kernel_string_is_one_slot_not_its_characters(tiny_model):
+    cfg = make_config(str(tiny_model), kernels=f"batched_decode={DECODE}")
+    assert cfg.kernels == (("batched_decode", DECODE),)
 
 
 def test_kernel_option_round_trips_through_config_to_cli(tiny_model):
