@@ -180,13 +180,16 @@ def make_requests(trace, count, start, max_model_len, max_new=None, seed=0) -> l
 
     Prompt + output must fit ``max_model_len`` (the last output token's KV is
     never written, so the KV peaks one below). A longer request is scaled down
-    by one factor on both lengths (at least 1 token each); ``max_new`` first
-    clips the output. Each change is described in the request's ``note``.
+    by one factor on both lengths (at least 1 token each); an empty prompt
+    gets one token; ``max_new`` first clips the output. Each change is
+    described in the request's ``note``.
     """
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, r in enumerate(read_trace(trace, limit=count, start=start)):
         ctx, gen, notes = r.context_tokens, max(1, r.generated_tokens), []
+        if ctx < 1:  # a request has at least one prompt token (as warmup.trace.fit_request)
+            ctx, notes = 1, ["prompt raised to 1 token"]
         if max_new is not None and gen > max_new:
             gen, notes = max_new, [f"output clipped to --max-new-tokens {max_new}"]
         if ctx + gen > max_model_len:
@@ -317,6 +320,10 @@ def run(args) -> dict:
     requests = make_requests(
         args.trace, args.requests, args.start, cfg.max_model_len, args.max_new_tokens
     )
+    if not requests:
+        raise KernelCacheError(
+            f"trace {args.trace}: no rows from --start {args.start} (nothing to serve)"
+        )
     rt = load(cfg, cache_dir, args.warmup)
     chunk = args.prefill_chunk or rt.bucketer.max_query
     if not 1 <= chunk <= rt.bucketer.max_query:
@@ -384,6 +391,22 @@ def print_report(rep: dict) -> None:
     print(f"compiles: {rep['compiles']}")
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (a 0 or negative count would serve
+    nothing and report a vacuous match)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n}: must be at least {low}")
+        return n
+
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
@@ -391,13 +414,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--warmup", action="store_true", help="warm missing variants first (kernel-cache warmup)"
     )
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--requests", type=int, default=4, help="requests to serve (default 4)")
-    p.add_argument("--start", type=int, default=0, help="first row of the trace")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="clip outputs")
+    p.add_argument("--layers", type=_at_least(1), default=2, help="decoder layers (default 2)")
+    p.add_argument("--requests", type=_at_least(1), default=4, help="requests to serve (default 4)")
+    p.add_argument("--start", type=_at_least(0), default=0, help="first row of the trace")
+    p.add_argument(
+        "--max-new-tokens", type=_at_least(1), default=None, metavar="N", help="clip outputs"
+    )
     p.add_argument(
         "--prefill-chunk",
-        type=int,
+        type=_at_least(1),
         default=None,
         metavar="N",
         help="prompt tokens per prefill call (default: the plan's largest query bucket)",
@@ -411,7 +436,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--untimed",
-        type=int,
+        type=_at_least(0),
         default=1,
         metavar="N",
         help="untimed passes of both paths before the timed one (default 1)",

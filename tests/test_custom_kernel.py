@@ -60,12 +60,19 @@ def test_kernels_is_a_sorted_immutable_config_field(tiny_model):
         ({"flash": DECODE}, "unknown slot 'flash'; known slots: paged_attention, batched_decode"),
         ({"batched_decode": "not a path"}, "expected package.module:Factory"),
         ({"batched_decode": "pkg.mod:"}, "'pkg.mod:' is not an import path"),
+        ([("batched_decode",)], "('batched_decode',) is not a (slot, path) pair"),
+        (5, "5 is not a mapping"),
     ],
 )
 def test_bad_kernels_are_config_errors(tiny_model, kernels, says):
     with pytest.raises(ConfigError, match="kernels") as e:
         make_config(str(tiny_model), kernels=kernels)
     assert says in str(e.value)
+
+
+def test_one_kernel_string_is_one_slot_not_its_characters(tiny_model):
+    cfg = make_config(str(tiny_model), kernels=f"batched_decode={DECODE}")
+    assert cfg.kernels == (("batched_decode", DECODE),)
 
 
 def test_kernel_option_round_trips_through_config_to_cli(tiny_model):
@@ -120,7 +127,21 @@ def test_the_key_names_the_kernel_and_hashes_its_package_without_importing(examp
 
 def test_a_kernel_module_that_cannot_be_found_is_a_clear_error(tiny_model):
     cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": "kc_nowhere:F"})
-    with pytest.raises(ConfigError, match="cannot find module 'kc_nowhere'.*PYTHONPATH"):
+    with pytest.raises(
+        ConfigError,
+        match="kernel batched_decode=kc_nowhere:F: cannot find module 'kc_nowhere'.*PYTHONPATH",
+    ):
+        build_key(cfg, Bucketer(cfg).variants[-1])
+
+
+def test_a_kernel_module_with_a_syntax_error_is_a_clear_error(tmp_path, monkeypatch, tiny_model):
+    (tmp_path / "kc_broken.py").write_text("def f(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source_files.cache_clear()
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": "kc_broken:F"})
+    with pytest.raises(
+        ConfigError, match=r"batched_decode=kc_broken:F: cannot read its sources.*SyntaxError"
+    ):
         build_key(cfg, Bucketer(cfg).variants[-1])
 
 
@@ -354,3 +375,34 @@ def test_editing_the_kernels_helper_misses_explains_and_recompiles(
     run_cli("warmup", *args, "--jobs", "2", env=env, check=True)
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == first["compiled"]
     assert "missing" not in engine_start(tiny_model, cache_copy, kernels)
+
+
+def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
+    """The README: ``ls``'s kernel column names the import path each entry holds
+    (a 160-column table cut it to ``kc_example_kernels.decode:SdpaDec…``)."""
+    import argparse
+
+    from warmup.cli import commands
+
+    row = {
+        "variant": "batched_decode:1:1:4",
+        "model": "4h/2kv/d8 bs16",
+        "dtype": "float32",
+        "device": "cpu",
+        "key": "612ba077f0f6c73fba886b582c92bda3",
+        "size": 455791,
+        "compile_seconds": 4.88,
+        "created": 1796105627.5,
+        "last_used": 1796105649.0,
+        "kernel": DECODE,
+        "status": "ok",
+    }
+    rows = [row, {**row, "kernel": PREFILL, "variant": "paged_attention:32:2:1"}]
+    monkeypatch.setattr(commands, "_rows", lambda args: ("/cache", rows))
+    monkeypatch.setattr(commands.shutil, "get_terminal_size", lambda *a: os.terminal_size((80, 24)))
+    assert commands.cmd_ls(argparse.Namespace(json=False, bundle=None)) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    # the kernel column's cells, top to bottom: a path folded over lines joins up
+    column = "".join(ln.split("│")[4].strip() for ln in out.splitlines() if ln.count("│") > 4)
+    assert DECODE in column and PREFILL in column

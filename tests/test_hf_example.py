@@ -63,6 +63,35 @@ def load_example():
     return mod
 
 
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--layers", "0"], "--layers: 0: must be at least 1"),
+        (["--layers", "-1"], "--layers: -1: must be at least 1"),
+        (["--requests", "0"], "--requests: 0: must be at least 1"),
+        (["--start", "-5"], "--start: -5: must be at least 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk: 0: must be at least 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: 0: must be at least 1"),
+        (["--start", "5"], "no rows from --start 5 (nothing to serve)"),
+    ],
+)
+def test_counts_that_would_serve_nothing_are_refused(trace, tmp_path, args, says):
+    """Before any plan is loaded: no compile, no vacuous 'identical' with exit 0."""
+    proc = run_example("--trace", trace, "--cache-dir", tmp_path / "cache", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_empty_prompt_in_the_trace_gets_one_token(tmp_path):
+    """A trace row with ContextTokens 0 was served with no prompt: an
+    UnboundLocalError in serve()."""
+    p = tmp_path / "t.csv"
+    p.write_text("ContextTokens,GeneratedTokens\n0,5\n3,0\n")
+    reqs = load_example().make_requests(p, 2, 0, 32)
+    assert [(len(r.prompt), r.new_tokens) for r in reqs] == [(1, 5), (3, 1)]
+    assert "0 prompt + 5 output tokens -> 1 + 5 (prompt raised to 1 token)" in reqs[0].note
+
+
 def test_request_lengths_fit_the_plan(trace):
     """A request that fits is served as the trace has it; a longer one is scaled
     (both lengths, one factor) to prompt + output <= max_model_len, and says so."""

@@ -48,26 +48,37 @@ def read_trace(path: str | Path, limit: int | None = None, start: int = 0) -> li
     """Rows ``start .. start+limit`` of a trace CSV with ContextTokens,GeneratedTokens.
 
     Raises:
-        ConfigError: the file is missing or lacks those columns.
+        ConfigError: the file is missing, is not a UTF-8 CSV, lacks those
+            columns, or a row's lengths are not integers (names the row).
     """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"trace {str(p)!r}: no such file")
     out = []
-    with p.open(newline="") as f:
-        reader = csv.DictReader(f)
-        cols = set(reader.fieldnames or ())
-        if not {"ContextTokens", "GeneratedTokens"} <= cols:
-            raise ConfigError(
-                f"trace {str(p)!r}: needs columns ContextTokens,GeneratedTokens; "
-                f"found {sorted(cols)}"
-            )
-        for i, row in enumerate(reader):
-            if i < start:
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            out.append(Request(int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    try:
+        with p.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            cols = set(reader.fieldnames or ())
+            if not {"ContextTokens", "GeneratedTokens"} <= cols:
+                raise ConfigError(
+                    f"trace {str(p)!r}: needs columns ContextTokens,GeneratedTokens; "
+                    f"found {sorted(cols)}"
+                )
+            for i, row in enumerate(reader):
+                if i < start:
+                    continue
+                if limit is not None and len(out) >= limit:
+                    break
+                ctx, gen = row["ContextTokens"], row["GeneratedTokens"]
+                try:
+                    out.append(Request(int(ctx), int(gen)))
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"trace {str(p)!r}: row {i}: ContextTokens={ctx!r}, "
+                        f"GeneratedTokens={gen!r} are not integers"
+                    ) from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ConfigError(f"trace {str(p)!r}: not a UTF-8 CSV: {type(e).__name__}: {e}") from None
     return out
 
 

@@ -169,10 +169,22 @@ def normalize(kernels) -> tuple[tuple[str, str], ...]:
     """
     if kernels is None:
         return ()
+    if isinstance(kernels, str):  # one "SLOT=PATH", not its characters
+        kernels = (kernels,)
     items = kernels.items() if hasattr(kernels, "items") else kernels
+    if not hasattr(items, "__iter__"):
+        raise ConfigError(
+            f"kernels: {kernels!r} is not a mapping {{slot: path}}, (slot, path) pairs "
+            "or SLOT=PATH strings"
+        )
     out: dict[str, str] = {}
     for item in items:
-        slot, path = parse_kernel_option(item) if isinstance(item, str) else tuple(item)
+        if isinstance(item, str):
+            slot, path = parse_kernel_option(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            slot, path = item
+        else:
+            raise ConfigError(f"kernels: {item!r} is not a (slot, path) pair or SLOT=PATH")
         check_slot(slot)
         check_path(slot, path)
         if out.get(slot, path) != path:

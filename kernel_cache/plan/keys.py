@@ -230,26 +230,38 @@ def source_files(
     return dict(sorted(found.items()))
 
 
-def kernel_source_files(path: str) -> dict[str, str]:
+def kernel_source_files(path: str, slot: str | None = None) -> dict[str, str]:
     """The source files of a slot implementation ``path`` (``package.module:Factory``):
     its module and every module of its top-level package it imports, found as
     :func:`source_files` finds the project's (nothing is imported).
 
     Raises:
-        ConfigError: the module cannot be found on ``sys.path``.
+        ConfigError: the module cannot be found on ``sys.path``, or one of its
+            files cannot be read as Python (names the slot, the path and the error).
     """
     module = path.partition(":")[0]
-    return source_files((module,), (module.split(".")[0],))
+    where = f"kernel {slot}={path}" if slot else f"kernel {path}"
+    try:
+        return source_files((module,), (module.split(".")[0],))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (SyntaxError, ValueError, OSError) as e:  # the engine's file: ast.parse, read_bytes
+        raise ConfigError(
+            f"{where}: cannot read its sources, which are part of the cache key: "
+            f"{type(e).__name__}: {e}"
+        ) from None
 
 
-def sources_component(roots: tuple[str, ...] = COMPILE_ROOTS, kernel: str | None = None) -> str:
+def sources_component(
+    roots: tuple[str, ...] = COMPILE_ROOTS, kernel: str | None = None, slot: str | None = None
+) -> str:
     """The ``sources`` key component: :func:`source_files` (and, given a slot
     implementation's import path ``kernel``, :func:`kernel_source_files`) as
     compact JSON, so a stored entry records which file changed (``kernel-cache
     explain``)."""
     files = dict(source_files(roots))
     if kernel is not None:
-        files.update(kernel_source_files(kernel))
+        files.update(kernel_source_files(kernel, slot))
     return json.dumps(dict(sorted(files.items())), separators=(",", ":"))
 
 
@@ -479,7 +491,7 @@ def build_key(
     kernel = kernel_path(config, variant.kernel)
     values = {
         "format": ARTIFACT_FORMAT,
-        "sources": sources_component(kernel=kernel),
+        "sources": sources_component(kernel=kernel, slot=variant.kernel),
         "variant": str(variant),
         "kernel": kernel,
         "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),

@@ -157,8 +157,14 @@ def cmd_ls(args) -> int:
     table = Table(title=title, title_justify="left")
     cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
     cols += ("last used",)
+    # The kernel column names the import path in full, folded over lines in a
+    # narrow table rather than cut: two factories of one module differ at its end.
     for col in cols + (("status",) if corrupt else ()):
-        table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+        table.add_column(
+            col,
+            justify="right" if col in ("size", "compile s") else "left",
+            overflow="fold" if col == "kernel" else "ellipsis",
+        )
     for r in rows:
         cs = r["compile_seconds"]
         dtype = r["dtype"] or "-"
