@@ -125,7 +125,8 @@ def validation_message(origin: str, e, model=None) -> str:
         where = ""
         for part in err["loc"]:
             where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
-        msg = str(err["msg"]).removeprefix("Value error, ")
+        # JSON has lists where the models hold tuples (frozen): say what to write.
+        msg = str(err["msg"]).removeprefix("Value error, ").replace("a valid tuple", "a list")
         if err["type"] == "missing":
             msg = "required field missing"
         elif err["type"] == "extra_forbidden":

@@ -70,4 +70,4 @@ def test_cuda_plan_without_a_gpu_says_the_launch_config_is_not_resolved(tmp_path
     assert "launch config: not resolved (no usable CUDA device here" in proc.stdout
     proc = run_cli(*args, env={"KERNEL_CACHE_TUNING": '{"entries": 1}'})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "KERNEL_CACHE_TUNING (inline JSON): 'entries' must be a list" in proc.stderr
+    assert "KERNEL_CACHE_TUNING (inline JSON): entries=1: Input should be a list" in proc.stderr
