@@ -49,3 +49,38 @@ def test_no_unpacked_packages_left_after_exit_or_sigkill(warm_cache, tiny_model,
     assert p.stdout.readline().strip() == "6"
     assert p.wait(timeout=120) == 0
     assert os.listdir(tmpdir) == []
+
+
+def test_tmpdir_is_pointed_at_the_load_dir_for_one_loader_call_at_a_time(monkeypatch):
+    """Two threads loading at once: the second waits until the first has
+    restored $TMPDIR, so neither restores the other's value."""
+    import threading
+    import time
+
+    from kernel_cache.runtime.load import _tmpdir
+
+    monkeypatch.setenv("TMPDIR", "/original")
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with _tmpdir("/load-a"):
+            inside.set()
+            release.wait(10)
+            seen.append(("a", os.environ["TMPDIR"]))
+
+    def second():
+        inside.wait(10)
+        with _tmpdir("/load-b"):
+            seen.append(("b", os.environ["TMPDIR"]))
+
+    ta, tb = threading.Thread(target=first), threading.Thread(target=second)
+    ta.start()
+    tb.start()
+    inside.wait(10)
+    time.sleep(0.2)  # the second thread is now at the lock
+    assert os.environ["TMPDIR"] == "/load-a"
+    release.set()
+    ta.join(10)
+    tb.join(10)
+    assert seen == [("a", "/load-a"), ("b", "/load-b")]
+    assert os.environ["TMPDIR"] == "/original"

@@ -9,10 +9,12 @@ Dynamo nor Inductor's compiler, and returns the dispatcher,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,7 +71,8 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     The bytes go to a private temporary file in :func:`load_dir` (never the
     cache directory, which may be read-only), are loaded, and the file is
     removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
-    which is pointed there for the call), so nothing is left behind at exit.
+    which is pointed there for the call only: :func:`_tmpdir`), so nothing is
+    left behind at exit.
 
     On CUDA the runner is created in AOTInductor's single-threaded mode
     (``AOTIModelPackageLoader(path, model_name, run_single_threaded=True,
@@ -86,27 +89,46 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     """
     where_to = load_dir()
     fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-", dir=where_to)
-    saved = os.environ.get("TMPDIR")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         device_index = torch.cuda.current_device() if device == "cuda" else -1
-        os.environ["TMPDIR"] = where_to
         try:
-            single_threaded = device == "cuda"
-            return torch._C._aoti.AOTIModelPackageLoader(
-                path, "model", single_threaded, 1, device_index
-            )
+            with _tmpdir(where_to):
+                return torch._C._aoti.AOTIModelPackageLoader(
+                    path, "model", device == "cuda", 1, device_index
+                )
         except Exception as e:  # the loader raises RuntimeError for bad zips
             raise CorruptEntryError(
                 key, f"the AOTInductor loader rejected it: {e}", where
             ) from None
     finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
         Path(path).unlink(missing_ok=True)
+
+
+_TMPDIR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _tmpdir(path: str):
+    """``$TMPDIR`` set to ``path`` for the duration, then restored.
+
+    The package loader unpacks into ``$TMPDIR`` and takes no directory argument
+    (``AOTIModelPackageLoader`` in torch 2.13); the container runners that take
+    an unpacked ``.so`` have no single-threaded mode on CUDA. So the variable
+    is changed, for this process, only around the loader call, and a lock keeps
+    two loading threads from restoring each other's value.
+    """
+    with _TMPDIR_LOCK:
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = path
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
 
 
 def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None):
