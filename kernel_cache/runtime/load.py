@@ -24,14 +24,19 @@ import torch
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
-    ConfigError,
     CorruptEntryError,
     CpuTargetError,
     MissingVariantsError,
 )
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.dispatch import AttentionRuntime
-from kernel_cache.store.tier import ENV_CACHE_DIR, DiskTier, Tier, default_cache_dir
+from kernel_cache.store.tier import (
+    ENV_CACHE_DIR,
+    DiskTier,
+    Tier,
+    check_cache_dir_path,
+    default_cache_dir,
+)
 from kernel_cache.trust.signing import load_signing_key
 
 log = logging.getLogger("kernel_cache")
@@ -155,7 +160,8 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
 
     sources: list = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
-    _check_not_a_file(directory, "cache_dir" if cache_dir else f"${ENV_CACHE_DIR}")
+    source = "cache_dir" if cache_dir else f"${ENV_CACHE_DIR}"
+    check_cache_dir_path(directory, source, source)
     if directory.is_dir():
         sources.append(DiskTier(directory, read_only=True, allow_shared=allow_shared_dir))
     remote = tiers_from_env()
@@ -163,25 +169,6 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
         local = DiskTier(directory, allow_shared=allow_shared_dir)
         sources += [Source(r, promote_into=local) for r in remote]
     return Lookup(sources)
-
-
-def _check_not_a_file(directory: Path, source: str) -> None:
-    """Raise :class:`ConfigError` when ``directory``, or a folder above it,
-    exists and is not a directory (the command line's check, at engine start)."""
-    for p in (directory, *directory.parents):
-        try:
-            if not p.exists():
-                continue
-        except OSError:
-            return
-        if not p.is_dir():
-            what = "it is" if p == directory else f"{p} is"
-            raise ConfigError(
-                f"cache directory {directory} (from {source}): {what} a file, not a directory; "
-                f"fix: point {source} at a directory (a new one or a kernel-cache cache), "
-                f"or move {p} out of the way"
-            )
-        return
 
 
 def default_tiers(

@@ -54,6 +54,28 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
 
 
+def check_cache_dir_path(directory: Path, source: str, fix: str) -> None:
+    """Raise :class:`~kernel_cache.errors.ConfigError` when ``directory``, or a
+    folder above it, exists and is not a directory, naming both, ``source``
+    (where the path came from) and ``fix`` (what to point at a directory)."""
+    for p in (directory, *directory.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:
+            return
+        if not p.is_dir():
+            from kernel_cache.errors import ConfigError
+
+            what = "it is" if p == directory else f"{p} is"
+            raise ConfigError(
+                f"cache directory {directory} (from {source}): {what} a file, not a directory; "
+                f"fix: point {fix} at a directory (a new one or a kernel-cache cache), "
+                f"or move {p} out of the way"
+            )
+        return
+
+
 @dataclass(frozen=True)
 class Entry:
     """A stored entry as read from a tier: metadata (parsed JSON) and bytes."""

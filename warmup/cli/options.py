@@ -20,10 +20,9 @@ from kernel_cache.config.engine import (
     make_config,
     option_flag,
 )
-from kernel_cache.errors import KernelCacheError
 from kernel_cache.kernels.slots import parse_kernel_option
 from kernel_cache.plan.buckets import Bucketer, parse_bucket_list
-from kernel_cache.store.tier import ENV_CACHE_DIR, default_cache_dir
+from kernel_cache.store.tier import ENV_CACHE_DIR, check_cache_dir_path, default_cache_dir
 
 
 def engine_options(p: argparse.ArgumentParser) -> None:
@@ -99,7 +98,7 @@ def _cache_dir(args) -> str:
     """The cache directory of ``--cache-dir`` or :func:`default_cache_dir`.
 
     Raises:
-        KernelCacheError: the path, or a folder above it, exists and is not a
+        ConfigError: the path, or a folder above it, exists and is not a
             directory (names both, where the path came from, and the fix).
     """
     d = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -109,20 +108,7 @@ def _cache_dir(args) -> str:
         source = f"${ENV_CACHE_DIR}"
     else:
         source = "the default"
-    for p in (d, *d.parents):
-        try:
-            if not p.exists():
-                continue
-        except OSError:
-            break
-        if not p.is_dir():
-            what = "it is" if p == d else f"{p} is"
-            raise KernelCacheError(
-                f"cache directory {d} (from {source}): {what} a file, not a directory; fix: "
-                f"point --cache-dir or ${ENV_CACHE_DIR} at a directory (a new one or a "
-                f"kernel-cache cache), or move {p} out of the way"
-            )
-        break
+    check_cache_dir_path(d, source, f"--cache-dir or ${ENV_CACHE_DIR}")
     return str(d)
 
 
