@@ -86,6 +86,25 @@ def split_plan(
 
 
 @triton.jit
+def _online_softmax_step(q, k, v_ptrs, kv_mask, tmask, scale, acc, m_i, l_i):
+    """One ``BLOCK_N``-token step of the online softmax: ``q`` ``[G_PAD, D_PAD]``,
+    ``k`` ``[BLOCK_N, D_PAD]`` (masked tokens loaded as 0, ``tmask`` false), the
+    step's V rows ``v_ptrs`` (loaded here, after the scores, as the kernel always
+    did), running ``acc`` ``[G_PAD, D_PAD]``, max ``m_i`` and sum ``l_i``
+    ``[G_PAD]``, float32. Returns the updated ``acc``, ``m_i``, ``l_i``."""
+    # AOTInductor passes ``scale`` as fp64: keep the scores float32.
+    qk = (tl.dot(q, tl.trans(k), input_precision="ieee") * scale).to(tl.float32)
+    qk = tl.where(tmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_new
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -130,65 +149,40 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    gmask = offs_g < G
-    dmask = offs_d < D
+    gd_mask = (offs_g < G)[:, None] & (offs_d < D)[None, :]
     heads = kvh * G + offs_g
-    q = tl.load(
-        Q + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
+    q_rows = Q + s * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=gd_mask, other=0.0)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     bt_row = BT + s * stride_bts
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         tmask = offs_t < end
         blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         tok = offs_t % BLOCK_SIZE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(
-            K + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        kv_mask = tmask[:, None] & (offs_d < D)[None, :]
+        k_rows = (blk * stride_kb + tok * stride_kt)[:, None] + offs_d[None, :]
+        v_rows = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
+        k = tl.load(k_head + k_rows, mask=kv_mask, other=0.0)
+        acc, m_i, l_i = _online_softmax_step(
+            q, k, v_head + v_rows, kv_mask, tmask, scale, acc, m_i, l_i
         )
-        # AOTInductor passes ``scale`` as fp64: keep the scores float32.
-        qk = (tl.dot(q, tl.trans(k), input_precision="ieee") * scale).to(tl.float32)
-        qk = tl.where(tmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
 
     # An empty split (start >= seq_len) has l_i == 0: its output is 0, its lse -inf.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if DIRECT:
-        tl.store(
-            OUT + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(OUT.dtype.element_ty),
-            mask=gmask[:, None] & dmask[None, :],
-        )
+        out_rows = OUT + s * stride_os + heads[:, None] * stride_oh
+        tl.store(out_rows + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=gd_mask)
     else:
-        tl.store(
-            PART_O
-            + s * stride_pos
-            + heads[:, None] * stride_poh
-            + split * stride_pop
-            + offs_d[None, :],
-            o,
-            mask=gmask[:, None] & dmask[None, :],
-        )
+        part_rows = PART_O + s * stride_pos + heads[:, None] * stride_poh + split * stride_pop
+        tl.store(part_rows + offs_d[None, :], o, mask=gd_mask)
         lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
-        tl.store(PART_LSE + s * stride_pls + heads * stride_plh + split, lse, mask=gmask)
+        tl.store(PART_LSE + s * stride_pls + heads * stride_plh + split, lse, mask=offs_g < G)
 
 
 @triton.jit
@@ -263,47 +257,28 @@ def launch_decode(
     s, h, d = query.shape
     nb = block_tables.shape[1]
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
-    g = h // kvh
     splits, per = split_plan(s, kvh, nb, bs, num_kv_splits, block_n)
     out = torch.empty_like(query)
     direct = splits == 1
     # With one split the partial buffers are unused; keep them tiny but valid.
-    po = torch.empty(
-        (s, h, splits, d) if not direct else (1, 1, 1, 1), dtype=torch.float32, device=query.device
+    po_shape, pl_shape = (
+        ((1, 1, 1, 1), (1, 1, 1)) if direct else ((s, h, splits, d), (s, h, splits))
     )
-    pl = torch.empty(
-        (s, h, splits) if not direct else (1, 1, 1), dtype=torch.float32, device=query.device
-    )
+    po = torch.empty(po_shape, dtype=torch.float32, device=query.device)
+    pl = torch.empty(pl_shape, dtype=torch.float32, device=query.device)
     d_pad = _pow2_at_least(d, 16)
     wrap(_decode_split_kernel)[(s, kvh, splits)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        out,
-        po,
-        pl,
-        scale,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *(query, key_cache, value_cache, block_tables, seq_lens, out, po, pl, scale),
+        *query.stride()[:2],
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        po.stride(0),
-        po.stride(1),
-        po.stride(2),
-        pl.stride(0),
-        pl.stride(1),
+        *out.stride()[:2],
+        *po.stride()[:3],
+        *pl.stride()[:2],
         per,
-        G=g,
-        G_PAD=_pow2_at_least(g, 16),
+        G=h // kvh,
+        G_PAD=_pow2_at_least(h // kvh, 16),
         D=d,
         D_PAD=d_pad,
         BLOCK_SIZE=bs,
@@ -314,17 +289,10 @@ def launch_decode(
     )
     if not direct:
         wrap(_decode_combine_kernel)[(s, h)](
-            po,
-            pl,
-            seq_lens,
-            out,
-            po.stride(0),
-            po.stride(1),
-            po.stride(2),
-            pl.stride(0),
-            pl.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *(po, pl, seq_lens, out),
+            *po.stride()[:3],
+            *pl.stride()[:2],
+            *out.stride()[:2],
             per,
             D=d,
             D_PAD=d_pad,
