@@ -304,6 +304,32 @@ def test_gpu_float16_plan_warms_and_verifies(tmp_path, tiny_model):
     assert report["ok"] is True and report["compiled"] == 0 and report["loaded"] == 2
 
 
+def test_gpu_tune_of_triton_prefill_tiles_writes_an_entry_the_plan_uses(tmp_path, tiny_model):
+    """``tune`` on CUDA times the prefill kernel's tiles: every candidate matches
+    the reference, the table entry names its query bucket, and a plan under that
+    table resolves the variant to the kept tiles."""
+    out, variant = tmp_path / "prefill.json", "paged_attention:32:2:1"
+    engine = [*tiny_args(tiny_model), *SMALL, *GPU]
+    proc = run_cli(
+        "tune", *engine, "--variants", variant, "--cache-dir", tmp_path / "c", "--out", out,
+        "--block-m", "16,32", "--block-n", "16", "--num-warps", "4", "--num-stages", "2",
+        "--rounds", "3", "--target-ms", "2", "--jobs", "2", "--json", check=True,
+    )  # fmt: skip
+    report = json.loads(proc.stdout)
+    (res,) = report["results"]
+    tiles = [c["config"] for c in res["candidates"]]
+    assert report["compiled"] == len(tiles) == 3 and tiles[0]["block_m"] == 64  # the defaults
+    assert {c["block_m"] for c in tiles[1:]} == {16, 32}
+    assert all(c["ok"] and c["max_abs_err"] < 0.05 for c in res["candidates"])
+    (entry,) = json.loads(out.read_text())["entries"]
+    assert (entry["kernel"], entry["query_len"], entry["config"]) == (
+        "paged_attention", 32, res["config"],
+    )  # fmt: skip
+    proc = run_cli("plan", *engine, "--json", env={"KERNEL_CACHE_TUNING": str(out)}, check=True)
+    launch = json.loads(proc.stdout)["launch"]
+    assert launch[variant] == {"config": res["config"], "source": "env"}
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="Azure trace not beside the checkout")
 def test_gpu_replay_on_trace_slice_has_zero_compiles(gpu_cache, tiny_model):
     proc = subprocess.run(

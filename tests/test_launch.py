@@ -393,3 +393,100 @@ def test_a_field_given_twice_is_refused_not_last_wins(tmp_path):
     path.write_text(doc)
     with pytest.raises(ConfigError, match=r"t.json: field 'num_kv_splits' is given twice"):
         Resolver({ENV_TUNING: str(path)})
+
+
+def test_prefill_entry_for_a_query_bucket_wins_over_one_for_every_bucket():
+    """On CUDA a paged_attention entry may name its query bucket: it wins for that
+    bucket; an entry without one still sets every other bucket of its KV bucket;
+    an arch-less entry for the bucket wins over an arch entry for every bucket."""
+    from kernel_cache.plan.launch import cuda_prefill_defaults
+
+    p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
+    p16 = KernelVariant(kernel="paged_attention", query_len=16, num_blocks=2, num_seqs=1)
+    every = entry(kernel="paged_attention", num_seqs=1, block_n=32)
+    only32 = {**entry(kernel="paged_attention", num_seqs=1, block_n=64), "query_len": 32}
+    res = Resolver({ENV_TUNING: json.dumps(table(every, only32))}, "/nonexistent")
+    assert res.resolve(_cuda_cfg(), p32, "sm_90").config["block_n"] == 64
+    assert res.resolve(_cuda_cfg(), p16, "sm_90").config == {
+        **cuda_prefill_defaults(16, 2, 8),
+        "block_n": 32,
+    }
+    doc = table({**only32, "config": {"block_n": 16}}, {**every, "device_arch": "sm_90"})
+    res = Resolver({ENV_TUNING: json.dumps(doc)}, "/nonexistent")
+    assert res.resolve(_cuda_cfg(), p32, "sm_90").config["block_n"] == 16
+
+
+@pytest.mark.parametrize(
+    "entries, match",
+    [
+        (
+            [{**entry(), "query_len": 4}],
+            "query_len=4: batched_decode variants have one query token",
+        ),
+        (
+            [{**entry(kernel="paged_attention", num_seqs=1), "query_len": 32}] * 2,
+            r"a second entry for the same key",
+        ),
+        (
+            [{**entry(kernel="paged_attention", num_seqs=1), "query_len": 0}],
+            r"query_len",
+        ),
+    ],
+)
+def test_query_len_entries_are_checked(entries, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_table(table(*entries), "t.json")
+    # one entry per query bucket, and one for every bucket, may stand side by side
+    p = entry(kernel="paged_attention", num_seqs=1)
+    ok = parse_table(table(p, {**p, "query_len": 32}, {**p, "query_len": 16}), "t.json")
+    assert len(ok) == 3
+
+
+def test_tune_prefill_candidates_fit_the_kernel_and_the_query_bucket():
+    """CUDA prefill candidates: the defaults first, no duplicates, block_m from
+    the GQA group to the rows the query bucket fills, shared memory within the
+    limit; the tile lists are checked like table entries."""
+    from kernel_cache.plan.launch import (
+        PREFILL_SMEM_BYTES,
+        cuda_prefill_defaults,
+        prefill_smem_bytes,
+    )
+    from warmup.tune import TuneSettings, candidates
+
+    cfg = _cuda_cfg().model_copy(update={"head_dim": 256, "num_heads": 16, "num_kv_heads": 2})
+    settings = TuneSettings(block_m=(16, 64, 256), block_n=(64, 128), num_stages=(2, 4))
+    p8 = KernelVariant(kernel="paged_attention", query_len=8, num_blocks=2, num_seqs=1)
+    got = candidates(p8, settings, cfg)
+    assert got[0] == cuda_prefill_defaults(8, 8, 256)
+    assert len({json.dumps(c, sort_keys=True) for c in got}) == len(got) > 2
+    for c in got[1:]:
+        assert 16 <= c["block_m"] <= 64  # 8 tokens x 8 heads per KV head
+        assert prefill_smem_bytes(c["block_m"], c["block_n"], c["num_stages"], 256) <= (
+            PREFILL_SMEM_BYTES
+        )
+    # (4 * 2 * 128 + 64) * 256 * 2 bytes is over the limit: that tile is left out
+    assert {"block_m": 64, "block_n": 128, "num_stages": 4, "num_warps": 8} not in got
+    assert {"block_m": 64, "block_n": 64, "num_stages": 2, "num_warps": 8} in got
+    with pytest.raises(ConfigError, match=r"--block-m: block_m=24 must be a power of two"):
+        TuneSettings(block_m=(24,)).check()
+    with pytest.raises(ConfigError, match=r"--num-stages: num_stages=9 must be"):
+        TuneSettings(num_stages=(9,)).check()
+
+
+def test_tuned_prefill_entry_names_its_query_bucket_and_is_a_valid_table():
+    from warmup.tune import table_entry
+
+    p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
+    kept = {"block_m": 32, "block_n": 16, "num_stages": 2, "num_warps": 4}
+    cand = {"config": kept, "median_ms": 0.01, "min_ms": 0.01, "max_ms": 0.02,
+            "ratio_median": 1.2, "ratio_q25": 1.1, "ok": True, "max_abs_err": 0.0}  # fmt: skip
+    result = {"config": kept, "speedup": 1.2, "paired_ratio_median": 1.2,
+              "default_ms": [0.012, 0.011, 0.013], "kept_ms": [0.01, 0.01, 0.02], "inner": 5,
+              "candidates": [cand]}  # fmt: skip
+    e = table_entry(_cuda_cfg(), p32, result)
+    assert e["query_len"] == 32 and "max_abs_err" not in e["measured"]["candidates"][0]
+    t = parse_table(table(e, arch="sm_90"), "tuned")
+    res_cfg = t.lookup(("paged_attention", 8, 2, 2, 1, 2, 32), "sm_90 cuda 13.0")
+    assert res_cfg == kept
+    assert t.lookup(("paged_attention", 8, 2, 2, 1, 2, 16), "sm_90") is None
+    assert "query_len" not in table_entry(_cuda_cfg(), D8, result)

@@ -1,18 +1,25 @@
 """``kernel-cache tune``: time launch-config candidates per variant and write a table.
 
-For each chosen ``batched_decode`` variant:
+For each chosen variant (``batched_decode`` on any device, ``paged_attention``
+on CUDA, where it is the Triton prefill kernel):
 
-1. Candidates (:func:`candidates`): the defaults (one split, one chunk) plus every
-   ``num_kv_splits`` in ``--num-kv-splits`` (at most ``num_blocks``) times every
-   ``chunks_per_split`` in ``--chunks-per-split`` that divides the split
-   (``blocks_per_chunk = ceil(num_blocks / num_kv_splits) / chunks_per_split``).
+1. Candidates (:func:`candidates`), the defaults first:
+   ``batched_decode``: every ``num_kv_splits`` in ``--num-kv-splits`` (at most
+   ``num_blocks``) times, on the CPU, every ``chunks_per_split`` in
+   ``--chunks-per-split`` that divides the split (``blocks_per_chunk =
+   ceil(num_blocks / num_kv_splits) / chunks_per_split``); ``paged_attention``:
+   every tile of ``--block-m`` x ``--block-n`` x ``--num-warps`` x
+   ``--num-stages`` that the kernel can run (``block_m`` from the GQA group up to
+   the rows the query bucket fills, the shared memory within the H200's).
 2. Every candidate is compiled through the normal warmup path into the artifact
    cache, under the key that holds its launch config (so a resumed tune, or a
    later ``warmup`` with the resulting table, compiles nothing twice). All
    compiles finish before any timing starts.
 3. Correctness: each candidate's output on random inputs of the variant's
    shapes is compared with :func:`kernel_cache.kernels.reference.reference_decode`
-   (tolerance :data:`warmup.check.verify.TOLERANCE`); a mismatch is never kept.
+   or, for prefill, :func:`~kernel_cache.kernels.reference.reference_attention`
+   on the real query rows (tolerance :data:`warmup.check.verify.TOLERANCE`); a
+   mismatch is never kept.
 4. Timing, warm: each loaded artifact runs 3 times first; then ``--rounds``
    rounds, each timing every candidate once in a shuffled order, one sample
    being the mean of ``inner`` back-to-back calls (``inner`` chosen so that a
@@ -34,13 +41,14 @@ candidate list and the timing settings; an interrupted tune run again with the
 same arguments reuses every finished variant and compiles nothing it has.
 
 The output is a table in the bundled format (:mod:`kernel_cache.plan.launch`), one
-entry per tuned variant (the defaults written out where they won), with the
-measurements under ``measured``.
+entry per tuned variant (the defaults written out where they won; a prefill
+entry names its ``query_len``), with the measurements under ``measured``.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -55,13 +63,16 @@ from pydantic import BaseModel, ConfigDict
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CompileError, ConfigError
-from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
+from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey
 from kernel_cache.plan.launch import (
+    PREFILL_SMEM_BYTES,
     TABLE_FORMAT,
     arch_family,
     check_launch,
     parse_table,
+    prefill_max_block_m,
+    prefill_smem_bytes,
     variant_defaults,
 )
 from kernel_cache.plan.plan import Plan, PlanItem
@@ -80,13 +91,20 @@ class TuneSettings(BaseModel):
     """What is tried and how it is timed (part of the tuning-result key).
 
     ``target_ms``: milliseconds a timing sample of the defaults should last;
-    ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %).
+    ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %);
+    ``block_m`` ... ``num_stages``: the prefill tiles tried on CUDA (the
+    defaults of :func:`~kernel_cache.plan.launch.cuda_prefill_defaults` are
+    always tried too).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_kv_splits: tuple[int, ...] = (1, 2, 4)
     chunks_per_split: tuple[int, ...] = (1, 2, 4)
+    block_m: tuple[int, ...] = (64, 128)
+    block_n: tuple[int, ...] = (32, 64, 128)
+    num_warps: tuple[int, ...] = (4, 8)
+    num_stages: tuple[int, ...] = (2, 3)
     rounds: int = 15
     target_ms: float = 50.0
     min_gain: float = 0.05
@@ -107,13 +125,19 @@ class TuneSettings(BaseModel):
         ):
             if not vals or min(vals) < 1:
                 raise ConfigError(f"{name} {vals}: a list of integers >= 1")
+        for name in ("block_m", "block_n", "num_warps", "num_stages"):
+            for v in getattr(self, name):
+                check_launch(PAGED_ATTENTION, 1, {name: v}, f"--{name.replace('_', '-')}")
 
 
 def candidates(variant: KernelVariant, settings: TuneSettings, config: EngineConfig) -> list[dict]:
     """The launch configs tried for ``variant``, defaults first, no duplicates.
 
-    On CUDA (``config.device``) the Triton kernel takes only ``num_kv_splits``:
-    one candidate per split count, ``--chunks-per-split`` is not used."""
+    On CUDA (``config.device``) the Triton decode kernel takes only
+    ``num_kv_splits``: one candidate per split count, ``--chunks-per-split`` is
+    not used; ``paged_attention`` takes the tiles of :func:`prefill_candidates`."""
+    if variant.kernel == PAGED_ATTENTION:
+        return prefill_candidates(variant, settings, config)
     nb = variant.num_blocks
     cuda = config.device == "cuda"
     out = [variant_defaults(config, variant)]
@@ -135,6 +159,35 @@ def candidates(variant: KernelVariant, settings: TuneSettings, config: EngineCon
             if k not in seen:
                 seen.add(k)
                 out.append(cfg)
+    return out
+
+
+def prefill_candidates(
+    variant: KernelVariant, settings: TuneSettings, config: EngineConfig
+) -> list[dict]:
+    """The CUDA prefill tiles tried for ``variant``: the defaults, then every
+    combination of the settings' ``block_m``, ``block_n``, ``num_warps`` and
+    ``num_stages`` with ``block_m`` at least the GQA group (padded to a power of
+    two) and at most the rows the query bucket fills
+    (:func:`~kernel_cache.plan.launch.prefill_max_block_m`), and an estimated
+    shared memory (:func:`~kernel_cache.plan.launch.prefill_smem_bytes`) within
+    :data:`~kernel_cache.plan.launch.PREFILL_SMEM_BYTES`."""
+    out = [variant_defaults(config, variant)]
+    g_pad = 1 << max(0, config.num_queries_per_kv - 1).bit_length()
+    top = max(g_pad, prefill_max_block_m(variant.query_len, config.num_queries_per_kv))
+    itemsize = 4 if config.dtype == "float32" else 2
+    for bm, bn, warps, stages in itertools.product(
+        sorted(set(settings.block_m)),
+        sorted(set(settings.block_n)),
+        sorted(set(settings.num_warps)),
+        sorted(set(settings.num_stages)),
+    ):
+        smem = prefill_smem_bytes(bm, bn, stages, config.head_dim, itemsize)
+        if not g_pad <= bm <= top or smem > PREFILL_SMEM_BYTES:
+            continue
+        cfg = {"block_m": bm, "block_n": bn, "num_stages": stages, "num_warps": warps}
+        if cfg not in out:
+            out.append(check_launch(PAGED_ATTENTION, variant.num_blocks, cfg, f"for {variant}"))
     return out
 
 
@@ -223,15 +276,22 @@ def _load_candidates(config: EngineConfig, items: list[PlanItem], tier: DiskTier
 
 
 def _errors(args: list, runners: list) -> list[float]:
-    """Each runner's max abs difference from the reference decode on ``args``."""
+    """Each runner's max abs difference from the independent reference on
+    ``args`` (decode: every row; prefill: the real query rows)."""
     import torch
 
-    from kernel_cache.kernels.reference import reference_decode
+    from kernel_cache.kernels.reference import reference_attention, reference_decode
 
-    q, kc, vc, bt, lens = args
+    rows = slice(None)
     with torch.no_grad():
-        ref = reference_decode(q, kc, vc, bt, lens.tolist())
-    return [float((r.run(args)[0].float() - ref.float()).abs().max()) for r in runners]
+        if len(args) == 6:  # paged_attention: query, caches, block table, seq_len, query_len
+            q, kc, vc, bt, seq_len, query_len = args
+            rows = slice(0, int(query_len[0]))
+            ref = reference_attention(q[rows], kc, vc, bt, int(seq_len[0]))
+        else:
+            q, kc, vc, bt, lens = args
+            ref = reference_decode(q, kc, vc, bt, lens.tolist())
+    return [float((r.run(args)[0][rows].float() - ref.float()).abs().max()) for r in runners]
 
 
 def _time_candidates(config: EngineConfig, args: list, runners: list, settings: TuneSettings):
@@ -290,19 +350,22 @@ def _rows(cands: list[dict], samples, errs, tol: float, settings: TuneSettings) 
 
 
 def _check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None:
-    plan = set(Bucketer(config).variants)
+    """Raises ConfigError: a variant not in the plan, or a ``paged_attention``
+    variant on the CPU (whose kernel takes no launch parameters)."""
+    b = Bucketer(config)
+    plan = set(b.variants)
     for v in variants:
-        if v.kernel != BATCHED_DECODE:
+        if v.kernel == PAGED_ATTENTION and config.device != "cuda":
             raise ConfigError(
-                f"--variants {v}: {v.kernel} has no launch parameters to tune; "
-                "give batched_decode variants"
+                f"--variants {v}: on the CPU paged_attention has no launch parameters to "
+                "tune; give batched_decode variants (prefill tiles are tuned with --device cuda)"
             )
         if v not in plan:
-            b = Bucketer(config)
             raise ConfigError(
                 f"--variants {v}: not a variant of the plan (num_blocks buckets "
                 f"{list(b.num_blocks_buckets)}, num_seqs buckets {list(b.num_seqs_buckets)}, "
-                "query_len 1); list them with: kernel-cache plan " + config_to_cli(config)
+                f"query buckets {list(b.query_buckets)}); list them with: kernel-cache plan "
+                + config_to_cli(config)
             )
 
 
@@ -433,6 +496,8 @@ def _cached_results(results_dir: Path, keys: dict) -> dict:
 
 
 def _fmt_cfg(cfg: dict) -> str:
+    if "num_kv_splits" not in cfg:  # the prefill tiles
+        return " ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
     return f"splits={cfg['num_kv_splits']} chunk={cfg['blocks_per_chunk']}"
 
 
@@ -446,44 +511,35 @@ def _row(r: dict) -> str:
     )
 
 
+def table_entry(config: EngineConfig, variant: KernelVariant, result: dict) -> dict:
+    """One tuned variant's table entry: its lookup key (with ``query_len`` for
+    prefill), the kept config and the measurements."""
+    measured = {k: result[k] for k in ("speedup", "paired_ratio_median", "default_ms")}
+    keep = ("config", "median_ms", "min_ms", "max_ms", "ratio_median", "ratio_q25", "ok")
+    measured |= {
+        "kept_ms": result["kept_ms"],
+        "inner": result["inner"],
+        "candidates": [{k: c[k] for k in keep} for c in result["candidates"]],
+    }
+    entry = {
+        "kernel": variant.kernel,
+        "head_dim": config.head_dim,
+        "num_queries_per_kv": config.num_queries_per_kv,
+        "num_kv_heads": config.num_kv_heads,
+        "num_seqs": variant.num_seqs,
+        "num_blocks": variant.num_blocks,
+    }
+    if variant.kernel == PAGED_ATTENTION:
+        entry["query_len"] = variant.query_len
+    return entry | {"config": result["config"], "measured": measured}
+
+
 def make_table(
     config: EngineConfig, env: dict, variants: list[KernelVariant], results: list[dict], settings
 ) -> dict:
     """The table document (bundled format) for the tuned variants."""
     import torch
 
-    entries = []
-    for v, r in zip(variants, results, strict=True):
-        entries.append(
-            {
-                "kernel": v.kernel,
-                "head_dim": config.head_dim,
-                "num_queries_per_kv": config.num_queries_per_kv,
-                "num_kv_heads": config.num_kv_heads,
-                "num_seqs": v.num_seqs,
-                "num_blocks": v.num_blocks,
-                "config": r["config"],
-                "measured": {
-                    "speedup": r["speedup"],
-                    "paired_ratio_median": r["paired_ratio_median"],
-                    "default_ms": r["default_ms"],
-                    "kept_ms": r["kept_ms"],
-                    "inner": r["inner"],
-                    "candidates": [
-                        {
-                            "config": c["config"],
-                            "median_ms": c["median_ms"],
-                            "min_ms": c["min_ms"],
-                            "max_ms": c["max_ms"],
-                            "ratio_median": c["ratio_median"],
-                            "ratio_q25": c["ratio_q25"],
-                            "ok": c["ok"],
-                        }
-                        for c in r["candidates"]
-                    ],
-                },
-            }
-        )
     return {
         "format": TABLE_FORMAT,
         "device_arch": arch_family(env["device_arch"]),
@@ -505,7 +561,7 @@ def make_table(
             "rounds); ratios are default/candidate within a round",
             "rule": RULE,
         },
-        "entries": entries,
+        "entries": [table_entry(config, v, r) for v, r in zip(variants, results, strict=True)],
     }
 
 
@@ -580,6 +636,13 @@ def print_summary(report: dict, out: Path, file=sys.stdout) -> None:
         print(_row(r), file=file)
 
 
+#: The prefill tile options of ``tune`` and their defaults (:class:`TuneSettings`).
+PREFILL_TILE_OPTIONS = {
+    name: ",".join(map(str, TuneSettings.model_fields[name].default))
+    for name in ("block_m", "block_n", "num_warps", "num_stages")
+}
+
+
 def cmd_tune(args) -> int:
     """``kernel-cache tune``: see the module docstring."""
     from kernel_cache.errors import KernelCacheError
@@ -592,9 +655,14 @@ def cmd_tune(args) -> int:
     variants = [
         KernelVariant.parse(t, "--variants") for a in args.variants for t in a.split(",") if t
     ]
+    tiles = {
+        name: parse_bucket_list(getattr(args, name), f"--{name.replace('_', '-')}", example)
+        for name, example in PREFILL_TILE_OPTIONS.items()
+    }
     settings = TuneSettings(
         num_kv_splits=parse_bucket_list(args.num_kv_splits, "--num-kv-splits", "1,2,4"),
         chunks_per_split=parse_bucket_list(args.chunks_per_split, "--chunks-per-split", "1,2,4"),
+        **tiles,
         rounds=args.rounds,
         target_ms=args.target_ms,
         min_gain=args.min_gain,
@@ -621,7 +689,8 @@ def add_tune_command(sub) -> None:
 
     st = sub.add_parser(
         "tune",
-        help="time launch-config candidates of batched_decode variants, write a launch table",
+        help="time launch-config candidates of decode (and CUDA prefill) variants, write a "
+        "launch table",
         description="Compile the candidates of each variant, check them against the "
         "reference, time them warm (medians of interleaved rounds) and write the fastest "
         "that beats the defaults beyond noise to a table in the bundled format "
@@ -633,7 +702,8 @@ def add_tune_command(sub) -> None:
         nargs="+",
         required=True,
         metavar="KERNEL:QUERY:BLOCKS:SEQS",
-        help="batched_decode variants of the plan, e.g. batched_decode:1:32:8",
+        help="variants of the plan, e.g. batched_decode:1:32:8; on CUDA also "
+        "paged_attention ones (the prefill tiles), e.g. paged_attention:512:32:1",
     )
     st.add_argument("--out", required=True, help="the table to write (JSON)")
     st.add_argument("--cache-dir", default=None)
@@ -644,6 +714,12 @@ def add_tune_command(sub) -> None:
         default="1,2,4",
         help="online-softmax steps per split to try (default 1,2,4)",
     )
+    for name, default in PREFILL_TILE_OPTIONS.items():
+        st.add_argument(
+            f"--{name.replace('_', '-')}",
+            default=default,
+            help=f"CUDA prefill: {name} values to try (default {default})",
+        )
     st.add_argument("--rounds", type=int, default=15, help="timing rounds (default 15)")
     st.add_argument(
         "--target-ms", type=float, default=50.0, help="ms per timing sample (default 50)"

@@ -7,10 +7,13 @@ How a variant is compiled is not only its shape: ``batched_decode`` also takes
 such settings up per shape in a table; so does this module.
 
 **Lookup key** of a table entry: ``(kernel, head_dim, num_queries_per_kv,
-num_kv_heads, num_seqs, num_blocks, device architecture)``, where ``num_seqs``
-and ``num_blocks`` are the variant's buckets (sequences, KV blocks) and the
-device architecture is :func:`arch_family` of :func:`kernel_cache.plan.keys.device_arch`
-(``x86_64/x86-64-v3`` on a CPU, ``sm_90`` on an H200).
+num_kv_heads, num_seqs, num_blocks, query_len, device architecture)``, where
+``num_seqs``, ``num_blocks`` and ``query_len`` are the variant's buckets
+(sequences, KV blocks, query tokens) and the device architecture is
+:func:`arch_family` of :func:`kernel_cache.plan.keys.device_arch`
+(``x86_64/x86-64-v3`` on a CPU, ``sm_90`` on an H200). ``query_len`` is for
+``paged_attention`` entries only and optional: an entry without it applies to
+every query bucket of its KV bucket, one with it wins for its query bucket.
 
 **Resolution**, per variant, the first source that has an entry wins (the whole
 entry; fields it omits take their defaults):
@@ -34,8 +37,7 @@ at resolution rather than keyed without changing the code. On CUDA
 :mod:`kernel_cache.kernels.triton_prefill`, which takes its tiles (``block_m``,
 ``block_n``, ``num_warps``, ``num_stages``; defaults
 :func:`cuda_prefill_defaults`, per query bucket); an entry may set some of them
-and the rest take their defaults. The lookup key has no query length: an entry
-applies to every query bucket of its KV bucket. On the CPU ``paged_attention``
+and the rest take their defaults. On the CPU ``paged_attention``
 takes none, and an entry that sets one is refused at resolution.
 
 The resolved config, defaults written out, is the ``launch_config`` component of
@@ -52,6 +54,7 @@ once as a compact table (logger ``kernel_cache.plan.launch``, INFO).
      "entries": [
        {"kernel": "batched_decode", "head_dim": 128, "num_queries_per_kv": 4,
         "num_kv_heads": 8, "num_seqs": 8, "num_blocks": 32,
+        "query_len": 512,                      # paged_attention only, optional
         "device_arch": "x86_64/x86-64-v3",          # optional, overrides the table's
         "config": {"blocks_per_chunk": 8, "num_kv_splits": 2},
         "measured": {...}}                     # optional, free-form
@@ -59,7 +62,9 @@ once as a compact table (logger ``kernel_cache.plan.launch``, INFO).
 
 An entry without a device architecture (none on the entry, none on the table;
 allowed in ``KERNEL_CACHE_TUNING`` only) applies on every device; one with an
-architecture wins over it.
+architecture wins over it. The order of lookups: the variant's query bucket
+with its architecture, then with none, then an entry without a query bucket
+with its architecture, then with none.
 
 **Validation** by the frozen pydantic models :class:`LaunchTableDoc` and
 :class:`LaunchEntry` (JSON Schema: ``docs/schemas/launch-table.schema.json``),
@@ -122,6 +127,7 @@ KEY_FIELDS = (
     "num_kv_heads",
     "num_seqs",
     "num_blocks",
+    "query_len",
 )
 
 DEFAULT, BUNDLED, OVERRIDE = "default", "bundled", "env"
@@ -178,11 +184,9 @@ def cuda_prefill_defaults(
     "num_warps"}``.
     """
     g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
-    q_pad = 1 << max(0, query_len - 1).bit_length()
-    d_pad = max(16, 1 << max(0, head_dim - 1).bit_length())
-    block_m = max(16, g_pad, min(PREFILL_BLOCK_M, g_pad * q_pad))
+    block_m = max(g_pad, min(PREFILL_BLOCK_M, prefill_max_block_m(query_len, num_queries_per_kv)))
     block_n, stages = PREFILL_BLOCK_N, PREFILL_NUM_STAGES
-    while (stages * 2 * block_n + block_m) * d_pad * itemsize > PREFILL_SMEM_BYTES:
+    while prefill_smem_bytes(block_m, block_n, stages, head_dim, itemsize) > PREFILL_SMEM_BYTES:
         if stages > 2:
             stages = 2
         elif block_n > 16:
@@ -191,6 +195,25 @@ def cuda_prefill_defaults(
             break
     warps = PREFILL_NUM_WARPS if block_m >= 128 else 4
     return {"block_m": block_m, "block_n": block_n, "num_stages": stages, "num_warps": warps}
+
+
+def prefill_max_block_m(query_len: int, num_queries_per_kv: int) -> int:
+    """The most score rows a prefill program of this query bucket can fill: the
+    query bucket times the GQA group, each padded to a power of two (at least 16
+    rows, the smallest ``tl.dot`` tile)."""
+    g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
+    q_pad = 1 << max(0, query_len - 1).bit_length()
+    return max(16, g_pad * q_pad)
+
+
+def prefill_smem_bytes(
+    block_m: int, block_n: int, num_stages: int, head_dim: int, itemsize: int = 2
+) -> int:
+    """Estimated shared memory of one prefill program, in bytes: ``(num_stages *
+    2 * block_n + block_m) * head_dim_pad * itemsize`` (the pipelined K and V
+    tiles and the query tile; ``head_dim_pad``: a power of two, at least 16)."""
+    d_pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+    return (num_stages * 2 * block_n + block_m) * d_pad * itemsize
 
 
 def arch_family(device_arch: str) -> str:
@@ -322,7 +345,8 @@ def launch_json(config: Mapping) -> str:
 
 
 def variant_lookup_key(config: EngineConfig, variant: KernelVariant) -> tuple:
-    """``(kernel, head_dim, num_queries_per_kv, num_kv_heads, num_seqs, num_blocks)``."""
+    """``(kernel, head_dim, num_queries_per_kv, num_kv_heads, num_seqs, num_blocks,
+    query_len)``; ``query_len`` is None for ``batched_decode`` (always 1)."""
     return (
         variant.kernel,
         config.head_dim,
@@ -330,6 +354,7 @@ def variant_lookup_key(config: EngineConfig, variant: KernelVariant) -> tuple:
         config.num_kv_heads,
         variant.num_seqs,
         variant.num_blocks,
+        variant.query_len if variant.kernel == PAGED_ATTENTION else None,
     )
 
 
@@ -361,6 +386,10 @@ class LaunchEntry(BaseModel):
     num_kv_heads: PositiveInt = Field(description="KV heads")
     num_seqs: PositiveInt = Field(description="batch bucket in sequences (1 for paged_attention)")
     num_blocks: PositiveInt = Field(description="KV bucket in blocks")
+    query_len: PositiveInt | None = Field(
+        None,
+        description="query bucket in tokens (paged_attention only); none: every query bucket",
+    )
     device_arch: str | None = Field(
         None, description="device architecture (arch_family); default: the table's"
     )
@@ -374,12 +403,18 @@ class LaunchEntry(BaseModel):
 
     def label(self) -> str:
         """``batched_decode head_dim=8 ... num_blocks=2``, for error messages."""
-        return " ".join([self.kernel, *(f"{k}={getattr(self, k)}" for k in KEY_FIELDS[1:])])
+        fields = [(k, getattr(self, k)) for k in KEY_FIELDS[1:]]
+        return " ".join([self.kernel, *(f"{k}={v}" for k, v in fields if v is not None)])
 
     @model_validator(mode="after")
     def _rules(self) -> LaunchEntry:
         if self.kernel == PAGED_ATTENTION and self.num_seqs != 1:
             raise ValueError(f"paged_attention variants have num_seqs 1, got {self.num_seqs}")
+        if self.kernel == BATCHED_DECODE and self.query_len is not None:
+            raise ValueError(
+                f"query_len={self.query_len}: batched_decode variants have one query token; "
+                "leave query_len out (it selects a paged_attention query bucket)"
+            )
         check_launch(self.kernel, self.num_blocks, self.config, f"({self.label()})")
         return self
 
@@ -412,9 +447,17 @@ class LaunchTable:
     about: dict = field(default_factory=dict)
 
     def lookup(self, key: tuple, device_arch: str) -> dict[str, int] | None:
+        """The entry for ``key`` (:func:`variant_lookup_key`): the exact query
+        bucket before an entry for every query bucket, this architecture before
+        none."""
         fam = arch_family(device_arch)
-        hit = self.entries.get((key, fam))
-        return hit if hit is not None else self.entries.get((key, None))
+        keys = [key] if key[-1] is None else [key, (*key[:-1], None)]
+        for k in keys:
+            for arch in (fam, None):
+                hit = self.entries.get((k, arch))
+                if hit is not None:
+                    return hit
+        return None
 
     def __len__(self) -> int:
         return len(self.entries)
