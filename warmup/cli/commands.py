@@ -344,22 +344,37 @@ def _print_orphans(o: dict) -> None:
 
 def add_commands(sub) -> None:
     """Register the subcommands on the ``kernel-cache`` parser's subparsers."""
-    cache_help = CACHE_DIR_HELP
+    _add_export(sub)
+    _add_import(sub)
+    _add_explain(sub)
+    _add_ls(sub)
+    _add_stats(sub)
+    _add_gc(sub)
+    _add_clear(sub)
 
+
+def _add_export(sub) -> None:
+    """The ``export`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("export", help="write a read-only bundle of exactly the plan's artifacts")
     engine_options(s)
     s.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     bundle_option(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_export)
 
+
+def _add_import(sub) -> None:
+    """The ``import`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("import", help="copy a bundle's entries into the local cache")
     s.add_argument("dir", metavar="DIR", help="a bundle written by kernel-cache export")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_import)
 
+
+def _add_explain(sub) -> None:
+    """The ``explain`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("explain", help="why a variant misses: nearest entries and differences")
     engine_options(s)
     s.add_argument(
@@ -369,24 +384,33 @@ def add_commands(sub) -> None:
         metavar="KERNEL:QUERY:BLOCKS:SEQS",
         help="explain this variant (repeatable; default: every missing variant of the plan)",
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     bundle_option(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_explain)
 
+
+def _add_ls(sub) -> None:
+    """The ``ls`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("ls", help="list the cache's entries")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--bundle", default=None, metavar="DIR", help="list this bundle instead")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_ls)
 
+
+def _add_stats(sub) -> None:
+    """The ``stats`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
         "stats", help="entries, bytes, hits and misses of the cache (zeros if it does not exist)"
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
+
+def _add_gc(sub) -> None:
+    """The ``gc`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("gc", help="remove least recently used entries down to a size limit")
     s.add_argument(
         "--max-size",
@@ -402,13 +426,16 @@ def add_commands(sub) -> None:
         help="never remove this plan's entries: quoted ENGINE OPTIONS, or a file from "
         "'kernel-cache plan --json' or a bundle's manifest.json (repeatable)",
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
 
+
+def _add_clear(sub) -> None:
+    """The ``clear`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
         "clear", help="remove every entry, quarantined entry and orphan file of the local cache"
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_clear)
