@@ -264,35 +264,43 @@ def cmd_verify(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        status = "ok" if report["ok"] else "FAILED"
-        print(
-            f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
-            f"{report['compiled']} compiled, {len(report['missing'])} missing, "
-            f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
-            f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
-            + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
-        )
-        for line in source_lines(report):
-            print(line)
-        for slot, path in report["kernels"].items():
-            print(f"  kernel {slot}: {path}")
-        for m in report["mismatched"]:
-            err = m["max_abs_err"]
-            print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
-        for name, a in report["build_only_accepted"].items():
-            print(
-                f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
-                f"(this process: {a['here']})"
-            )
-        for c in report["corrupt"]:
-            print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
-        for c in report["unrunnable"]:
-            print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
-        if report["missing"]:
-            print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
-        if not report["ok"]:
-            print(f"  repair: {report['repair']}", file=sys.stderr)
+        _print_verify(report)
     return 0 if report["ok"] else 1
+
+
+def _print_verify(report: dict) -> None:
+    """``verify``'s text summary of ``report`` (from
+    :func:`warmup.check.verify.verify_plan`): the status line, the tiers loaded
+    from, the kernels, mismatched and build-only-accepted variants on stdout;
+    corrupt, unrunnable and missing variants and the repair command on stderr."""
+    status = "ok" if report["ok"] else "FAILED"
+    print(
+        f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
+        f"{report['compiled']} compiled, {len(report['missing'])} missing, "
+        f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
+        f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+        + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
+    )
+    for line in source_lines(report):
+        print(line)
+    for slot, path in report["kernels"].items():
+        print(f"  kernel {slot}: {path}")
+    for m in report["mismatched"]:
+        err = m["max_abs_err"]
+        print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
+    for name, a in report["build_only_accepted"].items():
+        print(
+            f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
+            f"(this process: {a['here']})"
+        )
+    for c in report["corrupt"]:
+        print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
+    for c in report["unrunnable"]:
+        print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
+    if report["missing"]:
+        print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
+    if not report["ok"]:
+        print(f"  repair: {report['repair']}", file=sys.stderr)
 
 
 #: How verify names the kind of tier an entry came from.
