@@ -241,7 +241,7 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
             command), or ``out`` exists and is not an empty directory.
     """
     from kernel_cache.plan.plan import Plan
-    from kernel_cache.trust.signing import load_signing_key, sign_meta
+    from kernel_cache.trust.signing import load_signing_key
 
     secret = load_signing_key()
     out = Path(out)
@@ -249,50 +249,11 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
     plan = Plan.build(config, log_launch=False)
     found = _find_plan(plan, tiers)
     tmp = _make_temp_dir(out)
-    entries, total = [], 0
     try:
-        for v, hit in found:
-            m = hit.entry.meta
-            sha = m["sha256"]
-            rel = f"artifacts/{sha}.pt2"
-            path = tmp / rel
-            if not path.exists():
-                path.write_bytes(hit.entry.data)
-                total += len(hit.entry.data)
-            entries.append(
-                {
-                    "variant": str(v),
-                    "key": hit.entry.key,
-                    "components": m["components"],
-                    "file": rel,
-                    "sha256": sha,
-                    "size": m["size"],
-                    "compile_seconds": m.get("compile_seconds"),
-                    "created": m.get("created"),
-                    "format": m.get("format"),
-                    # a CPU artifact's instruction-set record, checked at engine start;
-                    # the import path of the kernel it holds
-                    **{f: m[f] for f in ("cpu_target", "cpu_features", "kernel") if f in m},
-                }
-            )
-            signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
-            if "signature" in signed:  # signed now with the key set, or as built
-                entries[-1]["signature"] = signed["signature"]
-        manifest = {
-            "bundle_format": BUNDLE_FORMAT,
-            "created": time.time(),
-            "plan": {
-                "config": config.model_dump(mode="json"),
-                "fingerprint": plan.fingerprint(),
-                "variants": [str(v) for v in plan.variants],
-            },
-            "tools": tool_versions(),
-            "entries": entries,
-        }
+        entries, total = _write_artifacts(found, tmp, secret)
+        manifest = _manifest(config, plan, entries)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        _move_into_place(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise BundleError(f"cannot write the bundle to {str(out)!r}: {e}") from None
@@ -304,6 +265,84 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
         "bytes": total,
         "fingerprint": plan.fingerprint(),
     }
+
+
+def _write_artifacts(found: list, tmp: Path, secret: bytes | None) -> tuple[list[dict], int]:
+    """Write each distinct artifact of ``found`` (``[(variant, Found)]`` from
+    :func:`_find_plan`) once, as ``tmp/artifacts/<sha256>.pt2``.
+
+    ``secret`` is the signing key (bytes) or None. Returns ``(entries, bytes)``:
+    the manifest's entry records, one per variant in ``found``'s order, and the
+    bytes of the files written.
+
+    Raises:
+        OSError: a file cannot be written (the caller removes ``tmp``).
+    """
+    entries, total = [], 0
+    for v, hit in found:
+        rel = f"artifacts/{hit.entry.meta['sha256']}.pt2"
+        path = tmp / rel
+        if not path.exists():
+            path.write_bytes(hit.entry.data)
+            total += len(hit.entry.data)
+        entries.append(_manifest_entry(v, hit, rel, secret))
+    return entries, total
+
+
+def _manifest_entry(variant, hit, rel: str, secret: bytes | None) -> dict:
+    """The manifest record of ``variant``'s artifact (``hit``, a lookup's Found),
+    stored at ``rel`` in the bundle: its key, components, file, sha256, size
+    (bytes) and build record, and its signature when signed now with ``secret``
+    or as built."""
+    from kernel_cache.trust.signing import sign_meta
+
+    m = hit.entry.meta
+    entry = {
+        "variant": str(variant),
+        "key": hit.entry.key,
+        "components": m["components"],
+        "file": rel,
+        "sha256": m["sha256"],
+        "size": m["size"],
+        "compile_seconds": m.get("compile_seconds"),
+        "created": m.get("created"),
+        "format": m.get("format"),
+        # a CPU artifact's instruction-set record, checked at engine start;
+        # the import path of the kernel it holds
+        **{f: m[f] for f in ("cpu_target", "cpu_features", "kernel") if f in m},
+    }
+    signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
+    if "signature" in signed:  # signed now with the key set, or as built
+        entry["signature"] = signed["signature"]
+    return entry
+
+
+def _manifest(config, plan, entries: list[dict]) -> dict:
+    """The ``manifest.json`` document (see the module docstring) of ``plan`` (a
+    :class:`~kernel_cache.plan.plan.Plan` of ``config``) with ``entries``."""
+    return {
+        "bundle_format": BUNDLE_FORMAT,
+        "created": time.time(),
+        "plan": {
+            "config": config.model_dump(mode="json"),
+            "fingerprint": plan.fingerprint(),
+            "variants": [str(v) for v in plan.variants],
+        },
+        "tools": tool_versions(),
+        "entries": entries,
+    }
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished bundle ``tmp`` to ``out``, which is absent or an empty
+    directory (checked by :func:`_refuse_existing`).
+
+    Raises:
+        OSError: the rename fails (the caller removes ``tmp``).
+    """
+    if out.exists():
+        out.rmdir()  # empty (checked before the bundle was written)
+    os.rename(tmp, out)
 
 
 def _refuse_existing(out: Path) -> None:

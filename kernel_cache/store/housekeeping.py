@@ -129,42 +129,9 @@ def list_entries(tier: Tier) -> list[dict]:
     for key, m, reason in tier.iter_records():
         if m is None:
             size = tier.record_size(key) if hasattr(tier, "record_size") else 0
-            rows.append(
-                {
-                    "variant": "?",
-                    "model": "?",
-                    "dtype": None,
-                    "device": None,
-                    "key": key,
-                    "size": size,
-                    "compile_seconds": None,
-                    "created": None,
-                    "last_used": last.get(key),
-                    "runtime_digest": None,
-                    "kernel": None,
-                    "status": "corrupt",
-                    "reason": reason,
-                }
-            )
-            continue
-        comps = m.get("components")
-        comps = comps if isinstance(comps, dict) else {}
-        rows.append(
-            {
-                "variant": str(m.get("variant", "?")),
-                "model": model_label(comps),
-                "dtype": comps.get("dtype"),
-                "device": comps.get("device"),
-                "key": m["key"],
-                "size": int(m.get("size") or 0),
-                "compile_seconds": m.get("compile_seconds"),
-                "created": m.get("created"),
-                "last_used": last.get(m["key"]),
-                "runtime_digest": runtime_digest(comps) if comps else None,
-                "kernel": m.get("kernel") or comps.get("kernel"),
-                "status": "ok",
-            }
-        )
+            rows.append(_corrupt_row(key, size, reason, last.get(key)))
+        else:
+            rows.append(_entry_row(m, last.get(m["key"])))
     rows.sort(
         key=lambda r: (
             r["status"] != "ok",
@@ -176,6 +143,48 @@ def list_entries(tier: Tier) -> list[dict]:
         )
     )
     return rows
+
+
+def _entry_row(m: dict, last_used: float | None) -> dict:
+    """:func:`list_entries`' row of a readable entry's record ``m``, last used
+    at ``last_used`` (unix seconds, None if never)."""
+    comps = m.get("components")
+    comps = comps if isinstance(comps, dict) else {}
+    return {
+        "variant": str(m.get("variant", "?")),
+        "model": model_label(comps),
+        "dtype": comps.get("dtype"),
+        "device": comps.get("device"),
+        "key": m["key"],
+        "size": int(m.get("size") or 0),
+        "compile_seconds": m.get("compile_seconds"),
+        "created": m.get("created"),
+        "last_used": last_used,
+        "runtime_digest": runtime_digest(comps) if comps else None,
+        "kernel": m.get("kernel") or comps.get("kernel"),
+        "status": "ok",
+    }
+
+
+def _corrupt_row(key: str, size: int, reason: str, last_used: float | None) -> dict:
+    """:func:`list_entries`' row of the unreadable entry ``key``: its artifact
+    file's ``size`` (bytes), why it is corrupt (``reason``), ``last_used``
+    (unix seconds, None if never); its other fields None."""
+    return {
+        "variant": "?",
+        "model": "?",
+        "dtype": None,
+        "device": None,
+        "key": key,
+        "size": size,
+        "compile_seconds": None,
+        "created": None,
+        "last_used": last_used,
+        "runtime_digest": None,
+        "kernel": None,
+        "status": "corrupt",
+        "reason": reason,
+    }
 
 
 def dir_bytes(directory: str | os.PathLike) -> int:

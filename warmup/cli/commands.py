@@ -142,9 +142,6 @@ def _kernel_label(path: str | None) -> str:
 
 def cmd_ls(args) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from kernel_cache.store.housekeeping import format_size
 
     where, rows = _rows(args)
     if args.json:
@@ -154,34 +151,7 @@ def cmd_ls(args) -> int:
     title = f"{where}: {len(rows)} entries" + (f", {len(corrupt)} corrupt" if corrupt else "")
     if not rows and not args.bundle and not Path(where).is_dir():
         title += " (no cache directory there yet)"
-    table = Table(title=title, title_justify="left")
-    cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
-    cols += ("last used",)
-    # The kernel column names the import path in full, folded over lines in a
-    # narrow table rather than cut: two factories of one module differ at its end.
-    for col in cols + (("status",) if corrupt else ()):
-        table.add_column(
-            col,
-            justify="right" if col in ("size", "compile s") else "left",
-            overflow="fold" if col == "kernel" else "ellipsis",
-        )
-    for r in rows:
-        cs = r["compile_seconds"]
-        dtype = r["dtype"] or "-"
-        if r["device"] and r["device"] != "cpu":
-            dtype += f" {r['device']}"
-        cells = [
-            r["variant"],
-            r["model"],
-            dtype,
-            _kernel_label(r.get("kernel")),
-            r["key"][:12],
-            format_size(r["size"]),
-            f"{cs:.1f}" if isinstance(cs, (int, float)) else "-",
-            _when(r["created"]),
-            _when(r["last_used"]),
-        ]
-        table.add_row(*cells, *((r["status"],) if corrupt else ()))
+    table = _ls_table(title, rows, with_status=bool(corrupt))
     Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
     for r in corrupt:
         print(f"  corrupt {r['key'][:12]}: {r['reason']}")
@@ -191,6 +161,49 @@ def cmd_ls(args) -> int:
             "gc and clear remove them"
         )
     return 0
+
+
+def _ls_table(title: str, rows: list[dict], *, with_status: bool):
+    """``ls``'s rich Table of ``rows`` (from
+    :func:`kernel_cache.store.housekeeping.list_entries`), one line per entry,
+    with a status column when ``with_status``."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
+    cols += ("last used",)
+    # The kernel column names the import path in full, folded over lines in a
+    # narrow table rather than cut: two factories of one module differ at its end.
+    for col in cols + (("status",) if with_status else ()):
+        table.add_column(
+            col,
+            justify="right" if col in ("size", "compile s") else "left",
+            overflow="fold" if col == "kernel" else "ellipsis",
+        )
+    for r in rows:
+        table.add_row(*_ls_cells(r), *((r["status"],) if with_status else ()))
+    return table
+
+
+def _ls_cells(r: dict) -> list[str]:
+    """The cells of ``ls``'s line for the row ``r``, status excluded."""
+    from kernel_cache.store.housekeeping import format_size
+
+    cs = r["compile_seconds"]
+    dtype = r["dtype"] or "-"
+    if r["device"] and r["device"] != "cpu":
+        dtype += f" {r['device']}"
+    return [
+        r["variant"],
+        r["model"],
+        dtype,
+        _kernel_label(r.get("kernel")),
+        r["key"][:12],
+        format_size(r["size"]),
+        f"{cs:.1f}" if isinstance(cs, (int, float)) else "-",
+        _when(r["created"]),
+        _when(r["last_used"]),
+    ]
 
 
 def cmd_stats(args) -> int:
@@ -259,7 +272,6 @@ def cmd_gc(args) -> int:
     from kernel_cache.store.housekeeping import (
         format_size,
         gc,
-        list_entries,
         max_size_from_env,
         parse_size,
         plan_digests,
@@ -276,16 +288,7 @@ def cmd_gc(args) -> int:
         keep |= digests
     tier = _existing_disk(args)
     try:
-        stored = {r["runtime_digest"] for r in list_entries(tier)} if per_spec else set()
-        for spec, digests in per_spec:
-            if not digests & stored:
-                print(
-                    f"kernel-cache gc: warning: --keep-plan {spec!r} matches none of the entries "
-                    f"in {tier.location} (none of its {len(digests)} variants is stored: another "
-                    "dtype, device, torch or launch table?); nothing is kept for it. "
-                    "See `kernel-cache ls` and `kernel-cache explain`.",
-                    file=sys.stderr,
-                )
+        _warn_unmatched_keep_plans(tier, per_spec)
         report = gc(tier, max_size, keep)
     finally:
         tier.close()
@@ -306,6 +309,24 @@ def cmd_gc(args) -> int:
             f"{max_size} bytes; nothing else is left to remove: raise the limit or keep fewer plans"
         )
     return 0
+
+
+def _warn_unmatched_keep_plans(tier, per_spec: list[tuple[str, set[str]]]) -> None:
+    """On stderr, a warning for each ``--keep-plan`` SPEC of ``per_spec``
+    (``[(spec, its runtime digests)]``) that matches no entry of ``tier``: it
+    keeps nothing."""
+    from kernel_cache.store.housekeeping import list_entries
+
+    stored = {r["runtime_digest"] for r in list_entries(tier)} if per_spec else set()
+    for spec, digests in per_spec:
+        if not digests & stored:
+            print(
+                f"kernel-cache gc: warning: --keep-plan {spec!r} matches none of the entries "
+                f"in {tier.location} (none of its {len(digests)} variants is stored: another "
+                "dtype, device, torch or launch table?); nothing is kept for it. "
+                "See `kernel-cache ls` and `kernel-cache explain`.",
+                file=sys.stderr,
+            )
 
 
 def cmd_clear(args) -> int:
@@ -344,22 +365,37 @@ def _print_orphans(o: dict) -> None:
 
 def add_commands(sub) -> None:
     """Register the subcommands on the ``kernel-cache`` parser's subparsers."""
-    cache_help = CACHE_DIR_HELP
+    _add_export(sub)
+    _add_import(sub)
+    _add_explain(sub)
+    _add_ls(sub)
+    _add_stats(sub)
+    _add_gc(sub)
+    _add_clear(sub)
 
+
+def _add_export(sub) -> None:
+    """The ``export`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("export", help="write a read-only bundle of exactly the plan's artifacts")
     engine_options(s)
     s.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     bundle_option(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_export)
 
+
+def _add_import(sub) -> None:
+    """The ``import`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("import", help="copy a bundle's entries into the local cache")
     s.add_argument("dir", metavar="DIR", help="a bundle written by kernel-cache export")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_import)
 
+
+def _add_explain(sub) -> None:
+    """The ``explain`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("explain", help="why a variant misses: nearest entries and differences")
     engine_options(s)
     s.add_argument(
@@ -369,24 +405,33 @@ def add_commands(sub) -> None:
         metavar="KERNEL:QUERY:BLOCKS:SEQS",
         help="explain this variant (repeatable; default: every missing variant of the plan)",
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     bundle_option(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_explain)
 
+
+def _add_ls(sub) -> None:
+    """The ``ls`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("ls", help="list the cache's entries")
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--bundle", default=None, metavar="DIR", help="list this bundle instead")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_ls)
 
+
+def _add_stats(sub) -> None:
+    """The ``stats`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
         "stats", help="entries, bytes, hits and misses of the cache (zeros if it does not exist)"
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
+
+def _add_gc(sub) -> None:
+    """The ``gc`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser("gc", help="remove least recently used entries down to a size limit")
     s.add_argument(
         "--max-size",
@@ -402,13 +447,16 @@ def add_commands(sub) -> None:
         help="never remove this plan's entries: quoted ENGINE OPTIONS, or a file from "
         "'kernel-cache plan --json' or a bundle's manifest.json (repeatable)",
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
 
+
+def _add_clear(sub) -> None:
+    """The ``clear`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
         "clear", help="remove every entry, quarantined entry and orphan file of the local cache"
     )
-    s.add_argument("--cache-dir", default=None, help=cache_help)
+    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_clear)

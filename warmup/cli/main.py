@@ -264,35 +264,43 @@ def cmd_verify(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        status = "ok" if report["ok"] else "FAILED"
-        print(
-            f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
-            f"{report['compiled']} compiled, {len(report['missing'])} missing, "
-            f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
-            f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
-            + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
-        )
-        for line in source_lines(report):
-            print(line)
-        for slot, path in report["kernels"].items():
-            print(f"  kernel {slot}: {path}")
-        for m in report["mismatched"]:
-            err = m["max_abs_err"]
-            print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
-        for name, a in report["build_only_accepted"].items():
-            print(
-                f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
-                f"(this process: {a['here']})"
-            )
-        for c in report["corrupt"]:
-            print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
-        for c in report["unrunnable"]:
-            print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
-        if report["missing"]:
-            print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
-        if not report["ok"]:
-            print(f"  repair: {report['repair']}", file=sys.stderr)
+        _print_verify(report)
     return 0 if report["ok"] else 1
+
+
+def _print_verify(report: dict) -> None:
+    """``verify``'s text summary of ``report`` (from
+    :func:`warmup.check.verify.verify_plan`): the status line, the tiers loaded
+    from, the kernels, mismatched and build-only-accepted variants on stdout;
+    corrupt, unrunnable and missing variants and the repair command on stderr."""
+    status = "ok" if report["ok"] else "FAILED"
+    print(
+        f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
+        f"{report['compiled']} compiled, {len(report['missing'])} missing, "
+        f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
+        f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
+        + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
+    )
+    for line in source_lines(report):
+        print(line)
+    for slot, path in report["kernels"].items():
+        print(f"  kernel {slot}: {path}")
+    for m in report["mismatched"]:
+        err = m["max_abs_err"]
+        print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
+    for name, a in report["build_only_accepted"].items():
+        print(
+            f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
+            f"(this process: {a['here']})"
+        )
+    for c in report["corrupt"]:
+        print(f"  corrupt {c['variant']}: {c['reason']}", file=sys.stderr)
+    for c in report["unrunnable"]:
+        print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
+    if report["missing"]:
+        print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
+    if not report["ok"]:
+        print(f"  repair: {report['repair']}", file=sys.stderr)
 
 
 #: How verify names the kind of tier an entry came from.
@@ -310,16 +318,39 @@ def source_lines(report: dict) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kernel-cache`` parser: top-level ``-v`` and ``--version``, then the
+    subcommands (plan, warmup, verify, export, import, explain, ls, stats, gc,
+    clear, tune), each with its ``func`` and ``-v``."""
     p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     p.add_argument("--version", action="version", version=version())
     sub = p.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_warmup(sub)
+    _add_verify(sub)
 
+    from warmup.cli.commands import add_commands
+
+    add_commands(sub)
+
+    from warmup.tune import add_tune_command
+
+    add_tune_command(sub)
+    _add_verbose_to_subcommands(sub)
+    p.set_defaults(_subcommands=tuple(sub.choices))
+    return p
+
+
+def _add_plan(sub) -> None:
+    """The ``plan`` subcommand's parser on ``sub`` (the subparsers action)."""
     sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
     engine_options(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_plan)
 
+
+def _add_warmup(sub) -> None:
+    """The ``warmup`` subcommand's parser on ``sub`` (the subparsers action)."""
     sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
     engine_options(sw)
     sw.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
@@ -355,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_options(sw, warmup=True)
     sw.set_defaults(func=cmd_warmup)
 
+
+def _add_verify(sub) -> None:
+    """The ``verify`` subcommand's parser on ``sub`` (the subparsers action)."""
     sv = sub.add_parser("verify", help="load every variant of the plan and check it")
     engine_options(sv)
     sv.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
@@ -364,13 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_options(sv, warmup=False)
     sv.set_defaults(func=cmd_verify)
 
-    from warmup.cli.commands import add_commands
 
-    add_commands(sub)
-
-    from warmup.tune import add_tune_command
-
-    add_tune_command(sub)
+def _add_verbose_to_subcommands(sub) -> None:
+    """``-v``/``--verbose`` on every subcommand of ``sub`` (after the
+    subcommand as well as before it), and ``_subparser``: the subcommand's own
+    parser, for :func:`parse_args`'s messages."""
     for sp in sub.choices.values():
         # before or after the subcommand; SUPPRESS: absent here unless given, so a
         # -v before the subcommand is not reset by the subcommand's default
@@ -382,8 +414,6 @@ def build_parser() -> argparse.ArgumentParser:
             help="log at INFO level",
         )
         sp.set_defaults(_subparser=sp)
-    p.set_defaults(_subcommands=tuple(sub.choices))
-    return p
 
 
 def version() -> str:
