@@ -119,10 +119,16 @@ def _tmpdir(path: str):
     """``$TMPDIR`` set to ``path`` for the duration, then restored.
 
     The package loader unpacks into ``$TMPDIR`` and takes no directory argument
-    (``AOTIModelPackageLoader`` in torch 2.13); the container runners that take
-    an unpacked ``.so`` have no single-threaded mode on CUDA. So the variable
-    is changed, for this process, only around the loader call, and a lock keeps
-    two loading threads from restoring each other's value.
+    (``AOTIModelPackageLoader(path, model_name, run_single_threaded,
+    num_runners, device_index)`` in torch 2.13). The container runner that
+    takes an unpacked ``.so`` and a cubin directory is bound to Python as
+    ``AOTIModelContainerRunnerCuda(so_path, num_models[, device[, cubin_dir]])``
+    (``torch/csrc/inductor/aoti_runner/pybind.cpp``): without the
+    single-threaded mode, so its calls wait for the GPU and cannot be captured.
+    So the variable is changed, for this process, only around the loader call,
+    and a lock keeps two loading threads from restoring each other's value. A
+    thread that creates a temporary file during that call puts it in
+    :func:`load_dir`, which is removed at exit.
     """
     with _TMPDIR_LOCK:
         saved = os.environ.get("TMPDIR")
