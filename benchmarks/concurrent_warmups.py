@@ -5,7 +5,7 @@ logs every link of a package's ``wrapper.so`` (one per compile), and the
 test-only compile log (``KERNEL_CACHE_TEST_COMPILE_LOG``) records every
 ``compile_variant`` call. Then checks the reports against those counts.
 
-Usage (the issue's tiny plan, 16 processes; takes minutes on 2 cores)::
+Usage (the tests' tiny plan, 16 processes; takes minutes on 2 cores)::
 
     python benchmarks/concurrent_warmups.py --processes 16 --out bench-out/concurrent.json
 
