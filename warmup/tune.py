@@ -428,8 +428,8 @@ def tune(
     "compiled", "failed", "seconds", "results": [...]}``.
 
     Raises:
-        ConfigError: a variant that is not a ``batched_decode`` variant of the
-            plan, or bad settings.
+        ConfigError: a variant that is not in the plan, a ``paged_attention``
+            variant on the CPU, or bad settings.
         CompileError: a candidate failed to compile.
     """
     from warmup.build.planner import compile_items
