@@ -62,6 +62,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
+from kernel_cache.config.recipe import device_arch
 from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey
@@ -669,6 +670,9 @@ def cmd_tune(args) -> int:
     )
     settings.check()
     _check_variants(cfg, variants)
+    # a device that cannot be used (cuda without a GPU) is refused before --out's
+    # directories are created
+    device_arch(cfg.device, cfg.cpu_target)
     check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
