@@ -689,7 +689,7 @@ def cmd_tune(args) -> int:
 
 def add_tune_command(sub) -> None:
     """Register ``tune`` on the ``kernel-cache`` subparsers."""
-    from warmup.cli.options import engine_options
+    from warmup.cli.options import CACHE_DIR_HELP, engine_options
 
     st = sub.add_parser(
         "tune",
@@ -710,8 +710,13 @@ def add_tune_command(sub) -> None:
         "paged_attention ones (the prefill tiles), e.g. paged_attention:512:32:1",
     )
     st.add_argument("--out", required=True, help="the table to write (JSON)")
-    st.add_argument("--cache-dir", default=None)
-    st.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    st.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
+    st.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="compile worker processes (default min(2, cpus))",
+    )
     st.add_argument("--num-kv-splits", default="1,2,4", help="split counts to try (default 1,2,4)")
     st.add_argument(
         "--chunks-per-split",
@@ -734,5 +739,5 @@ def add_tune_command(sub) -> None:
         default=0.05,
         help="fraction a candidate must beat the defaults by (default 0.05)",
     )
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the report as JSON")
     st.set_defaults(func=cmd_tune)
