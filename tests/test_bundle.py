@@ -93,6 +93,37 @@ def test_export_to_a_place_no_directory_can_be_made(cache_copy, tiny_model, tmp_
     assert "Traceback" not in proc.stderr and "choose a writable location" in proc.stderr
 
 
+# An export that SIGKILLs itself once every artifact is in its temporary
+# directory, before the manifest is written and the directory renamed.
+_KILLED_EXPORT = """
+import os, signal, sys
+import kernel_cache.store.bundle as bundle
+from warmup.cli.main import main
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+bundle._manifest = die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_export_killed_midway_leaves_no_bundle_and_a_rerun_cleans_up(
+    warm_cache, tiny_model, tmp_path
+):
+    out = tmp_path / "b"
+    args = ["export", *tiny_args(tiny_model), "--cache-dir", str(warm_cache[0]), "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_EXPORT, *args], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == -9, proc.stderr
+    left = list(tmp_path.glob(".b.tmp-*"))
+    assert not out.exists() and len(left) == 1 and list((left[0] / "artifacts").iterdir())
+    run_cli(*args, check=True)
+    assert json.loads((out / MANIFEST).read_text())["plan"]["fingerprint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
 def test_container_recipe_without_docker(bundle, tiny_model):
     """examples/Dockerfile's steps: warm (the session cache), export (the fixture),
     ship only the read-only bundle to another path, then start an engine with

@@ -66,6 +66,26 @@ def test_help_shows_the_engine_limits_defaults(capsys):
         assert flag in out and f"(default {default})" in out.split(flag + " N ", 1)[1][:200]
 
 
+def test_tune_options_have_help_and_are_in_the_readme_and_the_tuning_doc():
+    """Every option of ``tune`` beyond the engine options says what it does in
+    ``--help`` and appears in the usage lines of README.md and docs/launch_tuning.md."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    tune = sub.choices["tune"]
+    engine = {a.dest for a in sub.choices["plan"]._actions}
+    own = [a for a in tune._actions if a.dest not in engine | {"help", "verbose"}]
+    assert {a.option_strings[0] for a in own} >= {"--block-m", "--out", "--cache-dir", "--jobs"}
+    assert [a.option_strings[0] for a in own if not a.help] == []
+    readme = (root / "README.md").read_text()
+    usage = readme[readme.index("kernel-cache tune    [") : readme.index("ENGINE OPTIONS:")]
+    doc = (root / "docs" / "launch_tuning.md").read_text()
+    doc_usage = doc[doc.index("kernel-cache tune [") : doc.index("For each variant")]
+    for a in own:
+        assert a.option_strings[0] in usage and a.option_strings[0] in doc_usage, a.option_strings
+
+
 TINY = [
     "--model", "llama-3.2-1b", "--max-model-len", "128", "--block-size", "64",
     "--max-num-seqs", "4", "--max-num-batched-tokens", "128",

@@ -352,6 +352,27 @@ def test_tune_refuses_an_unwritable_out_before_compiling(tiny_model, tmp_path, w
     assert list((tmp_path / "adir").iterdir()) == []
 
 
+@pytest.mark.parametrize("variant", ["paged_attention:32:2:1", "batched_decode:1:2:4"])
+def test_tune_for_cuda_without_a_gpu_is_refused_before_out_is_touched(
+    tiny_model, tmp_path, variant
+):
+    """``--device cuda`` where no GPU is usable: a clear error (exit 2), and
+    neither --out's directories nor the cache directory are created."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is usable here")
+    out, cache = tmp_path / "tables" / "t.json", tmp_path / "cache"
+    proc = run_cli(
+        "tune", *tiny_args(tiny_model), "--device", "cuda", "--variants", variant,
+        "--out", out, "--cache-dir", cache,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "kernel-cache tune: error: device='cuda'" in proc.stderr
+    assert "use --device cpu" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

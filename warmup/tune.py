@@ -62,6 +62,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
+from kernel_cache.config.recipe import device_arch
 from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey
@@ -669,6 +670,9 @@ def cmd_tune(args) -> int:
     )
     settings.check()
     _check_variants(cfg, variants)
+    # a device that cannot be used (cuda without a GPU) is refused before --out's
+    # directories are created
+    device_arch(cfg.device, cfg.cpu_target)
     check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
@@ -685,7 +689,7 @@ def cmd_tune(args) -> int:
 
 def add_tune_command(sub) -> None:
     """Register ``tune`` on the ``kernel-cache`` subparsers."""
-    from warmup.cli.options import engine_options
+    from warmup.cli.options import CACHE_DIR_HELP, engine_options
 
     st = sub.add_parser(
         "tune",
@@ -706,8 +710,13 @@ def add_tune_command(sub) -> None:
         "paged_attention ones (the prefill tiles), e.g. paged_attention:512:32:1",
     )
     st.add_argument("--out", required=True, help="the table to write (JSON)")
-    st.add_argument("--cache-dir", default=None)
-    st.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    st.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
+    st.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="compile worker processes (default min(2, cpus))",
+    )
     st.add_argument("--num-kv-splits", default="1,2,4", help="split counts to try (default 1,2,4)")
     st.add_argument(
         "--chunks-per-split",
@@ -730,5 +739,5 @@ def add_tune_command(sub) -> None:
         default=0.05,
         help="fraction a candidate must beat the defaults by (default 0.05)",
     )
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the report as JSON")
     st.set_defaults(func=cmd_tune)

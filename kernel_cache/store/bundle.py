@@ -29,6 +29,7 @@ sha256 before its code is loaded.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -233,6 +234,8 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
     (:class:`kernel_cache.store.lookup.Lookup`) and verified. The bundle is written
     to a temporary sibling of ``out`` and renamed into place, then made
     read-only (files 0444, directories 0555), so ``out`` is complete or absent.
+    The temporary directory of an export that was killed before its rename is
+    removed by the next export to ``out``.
 
     Returns: ``{"out", "variants", "files", "bytes", "fingerprint"}``.
 
@@ -400,6 +403,7 @@ def _make_temp_dir(out: Path) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_dirs(out)
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "artifacts").mkdir(parents=True)
@@ -409,6 +413,29 @@ def _make_temp_dir(out: Path) -> Path:
             "choose a writable location"
         ) from None
     return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temp_dirs(out: Path) -> None:
+    """Remove the ``.<name>.tmp-<pid>`` siblings of ``out`` left by an export
+    that was killed before its rename (its process no longer runs); one whose
+    export still runs is left alone. A directory that cannot be removed stays.
+    """
+    prefix = f".{out.name}.tmp-"
+    for p in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = p.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def import_bundle(bundle: str | os.PathLike, disk) -> dict:
