@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from kernel_cache.config import settings
 from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
+from kernel_cache.store.locks import pid_alive
 from kernel_cache.store.tier import (
     Entry,
     EntryMeta,
@@ -415,17 +416,6 @@ def _make_temp_dir(out: Path) -> Path:
     return tmp
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_temp_dirs(out: Path) -> None:
     """Remove the ``.<name>.tmp-<pid>`` siblings of ``out`` left by an export
     that was killed before its rename (its process no longer runs); one whose
@@ -434,7 +424,9 @@ def _remove_stale_temp_dirs(out: Path) -> None:
     prefix = f".{out.name}.tmp-"
     for p in out.parent.glob(f"{glob.escape(prefix)}*"):
         pid = p.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or p.is_symlink():
+            continue
+        if pid_alive(int(pid)) is False:  # None (cannot tell): keep it
             shutil.rmtree(p, ignore_errors=True)
 
 
