@@ -511,3 +511,22 @@ def test_tuned_prefill_entry_names_its_query_bucket_and_is_a_valid_table():
     assert res_cfg == kept
     assert t.lookup(("paged_attention", 8, 2, 2, 1, 2, 16), "sm_90") is None
     assert "query_len" not in table_entry(_cuda_cfg(), D8, result)
+
+
+def test_tune_result_key_follows_the_candidates_and_timing_not_the_option_lists():
+    """A resumed tune reuses a finished variant when the candidates it tries are
+    the same, however the lists were written; new timing settings measure again."""
+    from warmup.tune import TuneSettings, candidates, result_key
+
+    d = KernelVariant(kernel="batched_decode", query_len=1, num_blocks=4, num_seqs=4)
+    a = TuneSettings(num_kv_splits=(1, 2), block_m=(64, 128))
+    b = TuneSettings(num_kv_splits=(2, 1, 2), block_m=(16,))  # tiles: unused for decode
+    ca, cb = candidates(d, a, _cfg()), candidates(d, b, _cfg())
+    assert ca == cb
+    assert result_key("k", ca, a).hexdigest == result_key("k", cb, b).hexdigest
+    slower = a.model_copy(update={"rounds": 21})
+    assert result_key("k", ca, slower).hexdigest != result_key("k", ca, a).hexdigest
+    more = TuneSettings(num_kv_splits=(1, 2, 4))
+    assert result_key("k", candidates(d, more, _cfg()), more).hexdigest != (
+        result_key("k", ca, a).hexdigest
+    )

@@ -89,7 +89,8 @@ RULE = (
 
 
 class TuneSettings(BaseModel):
-    """What is tried and how it is timed (part of the tuning-result key).
+    """What is tried and how it is timed (keyed through the candidates and
+    :data:`TIMING_FIELDS`: :func:`result_key`).
 
     ``target_ms``: milliseconds a timing sample of the defaults should last;
     ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %);
@@ -192,14 +193,21 @@ def prefill_candidates(
     return out
 
 
+#: The settings that shape a measurement beyond its candidate list (which is
+#: keyed itself, so the lists it came from, their order and the options a
+#: device does not use are not).
+TIMING_FIELDS = ("rounds", "target_ms", "min_gain", "seed")
+
+
 def result_key(default_key: str, cands: list[dict], settings: TuneSettings) -> CacheKey:
-    """The key a variant's tuning result is stored under."""
+    """The key a variant's tuning result is stored under: the default artifact's
+    key, the candidates tried and the timing settings (:data:`TIMING_FIELDS`)."""
     return CacheKey(
         (
             ("tune_format", TUNE_FORMAT),
             ("default_artifact", default_key),
             ("candidates", json.dumps(cands, sort_keys=True)),
-            ("settings", settings.model_dump_json()),
+            ("timing", settings.model_dump_json(include=set(TIMING_FIELDS))),
         )
     )
 

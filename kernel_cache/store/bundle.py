@@ -114,7 +114,10 @@ def read_manifest(directory: str | os.PathLike) -> BundleManifest:
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():
-        raise BundleError(f"bundle {str(d)!r} is not a directory (check --bundle / ${ENV_BUNDLE})")
+        raise BundleError(
+            f"bundle {str(d)!r} is not a directory; give the directory kernel-cache export "
+            f"wrote (to --bundle, ${ENV_BUNDLE} or kernel-cache import DIR)"
+        )
     try:
         doc = json.loads(path.read_bytes())
     except FileNotFoundError:
