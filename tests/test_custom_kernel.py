@@ -102,6 +102,27 @@ def test_built_in_kernels_are_the_slots_default_import_paths(tiny_config):
         assert type(build_module(slot, 4, 2, 8)) is factory
 
 
+def test_on_cuda_the_built_in_kernels_are_the_triton_ones_by_name_and_in_the_key(tiny_model):
+    """A CUDA plan with no engine kernel names the Triton factories (the slots'
+    CUDA defaults) in its keys and hashes their modules' sources, read without
+    importing Triton; ``ls`` calls both devices' defaults built-in."""
+    from kernel_cache.plan.keys import environment
+    from warmup.cli.commands import _kernel_label
+
+    cuda = make_config(str(tiny_model), **TINY_LIMITS, device="cuda", dtype="bfloat16")
+    env = {**environment("cpu"), "device": "cuda", "device_arch": "sm_90 cuda 13.0 triton 3.6.0"}
+    for slot, spec in SLOTS.items():
+        assert kernel_path(cuda, slot) == spec.cuda_default != spec.default
+        assert spec.cuda_default.startswith("kernel_cache.kernels.triton_")
+        assert _kernel_label(spec.cuda_default) == _kernel_label(spec.default) == "built-in"
+    for v in Bucketer(cuda).variants:
+        key = build_key(cuda, v, env=env).as_dict()
+        assert key["kernel"] == SLOTS[v.kernel].cuda_default
+        module = SLOTS[v.kernel].cuda_default.partition(":")[0]
+        assert f"kernel_cache/kernels/{module.rpartition('.')[2]}.py" in key["sources"]
+    assert "triton" not in sys.modules
+
+
 # -- identity -----------------------------------------------------------------
 
 

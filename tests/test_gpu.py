@@ -279,10 +279,12 @@ def test_gpu_cache_is_never_loaded_on_cpu_or_another_arch(gpu_cache, gpu_config)
     v = Bucketer(gpu_config).variants[0]
     gpu_key, cpu_key = build_key(gpu_config, v), build_key(cpu_config, v)
     diff = {d.split(":")[0] for d in diff_components(gpu_key.as_dict(), cpu_key.as_dict())}
-    # On CUDA paged_attention is the Triton prefill kernel, whose tiles are keyed;
-    # the CPU recipe adds its target's options (cpp.march, threads).
+    # On CUDA paged_attention is the Triton prefill kernel: its factory, sources
+    # and tiles are keyed; the CPU recipe adds its target's options (cpp.march, threads).
     assert v.kernel == "paged_attention"
-    assert diff == {"device", "device_arch", "launch_config", "compile_options"}
+    assert diff == {
+        "device", "device_arch", "kernel", "sources", "launch_config", "compile_options",
+    }  # fmt: skip
     other = build_key(gpu_config, v, overrides={"device_arch": "sm_80 cuda 12.4 triton 3.1.0"})
     tier = DiskTier(gpu_cache[0])
     try:

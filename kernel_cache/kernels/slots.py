@@ -6,7 +6,9 @@ implementation of a slot by import path (``package.module:Factory``, or the
 name of an entry point of the :data:`ENTRY_POINT_GROUP` group): the
 ``kernels`` field of :class:`~kernel_cache.config.engine.EngineConfig`
 (``--kernel SLOT=PATH`` on the command line). The built-in kernels are the
-slots' default factories, named the same way; nothing else special-cases them.
+slots' default factories, one per device (:meth:`Slot.default_for`: the
+plain-PyTorch kernels on the CPU, the Triton kernels on CUDA), named the same
+way; nothing else special-cases them.
 
 The contract (every slot):
 
@@ -62,8 +64,12 @@ class Slot:
         inputs: ``(name, shape, dtype, meaning)`` per positional input.
         output: ``(shape, dtype, meaning)`` of the one output.
         padding: what padded rows hold and which output rows are compared.
-        launch: launch keywords passed to the factory.
-        default: import path of the built-in factory.
+        launch: launch keywords passed to the factory (on the CPU; on CUDA
+            ``paged_attention`` also gets the Triton prefill tiles, ``block_m``,
+            ``block_n``, ``num_warps``, ``num_stages``).
+        default: import path of the built-in factory on the CPU (and the eager
+            oracle that verify compares every implementation with).
+        cuda_default: import path of the built-in factory on CUDA.
     """
 
     name: str
@@ -72,6 +78,11 @@ class Slot:
     padding: str
     launch: tuple[str, ...]
     default: str
+    cuda_default: str
+
+    def default_for(self, device: str) -> str:
+        """The built-in factory's import path on ``device`` ("cpu" or "cuda")."""
+        return self.cuda_default if device == "cuda" else self.default
 
     def signature(self) -> str:
         """``forward(query [S, H, D] dtype, ...) -> [S, H, D] dtype``."""
@@ -101,6 +112,7 @@ SLOTS: dict[str, Slot] = {
         "padding and must not change the output",
         launch=(),
         default="kernel_cache.kernels.builtin:RealKVPagedAttention",
+        cuda_default="kernel_cache.kernels.triton_prefill:TritonPagedAttention",
     ),
     BATCHED_DECODE: Slot(
         name=BATCHED_DECODE,
@@ -116,6 +128,7 @@ SLOTS: dict[str, Slot] = {
         "entries past ceil(seq_len / B) are padding and must not change the output",
         launch=("blocks_per_chunk", "num_kv_splits"),
         default="kernel_cache.kernels.builtin:RealKVBatchedDecode",
+        cuda_default="kernel_cache.kernels.triton_decode:TritonBatchedDecode",
     ),
 }
 
@@ -220,18 +233,24 @@ def entry_point_path(slot: str, name: str) -> str:
     return eps[name]
 
 
-def resolved_path(slot: str, path: str | None) -> str:
+def resolved_path(slot: str, path: str | None, device: str = "cpu") -> str:
     """The ``module:attr`` of ``path`` (an entry-point name resolved; None: the
-    slot's default). Imports nothing."""
+    slot's built-in factory on ``device``). Imports nothing."""
     if path is None:
-        return check_slot(slot).default
+        return check_slot(slot).default_for(device)
     return path if ":" in path else entry_point_path(slot, path)
+
+
+def builtin_paths() -> frozenset[str]:
+    """The import paths of every built-in factory (each slot, each device)."""
+    return frozenset(p for s in SLOTS.values() for p in (s.default, s.cuda_default))
 
 
 def kernel_path(config, slot: str) -> str:
     """The import path ``config`` uses for ``slot``: its ``kernels`` entry
-    (entry-point names resolved) or the slot's default."""
-    return resolved_path(slot, dict(getattr(config, "kernels", ()) or ()).get(slot))
+    (entry-point names resolved) or the slot's built-in factory on ``config.device``."""
+    configured = dict(getattr(config, "kernels", ()) or ()).get(slot)
+    return resolved_path(slot, configured, getattr(config, "device", "cpu"))
 
 
 def load_factory(slot: str, path: str):
@@ -275,7 +294,7 @@ def build(slot: str, path: str | None, num_heads: int, num_kv_heads: int, head_d
     try:
         mod = factory(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, **launch)
     except ConfigError as e:
-        if path == SLOTS[slot].default:  # a built-in refusing launch parameters: as it says
+        if path in builtin_paths():  # a built-in refusing launch parameters: as it says
             raise
         raise CompileError(f"{where}: the factory refused its arguments: {e}") from None
     except Exception as e:

@@ -339,12 +339,20 @@ class TritonBatchedDecode(nn.Module):
     Args:
         num_kv_splits: the split-KV count (1 to ``num_blocks``); default: the
             :func:`split_plan` heuristic.
+        blocks_per_chunk: accepted as the slot's launch keyword and not used:
+            the kernel streams ``BLOCK_N`` tokens per step.
 
     Returns: ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, *, num_kv_splits: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        num_kv_splits: int | None = None,
+        blocks_per_chunk: int | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:

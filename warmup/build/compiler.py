@@ -19,13 +19,7 @@ import warnings
 from pathlib import Path
 
 from kernel_cache import _testhooks
-from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, KernelVariant
 from kernel_cache.config.engine import EngineConfig
-from kernel_cache.errors import CompileError
-from kernel_cache.runtime.inputs import make_inputs
-from kernel_cache.kernels.builtin import build_module
-from kernel_cache.kernels.slots import check_output
-from kernel_cache.plan.launch import launch_for
 from kernel_cache.config.recipe import (
     BASE_OPTIONS,
     NATIVE,
@@ -37,6 +31,12 @@ from kernel_cache.config.recipe import (
     device_arch,
     resolve_cpu_target,
 )
+from kernel_cache.errors import CompileError
+from kernel_cache.kernels.builtin import build_module
+from kernel_cache.kernels.slots import check_output, kernel_path
+from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.plan.launch import launch_for, variant_defaults
+from kernel_cache.runtime.inputs import make_inputs
 
 #: Modules that read the pinned environment variables when first imported.
 _READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
@@ -97,40 +97,17 @@ def _set_since(pinned: dict[str, str], env: dict[str, str]) -> dict[str, str]:
 
 
 def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
-    """The module compiled for ``variant``: the engine's own implementation of
-    the variant's slot when ``config.kernels`` names one (built by its factory
-    through :mod:`kernel_cache.kernels.slots`, with ``launch``); otherwise, on
-    CUDA, ``batched_decode`` is the Triton
-    paged-decode kernel (:class:`kernel_cache.kernels.triton_decode.TritonBatchedDecode`,
-    taking ``num_kv_splits`` from ``launch``) and ``paged_attention`` the Triton
-    paged-prefill kernel (:class:`kernel_cache.kernels.triton_prefill.TritonPagedAttention`,
-    taking its tiles from ``launch``);
-    everything else is the plain-PyTorch kernel of :mod:`kernel_cache.kernels.builtin`
-    (also the eager oracle verify compares against), built with ``launch`` (the
-    variant's launch config; None: the kernel's defaults)."""
-    impl = dict(config.kernels).get(variant.kernel)
-    if impl is not None:
-        c = config
-        return build_module(
-            variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=impl, **(launch or {})
-        )
-    if config.device == "cuda" and variant.kernel == BATCHED_DECODE:
-        from kernel_cache.kernels.triton_decode import TritonBatchedDecode
-
-        splits = (launch or {}).get("num_kv_splits")  # None: the kernel's default
-        return TritonBatchedDecode(
-            config.num_heads, config.num_kv_heads, config.head_dim, num_kv_splits=splits
-        ).eval()
-    if config.device == "cuda" and variant.kernel == PAGED_ATTENTION:
-        from kernel_cache.kernels.triton_prefill import TritonPagedAttention
-
-        c, size = config, config.torch_dtype().itemsize  # launch None: default tiles
-        return TritonPagedAttention(
-            c.num_heads, c.num_kv_heads, c.head_dim, query_len=variant.query_len, itemsize=size,
-            **(launch or {}),
-        ).eval()  # fmt: skip
-    c = config
-    return build_module(variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **(launch or {}))
+    """The module compiled for ``variant``: its slot's implementation for
+    ``config`` (:func:`kernel_cache.kernels.slots.kernel_path`: the engine's own
+    when ``config.kernels`` names one, else the built-in factory of the device,
+    on CUDA the Triton kernels), built through :mod:`kernel_cache.kernels.slots`
+    with ``launch``, the variant's launch config (None: its defaults,
+    :func:`kernel_cache.plan.launch.variant_defaults`)."""
+    launch = variant_defaults(config, variant) if launch is None else launch
+    c, impl = config, kernel_path(config, variant.kernel)
+    return build_module(
+        variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=impl, **launch
+    )
 
 
 def required_cpu_features(config: EngineConfig) -> list[str]:

@@ -133,11 +133,11 @@ def _rows(args):
 
 def _kernel_label(path: str | None) -> str:
     """``built-in`` for a slot's default factory, else the import path."""
-    from kernel_cache.kernels.slots import SLOTS
+    from kernel_cache.kernels.slots import builtin_paths
 
     if not path:
         return "-"
-    return "built-in" if path in {s.default for s in SLOTS.values()} else path
+    return "built-in" if path in builtin_paths() else path
 
 
 def cmd_ls(args) -> int:
