@@ -98,20 +98,35 @@ def describe_errors(e) -> str:
     return "; ".join(parts)
 
 
-def _accepted(model, loc) -> list[str] | None:
-    """The fields of the (nested) pydantic model that holds ``loc``'s last part."""
+def _holder(model, loc):
+    """The (nested) pydantic model class that holds ``loc``'s last part, or None."""
     import typing
 
     cur = model
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
+        if part not in getattr(cur, "model_fields", {}):
+            return None
         ann = cur.model_fields[part].annotation
         cands = (ann, *typing.get_args(ann))
         cur = next((a for a in cands if hasattr(a, "model_fields")), None)
         if cur is None:
             return None
-    return sorted(cur.model_fields)
+    return cur
+
+
+def _accepted(model, loc) -> list[str] | None:
+    """The fields of the (nested) pydantic model that holds ``loc``'s last part."""
+    cur = _holder(model, loc)
+    return sorted(cur.model_fields) if cur is not None else None
+
+
+def _described(model, loc) -> str | None:
+    """The description of the field ``loc`` names, where its model gives one."""
+    cur = _holder(model, loc)
+    field = cur.model_fields.get(loc[-1]) if cur is not None and loc else None
+    return field.description if field is not None else None
 
 
 def validation_message(origin: str, e, model=None) -> str:
@@ -119,7 +134,8 @@ def validation_message(origin: str, e, model=None) -> str:
     ``origin`` (the file or variable), the field's location
     (``entries[0].config.num_kv_splits``), the value given and the problem;
     for an unknown field, the accepted ones (those of ``model``, the validated
-    pydantic model class, where given)."""
+    pydantic model class, where given); for a missing or wrong value, what the
+    field holds (its description in ``model``), which says what to write."""
     lines = []
     for err in e.errors(include_url=False):
         where = ""
@@ -136,5 +152,8 @@ def validation_message(origin: str, e, model=None) -> str:
                 msg += f"; accepted: {', '.join(accepted)}"
         elif err["type"] != "value_error" and not isinstance(err["input"], (dict, list)):
             where += f"={err['input']!r}"
+        described = _described(model, err["loc"]) if model is not None else None
+        if described and err["type"] not in ("extra_forbidden", "value_error"):
+            msg += f" (the field: {described})"
         lines.append(f"{origin}: {where or '(document)'}: {msg}")
     return "\n".join(lines)

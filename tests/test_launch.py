@@ -450,7 +450,8 @@ def test_prefill_entry_for_a_query_bucket_wins_over_one_for_every_bucket():
         ),
         (
             [{**entry(kernel="paged_attention", num_seqs=1), "query_len": 0}],
-            r"query_len",
+            r"entries\[0\]\.query_len=0: Input should be greater than or equal to 1 "
+            r"\(the field: query bucket in tokens \(paged_attention only\); leave it out",
         ),
     ],
 )

@@ -388,7 +388,8 @@ class LaunchEntry(BaseModel):
     num_blocks: PositiveInt = Field(description="KV bucket in blocks")
     query_len: PositiveInt | None = Field(
         None,
-        description="query bucket in tokens (paged_attention only); none: every query bucket",
+        description="query bucket in tokens (paged_attention only); "
+        "leave it out to cover every query bucket",
     )
     device_arch: str | None = Field(
         None, description="device architecture (arch_family); default: the table's"
