@@ -123,6 +123,25 @@ def test_on_cuda_the_built_in_kernels_are_the_triton_ones_by_name_and_in_the_key
     assert "triton" not in sys.modules
 
 
+def test_naming_the_devices_built_in_kernel_is_the_same_plan(tiny_model):
+    """``--kernel SLOT=<the built-in of this device>`` is the default config: same
+    keys, fingerprint and command line; the CPU built-in named on CUDA is a choice."""
+    from kernel_cache.plan.plan import Plan
+
+    named = {slot: spec.default for slot, spec in SLOTS.items()}
+    base = make_config(str(tiny_model), **TINY_LIMITS)
+    same = make_config(str(tiny_model), **TINY_LIMITS, kernels=named)
+    assert same == base and same.kernels == () and config_to_cli(same) == config_to_cli(base)
+    assert Plan.build(same).fingerprint() == Plan.build(base).fingerprint()
+    assert [i.hexdigest for i in Plan.build(same)] == [i.hexdigest for i in Plan.build(base)]
+    cuda = make_config(str(tiny_model), **TINY_LIMITS, device="cuda", kernels=named)
+    assert dict(cuda.kernels) == named  # the plain-PyTorch kernels on CUDA: kept
+    cuda_named = {slot: spec.cuda_default for slot, spec in SLOTS.items()}
+    assert (
+        make_config(str(tiny_model), **TINY_LIMITS, device="cuda", kernels=cuda_named).kernels == ()
+    )
+
+
 # -- identity -----------------------------------------------------------------
 
 

@@ -195,13 +195,18 @@ class EngineConfig(BaseModel):
 
     @field_validator("kernels", mode="before")
     @classmethod
-    def _kernels(cls, v):
-        from kernel_cache.kernels.slots import normalize
+    def _kernels(cls, v, info):
+        """Sorted ``(slot, path)`` pairs; a pair naming the slot's built-in
+        factory on this device is dropped, so naming it is the same config (the
+        same keys, fingerprint and command line) as leaving it out."""
+        from kernel_cache.kernels.slots import SLOTS, normalize
 
         try:
-            return normalize(v)
+            pairs = normalize(v)
         except ConfigError as e:  # pydantic reports a ValueError with the field name
             raise ValueError(str(e).removeprefix("kernels: ")) from None
+        device = info.data.get("device", "cpu")
+        return tuple((s, p) for s, p in pairs if p != SLOTS[s].default_for(device))
 
     @field_validator("kv_dense_cap")
     @classmethod
