@@ -71,8 +71,10 @@ from kernel_cache.plan.launch import (
     TABLE_FORMAT,
     arch_family,
     check_launch,
+    dtype_bytes,
     parse_table,
     prefill_max_block_m,
+    prefill_min_block_m,
     prefill_smem_bytes,
     variant_defaults,
 )
@@ -175,17 +177,16 @@ def prefill_candidates(
     shared memory (:func:`~kernel_cache.plan.launch.prefill_smem_bytes`) within
     :data:`~kernel_cache.plan.launch.PREFILL_SMEM_BYTES`."""
     out = [variant_defaults(config, variant)]
-    g_pad = 1 << max(0, config.num_queries_per_kv - 1).bit_length()
-    top = max(g_pad, prefill_max_block_m(variant.query_len, config.num_queries_per_kv))
-    itemsize = 4 if config.dtype == "float32" else 2
+    low = prefill_min_block_m(config.num_queries_per_kv)
+    top = prefill_max_block_m(variant.query_len, config.num_queries_per_kv)
     for bm, bn, warps, stages in itertools.product(
         sorted(set(settings.block_m)),
         sorted(set(settings.block_n)),
         sorted(set(settings.num_warps)),
         sorted(set(settings.num_stages)),
     ):
-        smem = prefill_smem_bytes(bm, bn, stages, config.head_dim, itemsize)
-        if not g_pad <= bm <= top or smem > PREFILL_SMEM_BYTES:
+        smem = prefill_smem_bytes(bm, bn, stages, config.head_dim, dtype_bytes(config))
+        if not low <= bm <= top or smem > PREFILL_SMEM_BYTES:
             continue
         cfg = {"block_m": bm, "block_n": bn, "num_stages": stages, "num_warps": warps}
         if cfg not in out:

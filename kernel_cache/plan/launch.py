@@ -183,8 +183,10 @@ def cuda_prefill_defaults(
     :data:`PREFILL_SMEM_BYTES`. Returns ``{"block_m", "block_n", "num_stages",
     "num_warps"}``.
     """
-    g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
-    block_m = max(g_pad, min(PREFILL_BLOCK_M, prefill_max_block_m(query_len, num_queries_per_kv)))
+    block_m = max(
+        prefill_min_block_m(num_queries_per_kv),
+        min(PREFILL_BLOCK_M, prefill_max_block_m(query_len, num_queries_per_kv)),
+    )
     block_n, stages = PREFILL_BLOCK_N, PREFILL_NUM_STAGES
     while prefill_smem_bytes(block_m, block_n, stages, head_dim, itemsize) > PREFILL_SMEM_BYTES:
         if stages > 2:
@@ -197,13 +199,27 @@ def cuda_prefill_defaults(
     return {"block_m": block_m, "block_n": block_n, "num_stages": stages, "num_warps": warps}
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def dtype_bytes(config: EngineConfig) -> int:
+    """Bytes per element of ``config.dtype`` (4 for float32, 2 for bfloat16 and float16)."""
+    return 4 if config.dtype == "float32" else 2
+
+
+def prefill_min_block_m(num_queries_per_kv: int) -> int:
+    """The fewest score rows a prefill program can hold: one query token's GQA
+    group, padded to a power of two."""
+    return _pow2(num_queries_per_kv)
+
+
 def prefill_max_block_m(query_len: int, num_queries_per_kv: int) -> int:
     """The most score rows a prefill program of this query bucket can fill: the
     query bucket times the GQA group, each padded to a power of two (at least 16
     rows, the smallest ``tl.dot`` tile)."""
-    g_pad = 1 << max(0, num_queries_per_kv - 1).bit_length()
-    q_pad = 1 << max(0, query_len - 1).bit_length()
-    return max(16, g_pad * q_pad)
+    return max(16, prefill_min_block_m(num_queries_per_kv) * _pow2(query_len))
 
 
 def prefill_smem_bytes(
@@ -212,7 +228,7 @@ def prefill_smem_bytes(
     """Estimated shared memory of one prefill program, in bytes: ``(num_stages *
     2 * block_n + block_m) * head_dim_pad * itemsize`` (the pipelined K and V
     tiles and the query tile; ``head_dim_pad``: a power of two, at least 16)."""
-    d_pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+    d_pad = max(16, _pow2(head_dim))
     return (num_stages * 2 * block_n + block_m) * d_pad * itemsize
 
 
@@ -278,7 +294,7 @@ def variant_defaults(config: EngineConfig, variant: KernelVariant) -> dict[str, 
         query_len=variant.query_len,
         num_queries_per_kv=config.num_queries_per_kv,
         head_dim=config.head_dim,
-        itemsize=4 if config.dtype == "float32" else 2,
+        itemsize=dtype_bytes(config),
     )
 
 
@@ -681,7 +697,7 @@ def check_prefill_tiles(config: EngineConfig, variant: KernelVariant, cfg: Mappi
     group padded to a power of two (one query token per program).
 
     Raises: ConfigError naming the variant."""
-    g_pad = 1 << max(0, config.num_queries_per_kv - 1).bit_length()
+    g_pad = prefill_min_block_m(config.num_queries_per_kv)
     if cfg["block_m"] < g_pad:
         raise ConfigError(
             f"{where}: entry for {variant} sets block_m={cfg['block_m']}, below the GQA group "

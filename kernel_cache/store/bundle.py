@@ -29,7 +29,6 @@ sha256 before its code is loaded.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import platform
@@ -45,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from kernel_cache.config import settings
 from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
-from kernel_cache.store.locks import pid_alive
+from kernel_cache.store.locks import remove_dead_process_dirs
 from kernel_cache.store.tier import (
     Entry,
     EntryMeta,
@@ -422,15 +421,8 @@ def _make_temp_dir(out: Path) -> Path:
 def _remove_stale_temp_dirs(out: Path) -> None:
     """Remove the ``.<name>.tmp-<pid>`` siblings of ``out`` left by an export
     that was killed before its rename (its process no longer runs); one whose
-    export still runs is left alone. A directory that cannot be removed stays.
-    """
-    prefix = f".{out.name}.tmp-"
-    for p in out.parent.glob(f"{glob.escape(prefix)}*"):
-        pid = p.name[len(prefix) :]
-        if not pid.isdigit() or int(pid) == os.getpid() or p.is_symlink():
-            continue
-        if pid_alive(int(pid)) is False:  # None (cannot tell): keep it
-            shutil.rmtree(p, ignore_errors=True)
+    export still runs is left alone (:func:`remove_dead_process_dirs`)."""
+    remove_dead_process_dirs(out.parent, re.escape(f".{out.name}.tmp-") + r"(\d+)")
 
 
 def import_bundle(bundle: str | os.PathLike, disk) -> dict:

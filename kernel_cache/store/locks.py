@@ -68,29 +68,39 @@ def pid_alive(pid: int) -> bool | None:
     return True
 
 
-def private_temp_dir(prefix: str) -> str:
-    """A new directory ``<temp dir>/<prefix><pid>-<random>`` for this process.
-
-    Directories of the same prefix left by processes that died without
-    cleaning up (SIGKILL) are removed first: their pid is in the name, and one
-    is removed only when :func:`pid_alive` says False (never this process's,
-    never a symbolic link).
-    """
+def remove_dead_process_dirs(base: str | os.PathLike, pattern: str) -> None:
+    """Remove the directories in ``base`` left by processes that died without
+    cleaning up (SIGKILL): those whose name fully matches the regular
+    expression ``pattern``, whose group 1 is the pid of the process that made
+    it, and whose process :func:`pid_alive` says is gone (None, cannot tell:
+    kept). Never this process's, never a symbolic link; one that cannot be
+    removed stays."""
     import re
     import shutil
-    import tempfile
 
-    base = tempfile.gettempdir()
     try:
         names = os.listdir(base)
     except OSError:
-        names = []
+        return
     for name in names:
-        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\w+", name)
+        m = re.fullmatch(pattern, name)
         path = os.path.join(base, name)
         if m and int(m.group(1)) != os.getpid() and not os.path.islink(path):
-            if pid_alive(int(m.group(1))) is False:  # None (cannot tell): keep it
+            if pid_alive(int(m.group(1))) is False:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def private_temp_dir(prefix: str) -> str:
+    """A new directory ``<temp dir>/<prefix><pid>-<random>`` for this process.
+
+    Directories of the same prefix left by processes that died are removed
+    first (:func:`remove_dead_process_dirs`).
+    """
+    import re
+    import tempfile
+
+    base = tempfile.gettempdir()
+    remove_dead_process_dirs(base, re.escape(prefix) + r"(\d+)-\w+")
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
 
 
