@@ -698,7 +698,7 @@ def cmd_tune(args) -> int:
 
 def add_tune_command(sub) -> None:
     """Register ``tune`` on the ``kernel-cache`` subparsers."""
-    from warmup.cli.options import CACHE_DIR_HELP, engine_options
+    from warmup.cli.options import CACHE_DIR_HELP, engine_options, jobs_option
 
     st = sub.add_parser(
         "tune",
@@ -720,12 +720,7 @@ def add_tune_command(sub) -> None:
     )
     st.add_argument("--out", required=True, help="the table to write (JSON)")
     st.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
-    st.add_argument(
-        "--jobs",
-        type=int,
-        default=min(2, os.cpu_count() or 1),
-        help="compile worker processes (default min(2, cpus))",
-    )
+    jobs_option(st)
     st.add_argument("--num-kv-splits", default="1,2,4", help="split counts to try (default 1,2,4)")
     st.add_argument(
         "--chunks-per-split",

@@ -28,6 +28,7 @@ from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and exa
     bundle_option,
     config_from_args,
     engine_options,
+    jobs_option,
     trust_option,
 )
 
@@ -354,12 +355,7 @@ def _add_warmup(sub) -> None:
     sw = sub.add_parser("warmup", help="compile every missing variant of the plan")
     engine_options(sw)
     sw.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
-    sw.add_argument(
-        "--jobs",
-        type=int,
-        default=min(2, os.cpu_count() or 1),
-        help="compile worker processes (default min(2, cpus))",
-    )
+    jobs_option(sw)
     sw.add_argument(
         "--max-size",
         default=None,

@@ -8,6 +8,7 @@ they never import each other through it.
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 from pathlib import Path
 
@@ -61,6 +62,17 @@ def engine_options(p: argparse.ArgumentParser) -> None:
         if kw["default"] is not None:
             kw["help"] += " (default %(default)s)"
         g.add_argument(option_flag(field), **kw)
+
+
+def jobs_option(p: argparse.ArgumentParser) -> None:
+    """``--jobs N``: compile worker processes (default ``min(2, cpus)``), for
+    ``warmup`` and ``tune``."""
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="compile worker processes (default min(2, cpus))",
+    )
 
 
 def trust_option(p: argparse.ArgumentParser) -> None:
