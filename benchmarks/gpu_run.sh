@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
-# on load (README, "C++ toolchain"); the suite checks that warmup catches that with
+# on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX.
 set -uo pipefail
 OUT=${OUT:-/tmp/kc-gpu-out}

@@ -418,7 +418,7 @@ def test_editing_the_kernels_helper_misses_explains_and_recompiles(
 
 
 def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
-    """The README: ``ls``'s kernel column names the import path each entry holds
+    """docs/custom_kernels.md: ``ls``'s kernel column names the import path each entry holds
     (a 160-column table cut it to ``kc_example_kernels.decode:SdpaDec…``)."""
     import argparse
 

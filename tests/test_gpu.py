@@ -6,7 +6,7 @@ CUDA-graph tests, warmed into ``KERNEL_CACHE_TEST_GPU_CACHE`` when that is set
 (``benchmarks/gpu_run.sh`` shares it with ``gpu_engine.py``); an AOTInductor CUDA
 build takes about 70 s for the first variant of a process and 8-13 s for each
 further one on an H200. Set ``CXX`` to a C++
-compiler whose libstdc++ matches the runtime's (see the README); set
+compiler whose libstdc++ matches the runtime's (see docs/gpu.md); set
 ``KERNEL_CACHE_TEST_OTHER_CXX`` to another compiler to also check that warmup
 never publishes an artifact that crashes on load.
 """

@@ -1,4 +1,4 @@
-"""The attention semantics the README states, checked on the eager kernels with
+"""The attention semantics docs/usage.md states, checked on the eager kernels with
 explicit loops (no compile): causal prefill whose chunk is the sequence's last
 query_len positions, scale 1/sqrt(head_dim), query head h reading KV head
 h // (num_heads // num_kv_heads); and the replay's padded-read arithmetic."""
@@ -16,7 +16,7 @@ H, KVH, D, BS = 6, 2, 8, 4  # 3 query heads per KV head
 
 
 def stated(query, kc, vc, table, seq_len):
-    """The README's words as loops: query i of a chunk of q sits at position
+    """docs/usage.md's words as loops: query i of a chunk of q sits at position
     seq_len - q + i and attends to positions 0..that, head h to KV head h // (H // KVH)."""
     q_len = query.shape[0]
     out = torch.zeros(q_len, H, D, dtype=torch.float64)
@@ -59,9 +59,9 @@ def test_decode_is_the_last_position_of_each_sequence():
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
 def test_replays_padded_reads_are_batch_padding_not_rounding():
-    """The README's numbers, first 64 requests: the default (pow2) plan and the
-    4/3 ladder; most of what the bucket shapes read beyond the real blocks is
-    batch padding, not each sequence's rounding."""
+    """docs/usage.md's numbers ("Replay a real trace"), first 64 requests: the
+    default (pow2) plan and the 4/3 ladder; most of what the bucket shapes read
+    beyond the real blocks is batch padding, not each sequence's rounding."""
     from kernel_cache import Bucketer, make_config
     from warmup.trace import kv_blocks_read, read_trace, schedule
 

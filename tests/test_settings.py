@@ -1,4 +1,4 @@
-"""The settings model of every KERNEL_CACHE_* variable, and the README's table of them."""
+"""The settings model of every KERNEL_CACHE_* variable, and its table in docs/settings.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kernel_cache.config import settings
 from kernel_cache.config.settings import VARIABLES, SettingError, Settings
 from kernel_cache.errors import ConfigError, KernelCacheError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
 #: field -> (a good value, what it reads as, a value the model refuses or None)
 #: None: any text is a valid value of the field; its consumer checks it (FREE_FORM).
@@ -163,22 +163,22 @@ def test_engine_start_names_a_cache_dir_that_is_a_file(tmp_path, monkeypatch):
         default_lookup(a_file / "below")
 
 
-# -- the README table -----------------------------------------------------------------
+# -- the table in docs/settings.md ------------------------------------------------------
 
 
-def _readme_table() -> str:
-    text = README.read_text()
+def _doc_table() -> str:
+    text = SETTINGS_DOC.read_text()
     start = text.index(settings.TABLE_START) + len(settings.TABLE_START)
     return text[start : text.index(settings.TABLE_END)].strip()
 
 
-def test_readme_table_is_the_generated_one():
+def test_doc_table_is_the_generated_one():
     """Regenerate with ``python -m warmup.schemas`` when this fails."""
-    assert _readme_table() == settings.markdown_table()
+    assert _doc_table() == settings.markdown_table()
 
 
-def test_readme_table_rows_are_the_model_variables_plus_test_only_ones():
-    rows = re.findall(r"^\| `(KERNEL_CACHE_[A-Z_]+)` \|", _readme_table(), re.M)
+def test_doc_table_rows_are_the_model_variables_plus_test_only_ones():
+    rows = re.findall(r"^\| `(KERNEL_CACHE_[A-Z_]+)` \|", _doc_table(), re.M)
     assert sorted(rows) == sorted([*VARIABLES.values(), *settings.TEST_ONLY])
 
 
@@ -194,8 +194,8 @@ def test_every_variable_named_in_the_code_is_in_the_model_or_test_only():
 
 
 def test_the_table_follows_the_model():
-    """One more field in the model is one more row, so the README check fails
-    until the README is regenerated."""
+    """One more field in the model is one more row, so the docs/settings.md check
+    fails until the table is regenerated."""
 
     class More(Settings):
         new_knob: int = settings._f(3, "a knob", type="int", expected="an int", example="4")

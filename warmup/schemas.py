@@ -4,8 +4,9 @@
 writes, as ``"module:Class"`` import strings (the single list of them).
 
 ``python -m warmup.schemas`` writes ``docs/schemas/<name>.schema.json`` for each
-model (``<name>`` is :func:`schema_name`) and regenerates the README's table of
-``KERNEL_CACHE_*`` variables (:func:`kernel_cache.config.settings.markdown_table`).
+model (``<name>`` is :func:`schema_name`) and regenerates the table of
+``KERNEL_CACHE_*`` variables in ``docs/settings.md``
+(:func:`kernel_cache.config.settings.markdown_table`).
 ``tests/test_schemas.py`` and ``tests/test_settings.py`` fail when a model changed
 and these files were not regenerated.
 """
@@ -94,8 +95,8 @@ def main() -> int:
 
     for path in generate():
         print(path.relative_to(ROOT))
-    changed = settings.update_readme(ROOT / "README.md")
-    print(f"README.md table of variables: {'updated' if changed else 'up to date'}")
+    changed = settings.update_table(ROOT / "docs" / "settings.md")
+    print(f"docs/settings.md table of variables: {'updated' if changed else 'up to date'}")
     return 0
 
 

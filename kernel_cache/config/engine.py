@@ -98,7 +98,7 @@ PRESETS: dict[str, ModelGeometry] = {
 #: options). Its engine limits are :class:`EngineConfig`'s field defaults, the
 #: one set of defaults the CLI, :func:`make_config` and the README share; they
 #: are kept small so that warmup + verify of the default plan finish within a
-#: few minutes on a 2-core CPU (measured: see README).
+#: few minutes on a 2-core CPU (measured: see README.md, "Run the main job").
 DEFAULT_MODEL = "llama-3.2-1b"
 
 #: EngineConfig fields that come from the model (``--model``), not an option.

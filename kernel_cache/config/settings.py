@@ -2,7 +2,7 @@
 
 :class:`Settings` has one field per variable (its name is ``KERNEL_CACHE_`` +
 the field's name in capitals), with its type, default, unit and meaning; the
-README's table of variables is generated from it (:func:`markdown_table`,
+table of variables in docs/settings.md is generated from it (:func:`markdown_table`,
 ``python -m warmup.schemas``).
 
 Values are read when asked for, never frozen at import: :func:`get` reads one
@@ -158,7 +158,7 @@ def check_redis_url(v: str) -> str:
 
 def _f(default, description: str, *, type: str, unit: str = "", expected: str, example: str,
        shown_default: str | None = None, **kw) -> Any:  # fmt: skip
-    """A field with the README's columns in ``json_schema_extra``."""
+    """A field with the settings table's columns in ``json_schema_extra``."""
     extra = {"type": type, "unit": unit, "expected": expected, "example": example}
     if shown_default is not None:
         extra["shown_default"] = shown_default
@@ -421,7 +421,7 @@ def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return bool(_pick(os.environ if environ is None else environ, (name,)))
 
 
-# -- the README table -------------------------------------------------------------------
+# -- the table in docs/settings.md -----------------------------------------------------
 
 TABLE_START = "<!-- settings-table:start (generated: python -m warmup.schemas) -->"
 TABLE_END = "<!-- settings-table:end -->"
@@ -440,7 +440,8 @@ def _default_text(f) -> str:
 
 
 def markdown_table(model: type[BaseModel] = SettingsFields) -> str:
-    """The README's table: one row per field of ``model``, then the test-only variables."""
+    """The table of docs/settings.md: one row per field of ``model``, then the
+    test-only variables."""
     rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for name, f in model.model_fields.items():
         extra = f.json_schema_extra or {}
@@ -451,7 +452,7 @@ def markdown_table(model: type[BaseModel] = SettingsFields) -> str:
     return "\n".join(rows)
 
 
-def update_readme(path: str | os.PathLike) -> bool:
+def update_table(path: str | os.PathLike) -> bool:
     """Replace the table between :data:`TABLE_START` and :data:`TABLE_END` in
     ``path``; True if the file changed.
 

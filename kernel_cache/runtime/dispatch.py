@@ -9,7 +9,7 @@ slices the output. It never reads a GPU scalar and never compiles. On CUDA a
 call only enqueues its work (single-threaded AOTInductor runners, lengths copied
 from pinned staging rows) and can be captured in a CUDA graph when the lengths
 are passed as device tensors (``device_seq_lens``; ``device_seq_len`` and
-``device_query_len``): README, "The hot path on CUDA, and CUDA graphs".
+``device_query_len``): docs/gpu.md, "The hot path on CUDA" and "CUDA graphs".
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ class AttentionRuntime:
             raise ShapeError(
                 f"capturing a CUDA graph: pass the lengths as device tensors ({name}=...) "
                 "that the engine rewrites before each replay; host lengths would be baked "
-                "into the graph (README, 'CUDA graphs')"
+                "into the graph (docs/gpu.md, 'CUDA graphs')"
             )
         i = slot.ring_i
         if i % _HALF == 0:
@@ -419,7 +419,7 @@ class AttentionRuntime:
                 the kernel then reads instead of a copy of the host values
                 (``seq_len`` and ``query.shape[0]`` still pick the buckets and are
                 checked; the device tensors are never read on the host). For CUDA
-                graphs: see the README, "CUDA graphs".
+                graphs: see docs/gpu.md, "CUDA graphs".
 
         Returns: ``[query_len, num_heads, head_dim]``.
 
@@ -520,7 +520,7 @@ class AttentionRuntime:
                 holding the lengths the kernel reads instead of a copy of
                 ``seq_lens`` (which still picks the bucket and is checked;
                 ``device_seq_lens`` is never read on the host). A 0 in it makes
-                that row's output zeros. For CUDA graphs: see the README,
+                that row's output zeros. For CUDA graphs: see docs/gpu.md,
                 "CUDA graphs".
 
         Returns: ``[num_seqs, num_heads, head_dim]``.
