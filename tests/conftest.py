@@ -92,3 +92,26 @@ def cache_copy(warm_cache, tmp_path) -> Path:
     dst = tmp_path / "cache"
     shutil.copytree(warm_cache[0], dst)
     return dst
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Seconds per test file (setup, call and teardown summed), slowest first, and
+    the same as JSON in ``$KERNEL_CACHE_TEST_DURATIONS`` when that is set."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            duration = getattr(rep, "duration", None)
+            nodeid = getattr(rep, "nodeid", "")
+            if duration is None or not nodeid:
+                continue
+            path = nodeid.split("::")[0]
+            per_file[path] = per_file.get(path, 0.0) + duration
+    if not per_file:
+        return
+    ranked = sorted(per_file.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", "seconds per test file")
+    for path, seconds in ranked:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    out = os.environ.get("KERNEL_CACHE_TEST_DURATIONS")
+    if out:
+        Path(out).write_text(json.dumps(dict(ranked), indent=1) + "\n")
