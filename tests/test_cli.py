@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
+from kernel_cache.config.engine import make_config
 from warmup.cli.main import build_parser, main
+
+from .conftest import TINY_LIMITS, run_cli, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -275,3 +278,14 @@ def test_unknown_subcommand_gets_the_nearest_name(capsys, argv, says):
         main(argv)
     assert e.value.code == 2
     assert f"kernel-cache: error: {says}" in capsys.readouterr().err
+
+
+def test_plan_lists_every_variant_by_the_name_explain_and_verify_take(tiny_model):
+    """``plan``'s text names each variant (``explain --variant`` sends the user there)."""
+    from kernel_cache.plan.buckets import Bucketer
+
+    out = run_cli("plan", *tiny_args(tiny_model), check=True).stdout
+    listed = [line.strip() for line in out.splitlines() if line.startswith("  ")]
+    cfg = make_config(str(tiny_model), **TINY_LIMITS)
+    names = [str(v) for v in Bucketer(cfg).variants]
+    assert [n for n in listed if n in names] == names

@@ -183,9 +183,11 @@ def test_usage_records_are_best_effort(tmp_path):
 class Key:
     """A stand-in for CacheKey with chosen components (make_meta reads both)."""
 
-    def __init__(self, i: int, geometry: dict, dtype="float32", device="cpu"):
+    def __init__(self, i: int, geometry: dict, dtype="float32", device="cpu", arch=None):
         self.hexdigest = f"{i:064x}"
         self.comps = {"geometry": json.dumps(geometry), "dtype": dtype, "device": device}
+        if arch is not None:
+            self.comps["device_arch"] = arch
 
     def as_dict(self):
         return dict(self.comps)
@@ -230,6 +232,27 @@ def test_ls_sorts_variants_naturally_and_names_the_model(tmp_path):
     table = run_cli("ls", "--cache-dir", tmp_path, check=True).stdout
     assert "model" in table and "llama-3.2-1b bs16" in table and "4h/2kv/d8 bs16" in table
     assert table.index("paged_attention:1:2:1") < table.index("paged_attention:1024:64:1")
+
+
+def test_ls_shows_each_entrys_target_and_variant_names_in_full(tmp_path):
+    """The key's target (a CPU instruction-set level or a GPU architecture) is a
+    column of ``ls`` and a field of ``ls --json``; the variant name is never cut."""
+    for i, (variant, arch) in enumerate(
+        [("batched_decode:1:128:256", "x86_64/x86-64-v3"), ("paged_attention:1:2:1", "sm_90")]
+    ):
+        key = Key(i, TINY, arch=arch)
+        data = bytes([i]) * 1000
+        tier = DiskTier(tmp_path)
+        tier.put(key.hexdigest, data, make_meta(key, variant, data, 1.0))
+        tier.close()
+    rows = json.loads(run_cli("ls", "--cache-dir", tmp_path, "--json", check=True).stdout)
+    assert {r["variant"]: r["device_arch"] for r in rows} == {
+        "batched_decode:1:128:256": "x86_64/x86-64-v3",
+        "paged_attention:1:2:1": "sm_90",
+    }
+    table = run_cli("ls", "--cache-dir", tmp_path, check=True, env={"COLUMNS": "80"}).stdout
+    assert "target" in table and "x86_64/x86-64-v3" in table and "sm_90" in table
+    assert "batched_decode:1:128:256" in table
 
 
 def test_ls_and_stats_list_entries_with_unreadable_metadata_as_corrupt(tmp_path):

@@ -118,7 +118,9 @@ def list_entries(tier: Tier) -> list[dict]:
     """One row per entry: ``variant``, ``model`` (:func:`model_label`),
     ``dtype``, ``device``, ``key``, ``size`` (bytes), ``compile_seconds``,
     ``created`` and ``last_used`` (unix seconds; None if never used),
-    ``runtime_digest``, ``kernel`` (the import path of the kernel the entry
+    ``runtime_digest``, ``device_arch`` (the key's target: the GPU
+    architecture, or the CPU's instruction-set target, e.g. ``x86_64/x86-64-v3``),
+    ``kernel`` (the import path of the kernel the entry
     holds, None if not recorded), ``status`` (``ok`` or ``corrupt``) and, for a corrupt
     entry, ``reason`` (its size is its artifact file's, its other fields None).
     Sorted naturally by variant (:func:`variant_sort_key`), then model, dtype,
@@ -155,6 +157,7 @@ def _entry_row(m: dict, last_used: float | None) -> dict:
         "model": model_label(comps),
         "dtype": comps.get("dtype"),
         "device": comps.get("device"),
+        "device_arch": comps.get("device_arch"),
         "key": m["key"],
         "size": int(m.get("size") or 0),
         "compile_seconds": m.get("compile_seconds"),
@@ -175,6 +178,7 @@ def _corrupt_row(key: str, size: int, reason: str, last_used: float | None) -> d
         "model": "?",
         "dtype": None,
         "device": None,
+        "device_arch": None,
         "key": key,
         "size": size,
         "compile_seconds": None,

@@ -170,7 +170,8 @@ def _ls_table(title: str, rows: list[dict], *, with_status: bool):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    cols = ("variant", "model", "dtype", "kernel", "key", "size", "compile s", "created")
+    cols = ("variant", "model", "dtype", "target", "kernel", "key", "size", "compile s")
+    cols += ("created",)
     cols += ("last used",)
     # The kernel column names the import path in full, folded over lines in a
     # narrow table rather than cut: two factories of one module differ at its end.
@@ -179,6 +180,8 @@ def _ls_table(title: str, rows: list[dict], *, with_status: bool):
             col,
             justify="right" if col in ("size", "compile s") else "left",
             overflow="fold" if col == "kernel" else "ellipsis",
+            # Names a user passes on (variant, target) and times are never cut.
+            no_wrap=col in ("variant", "target", "created", "last used"),
         )
     for r in rows:
         table.add_row(*_ls_cells(r), *((r["status"],) if with_status else ()))
@@ -197,6 +200,7 @@ def _ls_cells(r: dict) -> list[str]:
         r["variant"],
         r["model"],
         dtype,
+        r.get("device_arch") or "-",
         _kernel_label(r.get("kernel")),
         r["key"][:12],
         format_size(r["size"]),

@@ -58,6 +58,8 @@ def cmd_plan(args) -> int:
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
         f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
     )
+    for v in b.variants:  # the names explain --variant and verify take
+        print(f"  {v}")
     if launch is not None:
         print(format_plan(*launch))
     else:
