@@ -1,5 +1,6 @@
 """The command line itself: options, help, errors (no compiles but one)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -289,3 +290,24 @@ def test_plan_lists_every_variant_by_the_name_explain_and_verify_take(tiny_model
     cfg = make_config(str(tiny_model), **TINY_LIMITS)
     names = [str(v) for v in Bucketer(cfg).variants]
     assert [n for n in listed if n in names] == names
+
+
+def test_explain_names_each_changed_compile_option_with_both_values_uncut():
+    """A differing JSON-object component (compile options, launch config, geometry)
+    is shown field by field, not cut to its first characters."""
+    from warmup.check.explain import format_difference
+
+    here = {"aot_inductor.debug_compile": False, "cpp.march": "x86-64-v3", "max_autotune": False}
+    stored = {"aot_inductor.debug_compile": True, "max_autotune": False, "old": 1}
+    line = format_difference(
+        {
+            "component": "compile_options",
+            "here": json.dumps(here),
+            "stored": json.dumps(stored),
+            "build_only": False,
+        }
+    )
+    assert line == (
+        "compile_options: aot_inductor.debug_compile: false != true; "
+        'cpp.march new ("x86-64-v3"); old gone (was 1)'
+    )

@@ -84,6 +84,9 @@ def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config
         if component == "sources":  # explain lists the files that differ
             assert best["lines"][0].startswith("sources: kernel_cache/kernels/builtin.py changed; ")
             assert "warmup/build/compiler.py new" in best["lines"][0]
+        elif component == "compile_options":  # field by field, both values
+            assert best["lines"][0].startswith("compile_options: ")
+            assert "max_autotune: false != true" in best["lines"][0]
         else:
             assert best["lines"] == [f"{component}: {short(here)} != {short(value)}"]
 

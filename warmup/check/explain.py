@@ -44,17 +44,23 @@ def differences(here: dict, stored: dict) -> list[dict]:
     return out
 
 
+def _mapping(text) -> dict | None:
+    """A component value that is a JSON object, as a dict; else None."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def source_changes(here: str, stored: str) -> str | None:
     """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
     ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
     side is not such a mapping."""
-    import json
-
-    try:
-        a, b = json.loads(here), json.loads(stored)
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(a, dict) or not isinstance(b, dict):
+    a, b = _mapping(here), _mapping(stored)
+    if a is None or b is None:
         return None
     parts = [f"{f} changed" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
     parts += [f"{f} new" for f in sorted(set(a) - set(b))]
@@ -62,14 +68,36 @@ def source_changes(here: str, stored: str) -> str | None:
     return "; ".join(parts) or None
 
 
+def field_changes(here: str, stored: str) -> str | None:
+    """For a component that is a JSON object (``compile_options``, ``launch_config``,
+    ``geometry``), each field that differs with both values, never cut:
+    ``"aot_inductor.debug_compile: false != true; cpp.march new (x86-64-v3)"``;
+    None if either side is not an object."""
+    import json
+
+    a, b = _mapping(here), _mapping(stored)
+    if a is None or b is None:
+        return None
+
+    def js(v) -> str:
+        return json.dumps(v, sort_keys=True)
+
+    parts = [f"{f}: {js(a[f])} != {js(b[f])}" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
+    parts += [f"{f} new ({js(a[f])})" for f in sorted(set(a) - set(b))]
+    parts += [f"{f} gone (was {js(b[f])})" for f in sorted(set(b) - set(a))]
+    return "; ".join(parts) or None
+
+
 def format_difference(d: dict) -> str:
     """``"torch: 2.13.0 != 2.14.1"``; for ``sources``, the files that differ
-    (``"sources: warmup/build/compiler.py changed"``)."""
+    (``"sources: warmup/build/compiler.py changed"``); for a component that is a
+    JSON object, the fields that differ with both values."""
     tag = " (build-only: accepted at load)" if d["build_only"] else ""
-    if d["component"] == "sources":
-        files = source_changes(d["here"], d["stored"])
-        if files:
-            return f"sources: {files}{tag}"
+    diff = (source_changes if d["component"] == "sources" else field_changes)(
+        d["here"], d["stored"]
+    )
+    if diff:
+        return f"{d['component']}: {diff}{tag}"
     return f"{d['component']}: {short(d['here'])} != {short(d['stored'])}{tag}"
 
 
