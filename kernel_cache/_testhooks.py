@@ -17,7 +17,9 @@ these variables; every hook is a dictionary lookup when unset.
 
 Points: ``compile`` (between ``torch.export`` and AOTInductor, the lock held),
 ``publish-write`` (half of the artifact file written, inside the index
-transaction), ``publish-commit`` (both rows written, before ``COMMIT``).
+transaction), ``publish-commit`` (both rows written, before ``COMMIT``),
+``pool-shutdown`` (warmup's process, every variant done, before it waits for
+its compile workers to exit).
 """
 
 from __future__ import annotations

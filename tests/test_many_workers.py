@@ -406,6 +406,92 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     assert report["compiler_runs"] == 6 - kept
 
 
+def _terminal_started(args, env=None) -> subprocess.Popen:
+    """``kernel-cache ARGS`` as a terminal starts it: its own process group, SIGINT
+    at its default (even where this test runs with SIGINT ignored)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
+    cache_copy, tiny_model, tiny_config
+):
+    """Ctrl-C while warmup waits for its workers to exit, every variant done: exit
+    130, the summary line counting the variant compiled, no traceback."""
+    v = Bucketer(tiny_config).variants[-1]
+    remove_entries(cache_copy, keys_of(tiny_config, [v]))
+    marker = cache_copy.parent / "paused"
+    env = {
+        "KERNEL_CACHE_TEST_PAUSE_AT": "pool-shutdown",
+        "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
+    }
+    proc = _terminal_started(("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy), env)
+    try:
+        wait_for_pause(marker, proc, "pool-shutdown")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
+    assert len(summary) == 1 and "1 compiled and kept" in summary[0], err
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing workers (``spawn_main`` in their command line) that
+    process ``pid`` started."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    out = []
+    for kid in kids.read_text().split() if kids.exists() else []:
+        try:
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(int(kid))
+    return out
+
+
+def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, tiny_model):
+    """Ctrl-C in the first second, while the spawned workers import: they start
+    with SIGINT ignored, and the warmup exits 130 with the summary; no worker
+    prints ``Fatal Python error`` or a traceback."""
+    cache = tmp_path / "cache"
+    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2")
+    proc = _terminal_started(args)
+    try:
+        t0 = time.monotonic()  # until the warmup process has spawned a compile worker
+        while time.monotonic() - t0 < 300 and not _spawned_workers(proc.pid):
+            time.sleep(0.005)
+        workers = _spawned_workers(proc.pid)
+        assert workers, "no compile worker started"
+        # From its first instant, long before its initializer runs (its imports
+        # take seconds), the worker ignores SIGINT: a Ctrl-C cannot catch it halfway.
+        status = Path(f"/proc/{workers[0]}/status").read_text()
+        ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+        assert ignored & (1 << (signal.SIGINT - 1)), status
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Fatal Python error" not in err and "Traceback" not in err, err
+    assert "interrupted by SIGINT" in err
+
+
 def test_sigterm_stops_a_warmup_with_143_and_no_traceback(tmp_path, tiny_model):
     cache = tmp_path / "cache"
     marker = tmp_path / "marker"

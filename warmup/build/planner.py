@@ -40,6 +40,7 @@ the bytes needed).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -56,6 +57,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernel_cache._testhooks import hook
 from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
@@ -934,7 +936,8 @@ class _Pool:
     def submit(self, item: PlanItem, blocking: bool):
         opts = _item_options(item, self.options, blocking)
         v_json = item.variant.model_dump_json()
-        f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
+        with _sigint_ignored():  # the submit may spawn a worker
+            f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
         self.futs[f], self.pool_of[f] = item, len(self.pools) - 1
         return f
 
@@ -1002,19 +1005,48 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
                     for p in pending:
                         p.cancel()
     except (KeyboardInterrupt, _Interrupt) as e:
-        signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
-        for p in pool.pools:
-            _stop_workers(p)
-        seen = {r.variant for r in results}
-        left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
-        raise _Interrupt(signum, results + [r for r in left if r.variant not in seen]) from None
+        raise _stopped(e, pool, todo, results) from None
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-        for p in pool.pools:
-            p.shutdown(wait=True, cancel_futures=True)
-        _drop_scratch(scratch)
+        try:
+            hook("pool-shutdown")
+            for p in pool.pools:
+                p.shutdown(wait=True, cancel_futures=True)
+        except (KeyboardInterrupt, _Interrupt) as e:  # a signal while the workers exit
+            raise _stopped(e, pool, todo, results) from None
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+            _drop_scratch(scratch)
     return results
+
+
+def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) -> _Interrupt:
+    """The :class:`_Interrupt` to raise for the signal ``e`` (KeyboardInterrupt is
+    SIGINT): every worker of ``pool`` stopped, and ``results`` completed with a
+    ``not started`` row for each item of ``todo`` that has none."""
+    signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
+    for p in pool.pools:
+        _stop_workers(p)
+    seen = {r.variant for r in results}
+    left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
+    return _Interrupt(signum, results + [r for r in left if r.variant not in seen])
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process for the block (main thread only). A worker
+    spawned meanwhile starts with SIGINT ignored, which ``exec`` keeps and
+    Python's startup leaves alone, so a Ctrl-C while it imports cannot kill it
+    half-started (``Fatal Python error: init_import_site``); the warmup process
+    stops its workers itself."""
+    if not _main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _main_thread() -> bool:

@@ -494,6 +494,10 @@ def main(argv=None) -> int:
     except KernelCacheError as e:
         print(f"kernel-cache {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a warmup's pool (which reports its own)
+        kept = "; what was published is kept" if args.command == "warmup" else ""
+        print(f"kernel-cache {args.command}: interrupted by SIGINT{kept}", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":
