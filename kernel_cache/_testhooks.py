@@ -17,7 +17,8 @@ these variables; every hook is a dictionary lookup when unset.
 
 Points: ``compile`` (between ``torch.export`` and AOTInductor, the lock held),
 ``publish-write`` (half of the artifact file written, inside the index
-transaction), ``publish-commit`` (both rows written, before ``COMMIT``).
+transaction), ``publish-commit`` (both rows written, before ``COMMIT``), ``s3-put``
+(before an entry's PUT to S3).
 """
 
 from __future__ import annotations
