@@ -259,7 +259,8 @@ def test_builder_publishes_then_a_fresh_engine_loads_with_no_compile_then_reads_
     before = request_count(s3["metrics"]) if s3["metrics"] else None
     first = engine_start(tiny_model, env=engine_env)
     assert "missing" not in first, first["stderr"]
-    assert first["stats"]["variants"] == len(keys) and not first["compile_stack"]
+    assert first["stats"]["loads"] == len(keys) and first["compile_stack"] == []
+    assert first["stats"]["sources"] == {s3["url"]: len(keys)}
     assert _compiles(log) == []
     if before is not None:  # the manifest, then one GET per entry
         assert request_count(s3["metrics"]) - before == 1 + len(keys)
@@ -270,6 +271,7 @@ def test_builder_publishes_then_a_fresh_engine_loads_with_no_compile_then_reads_
     before = request_count(s3["metrics"]) if s3["metrics"] else None
     second = engine_start(tiny_model, env=engine_env)
     assert "missing" not in second and _compiles(log) == []
+    assert second["stats"]["sources"] == {str(tmp_path / "engine"): len(keys)}
     if before is not None:
         assert request_count(s3["metrics"]) == before  # local files only
 

@@ -327,7 +327,7 @@ class SettingsFields(BaseModel):
         shown_default="none (local only)",
     )  # fmt: skip
     s3_timeout: float = _f(
-        2.0, "connect and request timeout of every S3 call, no retries (--s3-timeout wins)",
+        2.0, "connect and read timeout of every S3 call, no retries (--s3-timeout wins)",
         type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0, **_SECONDS,
     )  # fmt: skip
     s3_lock_ttl: float = _f(

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError
@@ -82,6 +82,25 @@ _SOURCES = {
     "lock_ttl_s": env_settings.var("s3_lock_ttl"),
     "lock_wait_s": env_settings.var("s3_lock_wait"),
 }
+
+
+class S3Manifest(BaseModel):
+    """``manifests/<sha256 of the sorted keys>.json``: a plan whose every key is published."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    format: Literal["kc-s3-manifest-1"] = Field(description="the format of this document")
+    keys: list[str] = Field(description="the plan's cache keys (64 hex), sorted")
+    created: float = Field(description="unix seconds when it was written")
+
+
+class S3LeaseDoc(BaseModel):
+    """``leases/<key>``: who compiles the key, until when."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    holder: str = Field("", description="host:pid:token of the builder")
+    expires_at: float = Field(description="unix seconds; 0 once released")
 
 
 class S3Settings(BaseModel):
@@ -328,9 +347,8 @@ class S3Tier(Tier):
         if raw is None:
             return
         try:
-            doc = json.loads(raw)
-            listed = sorted(doc["keys"]) if doc.get("format") == MANIFEST_FORMAT else None
-        except (ValueError, TypeError, KeyError, AttributeError):
+            listed = sorted(S3Manifest.model_validate_json(raw).keys)
+        except ValidationError:
             listed = None
         if listed != self._expected:
             log.warning("ignored S3 manifest %s: not this plan's", manifest_name(self._expected))
@@ -351,8 +369,8 @@ class S3Tier(Tier):
         if missing:
             why = f"{len(missing)} of the plan's {len(keys)} keys are not published"
             return PutResult(PutOutcome.FAILED, self.location, why)
-        body = json.dumps({"format": MANIFEST_FORMAT, "keys": keys, "created": time.time()})
-        return self._create(manifest_name(keys), body.encode())
+        body = S3Manifest(format=MANIFEST_FORMAT, keys=keys, created=time.time())
+        return self._create(manifest_name(keys), body.model_dump_json().encode())
 
     # -- Tier --------------------------------------------------------------
     def _body(self, key: str) -> bytes | None:
@@ -534,7 +552,7 @@ class S3Lease:
         self._thread: threading.Thread | None = None
 
     def _body(self, expires_at: float) -> bytes:
-        return json.dumps({"holder": self.token, "expires_at": expires_at}).encode()
+        return S3LeaseDoc(holder=self.token, expires_at=expires_at).model_dump_json().encode()
 
     def _read(self) -> tuple[dict, str] | None | bool:
         """``(lease, etag)``, None if there is none, False on a failure."""
@@ -543,11 +561,13 @@ class S3Lease:
         def op(ob, store):
             try:
                 r = ob.get(store, self.path)
-                return json.loads(bytes(r.bytes())), r.meta["e_tag"]
             except (NotFoundError, FileNotFoundError):
                 return None
-            except ValueError:  # not JSON: treat as expired, take it over
-                return {"expires_at": 0}, r.meta["e_tag"]
+            try:
+                doc = S3LeaseDoc.model_validate_json(bytes(r.bytes())).model_dump()
+            except ValidationError:  # not a lease: treat as expired, take it over
+                doc = {"expires_at": 0}
+            return doc, r.meta["e_tag"]
 
         return self.tier._run("lease read", op, False)
 
