@@ -19,7 +19,7 @@ Points: ``compile`` (between ``torch.export`` and AOTInductor, the lock held),
 ``publish-write`` (half of the artifact file written, inside the index
 transaction), ``publish-commit`` (both rows written, before ``COMMIT``),
 ``pool-shutdown`` (warmup's process, every variant done, before it waits for
-its compile workers to exit).
+its compile workers to exit), ``s3-put`` (before an entry's PUT to S3).
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ CASES = {
     "redis_ttl": ("3600", 3600, "1.5"),
     "redis_lock_ttl": ("30", 30.0, "nan"),
     "redis_lock_wait": ("60", 60.0, "-2"),
+    "s3_url": ("s3://kernel-cache/fleet-a", "s3://kernel-cache/fleet-a", "http://x/y"),
+    "s3_timeout": ("0.5", 0.5, "0"),
+    "s3_lock_ttl": ("30", 30.0, "nan"),
+    "s3_lock_wait": ("60", 60.0, "-2"),
 }
 
 
@@ -178,7 +182,7 @@ def test_doc_table_is_the_generated_one():
 
 
 def test_doc_table_rows_are_the_model_variables_plus_test_only_ones():
-    rows = re.findall(r"^\| `(KERNEL_CACHE_[A-Z_]+)` \|", _doc_table(), re.M)
+    rows = re.findall(r"^\| `(KERNEL_CACHE_[A-Z0-9_]+)` \|", _doc_table(), re.M)
     assert sorted(rows) == sorted([*VARIABLES.values(), *settings.TEST_ONLY])
 
 
@@ -188,7 +192,9 @@ def test_every_variable_named_in_the_code_is_in_the_model_or_test_only():
     named = set()
     for folder in ("kernel_cache", "warmup"):
         for path in (root / folder).rglob("*.py"):
-            named |= set(re.findall(r"KERNEL_CACHE_[A-Z][A-Z_]*[A-Z](?![A-Z_*])", path.read_text()))
+            named |= set(
+                re.findall(r"KERNEL_CACHE_[A-Z][A-Z0-9_]*[A-Z](?![A-Z0-9_*])", path.read_text())
+            )
     known = {*VARIABLES.values(), *settings.TEST_ONLY}
     assert named - known == set()
 

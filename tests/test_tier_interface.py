@@ -230,7 +230,7 @@ def test_usage_record_is_validated_and_a_malformed_one_starts_over(tmp_path, cap
 
 # -- no caller tests which tier it holds -------------------------------------------------------
 
-TIER_CLASSES = {"Tier", "DiskTier", "RedisTier", "BundleTier"}
+TIER_CLASSES = {"Tier", "DiskTier", "RedisTier", "S3Tier", "BundleTier"}
 TIER_NAMES = {"t", "r", "remote", "rtier", "src", "source"}
 
 

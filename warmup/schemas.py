@@ -31,6 +31,8 @@ MODELS: tuple[str, ...] = (
     "kernel_cache.store.tier:EntryMeta",
     "kernel_cache.store.bundle:BundleManifest",
     "kernel_cache.store.usage:UsageRecord",
+    "kernel_cache.store.s3:S3Manifest",
+    "kernel_cache.store.s3:S3LeaseDoc",
 )
 
 

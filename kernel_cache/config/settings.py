@@ -156,6 +156,28 @@ def check_redis_url(v: str) -> str:
     return v
 
 
+_S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_s3_url(v: str) -> str:
+    """An ``s3://BUCKET/PREFIX`` URL (the prefix may be empty; the bucket follows
+    S3's naming rules: 3-63 characters of a-z, 0-9, '.' and '-').
+
+    Raises:
+        ValueError: naming the URL and what is wrong.
+    """
+    eg = "e.g. s3://kernel-cache/fleet-a"
+    if not v.startswith("s3://"):
+        raise ValueError(f"S3 URL {v!r} must start with s3://, {eg}")
+    bucket = v[5:].split("/", 1)[0]
+    if not _S3_BUCKET_RE.fullmatch(bucket):
+        raise ValueError(
+            f"S3 URL {v!r}: the bucket {bucket!r} is not a valid bucket name "
+            f"(3-63 characters: a-z, 0-9, '.', '-'), {eg}"
+        )
+    return v
+
+
 def _f(default, description: str, *, type: str, unit: str = "", expected: str, example: str,
        shown_default: str | None = None, **kw) -> Any:  # fmt: skip
     """A field with the settings table's columns in ``json_schema_extra``."""
@@ -188,6 +210,7 @@ BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
 PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
 Size = Annotated[int | None, _before(parse_size_bytes)]
 RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
+S3Url = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_s3_url(v))]
 
 
 class SettingsFields(BaseModel):
@@ -294,6 +317,25 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     redis_lock_wait: float = _f(
         900.0, "longest wait for a live Redis build-lock holder before compiling anyway",
+        type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0, **_SECONDS,
+    )  # fmt: skip
+    # -- S3 ------------------------------------------------------------------------------
+    s3_url: S3Url = _f(
+        None, "shared S3 tier (--s3-url wins); endpoint and credentials from the standard "
+        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION",
+        type="URL", expected="s3://BUCKET/PREFIX", example="s3://kernel-cache/fleet-a",
+        shown_default="none (local only)",
+    )  # fmt: skip
+    s3_timeout: float = _f(
+        2.0, "connect and read timeout of every S3 call, no retries (--s3-timeout wins)",
+        type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0, **_SECONDS,
+    )  # fmt: skip
+    s3_lock_ttl: float = _f(
+        30.0, "expiry of an S3 build lease, renewed every third of it while compiling",
+        type="float", unit="s", expected=_SECONDS_POS, example="30", gt=0, **_SECONDS,
+    )  # fmt: skip
+    s3_lock_wait: float = _f(
+        900.0, "longest wait for a live S3 build-lease holder before compiling anyway",
         type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0, **_SECONDS,
     )  # fmt: skip
 

@@ -146,7 +146,8 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     """The :class:`~kernel_cache.store.lookup.Lookup` of engine start: bundles
     (``bundles``, i.e. ``--bundle``, then ``$KERNEL_CACHE_BUNDLE``), then the
     local disk cache, then Redis when ``KERNEL_CACHE_REDIS_URL`` is set
-    (:mod:`kernel_cache.store.redis`).
+    (:mod:`kernel_cache.store.redis`), then S3 when ``KERNEL_CACHE_S3_URL`` is set
+    (:mod:`kernel_cache.store.s3`).
 
     The local cache is opened only if its directory exists: engine start never
     creates a cache directory. It is opened read-only (no lock, database, journal
@@ -162,7 +163,7 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     """
     from kernel_cache.store.bundle import BundleTier, bundle_paths
     from kernel_cache.store.lookup import Lookup, Source
-    from kernel_cache.store.redis import tiers_from_env
+    from kernel_cache.store.remote import tiers_from_env
 
     sources: list = [BundleTier(p) for p in bundle_paths(bundles)]
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -278,6 +279,8 @@ def load_plan(
         else Lookup(tiers)
     )
     plan = Plan.build(config) if plan is None else plan
+    for tier in lookup.tiers:  # a remote may fetch the plan in one go (S3: its manifest)
+        tier.expect([item.hexdigest for item in plan])
     found = _find_plan(plan, lookup, cache_dir)
     record_lookups(lookup.tiers, found.hits, len(found.missing))
     if found.missing and strict:

@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -105,6 +106,7 @@ class RedisSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    kind: Literal["redis"] = "redis"
     url: str
     timeout_s: float = 2.0
     ttl_s: int | None = None
@@ -161,6 +163,9 @@ class RedisSettings(BaseModel):
                 for x in e.errors()
             )
             raise ConfigError(f"Redis settings: {msgs}") from None
+
+    def tier(self, **kw) -> RedisTier:
+        return RedisTier(self, **kw)
 
 
 class RedisTier(Tier):

@@ -290,6 +290,15 @@ class Tier(abc.ABC):
 
         return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
 
+    def expect(self, keys) -> None:  # noqa: B027 - optional hook
+        """The keys the caller is about to look up (a plan); a tier may fetch them
+        together (S3: its plan manifest). Sends nothing by itself."""
+
+    def publish_manifest(self, keys) -> PutResult | None:
+        """Record that every key of ``keys`` (a whole plan) is published, where
+        the tier keeps such records (S3); None where it does not (this default)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -74,8 +74,9 @@ from kernel_cache.plan.launch import LaunchChoice
 from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings, RedisTier
-from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings
+from kernel_cache.store.remote import settings_from_json
+from kernel_cache.store.tier import DiskTier, Tier, make_meta, verify_entry
 from kernel_cache.trust.permissions import resolve_allow_shared
 from kernel_cache.trust.signing import load_signing_key, sign_meta
 from warmup.build.loadcheck import LoadChecker, die_with_parent
@@ -281,17 +282,16 @@ class _Rejected(Exception):
     """The load check refused a new artifact."""
 
 
-_REMOTE_TIERS: dict[str, RedisTier] = {}
+_REMOTE_TIERS: dict[str, Tier] = {}
 _CHECKER: LoadChecker | None = None
 
 
-def _remote_tier(remote_json: str) -> RedisTier:
-    """One quiet RedisTier per worker process (its failures go back in the
-    result; the parent warns once)."""
+def _remote_tier(remote_json: str) -> Tier:
+    """One quiet remote tier (Redis or S3) per worker process (its failures go
+    back in the result; the parent warns once)."""
     tier = _REMOTE_TIERS.get(remote_json)
     if tier is None:
-        settings = RedisSettings.model_validate_json(remote_json)
-        tier = _REMOTE_TIERS[remote_json] = RedisTier(settings, warn=False)
+        tier = _REMOTE_TIERS[remote_json] = settings_from_json(remote_json).tier(warn=False)
     return tier
 
 
@@ -343,7 +343,7 @@ def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantRes
     return False
 
 
-def _claim_remote(remote: RedisTier, tier: DiskTier, key, blocking: bool, res: VariantResult):
+def _claim_remote(remote: Tier, tier: DiskTier, key, blocking: bool, res: VariantResult):
     """Step 2 with Redis: copy a verified Redis hit in (``fetched``, returns
     None), or take the key's Redis build lock (returns it; None with
     ``res.status`` set when another builder holds it on the first pass, or
@@ -400,7 +400,7 @@ def _load_check(device: str, res: VariantResult, data: bytes) -> None:
         raise _Rejected(verdict["error"])
 
 
-def _publish(tier: DiskTier, remote: RedisTier | None, key: str, data: bytes, meta: dict) -> None:
+def _publish(tier: DiskTier, remote: Tier | None, key: str, data: bytes, meta: dict) -> None:
     """Step 5: local cache first (atomic), then Redis (a failure there is noted)."""
     stored = tier.put(key, data, meta)
     if not stored.ok:  # the writable handle of a warmup never refuses; say so if it does
@@ -528,7 +528,7 @@ def warmup(
     max_size: int | None = None,
     lock_timeout: float | None = None,
     allow_shared_dir: bool | None = None,
-    remote: RedisSettings | None = None,
+    remote: RedisSettings | Any | None = None,
 ) -> dict:
     """Compile what is missing from the plan, skip what is cached.
 
@@ -550,7 +550,9 @@ def warmup(
             key (default ``KERNEL_CACHE_LOCK_TIMEOUT`` or 900).
         allow_shared_dir: skip the trust checks (default
             ``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR``).
-        remote: the shared Redis tier, or None (local only).
+        remote: the shared Redis or S3 tier's settings (``RedisSettings``,
+            ``S3Settings``), or None (local only). With S3, a plan manifest is
+            published once every key of the plan is there.
 
     Returns:
         ``{"variants", "compiled", "compiler_runs", "cached", "fetched",
@@ -586,7 +588,7 @@ def warmup(
     lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
     secret = load_signing_key()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
-    rtier = RedisTier(remote) if remote is not None else None
+    rtier = remote.tier() if remote is not None else None
     fetched, uploaded = [], 0
     if rtier is not None:
         todo, fetched, uploaded = _remote_precheck(
@@ -617,7 +619,7 @@ def warmup(
         raise WarmupInterrupted(e.signum, report(results)) from None
     finally:
         reporter.close()
-    _close_remote(rtier, results)
+    _close_remote(rtier, results, [i.hexdigest for i in plan])
     compiled = sum(r.status is Status.COMPILED for r in results)
     usage.record(cache_dir, hits=[i.hexdigest for i in cached], misses=compiled)
     out = report(results)
@@ -627,13 +629,17 @@ def warmup(
     return out
 
 
-def _close_remote(rtier: RedisTier | None, results: list[VariantResult]) -> None:
-    """Close the Redis tier; a worker's Redis failure makes this process warn once."""
+def _close_remote(rtier: Tier | None, results: list[VariantResult], plan_keys) -> None:
+    """Publish the plan's manifest where the remote keeps one (S3; it checks
+    that every key is there), then close it; a worker's failure makes this
+    process warn once instead."""
     if rtier is None:
         return
     failure = next((r.remote_error for r in results if r.remote_error), None)
     if failure is not None and rtier.error is None:
         rtier.note_failure(failure)
+    if rtier.error is None and not any(r.status is Status.FAILED for r in results):
+        rtier.publish_manifest(plan_keys)
     rtier.close()
 
 

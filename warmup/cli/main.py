@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from kernel_cache.config import settings
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.launch import describe_plan, format_plan
@@ -109,6 +110,20 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
         help="seconds any Redis call may block (default 2; env KERNEL_CACHE_REDIS_TIMEOUT)",
     )
     g.add_argument(
+        "--s3-url",
+        default=None,
+        help="shared S3 tier, s3://BUCKET/PREFIX; endpoint and credentials from AWS_ENDPOINT_URL, "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION (env KERNEL_CACHE_S3_URL)"
+        + ("" if warmup else "; verify then checks that S3 alone holds the plan"),
+    )
+    g.add_argument(
+        "--s3-timeout",
+        type=float,
+        default=None,
+        help="seconds any S3 call may wait to connect or read (default 2; env "
+        "KERNEL_CACHE_S3_TIMEOUT)",
+    )
+    g.add_argument(
         "--require-signed",
         action="store_true",
         help="fail at start unless KERNEL_CACHE_SIGNING_KEY(_FILE) is set "
@@ -130,8 +145,24 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
 
 
 def _remote_settings(args):
-    from kernel_cache.store.redis import RedisSettings
+    """The remote tier's settings: S3 (``--s3-url`` / ``KERNEL_CACHE_S3_URL``),
+    else Redis; None for neither.
 
+    Raises:
+        KernelCacheError: both are set (warmup and verify use one remote).
+    """
+    from kernel_cache.store.redis import RedisSettings
+    from kernel_cache.store.s3 import S3Settings
+
+    s3 = S3Settings.from_env(url=args.s3_url, timeout_s=args.s3_timeout)
+    if s3 is not None:
+        if args.redis_url or settings.is_set("redis_url"):
+            raise KernelCacheError(
+                f"both a Redis URL and an S3 URL ({s3.url}) are set; warmup and verify use "
+                "one remote tier: unset KERNEL_CACHE_REDIS_URL / --redis-url or "
+                "KERNEL_CACHE_S3_URL / --s3-url"
+            )
+        return s3
     return RedisSettings.from_env(
         url=args.redis_url,
         timeout_s=args.redis_timeout,
@@ -210,7 +241,7 @@ def _print_warmup(report: dict, cache_dir: str, shard: dict | None) -> None:
     part = f" (shard {shard['index']}/{shard['count']})" if shard else ""
     print(
         f"warmup{part}: {report['variants']} variants, {report['compiled']} compiled, "
-        f"{report['cached']} cached, {report['fetched']} fetched from Redis, "
+        f"{report['cached']} cached, {report['fetched']} fetched from the remote, "
         f"{len(report['failed'])} failed in {report['seconds']:.1f} s -> {where}"
     )
     for q in report["quarantined"]:
@@ -249,10 +280,8 @@ def cmd_verify(args) -> int:
     cfg = config_from_args(args)
     load_signing_key(required=args.require_signed or None)
     tiers = None
-    if args.redis_url:  # coverage: Redis alone must hold the whole plan
-        from kernel_cache.store.redis import RedisTier
-
-        tiers = [RedisTier(_remote_settings(args), fail_open=False)]
+    if args.redis_url or args.s3_url:  # coverage: the remote alone must hold the whole plan
+        tiers = [_remote_settings(args).tier(fail_open=False)]
     report = verify_plan(
         cfg,
         _cache_dir(args),
@@ -262,8 +291,8 @@ def cmd_verify(args) -> int:
     )
     if tiers:
         report["tier"] = tiers[0].location
-        if report.get("repair"):  # the warmup that repairs Redis must publish to it
-            report["repair"] += f" --redis-url {tiers[0].location}"
+        if report.get("repair"):  # the warmup that repairs the remote must publish to it
+            report["repair"] += f" --{'s3' if args.s3_url else 'redis'}-url {tiers[0].location}"
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -282,7 +311,7 @@ def _print_verify(report: dict) -> None:
         f"{report['compiled']} compiled, {len(report['missing'])} missing, "
         f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
         f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
-        + (f" (Redis {report['tier']} alone)" if "tier" in report else "")
+        + (f" ({report['tier']} alone)" if "tier" in report else "")
     )
     for line in source_lines(report):
         print(line)
@@ -307,7 +336,7 @@ def _print_verify(report: dict) -> None:
 
 
 #: How verify names the kind of tier an entry came from.
-TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis"}
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis", "s3": "S3"}
 
 
 def source_lines(report: dict) -> list[str]:
