@@ -29,6 +29,7 @@ from kernel_cache.errors import (
     MissingVariantsError,
 )
 from kernel_cache.plan.plan import Plan
+from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.runtime.dispatch import AttentionRuntime
 from kernel_cache.store.tier import (
     ENV_CACHE_DIR,
@@ -271,6 +272,7 @@ def load_plan(
     from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()
+    compiles = CompileCounter()  # stats() reports torch's compiles from here on
     load_signing_key()  # --require-signed without a key fails here, at start
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
@@ -284,7 +286,9 @@ def load_plan(
         raise MissingVariantsError(
             found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
         )
-    rt = AttentionRuntime(config, plan.bucketer, found.runners, time.perf_counter() - t0)
+    rt = AttentionRuntime(
+        config, plan.bucketer, found.runners, time.perf_counter() - t0, compile_counter=compiles
+    )
     rt.launch = {i.variant: i.launch for i in plan}
     rt.sources = dict(found.sources)
     rt.build_only_accepted = found.accepted
