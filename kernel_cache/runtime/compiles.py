@@ -15,9 +15,9 @@ What is counted (torch 2.13):
   per graph it compiles (two for a training graph: forward and backward),
   AOTInductor (``aoti_compile_and_package``, what warmup runs) one per package,
   an FX-graph-cache hit one too (the compile stack ran, no C++ compiler did).
-  ``torch._dynamo.reset()`` empties that dict; the list held at the baseline is
-  kept, so a reset between two reads loses nothing (two resets between two
-  reads lose the compiles between them).
+  ``torch._dynamo.reset()`` empties that dict; :class:`CompileCounter` keeps
+  every list it has seen, so a reset between two reads loses nothing (two
+  resets between two reads lose the compiles between them).
 - ``dynamo_graphs``: graphs Dynamo captured (``counters["stats"]["unique_graphs"]``),
   whatever the backend (``torch.compile(backend="eager")`` included);
   ``torch.export`` does not count here.
@@ -67,23 +67,27 @@ def _dynamo_graphs() -> int:
 class CompileCounter:
     """Torch's compile counters from a baseline (taken at construction) on.
 
-    :meth:`read` is process-wide: a compile in any thread of this process counts.
+    :meth:`read` is process-wide: a compile in any thread of this process
+    counts. Inductor's list of compile times is replaced by an empty one at
+    each ``torch._dynamo.reset()``; every list seen (at the baseline or at a
+    read) is kept and summed, so only a list made and dropped between two
+    reads (two resets between them) goes uncounted.
     """
 
-    __slots__ = ("_runs", "_runs_len", "_graphs")
+    __slots__ = ("_seen", "_graphs")
 
     def __init__(self):
-        self._runs = _inductor_runs()
-        self._runs_len = len(self._runs) if self._runs is not None else 0
+        runs = _inductor_runs()
+        #: ``[(list, its length at the baseline)]``: Inductor's lists seen so far.
+        self._seen: list[tuple[list, int]] = [] if runs is None else [(runs, len(runs))]
         self._graphs = _dynamo_graphs()
 
     def compiles(self) -> int:
         """Inductor graph compiles since the baseline (module docstring)."""
-        n = len(self._runs) - self._runs_len if self._runs is not None else 0
         now = _inductor_runs()
-        if now is not None and now is not self._runs:  # reset since: a new list
-            n += len(now)
-        return n
+        if now is not None and not any(now is runs for runs, _ in self._seen):
+            self._seen.append((now, 0))  # made since: by the first compile, or a reset
+        return sum(len(runs) - base for runs, base in self._seen)
 
     def read(self) -> dict:
         """``{"compiles": int, "dynamo_graphs": int, "compile_stack_imported": [module]}``:
