@@ -24,7 +24,8 @@ at a time) and the greedy tokens and logits are compared. Both paths run
 ``--untimed`` passes first (one-time costs of first calls), then one timed
 pass. Prints both paths' tokens/s (output tokens over the wall time of the
 timed pass, prefill included), the timed pass's kernel calls per variant and
-the runtime's compile counter (0). Exit status 0
+the Inductor compiles torch counted in this process since engine start (0:
+``attn.stats()["compiles"]``). Exit status 0
 when every token matches and nothing compiled, 1 otherwise, 2 on an error
 (a plan that is not warm: the error gives the warmup command; ``--warmup`` runs it).
 
@@ -359,6 +360,7 @@ def run(args) -> dict:
         "sdpa": {"seconds": round(t_ref, 3), "tokens_per_s": round(new / t_ref, 1)},
         **compare(paged, ref),
         "compiles": stats["compiles"],
+        "compile_stack_imported": stats["compile_stack_imported"],
         "calls_per_variant": calls,  # of the timed pass
         "load_seconds": stats["load_seconds"],
     }

@@ -446,3 +446,168 @@ def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
     # the kernel column's cells, top to bottom: a path folded over lines joins up
     column = "".join(ln.split("│")[4].strip() for ln in out.splitlines() if ln.count("│") > 4)
     assert DECODE in column and PREFILL in column
+
+
+# -- verify's diagnosis of a kernel that breaks the slot contract ---------------
+
+#: An engine's decode that forgets the padded rows: a row with seq_lens == 0
+#: attends to KV position 0 (its first block's first token) instead of returning zeros.
+UNZEROED = """
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class UnzeroedDecode(nn.Module):
+    def __init__(self, num_heads, num_kv_heads, head_dim, **launch):
+        super().__init__()
+        self.groups = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def gather(self, cache, tables):
+        blocks = cache[tables.long()]  # [S, NB, B, KVH, D]
+        s, nb, b, kvh, d = blocks.shape
+        kv = blocks.reshape(s, nb * b, kvh, d).repeat_interleave(self.groups, dim=2)
+        return kv.transpose(1, 2).float()  # [S, H, T, D]
+
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        k, v = self.gather(key_cache, block_tables), self.gather(value_cache, block_tables)
+        t = torch.arange(k.shape[2], device=seq_lens.device, dtype=torch.int32)
+        mask = (t[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]
+        q = query.float().unsqueeze(2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.squeeze(2).to(query.dtype)
+"""
+UNZEROED_PATH = "kc_unzeroed.decode:UnzeroedDecode"
+
+
+@pytest.fixture
+def unzeroed(tmp_path, monkeypatch) -> dict:
+    """The package ``kc_unzeroed`` (:data:`UNZEROED`) on ``sys.path``; the
+    environment that puts it on a child's ``PYTHONPATH``."""
+    site = tmp_path / "unzeroed-site"
+    (site / "kc_unzeroed").mkdir(parents=True)
+    (site / "kc_unzeroed" / "__init__.py").write_text("")
+    (site / "kc_unzeroed" / "decode.py").write_text(UNZEROED)
+    monkeypatch.syspath_prepend(str(site))
+    source_files.cache_clear()
+    yield {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    source_files.cache_clear()
+    sys.modules.pop("kc_unzeroed.decode", None)
+    sys.modules.pop("kc_unzeroed", None)
+
+
+def _padded_row_value(config, variant) -> tuple[int, float]:
+    """The padded row of verify's inputs for ``variant`` and the max abs value
+    :data:`UNZEROED` puts there: the values of KV position 0 of its table."""
+    from kernel_cache.runtime.inputs import make_inputs
+
+    q, kc, vc, bt, lens = make_inputs(config, variant, seed=1)
+    (row,) = [i for i, n in enumerate(lens.tolist()) if n == 0]
+    return row, float(vc[int(bt[row, 0]), 0].abs().max())
+
+
+def test_verify_row_check_flags_padded_rows_by_the_contract():
+    """check_rows: decode's padded rows against zeros, prefill's for being finite."""
+    import torch
+
+    from warmup.check.verify import check_rows
+
+    ref = torch.zeros(4, 2, 3)
+    out = ref.clone()
+    out[3] = 0.5  # the padded decode row
+    out[1, 0, 0] = 1e-6  # within float32's tolerance
+    rows = check_rows(BATCHED_DECODE, out, ref, {"real": [0, 1, 2], "padded": [3]}, 1e-4)
+    assert [(r["kind"], r["rows"], r["differing"]) for r in rows] == [
+        ("real", 3, []),
+        ("padded", 1, [3]),
+    ]
+    assert rows[1]["max_abs_err"] == 0.5 and "zeros" in rows[1]["must_hold"]
+    out = ref.clone()
+    out[2, 1, 1] = float("nan")  # a padded prefill row: never compared, but must be finite
+    out[3] = 7.0  # another padded prefill row: any finite value is fine
+    rows = check_rows(PAGED_ATTENTION, out, ref, {"real": [0, 1], "padded": [2, 3]}, 1e-4)
+    assert [(r["kind"], r["differing"], r["max_abs_err"]) for r in rows] == [
+        ("real", [], 0.0),
+        ("padded", [2], None),
+    ]
+
+
+def test_verify_blames_the_artifact_when_its_kernel_run_eagerly_is_right(tiny_config):
+    """A built-in variant whose compiled output is wrong in a real row while the
+    kernel run eagerly is right: cause 'artifact', and the fix says to remove
+    the entry before a warmup (a warmup alone finds it cached)."""
+    from types import SimpleNamespace
+
+    from kernel_cache.plan.plan import Plan
+    from kernel_cache.runtime.inputs import make_inputs
+    from warmup.check.verify import _Oracle
+
+    (item,) = [i for i in Plan.build(tiny_config) if str(i.variant) == "batched_decode:1:1:4"]
+    oracle = _Oracle(tiny_config)
+    args = make_inputs(tiny_config, item.variant, seed=1)
+    wrong = oracle._reference(item, args).clone()
+    wrong[0] += 0.25
+
+    class Runner:
+        def run(self, inputs):
+            return [wrong]
+
+    err, rows = oracle.check(item, Runner())
+    assert abs(err - 0.25) < 1e-5
+    assert {r["kind"]: r["differing"] for r in rows} == {"real": [0], "padded": []}
+    entry = SimpleNamespace(key="ab" * 32, where="/cache/x")
+    m = oracle.diagnose(item, err, rows, SimpleNamespace(entry=entry), None)
+    assert m["cause"] == "artifact" and "abababababababab in /cache/x" in m["fix"]
+    assert "remove it" in m["fix"] and "kernel-cache warmup --model" in m["fix"]
+
+
+@pytest.mark.compile
+def test_verify_names_the_padded_rows_and_the_contract_of_an_engine_kernel_that_breaks_it(
+    unzeroed, tiny_model, tiny_config, cache_copy, tmp_path
+):
+    """An engine's decode that returns non-zeros in padded rows: warmup compiles
+    its 2 variants (the built-in prefill is in the copied cache), and verify's
+    JSON and text name the padded row, its value, the contract, and the kernel
+    as the fix, with no warmup command (a warmup cannot repair it)."""
+    log = tmp_path / "compiles.log"
+    env = {**unzeroed, "KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    args = [
+        *tiny_args(tiny_model),
+        "--kernel",
+        f"batched_decode={UNZEROED_PATH}",
+        "--cache-dir",
+        cache_copy,
+    ]
+    run_cli("warmup", *args, "--jobs", "2", "--json", env=env, check=True)
+    compiled = sorted(line.split()[1] for line in log.read_text().splitlines())
+    assert compiled == ["batched_decode:1:1:4", "batched_decode:1:2:4"]
+
+    proc = run_cli("verify", *args, "--json", env=env)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert not report["ok"] and report["loaded"] == 6 and report.get("repair") is None
+    assert sorted(m["variant"] for m in report["mismatched"]) == compiled
+    for m in report["mismatched"]:
+        variant = next(v for v in Bucketer(tiny_config).variants if str(v) == m["variant"])
+        row, value = _padded_row_value(tiny_config, variant)
+        kinds = {r["kind"]: r for r in m["rows"]}
+        assert (kinds["padded"]["rows"], kinds["padded"]["differing"]) == (1, [row])
+        assert abs(kinds["padded"]["max_abs_err"] - value) < 1e-5 and value > 0.1
+        assert "zeros" in kinds["padded"]["must_hold"]
+        assert (kinds["real"]["rows"], kinds["real"]["differing"]) == (3, [])
+        assert kinds["real"]["max_abs_err"] < 1e-4
+        assert "a padded row (seq_lens[s] == 0) returns zeros" in m["contract"]
+        assert m["cause"] == "kernel" and m["kernel"] == UNZEROED_PATH
+        assert f"{UNZEROED_PATH}: fix the kernel" in m["fix"]
+    assert "kernel-cache warmup" not in proc.stdout + proc.stderr
+
+    text = run_cli("verify", *args, env=env)
+    out = text.stdout + text.stderr
+    assert text.returncode == 1 and "verify FAILED: 6/6 loaded" in out, out
+    assert "padded rows: 1 of 1 differ (rows 3)" in out
+    assert "real rows: 0 of 3 differ" in out
+    assert "must hold zeros" in out and "returns zeros" in out
+    assert "kernel-cache warmup" not in out and "repair:" not in out

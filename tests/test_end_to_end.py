@@ -1,6 +1,7 @@
 """Warm up once, restart, load, dispatch with zero compiles (tiny geometry, real compiles)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -84,8 +85,69 @@ def test_engine_start_dispatch_matches_reference_without_compiling(warm_cache, t
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["max_abs_err"] < 1e-5
     assert doc["stats"]["compiles"] == 0 and doc["compile_stack"] == []
+    assert doc["stats"]["compile_stack_imported"] == [] and doc["stats"]["dynamo_graphs"] == 0
     assert doc["stats"]["loads"] == 6
     assert sum(doc["stats"]["calls"].values()) == 5 + 3 * 2
+
+
+COUNTING_SCRIPT = r"""
+import json, sys, torch
+from kernel_cache import load_plan, make_config
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32)
+kc = torch.randn(9, 16, 2, 8)
+def serve(rt):
+    rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int32), [5, 17, 32])
+doc = {}
+first = load_plan(cfg, sys.argv[2]); serve(first)
+doc["plain"] = first.stats()
+flat = torch.compile(lambda x: x.reshape(-1))  # an Inductor graph without a kernel
+flat(torch.randn(2, 3))
+doc["first_after_one"] = first.stats()
+second = load_plan(cfg, sys.argv[2]); serve(second)  # its baseline: after that compile
+doc["second_at_start"] = second.stats()
+sine = torch.compile(lambda x: (x * 2).sin() + 1)  # a C++ kernel
+sine(torch.randn(8)); sine(torch.randn(8))  # the second call runs the compiled code
+doc["first_after_two"], doc["second_after_one"] = first.stats(), second.stats()
+torch._dynamo.reset()  # empties torch's compile-time metrics; counts since load stay
+doc["first_after_reset"] = first.stats()
+print(json.dumps(doc))
+"""
+
+
+def test_stats_count_the_compiles_this_process_runs_beside_a_loaded_plan(
+    warm_cache, tiny_model, tmp_path
+):
+    """A fresh process loads the plan and dispatches (0 compiles, compile stack
+    not imported), then torch.compiles two functions beside it, one before a
+    second load_plan: each runtime counts the compiles since its own start."""
+    inductor = tmp_path / "inductor"
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTING_SCRIPT, str(tiny_model), str(warm_cache[0])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The sine kernel was compiled by g++ in this run (an empty Inductor cache):
+    # its shared object is there.
+    assert list(inductor.rglob("*.so")), sorted(p.name for p in inductor.rglob("*"))
+
+    def counts(name):
+        s = doc[name]
+        return s["compiles"], s["dynamo_graphs"], bool(s["compile_stack_imported"])
+
+    assert doc["plain"]["compile_stack_imported"] == []
+    assert counts("plain") == (0, 0, False)
+    assert "torch._dynamo" in doc["first_after_one"]["compile_stack_imported"]
+    assert counts("first_after_one") == (1, 1, True)
+    assert counts("second_at_start") == (0, 0, True)
+    assert counts("first_after_two") == (2, 2, True)
+    assert counts("second_after_one") == (1, 1, True)
+    assert counts("first_after_reset") == (2, 2, True)
 
 
 def test_missing_variant_names_variants_and_command(tmp_path, tiny_config, tiny_model):

@@ -280,7 +280,8 @@ def test_gpu_cache_is_never_loaded_on_cpu_or_another_arch(gpu_cache, gpu_config)
     gpu_key, cpu_key = build_key(gpu_config, v), build_key(cpu_config, v)
     diff = {d.split(":")[0] for d in diff_components(gpu_key.as_dict(), cpu_key.as_dict())}
     # On CUDA paged_attention is the Triton prefill kernel: its factory, sources
-    # and tiles are keyed; the CPU recipe adds its target's options (cpp.march, threads).
+    # and tiles are keyed; the CPU recipe adds its threads options (cpp.march is
+    # in both: on CUDA it is the C++ wrapper's host target).
     assert v.kernel == "paged_attention"
     assert diff == {
         "device", "device_arch", "kernel", "sources", "launch_config", "compile_options",
@@ -295,6 +296,76 @@ def test_gpu_cache_is_never_loaded_on_cpu_or_another_arch(gpu_cache, gpu_config)
     assert [d.split(":")[0] for d in diff_components(gpu_key.as_dict(), other.as_dict())] == [
         "device_arch"
     ]
+
+
+_BUILD_ONE_CUDA = r"""
+import json, sys
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from warmup.build.planner import warmup
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, device="cuda", cpu_target=sys.argv[3])
+v = [v for v in Bucketer(cfg).variants if str(v) == "batched_decode:1:2:4"][0]
+r = warmup(cfg, sys.argv[2], jobs=1, progress=False, variants=[v])
+print(json.dumps({"key": build_key(cfg, v).hexdigest, "compiled": r["compiled"],
+                  "failed": r["failed"]}))
+"""
+
+
+@pytest.mark.skipif(
+    __import__("platform").machine() != "x86_64", reason="x86-64-v3 is an x86-64 target"
+)
+def test_gpu_package_host_code_is_built_for_the_cpu_target_not_native(tmp_path, tiny_model):
+    """One CUDA variant built with the default --cpu-target x86-64-v3, under an
+    environment that asks for -march=native and AVX-512: the package's C++
+    wrapper and kernel files carry Inductor's compile commands, each with
+    -march=x86-64-v3 and none with -march=native; every AOTI_CPU_ISA the package
+    records is AVX2; the entry records the target's CPU features and its key
+    names the host target."""
+    import io
+    import platform
+    import zipfile
+
+    from kernel_cache.config.recipe import CPU_TARGETS
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TORCHINDUCTOR_CPP_MARCH": "native", "ATEN_CPU_CAPABILITY": "avx512"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_ONE_CUDA, str(tiny_model), str(cache), "x86-64-v3"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["compiled"] == 1 and not doc["failed"], doc
+    tier = DiskTier(cache)
+    try:
+        entry = tier.get(doc["key"])
+    finally:
+        tier.close()
+    meta = entry.meta
+    assert meta["cpu_target"] == "x86-64-v3"
+    assert meta["cpu_features"] == list(CPU_TARGETS["x86-64-v3"].features)
+    arch = meta["components"]["device_arch"]
+    assert arch.startswith("sm_") and arch.endswith(f" host {platform.machine()}/x86-64-v3")
+    assert '"cpp.march": "x86-64-v3"' in meta["components"]["compile_options"]
+
+    commands, isas = [], []
+    with zipfile.ZipFile(io.BytesIO(entry.data)) as z:
+        names = z.namelist()
+        for name in names:
+            if name.endswith(".cpp"):
+                text = z.read(name).decode(errors="replace")
+                commands += [
+                    ln for ln in text.splitlines() if ln.startswith("// ") and " -o " in ln
+                ]
+            elif name.endswith("_metadata.json"):
+                isas.append(json.loads(z.read(name))["AOTI_CPU_ISA"])
+    compiles = [c for c in commands if " -c " in c]
+    assert compiles, f"no compile command in the package's .cpp files: {names}"
+    assert all("-march=x86-64-v3" in c for c in compiles), compiles
+    assert not any("-march=native" in c for c in commands), commands
+    assert isas and set(isas) == {"AVX2"}, isas
 
 
 def test_gpu_float16_plan_warms_and_verifies(tmp_path, tiny_model):

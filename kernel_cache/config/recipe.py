@@ -15,7 +15,8 @@ records (:mod:`kernel_cache.plan.keys`):
   :func:`compile_environment` applies it; :func:`classify` answers for one
   variable.
 - :data:`CPU_TARGETS`: the instruction sets a CPU artifact can be built for
-  (``--cpu-target``). The target is part of the key (``device_arch``), and the
+  (``--cpu-target``), and a CUDA artifact's host code (the package's C++
+  wrapper) too. The target is part of the key (``device_arch``), and the
   CPU features it needs are recorded in the entry, so that engine start refuses
   an artifact this CPU cannot run (:func:`missing_cpu_features`).
 
@@ -212,12 +213,48 @@ def cpu_arch(target: CpuTarget) -> str:
 
 
 @functools.cache
+def gpu_arch() -> str:
+    """The GPU part of a CUDA ``device_arch``: ``"sm_90 cuda 13.0 triton 3.6.0"``
+    (compute capability of the current device, CUDA and Triton versions).
+
+    Raises:
+        ConfigError: no usable GPU (a CPU-only torch build or no visible device).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) is a CPU-only build"
+            if torch.version.cuda is None
+            else f"no CUDA device is visible (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
+        )
+        raise ConfigError(
+            f"device='cuda': {why}; run on a machine with a GPU and a CUDA build of "
+            "torch, or use --device cpu"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        triton = version("triton")
+    except PackageNotFoundError:
+        triton = "none"
+    return f"sm_{major}{minor} cuda {torch.version.cuda} triton {triton}"
+
+
+@functools.cache
 def device_arch(device: str, cpu_target: str = DEFAULT_CPU_TARGET) -> str:
     """The ``device_arch`` key component; never the device index.
 
     CPU: the machine and the instruction-set target the code is built for,
     ``"x86_64/x86-64-v3"`` (:func:`kernel_cache.config.recipe.cpu_arch`; ``native``
-    adds a digest of this CPU's features). CUDA: ``"sm_90 cuda 13.0 triton 3.6.0"``.
+    adds a digest of this CPU's features). CUDA: the GPU (:func:`gpu_arch`) and
+    the host target of the package's C++ wrapper, which runs on the CPU and is
+    compiled for ``cpu_target`` too: ``"sm_90 cuda 13.0 triton 3.6.0 host
+    x86_64/x86-64-v3"`` (the first word stays the launch tables' architecture,
+    :func:`kernel_cache.plan.launch.arch_family`).
 
     Raises:
         ConfigError: ``cuda`` without a usable GPU (a CPU-only torch build or no
@@ -227,28 +264,8 @@ def device_arch(device: str, cpu_target: str = DEFAULT_CPU_TARGET) -> str:
     if device == "cpu":
         return cpu_arch(resolve_cpu_target(cpu_target))
     if device == "cuda":
-        from importlib.metadata import PackageNotFoundError, version
-
-        import torch
-
-        if not torch.cuda.is_available():
-            why = (
-                f"this torch ({torch.__version__}) is a CPU-only build"
-                if torch.version.cuda is None
-                else f"no CUDA device is visible (torch {torch.__version__}, CUDA "
-                f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})"
-            )
-            raise ConfigError(
-                f"device='cuda': {why}; run on a machine with a GPU and a CUDA build of "
-                "torch, or use --device cpu"
-            )
-        major, minor = torch.cuda.get_device_capability()
-        try:
-            triton = version("triton")
-        except PackageNotFoundError:
-            triton = "none"
-        return f"sm_{major}{minor} cuda {torch.version.cuda} triton {triton}"
+        gpu = gpu_arch()
+        return f"{gpu} host {cpu_arch(resolve_cpu_target(cpu_target))}"
     raise ValueError(f"device={device!r}; accepted values: cpu, cuda")
 
 
@@ -266,14 +283,17 @@ def compile_options(device: str, cpu_target: str) -> dict:
 
     On the CPU: :data:`BASE_OPTIONS` plus ``cpp.threads`` and
     ``cpp.dynamic_threads`` (:data:`CPU_CODEGEN_THREADS`) and ``cpp.march``
-    from the target. On CUDA: :data:`BASE_OPTIONS`.
+    from the target. On CUDA: :data:`BASE_OPTIONS` plus ``cpp.march``: the
+    package's C++ wrapper runs on the host, and Inductor would otherwise compile
+    it with ``-march=native`` (the builder's CPU, AVX-512 on one machine, AVX2 on
+    another, under one key).
 
     Raises:
         ConfigError: an unknown or unusable ``cpu_target`` (see :func:`resolve_cpu_target`).
     """
     opts = dict(BASE_OPTIONS)
+    target = resolve_cpu_target(cpu_target)
     if device == "cpu":
-        target = resolve_cpu_target(cpu_target)
         opts.update(
             {
                 "cpp.threads": CPU_CODEGEN_THREADS,
@@ -281,6 +301,8 @@ def compile_options(device: str, cpu_target: str) -> dict:
                 "cpp.march": target.march,
             }
         )
+    else:
+        opts["cpp.march"] = target.march
     return opts
 
 
@@ -395,15 +417,16 @@ def compile_environment(
     pinned variable, plus the recipe's own values (``ATEN_CPU_CAPABILITY`` from
     the CPU target; ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR`` set to
     ``scratch``, warmup's private directory for everything a compile writes).
+    ``ATEN_CPU_CAPABILITY`` is set on CUDA too: it picks the vector ISA of the
+    package's C++ wrapper (recorded as ``AOTI_CPU_ISA`` in the package).
 
     Raises:
         ConfigError: an unknown or unusable ``cpu_target``.
     """
     env = {k: v for k, v in environ.items() if classify(k).action != PINNED}
-    if device == "cpu":
-        target = resolve_cpu_target(cpu_target)
-        if target.capability is not None:
-            env["ATEN_CPU_CAPABILITY"] = target.capability
+    target = resolve_cpu_target(cpu_target)
+    if target.capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = target.capability
     if scratch is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = scratch
         env["TMPDIR"] = scratch

@@ -24,6 +24,7 @@ import torch
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import ShapeError
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
+from kernel_cache.runtime.compiles import CompileCounter
 
 #: torch.cuda.is_current_stream_capturing without its Python frame (hot path);
 #: False on a torch built without CUDA.
@@ -204,12 +205,24 @@ class AttentionRuntime:
     a pool's metadata in place (``resize_``, ``set_``) after a call is not seen.
 
     ``counters``: ``loads`` (artifacts loaded at start), ``calls`` (per variant,
-    a :class:`collections.Counter`), ``compiles`` (always 0: this class has no
-    compile path).
+    a :class:`collections.Counter`), and what torch's own counters saw this
+    process compile since ``compile_counter``'s baseline (the start of
+    :func:`~kernel_cache.runtime.load.load_plan`, else construction): ``compiles``
+    (Inductor graph compiles), ``dynamo_graphs``, and ``compile_stack_imported``
+    (:mod:`kernel_cache.runtime.compiles`). This class has no compile path; the
+    counts move when something else in the process compiles.
     """
 
-    def __init__(self, config: EngineConfig, bucketer: Bucketer, runners: dict, load_seconds=0.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        bucketer: Bucketer,
+        runners: dict,
+        load_seconds=0.0,
+        compile_counter: CompileCounter | None = None,
+    ):
         self.config = config
+        self._compile_counter = compile_counter or CompileCounter()
         self.bucketer = bucketer
         self._runners = runners
         self._slots: dict = {}
@@ -251,9 +264,10 @@ class AttentionRuntime:
 
     @property
     def counters(self) -> dict:
-        """``{"loads", "calls": Counter(variant -> calls), "compiles"}`` (a snapshot)."""
+        """``{"loads", "calls": Counter(variant -> calls), "compiles", "dynamo_graphs",
+        "compile_stack_imported"}`` (a snapshot; the class docstring says what each counts)."""
         calls = Counter({s.variant: s.calls for s in self._slots.values() if s.calls})
-        return {"loads": len(self._runners), "calls": calls, "compiles": 0}
+        return {"loads": len(self._runners), "calls": calls, **self._compile_counter.read()}
 
     # -- checks ------------------------------------------------------------
     def _check(self, query, key_cache, value_cache):
@@ -703,6 +717,8 @@ class AttentionRuntime:
         return {
             "loads": c["loads"],
             "compiles": c["compiles"],
+            "dynamo_graphs": c["dynamo_graphs"],
+            "compile_stack_imported": c["compile_stack_imported"],
             "calls": {str(v): n for v, n in sorted(c["calls"].items(), key=str)},
             "load_seconds": round(self.load_seconds, 4),
             "sources": dict(self.sources),

@@ -29,6 +29,7 @@ from kernel_cache.errors import (
     MissingVariantsError,
 )
 from kernel_cache.plan.plan import Plan
+from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.runtime.dispatch import AttentionRuntime
 from kernel_cache.store.tier import (
     ENV_CACHE_DIR,
@@ -197,24 +198,23 @@ def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -
 
 
 def check_cpu_features(config: EngineConfig, variant, entry) -> None:
-    """Refuse a CPU artifact whose recorded ``cpu_features`` (the instruction
-    set it was built for: :mod:`kernel_cache.config.recipe`) include one this CPU lacks:
-    its first call would die of an illegal instruction.
+    """Refuse an artifact whose recorded ``cpu_features`` (the instruction set
+    its host code was built for: :mod:`kernel_cache.config.recipe`; on CUDA the
+    package's C++ wrapper) include one this CPU lacks: its first call would die
+    of an illegal instruction.
 
     Raises:
         CpuTargetError: names the variant, the entry, its target, the missing
             features and the warmup command for a target this CPU runs.
-        CorruptEntryError: a CPU entry without a list of ``cpu_features``.
+        CorruptEntryError: an entry without a list of ``cpu_features``.
     """
     from kernel_cache.config.recipe import cpu_model, missing_cpu_features
 
-    if config.device != "cpu":
-        return
     needed = entry.meta.get("cpu_features")
     if not isinstance(needed, list) or not all(isinstance(f, str) for f in needed):
         raise CorruptEntryError(
             entry.key,
-            f"variant {variant}: a CPU entry must record its cpu_features (a list of CPU "
+            f"variant {variant}: an entry must record its cpu_features (a list of CPU "
             f"flags), it records {needed!r}; repair with: kernel-cache warmup "
             f"{config_to_cli(config)}",
             entry.where,
@@ -272,6 +272,7 @@ def load_plan(
     from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()
+    compiles = CompileCounter()  # stats() reports torch's compiles from here on
     load_signing_key()  # --require-signed without a key fails here, at start
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
@@ -287,7 +288,9 @@ def load_plan(
         raise MissingVariantsError(
             found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
         )
-    rt = AttentionRuntime(config, plan.bucketer, found.runners, time.perf_counter() - t0)
+    rt = AttentionRuntime(
+        config, plan.bucketer, found.runners, time.perf_counter() - t0, compile_counter=compiles
+    )
     rt.launch = {i.variant: i.launch for i in plan}
     rt.sources = dict(found.sources)
     rt.build_only_accepted = found.accepted

@@ -111,19 +111,19 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
 
 
 def required_cpu_features(config: EngineConfig) -> list[str]:
-    """The ``/proc/cpuinfo`` flags a CPU artifact of ``config`` may use (recorded
-    in its metadata; engine start refuses it on a CPU that lacks one); [] on CUDA."""
-    if config.device != "cpu":
-        return []
+    """The ``/proc/cpuinfo`` flags an artifact of ``config`` may use in its host
+    code (the CPU kernels, or a CUDA package's C++ wrapper; recorded in its
+    metadata; engine start refuses it on a CPU that lacks one)."""
     target = resolve_cpu_target(config.cpu_target)
     return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
 def _check_vec_isa(config: EngineConfig) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
-    ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`)."""
+    ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
+    wrapper's)."""
     target = resolve_cpu_target(config.cpu_target)
-    if config.device != "cpu" or target.capability is None:
+    if target.capability is None:
         return
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 

@@ -121,10 +121,10 @@ def check_cached(
 
 
 def _cpu_features(config: EngineConfig) -> list[str] | None:
-    """What a CPU artifact of ``config`` records as ``cpu_features`` (None on CUDA)."""
+    """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
     from warmup.build.compiler import required_cpu_features
 
-    return required_cpu_features(config) if config.device == "cpu" else None
+    return required_cpu_features(config)
 
 
 class Status(str, Enum):
@@ -377,9 +377,8 @@ def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, d
     data, timings = compile_variant(config, variant, launch=launch)
     res.timings = timings
     extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
-    if config.device == "cpu":
-        extra["cpu_target"] = config.cpu_target
-        extra["cpu_features"] = required_cpu_features(config)
+    extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
+    extra["cpu_features"] = required_cpu_features(config)
     meta = make_meta(key, str(variant), data, timings["total_s"], **extra)
     return data, sign_meta(meta, data, load_signing_key())
 

@@ -1,15 +1,16 @@
 """``kernel-cache verify``: load every variant of a plan and check it against eager.
 
 Run it in a fresh process (the CLI is one): it proves that engine start finds
-and loads the whole plan with zero compiles. ``compiled`` counts the runtime's
-compiles (it has no compile path, so 0) plus 1 if the process imported Dynamo
-or Inductor's compiler while verifying.
+and loads the whole plan with zero compiles. ``compiled`` counts the Inductor
+graph compiles torch's own counters saw while verifying, and
+``compile_stack_imported`` the compile-stack modules imported meanwhile
+(:mod:`kernel_cache.runtime.compiles`); both must be 0 / empty.
 """
 
 from __future__ import annotations
 
-import sys
 import time
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,16 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.kernels.builtin import build_module
-from kernel_cache.kernels.slots import SLOTS, kernel_path
-from kernel_cache.plan.buckets import PAGED_ATTENTION
+from kernel_cache.kernels.slots import SLOTS, builtin_paths, kernel_path
+from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION
 from kernel_cache.plan.launch import LaunchChoice, launch_json
 from kernel_cache.plan.plan import Plan, PlanItem
+from kernel_cache.runtime.compiles import CompileCounter, compile_stack_loaded
 from kernel_cache.runtime.inputs import make_inputs
 from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
 from kernel_cache.store.lookup import Lookup, merge_accepted
 from kernel_cache.store.tier import Tier
-
-COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codegen")
 
 #: Max abs difference accepted between a compiled kernel and eager on the same
 #: padded inputs (fp32 measured here within 2e-7; bf16/fp16 round differently).
@@ -52,12 +52,37 @@ class UnrunnableRow(BaseModel):
     reason: str = Field(description="the CPU instructions it needs that this CPU lacks")
 
 
+class RowKind(BaseModel):
+    """One kind of output row of a mismatched variant, as verify's inputs hold it."""
+
+    model_config = _FROZEN
+
+    kind: Literal["real", "padded"] = Field(
+        description="real: a sequence (decode) or chunk token (prefill); padded: bucket "
+        "padding (decode seq_lens[s] == 0, prefill rows >= real_query_len)"
+    )
+    rows: int = Field(description="rows of this kind in verify's inputs")
+    differing: list[int] = Field(description="indices of the rows that break the rule")
+    max_abs_err: float | None = Field(
+        description="max abs difference from what the rows must hold; null where the rule "
+        "is only 'finite'"
+    )
+    must_hold: str = Field(description="what the slot contract says these rows hold")
+
+
 class MismatchedRow(BaseModel):
     model_config = _FROZEN
 
     variant: str
     max_abs_err: float = Field(description="max abs difference from eager")
     kernel: str = Field(description="import path of the variant's kernel")
+    rows: list[RowKind] = Field(description="per kind of row: which differ and by how much")
+    contract: str = Field(description="the slot contract on rows (kernel_cache.kernels.slots)")
+    cause: Literal["kernel", "artifact", "unknown"] = Field(
+        description="kernel: the kernel run eagerly (uncompiled) breaks the rule too; "
+        "artifact: only the compiled code does; unknown: the eager run failed"
+    )
+    fix: str = Field(description="what repairs it (warmup only where a rebuild can)")
 
 
 class AcceptedComponent(BaseModel):
@@ -75,8 +100,10 @@ class VerifyReport(BaseModel):
     ok: bool = Field(description="all loaded, all match eager, nothing compiled")
     variants: int
     loaded: int
-    compiled: int = Field(description="compile-stack modules imported while verifying")
-    compile_stack_imported: list[str]
+    compiled: int = Field(description="Inductor graph compiles while verifying (torch's counter)")
+    compile_stack_imported: list[str] = Field(
+        description="Dynamo / Inductor compiler modules first imported while verifying"
+    )
     missing: list[str] = Field(description="variants in no tier")
     corrupt: list[CorruptRow]
     unrunnable: list[UnrunnableRow]
@@ -88,12 +115,11 @@ class VerifyReport(BaseModel):
     launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
     kernels: dict[str, str] = Field(description="{slot: import path of the kernel the plan holds}")
     seconds: float
-    repair: str | None = Field(None, description="the warmup command that repairs it")
-
-
-def compile_stack_loaded() -> list[str]:
-    """The compile-stack modules this process has imported (should be none)."""
-    return [m for m in COMPILE_STACK if m in sys.modules]
+    repair: str | None = Field(
+        None,
+        description="the warmup command that repairs missing, corrupt or unrunnable entries "
+        "(a mismatch names its own fix)",
+    )
 
 
 def verify_plan(
@@ -112,21 +138,25 @@ def verify_plan(
     ``corrupt`` (lists of variant strings; corrupt entries carry the reason),
     ``unrunnable`` (artifacts needing an instruction this CPU lacks, with the reason),
     ``mismatched`` (variants whose output differs from eager, built with the
-    same launch config), ``max_abs_err``, ``launch`` (the variants a launch
+    same launch config, or whose padded rows break the slot contract: per kind
+    of row the differing indices and error, the contract, the cause and the
+    fix, :class:`MismatchedRow`), ``max_abs_err``, ``launch`` (the variants a launch
     table sets: ``{variant: {"config", "source"}}``),
     ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
     (``{tier location: "bundle" | "disk" | "redis"}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``),
-    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``.
-    Every variant, the engine's own kernels' included, is compared with the
-    built-in slot's eager kernel (the plain PyTorch formulation).
+    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``,
+    ``repair`` (the warmup command, only where warmup can repair: something
+    missing, corrupt or unrunnable). Every variant, the engine's own kernels'
+    included, is compared with the built-in slot's eager kernel (the plain
+    PyTorch formulation).
 
     Raises:
         UntrustedCacheError: see :mod:`kernel_cache.trust.permissions`
             (``allow_shared_dir`` opts out).
     """
     t0 = time.perf_counter()
-    before = set(compile_stack_loaded())
+    before, compiles = set(compile_stack_loaded()), CompileCounter()
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
@@ -144,26 +174,21 @@ def verify_plan(
         report["sources"][src] = report["sources"].get(src, 0) + 1
         report["source_kinds"][src] = found.tier.name
         merge_accepted(report["build_only_accepted"], found.accepted)
-        err = oracle.error(item, runner)
+        err, rows = oracle.check(item, runner)
         report["max_abs_err"] = max(report["max_abs_err"], err)
-        if not err <= TOLERANCE[config.dtype]:
-            report["mismatched"].append(
-                {
-                    "variant": str(item.variant),
-                    "max_abs_err": err,
-                    "kernel": kernel_path(config, item.variant.kernel),
-                }
-            )
+        if any(r["differing"] for r in rows):
+            report["mismatched"].append(oracle.diagnose(item, err, rows, found, cache_dir))
     newly = sorted(set(compile_stack_loaded()) - before)
-    report["compiled"] = len(newly)
+    report["compiled"] = compiles.compiles()
     report["compile_stack_imported"] = newly
     report["ok"] = (
         report["loaded"] == report["variants"]
         and not report["mismatched"]
         and report["compiled"] == 0
+        and not newly
     )
     report["seconds"] = round(time.perf_counter() - t0, 3)
-    if not report["ok"]:
+    if report["missing"] or report["corrupt"] or report["unrunnable"]:  # what warmup rebuilds
         report["repair"] = f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
     VerifyReport.model_validate(report)  # the report is what its model (and schema) says
     return report
@@ -210,27 +235,154 @@ def _load_item(config: EngineConfig, item: PlanItem, lookup: Lookup, report: dic
     return None, None
 
 
+#: What each kind of output row must hold, per slot: the rules of
+#: ``SLOTS[slot].padding`` (:mod:`kernel_cache.kernels.slots`) that verify checks.
+ROW_RULES = {
+    BATCHED_DECODE: {
+        "real": "the eager reference: attention over KV positions < seq_lens[s]",
+        "padded": "zeros (seq_lens[s] == 0: 'a padded row returns zeros')",
+    },
+    PAGED_ATTENTION: {
+        "real": "the eager reference: causal attention of the chunk token",
+        "padded": "finite values, never compared (rows >= real_query_len)",
+    },
+}
+
+
+def row_kinds(variant, args) -> dict[str, list[int]]:
+    """``{"real": [row], "padded": [row]}``: the output rows of ``variant``'s
+    kernel on ``args`` (from :func:`~kernel_cache.runtime.inputs.make_inputs`) by
+    kind (decode: sequences, padded where ``seq_lens == 0``; prefill: chunk
+    tokens, padded from ``real_query_len`` on)."""
+    if variant.kernel == PAGED_ATTENTION:
+        real = int(args[5][0])
+        return {"real": list(range(real)), "padded": list(range(real, variant.query_len))}
+    lens = args[4].tolist()
+    return {
+        "real": [i for i, n in enumerate(lens) if n > 0],
+        "padded": [i for i, n in enumerate(lens) if n == 0],
+    }
+
+
+def check_rows(slot: str, out, ref, kinds: dict[str, list[int]], tol: float) -> list[dict]:
+    """Each kind of row of ``out`` against its rule (:data:`ROW_RULES`): real rows
+    against ``ref`` (the eager oracle), decode's padded rows against zeros,
+    prefill's padded rows for being finite. A row differs where its max abs
+    difference is above ``tol`` or not a number. Returns one :class:`RowKind`
+    dict per kind present."""
+    out, ref = out.detach().float().cpu(), ref.detach().float().cpu()
+    checked = []
+    for kind, idx in kinds.items():
+        if not idx:
+            continue
+        got = out[idx].flatten(1)
+        if slot == PAGED_ATTENTION and kind == "padded":
+            finite = torch.isfinite(got).all(dim=1).tolist()
+            bad, err = [i for i, ok in zip(idx, finite, strict=True) if not ok], None
+        else:
+            want = torch.zeros_like(got) if kind == "padded" else ref[idx].flatten(1)
+            per_row = (got - want).abs().amax(dim=1).tolist()
+            bad = [i for i, e in zip(idx, per_row, strict=True) if not e <= tol]
+            err = max(per_row)
+        checked.append(
+            {
+                "kind": kind,
+                "rows": len(idx),
+                "differing": bad,
+                "max_abs_err": err,
+                "must_hold": ROW_RULES[slot][kind],
+            }
+        )
+    return checked
+
+
 class _Oracle:
     """Eager modules of the same kernels and launch configs, built once per
-    ``(kernel, launch config)``; :meth:`error` compares a runner with one."""
+    ``(kernel, launch config)``; :meth:`check` compares a runner with one and
+    :meth:`diagnose` says why a variant differs."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.modules: dict = {}
+        self.tol = TOLERANCE[config.dtype]
 
-    def error(self, item: PlanItem, runner) -> float:
-        """Max abs difference between ``runner`` and eager on seeded inputs."""
+    def _reference(self, item: PlanItem, args):
         c, v, cfg = self.config, item.variant, item.launch
-        args = make_inputs(c, v, seed=1)
-        out = runner.run(list(args))[0]
         mk = (v.kernel, launch_json(cfg))
         if mk not in self.modules:
             # The CUDA prefill's tiles are the Triton kernel's; the oracle takes none.
             kw = {} if v.kernel == PAGED_ATTENTION else cfg
             self.modules[mk] = build_module(v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, **kw)
         with torch.no_grad():
-            ref = self.modules[mk](*args)
-        if v.kernel == PAGED_ATTENTION:  # rows past the real chunk are padding: not compared
-            real = int(args[5][0])
-            out, ref = out[:real], ref[:real]
-        return float((out.float() - ref.float()).abs().max())
+            return self.modules[mk](*args)
+
+    def check(self, item: PlanItem, runner) -> tuple[float, list[dict]]:
+        """``(max abs err, rows)``: ``runner`` against eager on seeded inputs; the
+        error over the compared rows (prefill's padded rows are not compared),
+        and :func:`check_rows`'s verdict per kind of row."""
+        v = item.variant
+        args = make_inputs(self.config, v, seed=1)
+        out = runner.run(list(args))[0]
+        rows = check_rows(v.kernel, out, self._reference(item, args), row_kinds(v, args), self.tol)
+        errs = [r["max_abs_err"] for r in rows if r["max_abs_err"] is not None]
+        return (max(errs) if errs else 0.0), rows
+
+    def diagnose(self, item: PlanItem, err: float, rows: list[dict], found, cache_dir) -> dict:
+        """The :class:`MismatchedRow` of a variant whose rows differ: runs the
+        variant's kernel eagerly (uncompiled) on the same inputs to tell a kernel
+        that breaks the contract (fixed in the kernel: a warmup would find the
+        entry cached and change nothing) from an artifact that differs from its
+        own kernel (rebuilt by a warmup once the entry is gone)."""
+        c, v = self.config, item.variant
+        path = kernel_path(c, v.kernel)
+        args = make_inputs(c, v, seed=1)
+        where = f"{found.entry.key[:16]} in {found.entry.where}"
+        cli = config_to_cli(c, cache_dir)
+        try:
+            mod = build_module(
+                v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=path, **item.launch
+            )
+            with torch.no_grad():
+                eager = mod(*args)
+            ref = self._reference(item, args)
+            eager_rows = check_rows(v.kernel, eager, ref, row_kinds(v, args), self.tol)
+        except Exception as e:  # the engine's code run eagerly: any failure is reported
+            cause, fix = (
+                "unknown",
+                (
+                    f"the kernel {path} failed when run eagerly ({type(e).__name__}: {e}); "
+                    "it cannot tell a wrong kernel from a wrong artifact"
+                ),
+            )
+        else:
+            bad = [f"{r['kind']} rows {r['differing']}" for r in eager_rows if r["differing"]]
+            if bad:
+                cause = "kernel"
+                who = (
+                    f"the built-in kernel {path}: a bug in kernel-cache"
+                    if path in builtin_paths()
+                    else f"{path}: fix the kernel; its sources are in the key, so a warmup "
+                    "after the fix compiles the new code"
+                )
+                fix = (
+                    f"the kernel itself breaks the {v.kernel} contract: run eagerly "
+                    f"(uncompiled) on the same inputs it differs in {', '.join(bad)}; "
+                    f"a rebuild compiles the same code again. It is {who}"
+                )
+            else:
+                cause = "artifact"
+                fix = (
+                    f"the compiled artifact (entry {where}) differs from {path} run "
+                    "eagerly, which meets the contract: a miscompile or a replaced entry. "
+                    "A warmup finds the entry cached: remove it (kernel-cache clear, or a "
+                    f"rebuilt bundle), then kernel-cache warmup {cli}"
+                )
+        return {
+            "variant": str(v),
+            "max_abs_err": err,
+            "kernel": path,
+            "rows": rows,
+            "contract": SLOTS[v.kernel].padding,
+            "cause": cause,
+            "fix": fix,
+        }

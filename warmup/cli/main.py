@@ -318,8 +318,18 @@ def _print_verify(report: dict) -> None:
     for slot, path in report["kernels"].items():
         print(f"  kernel {slot}: {path}")
     for m in report["mismatched"]:
-        err = m["max_abs_err"]
-        print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {err:.2e}")
+        print(f"  mismatched {m['variant']} ({m['kernel']}): max abs err {m['max_abs_err']:.2e}")
+        for r in m["rows"]:
+            err = "" if r["max_abs_err"] is None else f", max abs err {r['max_abs_err']:.2e}"
+            which = f" (rows {', '.join(map(str, r['differing']))})" if r["differing"] else ""
+            print(
+                f"    {r['kind']} rows: {len(r['differing'])} of {r['rows']} differ{which}{err}; "
+                f"must hold {r['must_hold']}"
+            )
+        print(f"    contract ({m['variant'].split(':')[0]}): {m['contract']}")
+        print(f"    fix: {m['fix']}")
+    if report["compile_stack_imported"]:
+        print(f"  compile stack imported: {', '.join(report['compile_stack_imported'])}")
     for name, a in report["build_only_accepted"].items():
         print(
             f"  build-only {name}: accepted {', '.join(a['stored'])} recorded at build "
@@ -331,7 +341,7 @@ def _print_verify(report: dict) -> None:
         print(f"  cannot run here {c['variant']}: {c['reason']}", file=sys.stderr)
     if report["missing"]:
         print(f"  missing: {', '.join(report['missing'])}", file=sys.stderr)
-    if not report["ok"]:
+    if report.get("repair"):
         print(f"  repair: {report['repair']}", file=sys.stderr)
 
 

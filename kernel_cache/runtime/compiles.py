@@ -1,0 +1,101 @@
+"""Compiles this process ran, read from torch's own counters without importing
+torch's compile stack.
+
+Torch keeps its compile counters in ``torch._dynamo.utils`` (imported by Dynamo
+and by every Inductor compile, ``torch.compile`` and AOTInductor alike); this
+module reads them only where that module is already in ``sys.modules``, so
+asking imports nothing. Where it is not, this process has compiled nothing
+through torch's compile stack.
+
+What is counted (torch 2.13):
+
+- ``compiles``: Inductor graph compiles, the entries Inductor's
+  ``compile_fx_inner`` appends to ``torch._dynamo.utils.compilation_time_metrics``
+  when it finishes a graph. ``torch.compile`` with the default backend adds one
+  per graph it compiles (two for a training graph: forward and backward),
+  AOTInductor (``aoti_compile_and_package``, what warmup runs) one per package,
+  an FX-graph-cache hit one too (the compile stack ran, no C++ compiler did).
+  ``torch._dynamo.reset()`` empties that dict; :class:`CompileCounter` keeps
+  every list it has seen, so a reset between two reads loses nothing (two
+  resets between two reads lose the compiles between them).
+- ``dynamo_graphs``: graphs Dynamo captured (``counters["stats"]["unique_graphs"]``),
+  whatever the backend (``torch.compile(backend="eager")`` included);
+  ``torch.export`` does not count here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: Modules whose presence in ``sys.modules`` means torch's compile stack was
+#: imported: Dynamo and Inductor's compiler (the AOTInductor runtime loader
+#: that engine start uses imports none of them).
+COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codegen")
+
+#: The ``compilation_time_metrics`` entry Inductor appends to once per graph compile.
+_INDUCTOR_COMPILE = "compile_fx_inner"
+
+
+def compile_stack_loaded() -> list[str]:
+    """The modules of :data:`COMPILE_STACK` this process has imported (in that order)."""
+    return [m for m in COMPILE_STACK if m in sys.modules]
+
+
+def _torch_counters():
+    """``torch._dynamo.utils`` if this process imported it, else None (never imports)."""
+    return sys.modules.get("torch._dynamo.utils")
+
+
+def _inductor_runs() -> list | None:
+    """Inductor's list of graph-compile times (one float per compile), or None
+    where no Inductor compile has run since the last reset (or ever)."""
+    utils = _torch_counters()
+    if utils is None:
+        return None
+    return getattr(utils, "compilation_time_metrics", {}).get(_INDUCTOR_COMPILE)
+
+
+def _dynamo_graphs() -> int:
+    """Graphs Dynamo captured in this process (0 where Dynamo was never imported)."""
+    utils = _torch_counters()
+    if utils is None:
+        return 0
+    stats = getattr(utils, "counters", {}).get("stats")  # .get: the defaultdict is not grown
+    return int(stats.get("unique_graphs", 0)) if stats else 0
+
+
+class CompileCounter:
+    """Torch's compile counters from a baseline (taken at construction) on.
+
+    :meth:`read` is process-wide: a compile in any thread of this process
+    counts. Inductor's list of compile times is replaced by an empty one at
+    each ``torch._dynamo.reset()``; every list seen (at the baseline or at a
+    read) is kept and summed, so only a list made and dropped between two
+    reads (two resets between them) goes uncounted.
+    """
+
+    __slots__ = ("_seen", "_graphs")
+
+    def __init__(self):
+        runs = _inductor_runs()
+        #: ``[(list, its length at the baseline)]``: Inductor's lists seen so far.
+        self._seen: list[tuple[list, int]] = [] if runs is None else [(runs, len(runs))]
+        self._graphs = _dynamo_graphs()
+
+    def compiles(self) -> int:
+        """Inductor graph compiles since the baseline (module docstring)."""
+        now = _inductor_runs()
+        if now is not None and not any(now is runs for runs, _ in self._seen):
+            self._seen.append((now, 0))  # made since: by the first compile, or a reset
+        return sum(len(runs) - base for runs, base in self._seen)
+
+    def read(self) -> dict:
+        """``{"compiles": int, "dynamo_graphs": int, "compile_stack_imported": [module]}``:
+        the first two since the baseline, the last the compile-stack modules
+        imported in this process now (whenever they were imported)."""
+        return {
+            "compiles": self.compiles(),
+            # max: torch's counters.clear() (tests do it) would make it negative
+            "dynamo_graphs": max(0, _dynamo_graphs() - self._graphs),
+            "compile_stack_imported": compile_stack_loaded(),
+        }
