@@ -12,6 +12,7 @@ process that calls :func:`compile_variant` has already applied
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -219,6 +220,49 @@ def compile_variant(
     return compile_with_options(config, variant, opts, launch)
 
 
+@contextlib.contextmanager
+def _host_march(march: str | None):
+    """On a torch without ``cpp.march`` (before 2.13; the GPU image runs 2.11),
+    the ``-march=`` its C++ builder passes for host code, ``native`` otherwise,
+    replaced by ``march`` for the block (None: nothing changed). The option is
+    in the key either way (:func:`kernel_cache.config.recipe.compile_options`).
+
+    Raises:
+        CompileError: this torch's builder has no ``_get_optimization_cflags``
+            to set it through (a torch this recipe does not know).
+    """
+    if march is None:
+        yield
+        return
+    from torch._inductor import cpp_builder
+
+    original = getattr(cpp_builder, "_get_optimization_cflags", None)
+    if original is None:
+        raise CompileError(
+            f"torch {_torch_version()} has neither cpp.march nor the C++ builder hook to "
+            f"build host code for -march={march}; use torch 2.11 to 2.13"
+        )
+
+    def swap(fl):
+        return [f"march={march}" if str(f).startswith("march=") else f for f in fl]
+
+    def flags(*args, **kwargs):  # a list of flags, or (cflags, ldflags) in newer torch
+        out = original(*args, **kwargs)
+        return (swap(out[0]), *out[1:]) if isinstance(out, tuple) else swap(out)
+
+    cpp_builder._get_optimization_cflags = flags
+    try:
+        yield
+    finally:
+        cpp_builder._get_optimization_cflags = original
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def compile_with_options(
     config: EngineConfig, variant: KernelVariant, options: dict, launch: dict | None = None
 ) -> tuple[bytes, dict]:
@@ -243,6 +287,9 @@ def compile_with_options(
     opts = {
         k: v for k, v in opts.items() if k not in BASE_OPTIONS or _has_option(inductor_config, k)
     }
+    march = None
+    if "cpp.march" in opts and not _has_option(inductor_config, "cpp.march"):
+        march = opts.pop("cpp.march")  # torch < 2.13: set through the builder's flags
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
     t0 = time.perf_counter()
@@ -261,7 +308,7 @@ def compile_with_options(
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _host_march(march):
                 torch._inductor.aoti_compile_and_package(
                     ep, package_path=path, inductor_configs=opts
                 )
