@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -313,9 +314,7 @@ print(json.dumps({"key": build_key(cfg, v).hexdigest, "compiled": r["compiled"],
 """
 
 
-@pytest.mark.skipif(
-    __import__("platform").machine() != "x86_64", reason="x86-64-v3 is an x86-64 target"
-)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86-64 target")
 def test_gpu_package_host_code_is_built_for_the_cpu_target_not_native(tmp_path, tiny_model):
     """One CUDA variant built with the default --cpu-target x86-64-v3, under an
     environment that asks for -march=native and AVX-512: the package's C++
@@ -324,7 +323,6 @@ def test_gpu_package_host_code_is_built_for_the_cpu_target_not_native(tmp_path, 
     records is AVX2; the entry records the target's CPU features and its key
     names the host target."""
     import io
-    import platform
     import zipfile
 
     from kernel_cache.config.recipe import CPU_TARGETS
