@@ -30,6 +30,7 @@ MODELS: tuple[str, ...] = (
     "kernel_cache.store.tier:EntryMeta",
     "kernel_cache.store.bundle:BundleManifest",
     "kernel_cache.store.usage:UsageRecord",
+    "kernel_cache.trust.signing:EntrySignature",
 )
 
 
