@@ -457,8 +457,8 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             present += 1
             continue
         entry = tier.get(key)
-        verify_entry(entry)
-        check_untrusted(entry)  # the local cache is trusted: check before copying in
+        digest = verify_entry(entry)
+        check_untrusted(entry, digest=digest)  # the local cache is trusted: check first
         record = {k: v for k, v in meta.items() if k != "file"}
         record["imported_from"] = "bundle"
         disk.put(key, entry.data, record)

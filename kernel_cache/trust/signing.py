@@ -391,9 +391,10 @@ def _what_changed(meta: Mapping, sig: EntrySignature, digest: str) -> str:
 
 
 def check_signature(
-    key: str, meta: Mapping, data: bytes, keyring: Keyring, where: str = ""
+    key: str, meta: Mapping, data: bytes, keyring: Keyring, where: str = "", digest: str = ""
 ) -> None:
-    """Check an entry's signature against the trusted ``keyring``.
+    """Check an entry's signature against the trusted ``keyring``. ``digest``: the
+    sha256 (hex) of ``data`` where the caller has computed it (else hashed here).
 
     Raises:
         SignatureError: unsigned, signed with the retired HMAC scheme or by a key
@@ -433,7 +434,7 @@ def check_signature(
         )
     from cryptography.exceptions import InvalidSignature
 
-    digest = hashlib.sha256(data).hexdigest()
+    digest = digest or hashlib.sha256(data).hexdigest()
     try:
         public.verify(signature, payload(meta, digest))
         return
@@ -447,11 +448,15 @@ def check_signature(
     raise SignatureError(key, f"{reason}; signature by key {sig.key_id} refused", where)
 
 
-def check_untrusted(entry, keyring: Keyring | None = None, environ=None) -> None:
+def check_untrusted(
+    entry, keyring: Keyring | None = None, environ=None, *, digest: str = ""
+) -> None:
     """The check every entry from an untrusted tier passes before it is used.
 
     ``keyring`` defaults to :func:`load_trusted_keys` (None: no key set, nothing
-    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.tier.Entry`.
+    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.tier.Entry`;
+    ``digest`` the sha256 of its bytes as :func:`~kernel_cache.store.tier.verify_entry`
+    returned it (else hashed here).
 
     Raises:
         SignatureError: see :func:`check_signature`.
@@ -460,7 +465,7 @@ def check_untrusted(entry, keyring: Keyring | None = None, environ=None) -> None
     if keyring is None:
         keyring = load_trusted_keys(environ, required=False)
     if keyring is not None:
-        check_signature(entry.key, entry.meta, entry.data, keyring, entry.where)
+        check_signature(entry.key, entry.meta, entry.data, keyring, entry.where, digest)
 
 
 def may_publish(meta: Mapping, data: bytes, environ=None) -> bool:
