@@ -32,13 +32,27 @@ from kernel_cache.store.redis import (
     RedisTier,
 )
 from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
-from kernel_cache.trust.signing import ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, mac, sign_meta
+from kernel_cache.trust.signing import (
+    ENV_SIGNING_KEY,
+    ENV_SIGNING_KEY_FILE,
+    ENV_TRUSTED_KEYS,
+    check_signature,
+    load_trusted_keys,
+    sign_meta,
+)
 from warmup.build.planner import warmup
 
 from .conftest import ROOT, run_cli, tiny_args
 from .redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
+from .signing_keys import make_keypair
 
-SECRET = "fleet-test-secret-0123456789"
+
+@pytest.fixture(scope="module")
+def fleet_keys(tmp_path_factory):
+    """The fleet's key pair, a rotated-out old one and an attacker's."""
+    d = tmp_path_factory.mktemp("fleet-keys")
+    return {name: make_keypair(d / name) for name in ("fleet", "old", "attacker")}
+
 
 needs_redis_binary = pytest.mark.skipif(
     redis_server_binary() is None,
@@ -63,7 +77,7 @@ def redis_url():
 @pytest.fixture
 def redis_db(redis_url, monkeypatch):
     """An empty Redis database for one test, and no fleet settings leaking in."""
-    for var in (ENV_REDIS_URL, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE):
+    for var in (ENV_REDIS_URL, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS):
         monkeypatch.delenv(var, raising=False)
     tier = RedisTier(redis_url, fail_open=False)
     tier.client.flushdb()
@@ -81,13 +95,13 @@ def private_redis():
     server.stop()
 
 
-def _publish_warm_cache(warm_dir, url, secret=None) -> list[str]:
-    """Copy every entry of a local cache into Redis (signed when ``secret``)."""
+def _publish_warm_cache(warm_dir, url, signer=None) -> list[str]:
+    """Copy every entry of a local cache into Redis (signed when ``signer``)."""
     local, remote = DiskTier(warm_dir), RedisTier(url, fail_open=False)
     keys = []
     for meta in local.iter_meta():
         e = local.get(meta["key"])
-        remote.put(e.key, e.data, sign_meta(e.meta, e.data, secret))
+        remote.put(e.key, e.data, sign_meta(e.meta, e.data, signer))
         keys.append(e.key)
     local.close()
     remote.close()
@@ -197,24 +211,28 @@ def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_c
 
 
 def test_warmup_republishes_redis_entries_signed_with_another_key(
-    redis_db, cache_copy, tiny_config, monkeypatch
+    redis_db, cache_copy, tiny_config, monkeypatch, fleet_keys
 ):
     """After a key rotation the builders' local caches hold the plan: warmup must
     replace Redis's entries signed with the old key (engines reject them), and a
     builder without a key must not replace signed entries."""
     remote = RedisSettings(url=redis_db)
-    keys = _publish_warm_cache(cache_copy, redis_db, secret=b"old-secret-0123456789")
-    monkeypatch.setenv(ENV_SIGNING_KEY, SECRET)
+    new = fleet_keys["fleet"]
+    keys = _publish_warm_cache(cache_copy, redis_db, signer=fleet_keys["old"].signer)
+    monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(new.private))
     report = warmup(tiny_config, cache_copy, progress=False, remote=remote)
     assert (report["compiled"], report["uploaded"]) == (0, len(keys))
     tier = RedisTier(redis_db, fail_open=False)
+    ring = load_trusted_keys({ENV_TRUSTED_KEYS: str(new.public)})
     for k in keys:
         e = tier.get(k)
-        assert e.meta["signature"]["mac"] == mac(SECRET.encode(), k, e.data)
+        assert e.meta["signature"]["key_id"] == new.key_id
+        check_signature(k, e.meta, e.data, ring)
+    # Ed25519 is deterministic: the same record and key sign the same, nothing to upload
     assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
-    monkeypatch.delenv(ENV_SIGNING_KEY)
+    monkeypatch.delenv(ENV_SIGNING_KEY_FILE)
     assert warmup(tiny_config, cache_copy, progress=False, remote=remote)["uploaded"] == 0
-    assert all("signature" in tier.get_meta(k) for k in keys)
+    assert all(tier.get_meta(k)["signature"]["key_id"] == new.key_id for k in keys)
 
 
 # -- signing ------------------------------------------------------------------
@@ -222,10 +240,11 @@ def test_warmup_republishes_redis_entries_signed_with_another_key(
 
 @pytest.mark.compile
 def test_forged_entry_in_redis_is_rejected_and_never_loaded(
-    redis_db, warm_cache, tiny_config, tiny_model, tmp_path, monkeypatch, caplog
+    redis_db, warm_cache, tiny_config, tiny_model, tmp_path, monkeypatch, caplog, fleet_keys
 ):
-    """Right key, right checksum, wrong signature (another secret's MAC)."""
-    _publish_warm_cache(warm_cache[0], redis_db, SECRET.encode())
+    """Right key, right checksum, wrong signature (another key's, under our key id)."""
+    fleet = fleet_keys["fleet"]
+    _publish_warm_cache(warm_cache[0], redis_db, fleet.signer)
     keys = _plan_keys(tiny_config)
     plan = Bucketer(tiny_config).variants
     victim, donor = str(plan[0]), str(plan[1])
@@ -233,14 +252,12 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
     good = tier.get(keys[victim])
     payload = tier.get(keys[donor]).data  # a valid package, for the wrong shape
     forged = make_meta(build_key(tiny_config, plan[0]), victim, payload, 1.0)
-    forged["signature"] = {  # our key id, a MAC made with another secret
-        **good.meta["signature"],
-        "mac": mac(b"attacker-secret-0123456789", keys[victim], payload),
-    }
+    forged = sign_meta(forged, payload, fleet_keys["attacker"].signer)
+    forged["signature"]["key_id"] = good.meta["signature"]["key_id"]  # posing as ours
     tier.put(keys[victim], payload, forged)
 
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
-    monkeypatch.setenv(ENV_SIGNING_KEY, SECRET)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet.public))  # an engine: public key only
     local = tmp_path / "local"
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         with pytest.raises(MissingVariantsError) as e:
@@ -256,14 +273,15 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
         "--redis-url",
         redis_db,
         "--json",
-        env={ENV_SIGNING_KEY: SECRET},
+        env={ENV_TRUSTED_KEYS: str(fleet.public)},
     )
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
     assert [c["variant"] for c in report["corrupt"]] == [victim]
     assert "signature" in report["corrupt"][0]["reason"] and report["loaded"] == 5
 
-    # warmup recompiles the rejected variant and replaces the forged entry
+    # a builder's warmup recompiles the rejected variant and replaces the forged entry
+    monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(fleet.private))
     fix = warmup(tiny_config, local, progress=False, remote=RedisSettings(url=redis_db))
     assert (fix["compiled"], fix["cached"]) == (1, 5) and fix["failed"] == []
     assert tier.get(keys[victim]).data != payload
@@ -271,11 +289,11 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
 
 
 def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
-    redis_db, warm_cache, tiny_config, tmp_path, monkeypatch
+    redis_db, warm_cache, tiny_config, tmp_path, monkeypatch, fleet_keys
 ):
-    _publish_warm_cache(warm_cache[0], redis_db, secret=None)
+    _publish_warm_cache(warm_cache[0], redis_db, signer=None)
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
-    monkeypatch.setenv(ENV_SIGNING_KEY, SECRET)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
     with pytest.raises(MissingVariantsError) as e:
         load_plan(tiny_config, tmp_path / "local")
     assert len(e.value.missing) == 6
@@ -390,10 +408,12 @@ def test_lock_of_a_killed_builder_expires_and_is_taken_over(redis_db):
 
 
 @pytest.mark.compile
-def test_three_shard_builders_cover_the_plan_once(redis_db, tiny_model, tiny_config, tmp_path):
+def test_three_shard_builders_cover_the_plan_once(
+    redis_db, tiny_model, tiny_config, tmp_path, fleet_keys
+):
     """Three ``--shard I/3`` builders and one unsharded builder, in parallel, one
     Redis, empty local caches, signed: every variant compiled exactly once."""
-    env = {ENV_SIGNING_KEY: SECRET}
+    env = {ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private)}
     cmds = [["--shard", f"{i}/3"] for i in range(3)] + [[]]
     procs = [
         subprocess.Popen(
@@ -437,7 +457,11 @@ def test_three_shard_builders_cover_the_plan_once(redis_db, tiny_model, tiny_con
         local = DiskTier(tmp_path / f"builder{i}")  # write-through: local has its shard
         for v in shards[i] if i < 3 else plan:
             verify_entry(local.get(_plan_keys(tiny_config)[v]))
-    proc = run_cli("verify", *tiny_args(tiny_model), "--redis-url", redis_db, "--json", env=env)
+    engine = {ENV_TRUSTED_KEYS: str(fleet_keys["fleet"].public)}  # an engine's: public only
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--redis-url", redis_db, "--json", "--require-signed",
+        env=engine,
+    )  # fmt: skip
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["ok"] and report["loaded"] == len(plan), proc.stderr
 

@@ -29,6 +29,7 @@ CASES = {
     "keep_scratch": ("on", True, "2"),
     "signing_key": ("k" * 32, "k" * 32, None),
     "signing_key_file": ("/run/secrets/k", Path("/run/secrets/k"), None),
+    "trusted_keys": (" /a.pub, /b.pub,,/a.pub", (Path("/a.pub"), Path("/b.pub")), None),
     "require_signed": ("FALSE", False, "maybe"),
     "redis_url": ("redis://10.0.0.5:6379/0", "redis://10.0.0.5:6379/0", "http://10.0.0.5"),
     "redis_timeout": ("0.5", 0.5, "0"),
@@ -127,17 +128,19 @@ def test_unrelated_variables_are_ignored():
 def test_free_form_values_are_checked_where_used(tmp_path, monkeypatch):
     from kernel_cache.plan.launch import Resolver
     from kernel_cache.store.bundle import read_manifest
-    from kernel_cache.trust.signing import SigningKeyError, load_signing_key
+    from kernel_cache.trust.signing import SigningKeyError, load_signer, load_trusted_keys
 
     missing = str(tmp_path / "nope.json")
     with pytest.raises(ConfigError, match=f"KERNEL_CACHE_TUNING={re.escape(missing)}"):
         Resolver({"KERNEL_CACHE_TUNING": missing})
-    with pytest.raises(SigningKeyError, match="KERNEL_CACHE_SIGNING_KEY: .*below the minimum"):
-        load_signing_key({"KERNEL_CACHE_SIGNING_KEY": "short"})
+    with pytest.raises(SigningKeyError, match="KERNEL_CACHE_SIGNING_KEY is set, but HMAC"):
+        load_signer({"KERNEL_CACHE_SIGNING_KEY": "short"})
     with pytest.raises(SigningKeyError, match=f"KERNEL_CACHE_SIGNING_KEY_FILE={missing}"):
-        load_signing_key({"KERNEL_CACHE_SIGNING_KEY_FILE": missing})
+        load_signer({"KERNEL_CACHE_SIGNING_KEY_FILE": missing})
+    with pytest.raises(SigningKeyError, match=f"KERNEL_CACHE_TRUSTED_KEYS={missing}"):
+        load_trusted_keys({"KERNEL_CACHE_TRUSTED_KEYS": missing})
     with pytest.raises(SigningKeyError, match="KERNEL_CACHE_REQUIRE_SIGNED='maybe'"):
-        load_signing_key({"KERNEL_CACHE_REQUIRE_SIGNED": "maybe"})
+        load_trusted_keys({"KERNEL_CACHE_REQUIRE_SIGNED": "maybe"})
     with pytest.raises(KernelCacheError, match=r"KERNEL_CACHE_BUNDLE"):
         read_manifest(settings.get("bundle", {"KERNEL_CACHE_BUNDLE": missing})[0])
     a_file = tmp_path / "file"

@@ -205,9 +205,14 @@ def _split_paths(text: str) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(Path(p) for p in text.split(os.pathsep) if p.strip()))
 
 
+def _split_comma_paths(text: str) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(Path(p.strip()) for p in text.split(",") if p.strip()))
+
+
 Bool = Annotated[bool, _before(parse_bool)]
 BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
 PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
+CommaPathList = Annotated[tuple[Path, ...], _before(_split_comma_paths)]
 Size = Annotated[int | None, _before(parse_size_bytes)]
 RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
 S3Url = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_s3_url(v))]
@@ -281,18 +286,25 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     # -- signing ------------------------------------------------------------------------
     signing_key: SecretStr | None = _f(
-        None, "HMAC secret signing and checking entries (>= 16 bytes; not with "
-        "_SIGNING_KEY_FILE)",
-        type="secret", expected="the secret text", example="$(openssl rand -hex 32)",
-        shown_default="none (unsigned)",
+        None, "retired (the HMAC secret): set, it is an error saying how to migrate "
+        "(kernel-cache keygen, then _SIGNING_KEY_FILE and _TRUSTED_KEYS)",
+        type="retired", expected="unset", example="(unset)", shown_default="unset",
     )  # fmt: skip
     signing_key_file: Path | None = _f(
-        None, "file holding the HMAC secret (blanks around it stripped; chmod 600)",
+        None, "builders only: the Ed25519 private key (PEM PKCS#8, chmod 600, from "
+        "kernel-cache keygen) that signs every entry published to Redis or a bundle",
         type="path", expected="a readable file path", example="/etc/kc/signing.key",
-        shown_default="none",
+        shown_default="none (unsigned)",
+    )  # fmt: skip
+    trusted_keys: CommaPathList = _f(
+        (), "Ed25519 public keys (PEM, from kernel-cache keygen) whose signatures entries "
+        "from Redis and bundles must carry; several let a fleet rotate keys",
+        type="paths (','-separated)", expected="public key file paths",
+        example="/etc/kc/signing.pub,/etc/kc/old.pub", shown_default="none (unchecked)",
     )  # fmt: skip
     require_signed: Bool = _f(
-        False, "refuse to start without a signing key (--require-signed)",
+        False, "refuse to start without a key to check signatures (_TRUSTED_KEYS or "
+        "_SIGNING_KEY_FILE; --require-signed)",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
     # -- Redis --------------------------------------------------------------------------

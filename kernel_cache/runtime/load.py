@@ -38,7 +38,7 @@ from kernel_cache.store.tier import (
     check_cache_dir_path,
     default_cache_dir,
 )
-from kernel_cache.trust.signing import load_signing_key
+from kernel_cache.trust.signing import load_trusted_keys
 
 log = logging.getLogger("kernel_cache")
 
@@ -267,13 +267,14 @@ def load_plan(
         BundleError: a bundle path is not a bundle.
         UntrustedCacheError: the directory or an entry file is writable by other
             users or owned by another user (names the path and the fix).
-        SigningKeyError: signed entries are required and no key is set.
+        SigningKeyError: signed entries are required and no trusted key is set, or a
+            key setting is wrong (names the variable and the fix).
     """
     from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()
     compiles = CompileCounter()  # stats() reports torch's compiles from here on
-    load_signing_key()  # --require-signed without a key fails here, at start
+    load_trusted_keys()  # --require-signed without a key, or a bad key, fails here
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None

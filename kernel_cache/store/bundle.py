@@ -13,10 +13,11 @@ copied into an image layer or mounted read-only anywhere::
               "variants": ["paged_attention:1:1:1", ...]},
      "tools": {"kernel_cache": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11",
                "cxx": "gcc 12.2.0", "platform": "Linux-...-x86_64"},
-     "entries": [{"variant", "key", "components": {name: value},
-                  "file": "artifacts/<sha256>.pt2", "sha256", "size" (bytes),
-                  "compile_seconds", "created", "format", and for a CPU artifact
-                  "cpu_target", "cpu_features"}, ...]}
+     "entries": [{<the entry's whole metadata record as built: "variant", "key",
+                   "components": {name: value}, "sha256", "size" (bytes), "kernel",
+                   "compile_seconds", "created", "format", for a CPU artifact
+                   "cpu_target" and "cpu_features", "signature" when signed, ...>,
+                  "file": "artifacts/<sha256>.pt2"}, ...]}
 
 ``kernel-cache export`` writes one (:func:`export_bundle`); engine start and
 ``verify`` read them through :class:`BundleTier` from ``--bundle DIR`` and
@@ -24,7 +25,8 @@ copied into an image layer or mounted read-only anywhere::
 ``kernel-cache import`` copies one into a local cache (:func:`import_bundle`).
 A :class:`BundleTier` writes nothing, anywhere: it reads the manifest and the
 files, and :func:`kernel_cache.store.tier.verify_entry` checks each file's size and
-sha256 before its code is loaded.
+sha256 before its code is loaded, and with trusted keys set
+(:mod:`kernel_cache.trust.signing`) the signature over each whole record.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ class BundleTier(Tier):
     """
 
     name = "bundle"
-    trusted = False  # with a signing key set, entries need a valid signature
+    trusted = False  # with trusted keys set, entries need a valid signature
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -244,19 +246,25 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
 
     Raises:
         BundleError: a variant is missing or corrupt (lists them and the warmup
-            command), or ``out`` exists and is not an empty directory.
+            command), an entry would be refused by the trusted keys set here
+            (unsigned, or signed by a key not trusted, and no private key to sign
+            it now), or ``out`` exists and is not an empty directory.
+        SigningKeyError: a key setting is wrong.
     """
     from kernel_cache.plan.plan import Plan
-    from kernel_cache.trust.signing import load_signing_key
+    from kernel_cache.trust.signing import load_signer, load_trusted_keys
 
-    secret = load_signing_key()
+    signer, keyring = load_signer(), load_trusted_keys(required=False)
     out = Path(out)
     _refuse_existing(out)
     plan = Plan.build(config, log_launch=False)
     found = _find_plan(plan, tiers)
+    entries = [_manifest_entry(v, hit, signer) for v, hit in found]
+    if keyring is not None:
+        _refuse_untrusted(found, entries, keyring)
     tmp = _make_temp_dir(out)
     try:
-        entries, total = _write_artifacts(found, tmp, secret)
+        total = _write_artifacts(found, tmp)
         manifest = _manifest(config, plan, entries)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         _move_into_place(tmp, out)
@@ -273,54 +281,56 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
     }
 
 
-def _write_artifacts(found: list, tmp: Path, secret: bytes | None) -> tuple[list[dict], int]:
+def _write_artifacts(found: list, tmp: Path) -> int:
     """Write each distinct artifact of ``found`` (``[(variant, Found)]`` from
-    :func:`_find_plan`) once, as ``tmp/artifacts/<sha256>.pt2``.
-
-    ``secret`` is the signing key (bytes) or None. Returns ``(entries, bytes)``:
-    the manifest's entry records, one per variant in ``found``'s order, and the
+    :func:`_find_plan`) once, as ``tmp/artifacts/<sha256>.pt2``; returns the
     bytes of the files written.
 
     Raises:
         OSError: a file cannot be written (the caller removes ``tmp``).
     """
-    entries, total = [], 0
-    for v, hit in found:
-        rel = f"artifacts/{hit.entry.meta['sha256']}.pt2"
-        path = tmp / rel
+    total = 0
+    for _, hit in found:
+        path = tmp / f"artifacts/{hit.entry.meta['sha256']}.pt2"
         if not path.exists():
             path.write_bytes(hit.entry.data)
             total += len(hit.entry.data)
-        entries.append(_manifest_entry(v, hit, rel, secret))
-    return entries, total
+    return total
 
 
-def _manifest_entry(variant, hit, rel: str, secret: bytes | None) -> dict:
-    """The manifest record of ``variant``'s artifact (``hit``, a lookup's Found),
-    stored at ``rel`` in the bundle: its key, components, file, sha256, size
-    (bytes) and build record, and its signature when signed now with ``secret``
-    or as built."""
+def _manifest_entry(variant, hit, signer) -> dict:
+    """The manifest record of ``variant``'s artifact (``hit``, a lookup's Found):
+    the entry's whole metadata record (every field, so a signature over it
+    still holds; ``variant`` filled in if an old record lacks it) plus ``file``,
+    signed now when ``signer`` (a :class:`kernel_cache.trust.signing.Signer`)
+    is given, else with the signature it was built with, if any."""
     from kernel_cache.trust.signing import sign_meta
 
     m = hit.entry.meta
-    entry = {
-        "variant": str(variant),
-        "key": hit.entry.key,
-        "components": m["components"],
-        "file": rel,
-        "sha256": m["sha256"],
-        "size": m["size"],
-        "compile_seconds": m.get("compile_seconds"),
-        "created": m.get("created"),
-        "format": m.get("format"),
-        # a CPU artifact's instruction-set record, checked at engine start;
-        # the import path of the kernel it holds
-        **{f: m[f] for f in ("cpu_target", "cpu_features", "kernel") if f in m},
-    }
-    signed = sign_meta({"key": hit.entry.key, **m}, hit.entry.data, secret)
-    if "signature" in signed:  # signed now with the key set, or as built
-        entry["signature"] = signed["signature"]
+    record = {k: v for k, v in m.items() if k not in ("file", "imported_from")}
+    record.setdefault("variant", str(variant))
+    entry = sign_meta(record, hit.entry.data, signer)
+    entry["file"] = f"artifacts/{m['sha256']}.pt2"
     return entry
+
+
+def _refuse_untrusted(found: list, entries: list[dict], keyring) -> None:
+    """Raises BundleError: an entry the trusted keys set here would refuse (engines
+    refuse it too), listing each with the reason and how to sign it."""
+    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, SignatureError, check_signature
+
+    bad = []
+    for (v, hit), entry in zip(found, entries, strict=True):
+        try:
+            check_signature(hit.entry.key, entry, hit.entry.data, keyring)
+        except SignatureError as e:
+            bad.append(f"{v} ({e.reason})")
+    if bad:
+        raise BundleError(
+            f"refusing to export {len(bad)} entries the trusted keys refuse: "
+            f"{'; '.join(bad)}. Export from a builder holding the private key "
+            f"({ENV_SIGNING_KEY_FILE}): it signs every entry now"
+        )
 
 
 def _manifest(config, plan, entries: list[dict]) -> dict:
@@ -432,8 +442,8 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
 
     Raises:
         BundleError: from :func:`read_manifest`.
-        CorruptEntryError: a file fails its sha256 or size check, or (with a
-            signing key set) its signature (nothing of it is copied; entries
+        CorruptEntryError: a file fails its sha256 or size check, or (with
+            trusted keys set) its signature (nothing of it is copied; entries
             copied before it stay, each whole).
     """
     from kernel_cache.store.tier import verify_entry
@@ -447,8 +457,8 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             present += 1
             continue
         entry = tier.get(key)
-        verify_entry(entry)
-        check_untrusted(entry)  # the local cache is trusted: check before copying in
+        digest = verify_entry(entry)
+        check_untrusted(entry, digest=digest)  # the local cache is trusted: check first
         record = {k: v for k, v in meta.items() if k != "file"}
         record["imported_from"] = "bundle"
         disk.put(key, entry.data, record)

@@ -171,9 +171,9 @@ class Lookup:
         return replace(found, promoted=result)
 
     def _check(self, src: Source, entry: Entry) -> None:
-        verify_entry(entry)
+        digest = verify_entry(entry)
         if not src.trusted:
-            check_untrusted(entry)
+            check_untrusted(entry, digest=digest)
 
     def _find_in(self, src: Source, key: CacheKey) -> Found | None:
         """The verified (and for an untrusted source, checked) entry in one tier."""

@@ -159,8 +159,9 @@ def check_meta(meta, key: str, where: str = "") -> EntryMeta:
         raise CorruptEntryError(key, f"metadata: {describe_errors(e)}", where) from None
 
 
-def verify_entry(entry: Entry) -> None:
-    """Check an entry before its code is loaded.
+def verify_entry(entry: Entry) -> str:
+    """Check an entry before its code is loaded; returns the sha256 (hex) of its
+    bytes, so a signature check need not hash them again.
 
     Raises:
         CorruptEntryError: the metadata is malformed (names the field), names
@@ -181,6 +182,7 @@ def verify_entry(entry: Entry) -> None:
         raise CorruptEntryError(
             entry.key, f"sha256 {digest[:16]} != recorded {m.sha256[:16]}", entry.where
         )
+    return digest
 
 
 class PutOutcome(str, Enum):

@@ -1,2 +1,2 @@
 """Who may have written what engine start loads: ownership and permission checks
-on the cache directory, and HMAC-SHA256 signatures on shared artifacts."""
+on the cache directory, and Ed25519 signatures on shared artifacts."""

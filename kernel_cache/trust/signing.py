@@ -1,61 +1,197 @@
-"""Signed artifacts: an HMAC-SHA256 over an entry's cache key and bytes.
+"""Signed artifacts: Ed25519 signatures over an entry's whole record and bytes.
 
-A shared store (Redis, a bundle copied between machines) is writable by more
-parties than the machine that loads from it. With a signing key set, every
-entry a builder publishes carries::
+Who can write what. A builder holds the private key
+(``KERNEL_CACHE_SIGNING_KEY_FILE``, made by ``kernel-cache keygen``) and signs
+every entry it publishes to Redis or exports to a bundle. Engines hold only
+public keys (``KERNEL_CACHE_TRUSTED_KEYS``) and hold no secret: a compromised
+engine can read the fleet's artifacts but cannot make one the fleet accepts.
+Several trusted keys let a fleet rotate (sign with the new key, trust both,
+then drop the old one). A builder's own public key is trusted too.
 
-    "signature": {"alg": "hmac-sha256", "key_id": <16 hex>, "mac": <64 hex>}
+Every entry a builder publishes carries, in its JSON metadata::
 
-in its JSON metadata, where ``mac = HMAC-SHA256(secret, b"kernel-cache-sig-v1\\0"
-+ key + b"\\0" + bytes)`` (stdlib :mod:`hmac`, RFC 2104) and ``key_id`` is
-``HMAC-SHA256(secret, b"kernel-cache-key-id")`` cut to 16 hex characters (it
-names which secret signed an entry without revealing it). A reader holding the
-same secret recomputes the MAC; an entry from an untrusted tier (``Tier.trusted
-is False``: Redis, bundles) whose signature is missing or wrong is rejected,
-logged and never loaded. The local disk cache is trusted: it is written only by
-this machine's builds and by entries that already passed this check.
+    "signature": {"alg": "ed25519", "key_id": <16 hex>, "sig": <base64, 64 bytes>,
+                  "fields": {<field>: <8 hex>, ...}}
 
-The secret comes from ``KERNEL_CACHE_SIGNING_KEY`` (the secret itself) or
-``KERNEL_CACHE_SIGNING_KEY_FILE`` (a file holding it; surrounding whitespace is
-stripped), never both. It must be at least :data:`MIN_KEY_BYTES` bytes.
-``KERNEL_CACHE_REQUIRE_SIGNED=1`` (``--require-signed``) makes a missing secret
-an error at start rather than a silent fall-back to unsigned entries.
+``sig`` is Ed25519 (RFC 8032, the ``cryptography`` package) over
+``b"kernel-cache-entry-sig-v2\\0" + sha256(bytes) (64 hex) + b"\\0" +
+canonical JSON of the record``, where the record is the whole metadata except
+:data:`UNSIGNED_FIELDS` and the canonical JSON has sorted keys, ``","``/``":"``
+separators and UTF-8 text. Every field load, ``verify``, ``ls``, ``explain``
+and the CPU check read (``variant``, ``kernel``, ``components``,
+``cpu_target``, ``cpu_features``, sizes, build options, and any field added
+later) is covered without listing it. ``key_id`` is the first 16 hex of the
+sha256 of the raw 32-byte public key. ``fields`` (a short digest per field of
+the record) is diagnostic only: it lets a refusal name the field that changed;
+the decision is the signature's.
+
+An entry from an untrusted tier (``Tier.trusted is False``: Redis, bundles)
+is checked against the trusted keys when any are set: missing, unknown-key,
+malformed or non-matching signatures are rejected, logged and never loaded.
+The local disk cache is trusted: only this machine's builds and entries that
+already passed this check are written there.
+
+HMAC signing (``KERNEL_CACHE_SIGNING_KEY``, ``alg: hmac-sha256``) is retired:
+every engine needed the secret that signs, so any engine could publish code the
+fleet runs. Setting it is a :class:`SigningKeyError` that says how to migrate;
+see docs/architecture.md (Trust).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
 import hashlib
-import hmac
+import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kernel_cache.config import settings
-from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
+from kernel_cache.errors import ConfigError, CorruptEntryError, describe_errors
 
-ENV_SIGNING_KEY = settings.var("signing_key")
+ENV_SIGNING_KEY = settings.var("signing_key")  # retired (HMAC)
 ENV_SIGNING_KEY_FILE = settings.var("signing_key_file")
+ENV_TRUSTED_KEYS = settings.var("trusted_keys")
 ENV_REQUIRE_SIGNED = settings.var("require_signed")
 
-ALGORITHM = "hmac-sha256"
+ALGORITHM = "ed25519"
+RETIRED_ALGORITHM = "hmac-sha256"
 
-#: 16 bytes (128 bits): an HMAC key should carry at least the security strength
-#: wanted (NIST SP 800-107 rev. 1, section 5.3.4). ``openssl rand -hex 32``
-#: makes a 64-byte one.
-MIN_KEY_BYTES = 16
+#: Fields left out of the signed record: the signature itself, a bundle's
+#: ``file`` (``artifacts/<sha256>.pt2``, checked against the signed sha256 on
+#: every read) and ``imported_from`` (a note the local cache adds to its copy;
+#: nothing reads it).
+UNSIGNED_FIELDS = frozenset({"signature", "file", "imported_from"})
 
-_DOMAIN = b"kernel-cache-sig-v1\0"
-_FIX = "make one with: openssl rand -hex 32"
+PRIVATE_NAME = "signing.key"
+PUBLIC_NAME = "signing.pub"
+
+_DOMAIN = b"kernel-cache-entry-sig-v2\0"
+_KEYGEN = "kernel-cache keygen DIR"
+_MIGRATE = (
+    f"make a key pair with {_KEYGEN}; builders set {ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME}, "
+    f"engines set {ENV_TRUSTED_KEYS}=DIR/{PUBLIC_NAME} (see the README, Trust)"
+)
+
+log = logging.getLogger("kernel_cache")
 
 
-class SigningKeyError(KernelCacheError):
-    """The signing key is missing where required, unreadable, or too short."""
+class SigningKeyError(ConfigError):
+    """A key setting is wrong: a key file unreadable or not an Ed25519 key, the
+    retired HMAC secret set, none set while required, or keygen refusing to
+    overwrite a key."""
 
 
 class SignatureError(CorruptEntryError):
-    """An entry's signature is missing, made with another key, or does not match
-    its key and bytes. The entry is never loaded."""
+    """An entry's signature is missing, by an untrusted key, malformed, or does
+    not match its record and bytes. The entry is never loaded."""
+
+
+class EntrySignature(BaseModel):
+    """An entry's ``signature`` field: a builder's Ed25519 signature over the whole
+    metadata record (all but ``signature``, ``file`` and ``imported_from``, as
+    canonical JSON) and the artifact's sha256 (kernel_cache.trust.signing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    alg: Literal["ed25519"] = Field(description="signature algorithm (RFC 8032 Ed25519)")
+    key_id: str = Field(
+        pattern=r"^[0-9a-f]{16}$",
+        description="first 16 hex of the sha256 of the signer's raw 32-byte public key",
+    )
+    sig: str = Field(
+        description="base64 of the 64-byte Ed25519 signature over the domain tag, the "
+        "artifact's sha256 (hex) and the canonical JSON of the record"
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="diagnostic: first 8 hex of the sha256 of each signed field's canonical "
+        "JSON, so a refusal can name the field that changed (not trusted for the decision)",
+    )
+
+
+@dataclass(frozen=True)
+class Signer:
+    """A builder's private key (read from ``path``) and its key id."""
+
+    private: object  # cryptography Ed25519PrivateKey
+    key_id: str
+    path: str
+
+    @property
+    def public(self):
+        return self.private.public_key()
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """The public keys entries of untrusted tiers must be signed with:
+    ``{key id: Ed25519PublicKey}`` and where each came from."""
+
+    keys: dict = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} ({self.sources[k]})" for k in self.keys)
+
+
+# -- the signed bytes ----------------------------------------------------------------
+
+
+def canonical_json(value) -> bytes:
+    """Sorted keys, compact separators, UTF-8; NaN and infinities refused.
+
+    Raises:
+        ValueError: a NaN or infinite float.
+    """
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def signed_record(meta: Mapping) -> dict:
+    """The part of ``meta`` a signature covers: all but :data:`UNSIGNED_FIELDS`."""
+    return {k: v for k, v in meta.items() if k not in UNSIGNED_FIELDS}
+
+
+def payload(meta: Mapping, digest: str) -> bytes:
+    """The bytes signed for a record ``meta`` and an artifact whose sha256 is
+    ``digest`` (64 hex characters)."""
+    return _DOMAIN + digest.encode("ascii") + b"\0" + canonical_json(signed_record(meta))
+
+
+def field_digests(meta: Mapping) -> dict[str, str]:
+    """``{field: first 8 hex of sha256(canonical JSON of its value)}`` of the
+    signed record, plus ``"field.name"`` for each member of an object-valued
+    field (``components.compile_options``), so a refusal can name the member."""
+    out = {}
+    for k, v in signed_record(meta).items():
+        out[k] = _short_digest(v)
+        if isinstance(v, dict):
+            out.update({f"{k}.{n}": _short_digest(x) for n, x in v.items()})
+    return out
+
+
+def _short_digest(value) -> str:
+    return hashlib.sha256(canonical_json(value)).hexdigest()[:8]
+
+
+def key_id(public) -> str:
+    """16 hex characters naming an Ed25519 public key (sha256 of its raw 32 bytes)."""
+    from cryptography.hazmat.primitives import serialization
+
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+# -- keys from the environment ----------------------------------------------------
 
 
 def _setting(name: str, environ: Mapping[str, str] | None):
@@ -67,19 +203,25 @@ def _setting(name: str, environ: Mapping[str, str] | None):
         raise SigningKeyError(str(e)) from None
 
 
+def _refuse_retired(environ: Mapping[str, str] | None) -> None:
+    """Raises SigningKeyError: the retired HMAC secret is set."""
+    if settings.is_set("signing_key", environ):
+        raise SigningKeyError(
+            f"{ENV_SIGNING_KEY} is set, but HMAC signing is retired: a shared secret lets "
+            "every engine that holds it sign code the whole fleet runs. Unset it and "
+            f"migrate to public-key signatures: {_MIGRATE}"
+        )
+
+
 _warned_paths: set[str] = set()
 
 
-def _warn_if_shared(path: str) -> None:
-    """Warn once per file when the key file is readable by group or others:
-    whoever can read the secret can sign artifacts the fleet will load."""
-    try:
-        mode = os.stat(path).st_mode & 0o777
-    except OSError:
-        return
+def _warn_if_shared(path: str, mode: int) -> None:
+    """Warn once per file when the private key is readable by group or others:
+    whoever can read it can sign artifacts the fleet will load."""
     if mode & 0o077 and path not in _warned_paths:
         _warned_paths.add(path)
-        logging.getLogger("kernel_cache").warning(
+        log.warning(
             "%s=%s is readable by group or others (mode %04o): anyone who can read "
             "it can sign artifacts; chmod 600 it",
             ENV_SIGNING_KEY_FILE,
@@ -88,121 +230,334 @@ def _warn_if_shared(path: str) -> None:
         )
 
 
-def load_signing_key(
+def _read(path: Path, variable: str) -> tuple[bytes, os.stat_result]:
+    try:
+        with open(path, "rb") as f:
+            return f.read(), os.fstat(f.fileno())
+    except OSError as e:
+        raise SigningKeyError(
+            f"{variable}={path}: cannot read it ({e.strerror or e}); point it at the "
+            f"file {_KEYGEN} wrote"
+        ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_private(data: bytes, source: str):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise SigningKeyError(
+            f"{source}: the private key is encrypted; kernel-cache reads an unencrypted "
+            f"PEM PKCS#8 key (chmod 600 protects it), as {_KEYGEN} writes"
+        ) from None
+    except ValueError as e:
+        raise SigningKeyError(
+            f"{source}: not a PEM Ed25519 private key ({e}). HMAC secrets are retired; {_MIGRATE}"
+        ) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise SigningKeyError(
+            f"{source}: a {type(key).__name__}, not an Ed25519 private key; {_MIGRATE}"
+        )
+    return key
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_public(data: bytes, source: str):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if b"PRIVATE KEY" in data:
+        raise SigningKeyError(
+            f"{source}: holds a private key; engines get only the public key "
+            f"({PUBLIC_NAME}): whoever holds the private key can sign artifacts"
+        )
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError as e:
+        raise SigningKeyError(
+            f"{source}: not a PEM public key ({e}); give the {PUBLIC_NAME} that {_KEYGEN} wrote"
+        ) from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise SigningKeyError(f"{source}: a {type(key).__name__}, not an Ed25519 public key")
+    return key
+
+
+def load_signer(environ: Mapping[str, str] | None = None) -> Signer | None:
+    """The builder's private key from ``KERNEL_CACHE_SIGNING_KEY_FILE``, or None.
+
+    Raises:
+        SigningKeyError: the retired ``KERNEL_CACHE_SIGNING_KEY`` is set, or the
+            file cannot be read or is not an unencrypted PEM Ed25519 private key.
+    """
+    _refuse_retired(environ)
+    path = _setting("signing_key_file", environ)
+    if path is None:
+        return None
+    data, st = _read(path, ENV_SIGNING_KEY_FILE)
+    _warn_if_shared(str(path), st.st_mode & 0o777)
+    key = _parse_private(data, f"{ENV_SIGNING_KEY_FILE}={path}")
+    return Signer(key, key_id(key.public_key()), str(path))
+
+
+def load_trusted_keys(
     environ: Mapping[str, str] | None = None, *, required: bool | None = None
-) -> bytes | None:
-    """The signing secret from the environment, or None when none is set.
+) -> Keyring | None:
+    """The keys entries of untrusted tiers must be signed with: every file of
+    ``KERNEL_CACHE_TRUSTED_KEYS`` plus the builder's own public key; None when
+    neither is set (then entries are checked by checksum only).
 
     Args:
         environ: defaults to :data:`os.environ`.
         required: raise when no key is set; None reads ``KERNEL_CACHE_REQUIRE_SIGNED``.
 
     Raises:
-        SigningKeyError: both variables are set, the key file cannot be read, the
-            key is shorter than :data:`MIN_KEY_BYTES`, or none is set while required.
+        SigningKeyError: see :func:`load_signer`; a trusted-key file cannot be
+            read or is not a PEM Ed25519 public key; none is set while required.
     """
     if required is None:
         required = _setting("require_signed", environ)
-    value = _setting("signing_key", environ)
-    value = value.get_secret_value() if value is not None else None
-    path = _setting("signing_key_file", environ)
-    path = str(path) if path is not None else None
-    if value and path:
+    ring = Keyring()
+    for path in _setting("trusted_keys", environ):
+        data, _ = _read(path, ENV_TRUSTED_KEYS)
+        key = _parse_public(data, f"{ENV_TRUSTED_KEYS}: {path}")
+        kid = key_id(key)
+        ring.keys.setdefault(kid, key)
+        ring.sources.setdefault(kid, str(path))
+    signer = load_signer(environ)
+    if signer is not None:
+        ring.keys.setdefault(signer.key_id, signer.public)
+        ring.sources.setdefault(signer.key_id, f"{signer.path}, this builder's own")
+    if ring.keys:
+        return ring
+    if required:
         raise SigningKeyError(
-            f"both {ENV_SIGNING_KEY} and {ENV_SIGNING_KEY_FILE} are set; set only one"
+            f"signed artifacts are required (--require-signed or {ENV_REQUIRE_SIGNED}) but "
+            f"no key is set to check them: set {ENV_TRUSTED_KEYS}=DIR/{PUBLIC_NAME} (engines) "
+            f"or {ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} (builders); make a pair with {_KEYGEN}"
         )
-    if path:
-        try:
-            secret = Path(path).read_bytes().strip()
-        except OSError as e:
-            raise SigningKeyError(
-                f"{ENV_SIGNING_KEY_FILE}={path}: cannot read it ({e.strerror or e}); "
-                "point it at a readable file holding the secret"
-            ) from None
-        source = f"{ENV_SIGNING_KEY_FILE}={path}"
-        _warn_if_shared(path)
-    elif value:
-        secret = value.encode()
-        source = ENV_SIGNING_KEY
-    else:
-        if required:
-            raise SigningKeyError(
-                f"signed artifacts are required (--require-signed or {ENV_REQUIRE_SIGNED}) "
-                f"but neither {ENV_SIGNING_KEY} nor {ENV_SIGNING_KEY_FILE} is set; {_FIX}"
-            )
-        return None
-    if len(secret) < MIN_KEY_BYTES:
-        raise SigningKeyError(
-            f"{source}: the key is {len(secret)} bytes, below the minimum of "
-            f"{MIN_KEY_BYTES}; {_FIX}"
-        )
-    return secret
+    return None
 
 
-def key_id(secret: bytes) -> str:
-    """16 hex characters naming ``secret`` without revealing it."""
-    return hmac.new(secret, b"kernel-cache-key-id", hashlib.sha256).hexdigest()[:16]
+# -- sign and check --------------------------------------------------------------------
 
 
-def mac(secret: bytes, key: str, data: bytes) -> str:
-    """HMAC-SHA256 (hex) over the cache key (64 hex characters) and the artifact bytes."""
-    h = hmac.new(secret, _DOMAIN, hashlib.sha256)
-    h.update(key.encode("ascii"))
-    h.update(b"\0")
-    h.update(data)
-    return h.hexdigest()
+def sign_meta(meta: dict, data: bytes, signer: Signer | None) -> dict:
+    """``meta`` with a ``signature`` over its record and ``data`` by ``signer``;
+    unchanged (a copy, any signature kept) when ``signer`` is None.
 
-
-def sign_meta(meta: dict, data: bytes, secret: bytes | None) -> dict:
-    """``meta`` with a ``signature`` for ``meta["key"]`` and ``data``; unchanged
-    (a copy) when ``secret`` is None."""
+    Raises:
+        ValueError: the record holds a NaN or infinite number.
+    """
     out = dict(meta)
-    if secret is not None:
-        out["signature"] = {
-            "alg": ALGORITHM,
-            "key_id": key_id(secret),
-            "mac": mac(secret, meta["key"], data),
-        }
+    if signer is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        sig = signer.private.sign(payload(out, digest))
+        out["signature"] = EntrySignature(
+            alg=ALGORITHM,
+            key_id=signer.key_id,
+            sig=base64.b64encode(sig).decode("ascii"),
+            fields=field_digests(out),
+        ).model_dump()
     return out
 
 
-def check_signature(key: str, meta: dict, data: bytes, secret: bytes, where: str = "") -> None:
-    """Check an entry's signature against ``secret``.
+def _what_changed(meta: Mapping, sig: EntrySignature, digest: str) -> str:
+    """Which fields differ from what was signed, by the diagnostic digests."""
+    if meta.get("sha256") != digest:
+        return "the artifact bytes differ from the record's sha256"
+    if not sig.fields:
+        return ""
+    try:
+        have = field_digests(meta)
+    except ValueError:  # NaN or infinity: not a record anyone signed
+        return "a field holds NaN or infinity"
+    changed = {
+        name: "added" if name not in sig.fields else "removed" if name not in have else "changed"
+        for name in have.keys() | sig.fields.keys()
+        if have.get(name) != sig.fields.get(name)
+    }
+
+    # name the member that changed (components.cxx), not also the object holding
+    # it; an object added or removed whole is named alone
+    def shown(name: str) -> bool:
+        if "." in name:
+            return changed.get(name.split(".", 1)[0]) in (None, "changed")
+        return not (changed[name] == "changed" and any(n.startswith(name + ".") for n in changed))
+
+    return ", ".join(f"{n} {how}" for n, how in sorted(changed.items()) if shown(n))
+
+
+def check_signature(
+    key: str, meta: Mapping, data: bytes, keyring: Keyring, where: str = "", digest: str = ""
+) -> None:
+    """Check an entry's signature against the trusted ``keyring``. ``digest``: the
+    sha256 (hex) of ``data`` where the caller has computed it (else hashed here).
 
     Raises:
-        SignatureError: the signature is missing, uses another algorithm or key,
-            or does not match ``key`` and ``data`` (forged or altered).
+        SignatureError: unsigned, signed with the retired HMAC scheme or by a key
+            not in ``keyring``, malformed, or not matching the record and bytes
+            (names the fields that changed where the diagnostic digests tell).
     """
-    sig = meta.get("signature")
-    if not isinstance(sig, dict):
+    raw = meta.get("signature")
+    if raw is None:
         raise SignatureError(
-            key, f"unsigned, but {ENV_SIGNING_KEY} is set: only signed entries are loaded", where
+            key,
+            f"unsigned, but trusted keys are set ({ENV_TRUSTED_KEYS}): only entries "
+            "signed by a trusted key are loaded",
+            where,
         )
-    if sig.get("alg") != ALGORITHM:
-        raise SignatureError(key, f"signature algorithm {sig.get('alg')!r} != {ALGORITHM}", where)
-    ours = key_id(secret)
-    if sig.get("key_id") != ours:
+    if isinstance(raw, dict) and raw.get("alg") == RETIRED_ALGORITHM:
         raise SignatureError(
-            key, f"signed with another key (key id {sig.get('key_id')}, ours {ours})", where
+            key,
+            "signed with the retired HMAC scheme (hmac-sha256); publish it again from a "
+            f"builder holding {ENV_SIGNING_KEY_FILE} (kernel-cache warmup --redis-url, "
+            "or kernel-cache export for a bundle)",
+            where,
         )
-    expected = mac(secret, key, data)
-    if not hmac.compare_digest(str(sig.get("mac", "")), expected):
+    try:
+        sig = EntrySignature.model_validate(raw)
+        signature = base64.b64decode(sig.sig, validate=True)
+    except ValidationError as e:
+        raise SignatureError(key, f"malformed signature: {describe_errors(e)}", where) from None
+    except (binascii.Error, ValueError):
+        raise SignatureError(key, "malformed signature: sig is not base64", where) from None
+    public = keyring.keys.get(sig.key_id)
+    if public is None:
         raise SignatureError(
-            key, "signature does not match the key and bytes (forged or altered)", where
+            key,
+            f"signed by key {sig.key_id}, which is not trusted (trusted: {keyring.describe()}; "
+            f"add its public key to {ENV_TRUSTED_KEYS} to accept it)",
+            where,
         )
+    from cryptography.exceptions import InvalidSignature
+
+    digest = digest or hashlib.sha256(data).hexdigest()
+    try:
+        public.verify(signature, payload(meta, digest))
+        return
+    except (InvalidSignature, ValueError):
+        pass
+    changed = _what_changed(meta, sig, digest)
+    if changed:
+        reason = f"metadata record altered since it was signed ({changed})"
+    else:
+        reason = "signature does not match the record and bytes (forged or altered)"
+    raise SignatureError(key, f"{reason}; signature by key {sig.key_id} refused", where)
 
 
-def check_untrusted(entry, secret: bytes | None = None, environ=None) -> None:
+def check_untrusted(
+    entry, keyring: Keyring | None = None, environ=None, *, digest: str = ""
+) -> None:
     """The check every entry from an untrusted tier passes before it is used.
 
-    ``secret`` defaults to :func:`load_signing_key` (None: no key set, nothing to
-    check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.tier.Entry`.
+    ``keyring`` defaults to :func:`load_trusted_keys` (None: no key set, nothing
+    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.tier.Entry`;
+    ``digest`` the sha256 of its bytes as :func:`~kernel_cache.store.tier.verify_entry`
+    returned it (else hashed here).
 
     Raises:
         SignatureError: see :func:`check_signature`.
-        SigningKeyError: see :func:`load_signing_key`.
+        SigningKeyError: see :func:`load_trusted_keys`.
     """
-    if secret is None:
-        secret = load_signing_key(environ)
-    if secret is not None:
-        check_signature(entry.key, entry.meta, entry.data, secret, entry.where)
+    if keyring is None:
+        keyring = load_trusted_keys(environ, required=False)
+    if keyring is not None:
+        check_signature(entry.key, entry.meta, entry.data, keyring, entry.where, digest)
+
+
+def may_publish(meta: Mapping, data: bytes, environ=None) -> bool:
+    """Whether an entry (signed or not, as it is) may go to a shared tier: yes
+    when no key is set (an unsigned fleet), else only if the trusted keys
+    accept it (a node without the private key never publishes what the fleet
+    would refuse)."""
+    keyring = load_trusted_keys(environ, required=False)
+    if keyring is None:
+        return True
+    try:
+        check_signature(str(meta.get("key", "")), meta, data, keyring)
+    except SignatureError:
+        return False
+    return True
+
+
+# -- keygen -------------------------------------------------------------------------------
+
+
+def _write_new(path: Path, data: bytes, mode: int, replace: bool) -> None:
+    """Write ``path`` whole (a temporary file renamed or linked into place):
+    replacing it only when ``replace``.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``replace`` is False.
+        OSError: it cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not widen or narrow it
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # atomic: fails if path exists
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def generate_keypair(directory: str | os.PathLike, *, force: bool = False) -> dict:
+    """Write a new Ed25519 key pair: ``DIR/signing.key`` (PEM PKCS#8, unencrypted,
+    mode 600) and ``DIR/signing.pub`` (PEM SubjectPublicKeyInfo, mode 644).
+
+    Returns: ``{"private", "public", "key_id"}``.
+
+    Raises:
+        SigningKeyError: ``DIR/signing.key`` exists and ``force`` is False (a key
+            whose entries the fleet trusts is never replaced by accident), or
+            ``DIR`` cannot be written.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    d = Path(directory).absolute()
+    private_path, public_path = d / PRIVATE_NAME, d / PUBLIC_NAME
+    if private_path.exists() and not force:
+        raise SigningKeyError(
+            f"{private_path} exists; refusing to overwrite a signing key (entries signed "
+            "with it would need its public key to load): pass --force to replace it, "
+            "or give another DIR"
+        )
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        _write_new(private_path, private_pem, 0o600, replace=force)
+        _write_new(public_path, public_pem, 0o644, replace=True)
+    except FileExistsError:
+        raise SigningKeyError(
+            f"{private_path} appeared while the key was made; refusing to overwrite it "
+            "(pass --force to replace it)"
+        ) from None
+    except OSError as e:
+        raise SigningKeyError(
+            f"keygen {d}: cannot write the key pair ({e.strerror or e}); give a writable DIR"
+        ) from None
+    return {
+        "private": str(private_path),
+        "public": str(public_path),
+        "key_id": key_id(key.public_key()),
+    }

@@ -78,7 +78,14 @@ from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings
 from kernel_cache.store.remote import settings_from_json
 from kernel_cache.store.tier import DiskTier, Tier, make_meta, verify_entry
 from kernel_cache.trust.permissions import resolve_allow_shared
-from kernel_cache.trust.signing import load_signing_key, sign_meta
+from kernel_cache.trust.signing import (
+    ENV_SIGNING_KEY_FILE,
+    ENV_TRUSTED_KEYS,
+    load_signer,
+    load_trusted_keys,
+    may_publish,
+    sign_meta,
+)
 from warmup.build.loadcheck import LoadChecker, die_with_parent
 
 log = logging.getLogger("kernel_cache.warmup")
@@ -380,7 +387,7 @@ def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, d
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
     extra["cpu_features"] = required_cpu_features(config)
     meta = make_meta(key, str(variant), data, timings["total_s"], **extra)
-    return data, sign_meta(meta, data, load_signing_key())
+    return data, sign_meta(meta, data, load_signer())
 
 
 def _load_check(device: str, res: VariantResult, data: bytes) -> None:
@@ -400,11 +407,13 @@ def _load_check(device: str, res: VariantResult, data: bytes) -> None:
 
 
 def _publish(tier: DiskTier, remote: Tier | None, key: str, data: bytes, meta: dict) -> None:
-    """Step 5: local cache first (atomic), then Redis (a failure there is noted)."""
+    """Step 5: local cache first (atomic), then the remote tier (a failure there is
+    noted), unless the trusted keys would refuse the entry there (no private key
+    here to sign it: it stays local, see :func:`warmup`)."""
     stored = tier.put(key, data, meta)
     if not stored.ok:  # the writable handle of a warmup never refuses; say so if it does
         raise CacheWriteError(f"cannot publish {key[:16]} to {stored.where}: {stored.reason}")
-    if remote is not None:
+    if remote is not None and may_publish(meta, data):
         remote.put(key, data, meta)  # a failure is kept in remote.error
 
 
@@ -575,7 +584,13 @@ def warmup(
         UntrustedCacheError: the directory is writable by others or owned by another user.
         CacheWriteError: the directory cannot be written and variants are missing.
         CacheBusyError: its index stayed locked past ``KERNEL_CACHE_DB_TIMEOUT``.
-        SigningKeyError: signed entries are required and no key is set.
+        SigningKeyError: signed entries are required and no key is set, or a key
+            setting is wrong.
+
+    Without the private key (``KERNEL_CACHE_SIGNING_KEY_FILE``) but with trusted
+    keys, a warmup with Redis fetches verified entries but publishes only
+    entries the trusted keys accept: what it compiles stays in the local cache
+    (a warning says so), since engines refuse unsigned entries.
     """
     import kernel_cache.store.housekeeping as housekeeping
     import kernel_cache.store.usage as usage
@@ -585,9 +600,17 @@ def warmup(
     items = list(plan) if variants is None else plan.items_for(variants)
     allow_shared = resolve_allow_shared(allow_shared_dir)
     lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
-    secret = load_signing_key()
+    secret = load_signer()
+    keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     rtier = remote.tier() if remote is not None else None
+    if rtier is not None and secret is None and keyring is not None:
+        log.warning(
+            "no private key (%s): entries compiled here stay in %s and are not published "
+            "to %s, whose engines trust only signed entries (%s); publish from a "
+            "builder that holds the private key",
+            ENV_SIGNING_KEY_FILE, cache_dir, rtier.location, ENV_TRUSTED_KEYS,
+        )  # fmt: skip
     fetched, uploaded = [], 0
     if rtier is not None:
         todo, fetched, uploaded = _remote_precheck(
@@ -740,16 +763,18 @@ def compile_items(
 
 def _same_published(have: dict | None, want: dict, signed: bool) -> bool:
     """Whether Redis's metadata ``have`` records the bytes (checksum, size) and,
-    with a signing key (``signed``), the signature of the local entry about to be
-    published as ``want`` (a builder without a key never replaces a signed entry)."""
+    with a private key (``signed``), the signature of the local entry about to be
+    published as ``want`` (Ed25519 is deterministic: the same record and key give
+    the same signature; a builder without a key never replaces a signed entry)."""
     fields = ("sha256", "size", "signature") if signed else ("sha256", "size")
     return have is not None and all(have.get(f) == want.get(f) for f in fields)
 
 
 def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
-    """With Redis: publish cached entries Redis lacks (signed when a key is
-    set: the local cache is trusted), and copy verified Redis hits of the
-    to-do items into the local cache. Returns (todo, fetched, uploaded)."""
+    """With Redis: publish cached entries Redis lacks (signed when ``secret``, the
+    private key, is set: the local cache is trusted; without it, only entries the
+    trusted keys accept as they are), and copy verified Redis hits of the to-do
+    items into the local cache. Returns (todo, fetched, uploaded)."""
     tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
     lookup = Lookup([rtier], exact=True, promote_into=tier)
     left, fetched, uploaded = [], [], 0
@@ -760,6 +785,8 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
                 continue
             entry = tier.get(key)
             want = sign_meta(entry.meta, entry.data, secret)
+            if secret is None and not may_publish(want, entry.data):
+                continue  # the fleet would refuse it, and this node cannot sign
             try:
                 have = rtier.get_meta(key)
             except CorruptEntryError:

@@ -20,9 +20,9 @@ import heapq
 import math
 import re
 
-from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import ConfigError
+from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
 
 #: Expected compile cost of one variant in CPU seconds:
 #: ``base[kernel] + per_doubling * log2(work)``, ``work = query_len * num_seqs *

@@ -1,5 +1,5 @@
-"""``kernel-cache`` subcommands for bundles and housekeeping:
-export, import, explain, ls, stats, gc, clear.
+"""``kernel-cache`` subcommands for bundles, housekeeping and keys:
+export, import, explain, ls, stats, gc, clear, keygen.
 
 ``--keep-plan SPEC`` (gc, repeatable) names a plan to keep, either as ENGINE
 OPTIONS in one quoted argument (``--keep-plan "--model llama-3.2-1b
@@ -95,6 +95,23 @@ def cmd_import(args) -> int:
         print(
             f"import: {report['imported']} entries copied ({format_size(report['bytes'])}), "
             f"{report['present']} already present -> {_cache_dir(args)}"
+        )
+    return 0
+
+
+# -- keygen --------------------------------------------------------------------
+def cmd_keygen(args) -> int:
+    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS, generate_keypair
+
+    report = generate_keypair(args.dir, force=args.force)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"keygen: Ed25519 key {report['key_id']}\n"
+            f"  private {report['private']} (mode 600; builders only): "
+            f"{ENV_SIGNING_KEY_FILE}={report['private']}\n"
+            f"  public  {report['public']} (engines): {ENV_TRUSTED_KEYS}={report['public']}"
         )
     return 0
 
@@ -376,6 +393,20 @@ def add_commands(sub) -> None:
     _add_stats(sub)
     _add_gc(sub)
     _add_clear(sub)
+    _add_keygen(sub)
+
+
+def _add_keygen(sub) -> None:
+    """The ``keygen`` subcommand's parser on ``sub`` (the subparsers action)."""
+    s = sub.add_parser(
+        "keygen",
+        help="make an Ed25519 key pair: DIR/signing.key (builders sign) and DIR/signing.pub "
+        "(engines check)",
+    )
+    s.add_argument("dir", metavar="DIR", help="where to write signing.key and signing.pub")
+    s.add_argument("--force", action="store_true", help="replace an existing DIR/signing.key")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_keygen)
 
 
 def _add_export(sub) -> None:

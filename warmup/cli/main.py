@@ -126,7 +126,8 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
     g.add_argument(
         "--require-signed",
         action="store_true",
-        help="fail at start unless KERNEL_CACHE_SIGNING_KEY(_FILE) is set "
+        help="fail at start unless a key to check signatures is set: "
+        "KERNEL_CACHE_TRUSTED_KEYS (public) or KERNEL_CACHE_SIGNING_KEY_FILE (private) "
         "(env KERNEL_CACHE_REQUIRE_SIGNED=1)",
     )
     if warmup:
@@ -172,7 +173,7 @@ def _remote_settings(args):
 
 def cmd_warmup(args) -> int:
     from kernel_cache.store.housekeeping import max_size_from_env, parse_size
-    from kernel_cache.trust.signing import load_signing_key
+    from kernel_cache.trust.signing import load_trusted_keys
     from warmup.build.planner import WarmupInterrupted, warmup
 
     cfg = config_from_args(args)
@@ -181,7 +182,7 @@ def cmd_warmup(args) -> int:
     if args.lock_timeout is not None and not args.lock_timeout >= 0:
         raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
     max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
-    load_signing_key(required=args.require_signed or None)
+    load_trusted_keys(required=args.require_signed or None)
     remote = _remote_settings(args)
     variants, shard = _shard_of(cfg, args.shard)
     try:
@@ -274,11 +275,11 @@ def _warmup_status(report: dict) -> int:
 
 
 def cmd_verify(args) -> int:
-    from kernel_cache.trust.signing import load_signing_key
+    from kernel_cache.trust.signing import load_trusted_keys
     from warmup.check.verify import verify_plan
 
     cfg = config_from_args(args)
-    load_signing_key(required=args.require_signed or None)
+    load_trusted_keys(required=args.require_signed or None)
     tiers = None
     if args.redis_url or args.s3_url:  # coverage: the remote alone must hold the whole plan
         tiers = [_remote_settings(args).tier(fail_open=False)]
@@ -362,7 +363,7 @@ def source_lines(report: dict) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kernel-cache`` parser: top-level ``-v`` and ``--version``, then the
     subcommands (plan, warmup, verify, export, import, explain, ls, stats, gc,
-    clear, tune), each with its ``func`` and ``-v``."""
+    clear, keygen, tune), each with its ``func`` and ``-v``."""
     p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     p.add_argument("--version", action="version", version=version())
