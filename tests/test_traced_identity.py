@@ -238,7 +238,9 @@ def test_a_changed_traced_file_leads_to_a_derived_key_and_back(site, tiny_config
         lookup = Lookup([tier])
         assert lookup.find(key) is None
         assert len(lookup.changes) == 1 and lookup.changes[0].startswith(f"{rel} changed")
-        assert lookup.why_missing(key).startswith(f"traced files: {rel} changed")
+        assert lookup.why_missing(key) == (
+            f"traced files changed since its entry was built: {lookup.changes[0]}"
+        )
         cur = current_entry(tier.get, key.hexdigest)
         assert cur.entry is None and cur.key != key.hexdigest and len(cur.derived) == 1
         now = manifest_of([str(site / "userkern2" / "dyn_helper.py")])

@@ -175,7 +175,7 @@ def current_entry(
         if not diff:
             return Current(entry, key, tuple(states), tuple(first))
         if not states:
-            first = [f"{line} since entry {key[:16]} was built" for line in diff]
+            first = diff
         states.append(here)
         key = derive_key(key, here)
     return Current(None, key, tuple(states), tuple(first))
@@ -302,13 +302,15 @@ class Lookup:
 
     def why_missing(self, key: CacheKey) -> str | None:
         """Why ``key``, just missed by :meth:`find`, has no artifact, where a
-        changed file says it: the traced files that changed
-        (:attr:`changes`), else the ``sources`` files that differ from the
-        newest stored entry equal to ``key`` in every other runtime component
+        changed file says it: the traced files that changed (:attr:`changes`:
+        ``"traced files changed since its entry was built: userkern2/dyn_helper.py
+        changed (sha256 be17c317808bafd0 stored, c1e54ca660e12271 here)"``),
+        else the ``sources`` files that differ from the newest stored entry
+        equal to ``key`` in every other runtime component
         (``"sources differ from entry 1a2b... in /cache: userkern2/decode.py
         changed"``); None otherwise. Lists each tier's metadata once per lookup."""
         if self.changes:
-            return "traced files: " + "; ".join(self.changes)
+            return "traced files changed since its entry was built: " + "; ".join(self.changes)
         mine = key.as_dict()
         near = _without_sources(mine)
         for tier in self.tiers:
