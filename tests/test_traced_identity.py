@@ -259,6 +259,32 @@ def test_a_changed_traced_file_leads_to_a_derived_key_and_back(site, tiny_config
         tier.close()
 
 
+def test_an_unreadable_derived_entry_is_rebuilt_under_its_own_key(site, tiny_config):
+    """Warmup's search (``stop_on``) ends at a corrupt entry with the states that
+    derive its key, so the artifact built to replace it records them."""
+    import userkern2.decode  # noqa: F401
+
+    from kernel_cache.errors import CorruptEntryError
+    from kernel_cache.store.tier import Entry
+
+    v = Bucketer(tiny_config).variants[0]
+    key = build_key(tiny_config, v)
+    traced = manifest_of([str(site / "userkern2" / "dyn_helper.py")])
+    first = Entry(key.hexdigest, make_meta(key, str(v), b"a", 1.0, traced=traced), b"a")
+    edit(site, "dyn_helper")
+
+    def get(k):
+        if k == key.hexdigest:
+            return first
+        raise CorruptEntryError(k, "artifact bytes missing")
+
+    with pytest.raises(CorruptEntryError):  # engine start: an error, never a miss
+        current_entry(get, key.hexdigest)
+    cur = current_entry(get, key.hexdigest, stop_on=(CorruptEntryError,))
+    assert cur.entry is None and cur.key != key.hexdigest and len(cur.derived) == 1
+    assert make_meta(key, str(v), b"b", 1.0, derived=cur.derived)["key"] == cur.key
+
+
 def test_a_changed_static_source_is_named_by_the_lookup(site, tiny_model, tmp_path):
     cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={BATCHED_DECODE: KERNEL})
     v = next(v for v in Bucketer(cfg).variants if v.kernel == BATCHED_DECODE)

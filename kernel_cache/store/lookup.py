@@ -142,7 +142,11 @@ class Current:
 
 
 def current_entry(
-    get: Callable[[str], Entry | None], key: str, check: Callable[[Entry], None] | None = None
+    get: Callable[[str], Entry | None],
+    key: str,
+    check: Callable[[Entry], None] | None = None,
+    *,
+    stop_on: tuple[type[Exception], ...] = (),
 ) -> Current:
     """Find the artifact of plan key ``key`` for the files here.
 
@@ -153,20 +157,25 @@ def current_entry(
     here of exactly the items it lists
     (:func:`~kernel_cache.plan.traced.derive_key`), and so on, until an entry
     matches or a key holds nothing. Each file is hashed once per process.
+    An exception of ``stop_on`` from ``get`` or ``check`` ends the search at
+    that key, as if it held nothing (warmup then replaces the entry there).
 
     Raises:
-        whatever ``get`` or ``check`` raises (CorruptEntryError).
+        whatever else ``get`` or ``check`` raises (CorruptEntryError).
     """
     states: list[Manifest] = []
     first: list[str] = []
     seen = set()
     while key not in seen:
         seen.add(key)
-        entry = get(key)
+        try:
+            entry = get(key)
+            if entry is not None and check is not None:
+                check(entry)
+        except stop_on:
+            break
         if entry is None:
             break
-        if check is not None:
-            check(entry)
         stored = traced_of(entry.meta)
         if stored is None:  # nothing recorded, or unreadable (the caller's check rejects it)
             return Current(entry, key, tuple(states))

@@ -122,16 +122,7 @@ def locate(tier, key) -> Current:
     in ``tier``, or where to store it (:func:`kernel_cache.store.lookup.current_entry`,
     engine start's function). An entry that cannot be read ends the search at
     its key: :func:`check_cached` then says why and warmup replaces it there."""
-    seen: list[str] = []
-
-    def get(k: str):
-        seen.append(k)
-        return tier.get(k)
-
-    try:
-        return current_entry(get, key.hexdigest)
-    except (CorruptEntryError, UntrustedCacheError):
-        return Current(None, seen[-1])
+    return current_entry(tier.get, key.hexdigest, stop_on=(CorruptEntryError, UntrustedCacheError))
 
 
 def _cpu_features(config: EngineConfig) -> list[str] | None:
