@@ -25,15 +25,24 @@ class ShapeError(KernelCacheError, ValueError):
 
 
 class MissingVariantsError(KernelCacheError):
-    """Engine start found variants of the plan that are not in any cache tier."""
+    """Engine start found variants of the plan that are not in any cache tier.
 
-    def __init__(self, missing, command: str):
+    ``reasons``: ``{variant: why}`` where a changed file says why (the files
+    traced or hashed into the key that differ from a stored entry's); variants
+    with one reason are listed together."""
+
+    def __init__(self, missing, command: str, reasons: dict | None = None):
         self.missing = tuple(missing)
         self.command = command
+        self.reasons = {str(v): r for v, r in (reasons or {}).items() if r}
         names = ", ".join(str(v) for v in self.missing[:12])
         more = f" (+{len(self.missing) - 12} more)" if len(self.missing) > 12 else ""
+        grouped: dict[str, list[str]] = {}
+        for v, r in self.reasons.items():
+            grouped.setdefault(r, []).append(v)
+        why = "".join(f" {', '.join(vs)}: {r}." for r, vs in grouped.items())
         super().__init__(
-            f"{len(self.missing)} variant(s) of the plan are not cached: {names}{more}. "
+            f"{len(self.missing)} variant(s) of the plan are not cached: {names}{more}.{why} "
             f"Warm them with: {command}"
         )
 

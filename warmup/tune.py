@@ -272,16 +272,17 @@ def _load_candidates(config: EngineConfig, items: list[PlanItem], tier: DiskTier
         CorruptEntryError: one fails verification or the loader rejects it.
     """
     from kernel_cache.runtime.load import load_package
+    from kernel_cache.store.lookup import current_entry
 
     runners = []
     for item in items:
-        entry = tier.get(item.hexdigest)
+        entry = current_entry(tier.get, item.hexdigest).entry  # the one for the files here
         if entry is None:
             raise CompileError(
                 f"{item.variant} {item.launch}: the compiled candidate is not in the cache"
             )
         verify_entry(entry)
-        runners.append(load_package(entry.data, config.device, entry.where, item.hexdigest))
+        runners.append(load_package(entry.data, config.device, entry.where, entry.key))
     return runners
 
 

@@ -76,10 +76,11 @@ from kernel_cache.config.recipe import DEFAULT_CPU_TARGET, compile_options, devi
 from kernel_cache.errors import ConfigError
 from kernel_cache.kernels.slots import kernel_path
 from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.plan.traced import is_outside_module
 
 #: Bump when the stored layout (bytes + metadata schema) or the way a key is
 #: computed changes; entries of another format simply miss.
-ARTIFACT_FORMAT = "kc3"
+ARTIFACT_FORMAT = "kc4"
 
 COMPONENTS = (
     "format",
@@ -181,12 +182,17 @@ def _imports(path: Path, module: str) -> set[str]:
 
 @functools.cache
 def source_files(
-    roots: tuple[str, ...] = COMPILE_ROOTS, packages: tuple[str, ...] = HASHED_PACKAGES
+    roots: tuple[str, ...] = COMPILE_ROOTS,
+    packages: tuple[str, ...] = HASHED_PACKAGES,
+    outside: bool = False,
 ) -> dict[str, str]:
     """Every source file of ``packages`` the compile path can run: ``roots``
     and, transitively, what they import within ``packages`` (function-level
     imports included), as ``{"warmup/build/compiler.py": sha256 hex (16
-    chars)}``, sorted by path.
+    chars)}``, sorted by path. With ``outside``, imports of other top-level
+    modules that are neither the standard library, torch nor an installed
+    distribution's files (:func:`kernel_cache.plan.traced.is_outside_module`:
+    a sibling module, another source tree, an editable install) are followed too.
 
     The set is found by reading the code (``ast``), not kept by hand, so a new
     helper module a kernel imports is covered by the next build. A test runs a
@@ -201,7 +207,8 @@ def source_files(
     seen: set[str] = set()
     while todo:
         name = todo.pop()
-        if name in seen or name.split(".")[0] not in packages:
+        top = name.split(".")[0]
+        if name in seen or (top not in packages and not (outside and is_outside_module(top))):
             continue
         seen.add(name)
         path = _module_file(name)
@@ -232,8 +239,12 @@ def source_files(
 
 def kernel_source_files(path: str, slot: str | None = None) -> dict[str, str]:
     """The source files of a slot implementation ``path`` (``package.module:Factory``):
-    its module and every module of its top-level package it imports, found as
-    :func:`source_files` finds the project's (nothing is imported).
+    its module and every module it imports of its top-level package and of other
+    top-level modules outside the standard library, torch and the installed
+    distributions (``source_files(..., outside=True)``), found as
+    :func:`source_files` finds the project's (nothing is imported). Code it
+    reaches otherwise (a module imported by a computed name) is recorded when
+    it is traced (:mod:`kernel_cache.plan.traced`).
 
     Raises:
         ConfigError: the module cannot be found on ``sys.path``, or one of its
@@ -242,7 +253,7 @@ def kernel_source_files(path: str, slot: str | None = None) -> dict[str, str]:
     module = path.partition(":")[0]
     where = f"kernel {slot}={path}" if slot else f"kernel {path}"
     try:
-        return source_files((module,), (module.split(".")[0],))
+        return source_files((module,), (module.split(".")[0],), outside=True)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     except (SyntaxError, ValueError, OSError) as e:  # the engine's file: ast.parse, read_bytes
@@ -506,6 +517,22 @@ def build_key(
             raise ValueError(f"unknown key components {sorted(unknown)}; known: {COMPONENTS}")
         values.update(overrides)
     return CacheKey(tuple((name, values[name]) for name in COMPONENTS))
+
+
+def source_changes(here: str, stored: str) -> str | None:
+    """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
+    ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
+    side is not such a mapping or none differs."""
+    try:
+        a, b = json.loads(here), json.loads(stored)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    parts = [f"{f} changed" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
+    parts += [f"{f} new" for f in sorted(set(a) - set(b))]
+    parts += [f"{f} gone" for f in sorted(set(b) - set(a))]
+    return "; ".join(parts) or None
 
 
 def diff_components(a: dict[str, str], b: dict[str, str]) -> list[str]:

@@ -287,7 +287,7 @@ def load_plan(
     record_lookups(lookup.tiers, found.hits, len(found.missing))
     if found.missing and strict:
         raise MissingVariantsError(
-            found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}"
+            found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}", found.why
         )
     rt = AttentionRuntime(
         config, plan.bucketer, found.runners, time.perf_counter() - t0, compile_counter=compiles
@@ -306,11 +306,14 @@ def load_plan(
 @dataclass
 class _Found:
     """What :func:`_find_plan` found: ``runners`` by variant, ``missing``
-    variants, ``sources`` (tier location -> variants), ``accepted`` build-only
-    components, ``hits`` (``id(tier)`` -> keys it served)."""
+    variants (``why``: the changed files that explain a miss, by variant:
+    :meth:`~kernel_cache.store.lookup.Lookup.why_missing`), ``sources`` (tier
+    location -> variants), ``accepted`` build-only components, ``hits``
+    (``id(tier)`` -> keys it served)."""
 
     runners: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)
+    why: dict = field(default_factory=dict)
     sources: Counter = field(default_factory=Counter)
     accepted: dict = field(default_factory=dict)
     hits: dict[int, list[str]] = field(default_factory=dict)
@@ -336,6 +339,7 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
             raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
         if hit is None:
             out.missing.append(v)
+            out.why[v] = lookup.why_missing(item.key)
             continue
         entry = hit.entry
         check_cpu_features(config, v, entry)

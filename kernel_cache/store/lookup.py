@@ -10,8 +10,16 @@ disk cache; see :func:`kernel_cache.runtime.load.default_tiers`). In each tier:
    has none. Its build-only values are taken from its record and reported in
    :attr:`Found.accepted` (``{"cxx": (here, stored)}``) so the caller logs them.
 
+Every entry also records the files its code came from (``traced``:
+:mod:`kernel_cache.plan.traced`), and it is used only while they are unchanged
+here: :func:`current_entry`, the one function through which engine start,
+verify, explain, export and warmup find a key's artifact, follows a mismatch
+to the key derived from the files' state here (docs/keys.md), and names the
+changed files (:attr:`Lookup.changes`) when nothing is stored there.
+
 A compatible candidate is used only if its recorded key is the hash of its
-recorded components (a record that disagrees with itself is never trusted),
+recorded components (for a derived entry, through its recorded ``derived``
+states; a record that disagrees with itself is never trusted),
 and, like an exact hit, only after :func:`kernel_cache.store.tier.verify_entry`
 has checked its size and sha256.
 
@@ -32,11 +40,20 @@ or fails is logged and the hit is returned all the same
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from pydantic import ValidationError
+
 from kernel_cache.errors import CorruptEntryError
-from kernel_cache.plan.keys import BUILD_ONLY, CacheKey, key_from_components, runtime_digest
+from kernel_cache.plan.keys import (
+    BUILD_ONLY,
+    CacheKey,
+    key_from_components,
+    runtime_digest,
+    source_changes,
+)
+from kernel_cache.plan.traced import Manifest, chain_key, changes, current, derive_key
 from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, verify_entry
 from kernel_cache.trust.signing import check_untrusted
 
@@ -80,14 +97,97 @@ class Source:
 
 
 def consistent(meta: dict) -> bool:
-    """True if ``meta["key"]`` is the hash of ``meta["components"]``."""
+    """True if ``meta["key"]`` is the hash of ``meta["components"]`` (followed
+    through ``meta["derived"]``, if recorded: :func:`~kernel_cache.plan.traced.chain_key`)."""
     comps = meta.get("components")
     if not isinstance(comps, dict):
         return False
     try:
-        return key_from_components(comps).hexdigest == meta.get("key")
-    except ValueError:
+        return chain_key(key_from_components(comps).hexdigest, meta.get("derived") or ()) == (
+            meta.get("key")
+        )
+    except (ValueError, TypeError, ValidationError):
         return False
+
+
+def traced_of(meta: dict) -> Manifest | None:
+    """An entry's recorded ``traced`` manifest; None if it records none or one
+    that does not parse (then :func:`~kernel_cache.store.tier.verify_entry`
+    rejects the entry)."""
+    raw = meta.get("traced")
+    if raw is None:
+        return None
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+@dataclass(frozen=True)
+class Current:
+    """Where a key's artifact for the files here is (:func:`current_entry`).
+
+    ``entry``: the stored entry whose traced files match here, or None;
+    ``key``: its key, or where such an artifact is to be stored; ``derived``:
+    the states that derive ``key`` from the plan's key (record them in the new
+    entry: :func:`~kernel_cache.store.tier.make_meta`); ``changes``: how the
+    traced files here differ from those the plan key's entry records (one line
+    each; empty when they match or nothing is stored).
+    """
+
+    entry: Entry | None
+    key: str
+    derived: tuple[Manifest, ...] = ()
+    changes: tuple[str, ...] = ()
+
+
+def current_entry(
+    get: Callable[[str], Entry | None],
+    key: str,
+    check: Callable[[Entry], None] | None = None,
+    *,
+    stop_on: tuple[type[Exception], ...] = (),
+) -> Current:
+    """Find the artifact of plan key ``key`` for the files here.
+
+    ``get(key)`` reads an entry (a tier's ``get``); ``check(entry)`` verifies
+    each entry read before its record is used (it may raise). An entry whose
+    ``traced`` files (:mod:`kernel_cache.plan.traced`) match here is the
+    answer; one whose files differ leads to the key derived from the state
+    here of exactly the items it lists
+    (:func:`~kernel_cache.plan.traced.derive_key`), and so on, until an entry
+    matches or a key holds nothing. Each file is hashed once per process.
+    An exception of ``stop_on`` from ``get`` or ``check`` ends the search at
+    that key, as if it held nothing (warmup then replaces the entry there).
+
+    Raises:
+        whatever else ``get`` or ``check`` raises (CorruptEntryError).
+    """
+    states: list[Manifest] = []
+    first: list[str] = []
+    seen = set()
+    while key not in seen:
+        seen.add(key)
+        try:
+            entry = get(key)
+            if entry is not None and check is not None:
+                check(entry)
+        except stop_on:
+            break
+        if entry is None:
+            break
+        stored = traced_of(entry.meta)
+        if stored is None:  # nothing recorded, or unreadable (the caller's check rejects it)
+            return Current(entry, key, tuple(states))
+        here = current(stored)
+        diff = changes(stored, here)
+        if not diff:
+            return Current(entry, key, tuple(states), tuple(first))
+        if not states:
+            first = diff
+        states.append(here)
+        key = derive_key(key, here)
+    return Current(None, key, tuple(states), tuple(first))
 
 
 class Lookup:
@@ -113,7 +213,11 @@ class Lookup:
         self.rejected: list[CorruptEntryError] = []
         #: the tier whose entry made the last :meth:`find` raise, or None
         self.failed_in: Tier | None = None
+        #: for a miss of the last :meth:`find`: how the traced files here differ
+        #: from those the plan key's stored entry records (:attr:`Current.changes`)
+        self.changes: tuple[str, ...] = ()
         self._index: dict[int, dict[str, list[dict]]] = {}
+        self._near: dict[int, dict[str, list[dict]]] = {}
 
     def _runtime_index(self, tier: Tier) -> dict[str, list[dict]]:
         idx = self._index.get(id(tier))
@@ -140,7 +244,7 @@ class Lookup:
                 returned, so its code is never loaded); :attr:`failed_in` is
                 its tier.
         """
-        self.rejected, self.failed_in = [], None
+        self.rejected, self.failed_in, self.changes = [], None, ()
         for src in self.sources:
             tier = src.tier
             try:
@@ -179,10 +283,10 @@ class Lookup:
         """The verified (and for an untrusted source, checked) entry in one tier."""
         tier = src.tier
         mine = key.as_dict()
-        entry = tier.get(key.hexdigest)
-        if entry is not None:
-            self._check(src, entry)
-            return Found(entry, tier)
+        cur = current_entry(tier.get, key.hexdigest, lambda e: self._check(src, e))
+        if cur.entry is not None:
+            return Found(cur.entry, tier)
+        self.changes = self.changes or cur.changes
         if self.exact:
             return None
         for meta in self._runtime_index(tier).get(key.runtime_digest, ()):
@@ -197,10 +301,48 @@ class Lookup:
                 raise CorruptEntryError(
                     meta["key"], "its record changed while it was read", entry.where
                 )
+            stored_files = traced_of(entry.meta)
+            if stored_files is not None and changes(stored_files, current(stored_files)):
+                continue  # built from other files than these
             stored = entry.meta["components"]
             accepted = {n: (mine[n], stored[n]) for n in BUILD_ONLY if stored.get(n) != mine.get(n)}
             return Found(entry, tier, accepted)
         return None
+
+    def why_missing(self, key: CacheKey) -> str | None:
+        """Why ``key``, just missed by :meth:`find`, has no artifact, where a
+        changed file says it: the traced files that changed (:attr:`changes`:
+        ``"traced files changed since its entry was built: userkern2/dyn_helper.py
+        changed (sha256 be17c317808bafd0 stored, c1e54ca660e12271 here)"``),
+        else the ``sources`` files that differ from the newest stored entry
+        equal to ``key`` in every other runtime component
+        (``"sources differ from entry 1a2b... in /cache: userkern2/decode.py
+        changed"``); None otherwise. Lists each tier's metadata once per lookup."""
+        if self.changes:
+            return "traced files changed since its entry was built: " + "; ".join(self.changes)
+        mine = key.as_dict()
+        near = _without_sources(mine)
+        for tier in self.tiers:
+            idx = self._near.get(id(tier))
+            if idx is None:
+                idx = self._near[id(tier)] = {}
+                for meta in tier.iter_meta():
+                    comps = meta.get("components")
+                    if isinstance(comps, dict):
+                        idx.setdefault(_without_sources(comps), []).append(meta)
+            for meta in sorted(idx.get(near, ()), key=lambda m: -float(m.get("created") or 0)):
+                files = source_changes(mine["sources"], meta["components"].get("sources"))
+                if files:
+                    return (
+                        f"sources differ from entry {str(meta.get('key'))[:16]} in "
+                        f"{tier.location}: {files}"
+                    )
+        return None
+
+
+def _without_sources(components: dict) -> str:
+    """A digest of every runtime component but ``sources``."""
+    return runtime_digest({**components, "sources": ""})
 
 
 def merge_accepted(into: dict, accepted: dict[str, tuple[str, str]]) -> None:

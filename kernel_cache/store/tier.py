@@ -39,6 +39,7 @@ from kernel_cache.errors import (
     describe_errors,
 )
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
+from kernel_cache.plan.traced import Manifest, chain_key
 
 ENV_CACHE_DIR = settings.var("dir")
 
@@ -93,6 +94,13 @@ class EntryMeta(BaseModel):
     are written by :func:`make_meta` and may be absent from older records.
     Fields beyond these (``timings``, ``cpu_target``, ``cpu_features``,
     ``signature``, ``imported_from``, a bundle's ``file``) are kept as stored.
+
+    ``traced``: the files whose code ran while the kernel was built and
+    exported, with their sha256, and the distributions, with their versions
+    (:mod:`kernel_cache.plan.traced`); checked against the files here before
+    the entry is used. ``derived``: for an entry compiled while files its plan
+    key's entry recorded had changed, the state of those files at each step,
+    so that ``key`` is ``chain_key(hash of components, derived)`` (docs/keys.md).
     """
 
     model_config = ConfigDict(frozen=True, extra="allow")
@@ -106,16 +114,33 @@ class EntryMeta(BaseModel):
     compile_seconds: int | float | None = None
     created: int | float | None = None
     format: str | None = None
+    traced: Manifest | None = None
+    derived: list[Manifest] | None = None
 
     def record(self) -> dict:
         """The JSON record: the fields it was made or read with, extra ones included."""
         return self.model_dump(mode="json", exclude_unset=True)
 
 
-def make_meta(key: CacheKey, variant: str, data: bytes, compile_seconds: float, **extra) -> dict:
-    """The JSON metadata record for a new entry (an :class:`EntryMeta` record)."""
+def make_meta(
+    key: CacheKey,
+    variant: str,
+    data: bytes,
+    compile_seconds: float,
+    *,
+    traced: Manifest | None = None,
+    derived=(),
+    **extra,
+) -> dict:
+    """The JSON metadata record for a new entry (an :class:`EntryMeta` record),
+    stored under ``key`` or, given ``derived`` states, under the key they derive
+    from it (:func:`kernel_cache.plan.traced.chain_key`)."""
+    if traced is not None:
+        extra["traced"] = traced
+    if derived:
+        extra["derived"] = list(derived)
     return EntryMeta(
-        key=key.hexdigest,
+        key=chain_key(key.hexdigest, derived),
         variant=variant,
         components=key.as_dict(),
         sha256=hashlib.sha256(data).hexdigest(),

@@ -73,7 +73,7 @@ from kernel_cache.plan.keys import key_from_components
 from kernel_cache.plan.launch import LaunchChoice
 from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
-from kernel_cache.store.lookup import Lookup
+from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings
 from kernel_cache.store.remote import settings_from_json
 from kernel_cache.store.tier import DiskTier, Tier, make_meta, verify_entry
@@ -125,6 +125,14 @@ def check_cached(
     except UntrustedCacheError as e:
         return f"untrusted: {e}"
     return None
+
+
+def locate(tier, key) -> Current:
+    """The artifact of plan key ``key`` (a :class:`CacheKey`) for the files here
+    in ``tier``, or where to store it (:func:`kernel_cache.store.lookup.current_entry`,
+    engine start's function). An entry that cannot be read ends the search at
+    its key: :func:`check_cached` then says why and warmup replaces it there."""
+    return current_entry(tier.get, key.hexdigest, stop_on=(CorruptEntryError, UntrustedCacheError))
 
 
 def _cpu_features(config: EngineConfig) -> list[str] | None:
@@ -350,9 +358,12 @@ def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantRes
     return False
 
 
-def _claim_remote(remote: Tier, tier: DiskTier, key, blocking: bool, res: VariantResult):
-    """Step 2 with Redis: copy a verified Redis hit in (``fetched``, returns
-    None), or take the key's Redis build lock (returns it; None with
+def _claim_remote(
+    remote: Tier, tier: DiskTier, key, target: str, blocking: bool, res: VariantResult
+):
+    """Step 2 with Redis: copy a verified Redis hit of plan key ``key`` in
+    (``fetched``, returns None), or take the Redis build lock of ``target``
+    (the key the artifact is stored under: :func:`locate`; returns it; None with
     ``res.status`` set when another builder holds it on the first pass, or
     when Redis is down or slow: then this process compiles without it)."""
     lookup = Lookup([remote], exact=True, promote_into=tier)
@@ -360,7 +371,7 @@ def _claim_remote(remote: Tier, tier: DiskTier, key, blocking: bool, res: Varian
         if lookup.find(key) is not None:
             res.status = Status.FETCHED
             return None
-        build_lock = remote.build_lock(key.hexdigest)
+        build_lock = remote.build_lock(target)
         outcome = build_lock.acquire(wait=blocking)
         if outcome == BUSY:
             res.status = Status.BUSY
@@ -376,17 +387,30 @@ def _claim_remote(remote: Tier, tier: DiskTier, key, blocking: bool, res: Varian
     return None
 
 
-def _compile(config, variant, key, launch, res: VariantResult) -> tuple[bytes, dict]:
-    """Step 3: run the compiler; returns the package bytes and its metadata."""
+def _target(cache_dir, key, allow_shared) -> Current:
+    """Where the artifact of plan key ``key`` is, or is to be stored, in the
+    local cache (:func:`locate`)."""
+    tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
+    try:
+        return locate(tier, key)
+    finally:
+        tier.close()
+
+
+def _compile(config, variant, key, derived, launch, res: VariantResult) -> tuple[bytes, dict]:
+    """Step 3: run the compiler; returns the package bytes and its metadata,
+    keyed by ``key`` followed through ``derived`` (:attr:`Current.derived`)."""
     from warmup.build.compiler import compile_variant, required_cpu_features
 
     res.compiler_ran = True
-    data, timings = compile_variant(config, variant, launch=launch)
+    data, timings, traced = compile_variant(config, variant, launch=launch)
     res.timings = timings
     extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
     extra["cpu_features"] = required_cpu_features(config)
-    meta = make_meta(key, str(variant), data, timings["total_s"], **extra)
+    meta = make_meta(
+        key, str(variant), data, timings["total_s"], traced=traced, derived=derived, **extra
+    )
     return data, sign_meta(meta, data, load_signer())
 
 
@@ -440,7 +464,9 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     t0 = time.perf_counter()
     remote = _remote_tier(options["remote"]) if options.get("remote") else None
     try:
-        lock = KeyLock(cache_dir, key.hexdigest, variant=str(variant), shared=allow_shared)
+        target = _target(cache_dir, key, allow_shared)
+        res.key = target.key
+        lock = KeyLock(cache_dir, target.key, variant=str(variant), shared=allow_shared)
         claimed = _claim(lock, options["blocking"], options["lock_timeout"], res)
     except KernelCacheError as e:  # e.g. locks/ became a link: refused, never followed
         res.status, res.error = Status.FAILED, str(e)
@@ -451,16 +477,16 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     tier = DiskTier(cache_dir, allow_shared=allow_shared)
     build_lock = None
     try:
-        if _check_local(tier, key.hexdigest, config, res):
+        if _check_local(tier, target.key, config, res):
             return res
         if remote is not None:
-            build_lock = _claim_remote(remote, tier, key, options["blocking"], res)
+            build_lock = _claim_remote(remote, tier, key, target.key, options["blocking"], res)
             if res.status in (Status.FETCHED, Status.BUSY):
                 return res
-        data, meta = _compile(config, variant, key, options.get("launch"), res)
+        data, meta = _compile(config, variant, key, target.derived, options.get("launch"), res)
         if options.get("check", True):
             _load_check(config.device, res, data)
-        _publish(tier, remote, key.hexdigest, data, meta)
+        _publish(tier, remote, target.key, data, meta)
         res.status = Status.COMPILED
     except _Rejected as e:
         res.status, res.error = Status.FAILED, f"not published: {e}"
@@ -502,7 +528,7 @@ def _precheck(config, plan: list[PlanItem], cache_dir, allow_shared):
     features = _cpu_features(config)
     try:
         for item in plan:
-            why = check_cached(tier, item.hexdigest, config.device, features)
+            why = check_cached(tier, locate(tier, item.key).key, config.device, features)
             if why is None:
                 cached.append(item)
             else:
@@ -780,7 +806,7 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
     left, fetched, uploaded = [], [], 0
     try:
         for item in cached:
-            key = item.hexdigest
+            key = locate(tier, item.key).key
             if rtier.is_down():
                 continue
             entry = tier.get(key)

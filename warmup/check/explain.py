@@ -8,6 +8,9 @@ tier is compared with it component by component
 variant first, then the fewest differing runtime components, then the same kernel,
 then the fewest differing components, newest first. Each difference reads
 ``name: <this process> != <stored>``, for example ``torch: 2.13.0 != 2.14.1``.
+A miss because files whose code ran when the stored entry was traced changed
+since (:mod:`kernel_cache.plan.traced`) names them under ``traced``: the entry's
+components all match, so the nearest entries show no difference.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import datetime as _dt
 
 from kernel_cache.errors import CorruptEntryError, ShapeError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
-from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS
+from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.tier import Tier
@@ -53,19 +56,6 @@ def _mapping(text) -> dict | None:
     except (TypeError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def source_changes(here: str, stored: str) -> str | None:
-    """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
-    ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
-    side is not such a mapping."""
-    a, b = _mapping(here), _mapping(stored)
-    if a is None or b is None:
-        return None
-    parts = [f"{f} changed" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
-    parts += [f"{f} new" for f in sorted(set(a) - set(b))]
-    parts += [f"{f} gone" for f in sorted(set(b) - set(a))]
-    return "; ".join(parts) or None
 
 
 def field_changes(here: str, stored: str) -> str | None:
@@ -116,8 +106,10 @@ def explain(
     variants the plan does not hold), "stored" (entries compared), "tiers":
     [locations], "results": [{"variant", "key", "status" ("hit" | "miss" |
     "corrupt" | "not_in_plan"), "where", "accepted" (hit: build-only components
-    taken from the record), "reason" (corrupt, not_in_plan), "nearest": [{"variant",
-    "key", "where", "created", "differences": [...], "lines": ["torch: a != b"]}]}]}``
+    taken from the record), "reason" (corrupt, not_in_plan), "traced" (miss: the
+    traced files that changed since the plan key's entry was built, one line
+    each), "nearest": [{"variant", "key", "where", "created", "differences":
+    [...], "lines": ["torch: a != b"]}]}]}``
     """
     plan = Plan.build(config, log_launch=False)
     items = list(plan) if variants is None else plan.items_for(variants)
@@ -141,6 +133,7 @@ def explain(
                 results.append(r)
             continue
         r.setdefault("status", "miss")
+        r["traced"] = list(lookup.changes)
         r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
         results.append(r)
     return {
@@ -287,6 +280,7 @@ def render(report: dict) -> str:
             lines.append(f"{head}  in {r['where']}: {r['reason']}")
             continue
         lines.append(head)
+        lines.extend(f"    traced: {line}" for line in r.get("traced", ()))
         if not r["nearest"]:
             lines.append("    no stored entries to compare with")
         for n in r["nearest"]:

@@ -1,0 +1,390 @@
+"""The files an artifact's code came from, as recorded when it was traced, and
+their check against the files here.
+
+A key's ``sources`` component is found by reading imports
+(:func:`kernel_cache.plan.keys.source_files`); code that a kernel reaches another
+way (a module loaded by a computed name, a helper module read through an
+attribute) is not in it. So warmup also records, for each artifact, the files
+whose Python code ran while the kernel was built and exported
+(:func:`manifest_of`, called by :mod:`warmup.build.compiler`), and engine start
+checks that record against the files on disk (:func:`changes`). The design
+(keys derived from a changed record, what is not covered) is in docs/keys.md.
+
+Each file is classified (:func:`classify`):
+
+- the standard library: ignored (the ``python`` component pins it);
+- torch's own package: ignored (the ``torch`` component pins it);
+- a file listed in an installed distribution's ``RECORD``: recorded as the
+  distribution's name and version (hashing every file of a large library on
+  every engine start would cost more than the version, which pins its files);
+- anything else (the engine's source trees, top-level modules, editable
+  installs, kernel_cache and warmup themselves): its sha256, under its path
+  relative to the folder its top-level module was imported from
+  (``userkern2/dyn_helper.py``, ``nc_outside_helper.py``), never an absolute
+  path: a pod mounts things elsewhere.
+
+Nothing here imports torch or a module being checked: files are found with
+:func:`importlib.util.find_spec` on top-level names, versions with
+:mod:`importlib.metadata`, and hashes and versions are cached per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("kernel_cache")
+
+#: The value recorded for a listed file that is not found here, or a
+#: distribution that is not installed.
+MISSING = "missing"
+
+#: How many manifest mismatches a lookup follows through derived keys
+#: (docs/keys.md): each level is an artifact compiled under another state of
+#: the files its parent recorded.
+MAX_DERIVED = 8
+
+
+class Manifest(BaseModel):
+    """What an artifact's code came from beyond its key's static sources.
+
+    ``files``: ``{path relative to its import root: sha256 hex (64)}``;
+    ``dists``: ``{distribution name: version}``. Also the state of those same
+    items here, when a key is derived (:func:`derive_key`); then a value may be
+    :data:`MISSING`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    files: dict[str, str] = Field(default_factory=dict)
+    dists: dict[str, str] = Field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {
+            "files": dict(sorted(self.files.items())),
+            "dists": dict(sorted(self.dists.items())),
+        }
+
+
+# -- where a file comes from --------------------------------------------------------
+
+
+def _norm(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+@functools.cache
+def _site_dirs() -> tuple[str, ...]:
+    """Folders distributions are installed into (``site-packages``, ``dist-packages``)."""
+    import site
+
+    dirs = set(site.getsitepackages()) | {site.getusersitepackages()}
+    dirs |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")}
+    return tuple(sorted({_norm(d) + os.sep for d in dirs if d}))
+
+
+@functools.cache
+def _stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(sorted({_norm(paths[k]) + os.sep for k in ("stdlib", "platstdlib")}))
+
+
+@functools.cache
+def _torch_dir() -> str | None:
+    """torch's package folder, found without importing it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return _norm(list(spec.submodule_search_locations)[0]) + os.sep
+
+
+def _under(path: str, dirs) -> bool:
+    return any(path.startswith(d) for d in dirs)
+
+
+STDLIB, TORCH, SITE, OTHER, GENERATED = "stdlib", "torch", "site", "other", "generated"
+
+
+def classify(filename: str) -> str:
+    """Where the file ``filename`` (a code object's ``co_filename``) comes from:
+    :data:`GENERATED` (``<string>``, frozen modules: no file), :data:`TORCH`,
+    :data:`SITE` (under a folder distributions are installed into),
+    :data:`STDLIB` or :data:`OTHER`. A site folder inside the standard
+    library's (``/usr/local/lib/python3.11/site-packages``) counts as site."""
+    if not filename or filename.startswith("<"):
+        return GENERATED
+    path = _norm(filename)
+    torch_dir = _torch_dir()
+    if torch_dir is not None and path.startswith(torch_dir):
+        return TORCH
+    if _under(path, _site_dirs()):
+        return SITE
+    if _under(path, _stdlib_dirs()):
+        return STDLIB
+    return OTHER
+
+
+def is_outside_module(name: str) -> bool:
+    """Whether top-level module ``name`` is Python source outside the standard
+    library, torch and the installed distributions (a sibling module, another
+    source tree on ``PYTHONPATH``, an editable install): one whose files a key
+    must hash. Imports nothing."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if spec.submodule_search_locations:
+        locations = list(spec.submodule_search_locations)
+        return bool(locations) and classify(os.path.join(locations[0], "__init__.py")) == OTHER
+    origin = spec.origin or ""
+    return origin.endswith(".py") and classify(origin) == OTHER
+
+
+# -- distributions ---------------------------------------------------------------
+
+
+@functools.cache
+def _dist_files(name: str) -> frozenset[str]:
+    """Normalized paths of the files distribution ``name`` lists in its RECORD."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return frozenset()
+    loc = _norm(str(dist.locate_file("")))
+    return frozenset(os.path.normpath(os.path.join(loc, str(f))) for f in dist.files or ())
+
+
+@functools.cache
+def _top_level_dists() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+@functools.cache
+def _all_dists() -> tuple[str, ...]:
+    return tuple(sorted({d.metadata["Name"] for d in importlib.metadata.distributions()}))
+
+
+def dist_of(path: str) -> str | None:
+    """The installed distribution whose RECORD lists the file ``path``
+    (normalized), or None. The distributions providing the file's top-level
+    name are tried first (:func:`importlib.metadata.packages_distributions`),
+    then all (reading every RECORD costs about 1 s with torch installed)."""
+    site = next((d for d in _site_dirs() if path.startswith(d)), None)
+    if site is None:
+        return None
+    top = path[len(site) :].split(os.sep)[0].removesuffix(".py")
+    first = _top_level_dists().get(top, [])
+    for name in [*first, *(d for d in _all_dists() if d not in first)]:
+        if path in _dist_files(name):
+            return name
+    return None
+
+
+@functools.cache
+def dist_version(name: str) -> str:
+    """The installed version of distribution ``name``, or :data:`MISSING`
+    (read from its metadata; cached per process)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return MISSING
+
+
+# -- files --------------------------------------------------------------------------
+
+_HASHES: dict[tuple, str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, computed once per process per version of
+    the file (cached by path, inode, size and modification time)."""
+    st = os.stat(path)
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    digest = _HASHES.get(key)
+    if digest is None:
+        digest = _HASHES[key] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return digest
+
+
+def _relative(path: str, module: str | None) -> str | None:
+    """``path`` relative to the folder its top-level module was imported from
+    (``module``: the module whose file it is, if known), else to the longest
+    ``sys.path`` entry holding it; None if neither holds it."""
+    if module is not None:
+        top = module.split(".")[0]
+        mod = sys.modules.get(top)
+        locations = list(getattr(mod, "__path__", None) or ())
+        for loc in locations:
+            loc = _norm(loc)
+            if path.startswith(loc + os.sep):
+                return f"{top}/{Path(path[len(loc) + 1 :]).as_posix()}"
+        if not locations and os.path.basename(path) == f"{top}.py":
+            return f"{top}.py"
+    roots = sorted((_norm(p or os.getcwd()) for p in sys.path), key=len, reverse=True)
+    for root in roots:
+        if path.startswith(root + os.sep):
+            return Path(path[len(root) + 1 :]).as_posix()
+    return None
+
+
+def _module_files() -> dict[str, str]:
+    """``{normalized file: module name}`` of the modules imported in this process."""
+    out: dict[str, str] = {}
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str) and f.endswith(".py"):
+            out.setdefault(_norm(f), name)
+    return out
+
+
+def manifest_of(filenames) -> Manifest:
+    """The manifest of the code files ``filenames`` (``co_filename`` of code
+    that ran): each classified (:func:`classify`; the module docstring says
+    what is recorded how). A file outside every import root (a script run by
+    its path) cannot be found by another process and is left out, with a
+    warning."""
+    modules = _module_files()
+    files: dict[str, str] = {}
+    dists: dict[str, str] = {}
+    for filename in sorted(set(filenames)):
+        kind = classify(filename)
+        if kind in (GENERATED, STDLIB, TORCH):
+            continue
+        path = _norm(filename)
+        if not os.path.isfile(path):
+            continue
+        if kind == SITE:
+            dist = dist_of(path)
+            if dist is not None:
+                dists[dist] = dist_version(dist)
+                continue
+        rel = _relative(path, modules.get(path))
+        if rel is None:
+            log.warning("traced file %s is outside every import root: not recorded", filename)
+            continue
+        files[rel] = file_sha256(path)
+    return Manifest(files=files, dists=dists)
+
+
+# -- the check at engine start ----------------------------------------------------
+
+
+def _search(rel: str) -> str | None:
+    top, _, rest = rel.partition("/")
+    name = top[:-3] if not rest and top.endswith(".py") else top
+    try:
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        if rest and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                cand = os.path.join(loc, rest)
+                if os.path.isfile(cand):
+                    return cand
+        elif not rest and spec.origin and os.path.basename(spec.origin) == top:
+            return spec.origin
+    for entry in sys.path:
+        cand = os.path.join(entry or os.getcwd(), rel)
+        if os.path.isfile(cand):
+            return cand
+    return None
+
+
+#: ``{(recorded path, sys.path): file found}``: where each recorded path was found.
+_FOUND: dict[tuple, str | None] = {}
+
+
+def find_file(rel: str) -> Path | None:
+    """The file a recorded path names here, found as import finds it: the top-level
+    module (``userkern2``, ``nc_outside_helper`` for ``nc_outside_helper.py``)
+    along ``sys.path`` (:func:`importlib.util.find_spec`, which executes
+    nothing), then the rest of the path inside its package folder(s); else the
+    first ``sys.path`` entry holding the path. None if not found."""
+    found = _find(rel)
+    return None if found is None else Path(found)
+
+
+def _find(rel: str, fresh: bool = False) -> str | None:
+    """:func:`find_file` as a string, remembered per process and ``sys.path``."""
+    key = (rel, tuple(sys.path))
+    if fresh or key not in _FOUND:
+        _FOUND[key] = _search(rel)
+    return _FOUND[key]
+
+
+def _state(rel: str) -> str:
+    """The sha256 of the file ``rel`` names here, or :data:`MISSING`."""
+    for fresh in (False, True):  # a remembered file that is gone: search again
+        path = _find(rel, fresh)
+        if path is None:
+            continue
+        try:
+            return file_sha256(path)
+        except OSError:
+            continue
+    return MISSING
+
+
+def current(manifest: Manifest) -> Manifest:
+    """The state here of exactly the items ``manifest`` lists: each file's
+    sha256 (:data:`MISSING` if not found), each distribution's version. Where
+    a file is found is remembered and its hash cached (by inode, size and
+    modification time), so a check costs a ``stat`` per file after the first."""
+    return Manifest(
+        files={rel: _state(rel) for rel in manifest.files},
+        dists={d: dist_version(d) for d in manifest.dists},
+    )
+
+
+def _short(v: str) -> str:
+    return v if v == MISSING else v[:16]
+
+
+def changes(stored: Manifest, here: Manifest) -> list[str]:
+    """What differs between a recorded manifest and the state here
+    (:func:`current`), one line per item: ``"userkern2/dyn_helper.py changed
+    (sha256 1a2b... stored, 9f8e... here)"``, ``"nc_helper.py not found on
+    sys.path"``, ``"distribution numpy 2.1.0 stored, 2.2.0 here"``."""
+    out = []
+    for rel, old in sorted(stored.files.items()):
+        new = here.files.get(rel, MISSING)
+        if new == old:
+            continue
+        if new == MISSING:
+            out.append(f"{rel} not found on sys.path (sha256 {_short(old)} stored)")
+        else:
+            out.append(f"{rel} changed (sha256 {_short(old)} stored, {_short(new)} here)")
+    for name, old in sorted(stored.dists.items()):
+        new = here.dists.get(name, MISSING)
+        if new != old:
+            shown = "not installed" if new == MISSING else new
+            out.append(f"distribution {name} {old} stored, {shown} here")
+    return out
+
+
+def derive_key(parent: str, state: Manifest) -> str:
+    """The key (sha256 hex) of an artifact compiled where the items recorded
+    by the entry at ``parent`` are in ``state`` (:func:`current`)."""
+    body = json.dumps(state.record(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"kc-derived\n{parent}\n{body}".encode()).hexdigest()
+
+
+def chain_key(base: str, states) -> str:
+    """``base`` followed through :func:`derive_key` for each state of ``states``."""
+    key = base
+    for s in states:
+        key = derive_key(key, s if isinstance(s, Manifest) else Manifest.model_validate(s))
+    return key
