@@ -731,14 +731,6 @@ def compile_items(
     }
 
 
-def _same_published(have: dict | None, want: dict, signed: bool) -> bool:
-    """Whether Redis's metadata ``have`` records the bytes (checksum, size) and,
-    with a signing key (``signed``), the signature of the local entry about to be
-    published as ``want`` (a builder without a key never replaces a signed entry)."""
-    fields = ("sha256", "size", "signature") if signed else ("sha256", "size")
-    return have is not None and all(have.get(f) == want.get(f) for f in fields)
-
-
 def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
     """With Redis: publish cached entries Redis lacks (signed when a key is
     set: the local cache is trusted), and copy verified Redis hits of the
@@ -753,14 +745,8 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
                 continue
             entry = tier.get(key)
             want = sign_meta(entry.meta, entry.data, secret)
-            try:
-                have = rtier.get_meta(key)
-            except CorruptEntryError:
-                have = None
-            if not _same_published(
-                have, want, secret is not None
-            ):  # missing, unsigned, other key, other bytes
-                uploaded += rtier.put(key, entry.data, want).stored
+            # put writes only what Redis lacks: missing, unsigned, other bytes
+            uploaded += rtier.put(key, entry.data, want).stored
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
             found = lookup.find(item.key)
             (fetched if found else left).append(item)
