@@ -31,7 +31,7 @@ from kernel_cache.store.redis import (
     RedisSettings,
     RedisTier,
 )
-from kernel_cache.store.tier import DiskTier, make_meta, verify_entry
+from kernel_cache.store.tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.trust.signing import (
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,
@@ -198,6 +198,34 @@ def test_read_through_promotes_into_the_local_cache(
         verify_entry(disk.get(key))  # promoted: the next start is local
     monkeypatch.setenv(ENV_REDIS_URL, f"redis://127.0.0.1:{free_port()}/0")  # Redis gone
     assert load_plan(tiny_config, local).stats()["loads"] == 6
+
+
+def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_keys):
+    """A re-publish of the same bytes (another builder of the key: builds are
+    reproducible) is ``present`` and sends no write to Redis (its own command
+    counters); other bytes, or a signature over unsigned bytes, are written; an
+    unsigned put never replaces a signed entry."""
+    tier = RedisTier(redis_db, fail_open=False)
+    key = build_key(tiny_config, Bucketer(tiny_config).variants[0]).hexdigest
+    data = b"package bytes"
+
+    def hsets() -> int:
+        return tier.client.info("commandstats").get("cmdstat_hset", {}).get("calls", 0)
+
+    meta = make_meta(build_key(tiny_config, Bucketer(tiny_config).variants[0]), "v", data, 1.0)
+    assert tier.put(key, data, meta).outcome is PutOutcome.STORED
+    n = hsets()
+    later = {**meta, "compile_seconds": 9.0, "created": meta["created"] + 60}  # another build
+    assert tier.put(key, data, later).outcome is PutOutcome.PRESENT
+    assert hsets() == n
+    signed = sign_meta(meta, data, fleet_keys["fleet"].signer)
+    assert tier.put(key, data, signed).outcome is PutOutcome.STORED  # adds the signature
+    assert tier.put(key, data, signed).outcome is PutOutcome.PRESENT
+    assert tier.put(key, data, meta).outcome is PutOutcome.PRESENT  # unsigned: keeps it
+    assert hsets() == n + 1 and "signature" in tier.get_meta(key)
+    other = make_meta(build_key(tiny_config, Bucketer(tiny_config).variants[0]), "v", b"x", 1.0)
+    assert tier.put(key, b"x", other).outcome is PutOutcome.STORED
+    tier.close()
 
 
 def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_config):

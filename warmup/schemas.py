@@ -28,6 +28,7 @@ MODELS: tuple[str, ...] = (
     "kernel_cache.plan.launch:LaunchTableDoc",
     "warmup.build.planner:WarmupReport",
     "warmup.check.verify:VerifyReport",
+    "warmup.check.rebuild:RebuildReport",
     "kernel_cache.store.tier:EntryMeta",
     "kernel_cache.store.bundle:BundleManifest",
     "kernel_cache.store.usage:UsageRecord",

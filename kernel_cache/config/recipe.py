@@ -45,10 +45,33 @@ from kernel_cache.errors import ConfigError
 #:   ``AOT_INDUCTOR_DEBUG_COMPILE=1`` (``-O0 -g``) or
 #:   ``TORCHINDUCTOR_MAX_AUTOTUNE=1`` in a builder's environment cannot reach
 #:   the code (the worker's environment is cleaned as well: :data:`ENV_RULES`).
+#: - ``aot_inductor.model_name_for_generated_files``: the generated files are
+#:   named after it instead of a hash of their text, which holds the build's
+#:   paths (the kernel file's first line names the wrapper's path; the hash of
+#:   the wrapper mixes in a compile command with the torch install's include
+#:   paths), so two builders of one key name them alike (docs/reproducible.md).
+#:   On CUDA it also prefixes the Triton kernels' symbol names.
+#: - ``aot_inductor.precompile_headers: False``: the precompiled header's file
+#:   name is a hash of the preprocessed torch headers, whose line markers hold
+#:   the torch install's path, and the compile command in the package names it.
 BASE_OPTIONS: dict = {
     "aot_inductor.enable_line_tables": False,
     "aot_inductor.debug_compile": False,
     "max_autotune": False,
+    "aot_inductor.model_name_for_generated_files": "kernel_cache",
+    "aot_inductor.precompile_headers": False,
+}
+
+#: The fixed names a build's own directories are given in the artifact: the
+#: compiler maps each to its name (``-ffile-prefix-map``) and the package's
+#: C++ comments are rewritten with them (``warmup.build.compiler``), so no
+#: builder path (scratch, temp, home, the venv or the Python install) is in
+#: the bytes and two builders of one key write identical packages.
+BUILD_PATH_NAMES: dict[str, str] = {
+    "build": "/kernel-cache/build",
+    "torch": "/kernel-cache/torch",
+    "python_include": "/kernel-cache/python/include",
+    "python_lib": "/kernel-cache/python/lib",
 }
 
 #: The thread count Inductor's CPU code generation assumes when it decides how

@@ -86,6 +86,18 @@ class RemoteUnavailableError(KernelCacheError):
     (``kernel-cache verify --redis-url``)."""
 
 
+def same_published(have: dict | None, want: dict) -> bool:
+    """Whether a published entry's metadata ``have`` records the bytes
+    (``sha256``, ``size``) of the entry ``want`` and, when ``want`` is signed,
+    its signature (an unsigned entry is replaced by a signed one, never the
+    reverse). Other fields (timings, creation time) may differ: they describe a
+    build, not the bytes."""
+    if have is None:
+        return False
+    fields = ("sha256", "size", "signature") if want.get("signature") else ("sha256", "size")
+    return all(have.get(f) == want.get(f) for f in fields)
+
+
 def redact(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for logs and errors)."""
     return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
@@ -304,9 +316,13 @@ class RedisTier(Tier):
         return bool(self._run("contains", lambda c: c.exists(self._name("entry", key)), 0))
 
     def put(self, key: str, data: bytes, meta: dict) -> PutResult:
-        """Publish atomically (one ``MULTI``/``EXEC``).
+        """Publish atomically (one ``MULTI``/``EXEC``), unless Redis holds these
+        bytes already (:func:`same_published`: one ``HGET`` of the metadata, no
+        write), as it does when another builder of the key published first:
+        builds are reproducible (docs/reproducible.md).
 
-        Returns ``stored``, or (fail-open) ``failed`` with the Redis error.
+        Returns ``stored``, ``present`` (nothing written), or (fail-open)
+        ``failed`` with the Redis error.
 
         Raises:
             RemoteUnavailableError: Redis failed and the tier is not fail-open.
@@ -315,6 +331,12 @@ class RedisTier(Tier):
 
         name = self._name("entry", key)
         raw_meta = json.dumps(meta, sort_keys=True).encode()
+        try:
+            have = self.get_meta(key)
+        except CorruptEntryError:
+            have = None
+        if same_published(have, meta):
+            return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
 
         def op(c):
             p = c.pipeline(transaction=True)

@@ -787,15 +787,6 @@ def compile_items(
     }
 
 
-def _same_published(have: dict | None, want: dict, signed: bool) -> bool:
-    """Whether Redis's metadata ``have`` records the bytes (checksum, size) and,
-    with a private key (``signed``), the signature of the local entry about to be
-    published as ``want`` (Ed25519 is deterministic: the same record and key give
-    the same signature; a builder without a key never replaces a signed entry)."""
-    fields = ("sha256", "size", "signature") if signed else ("sha256", "size")
-    return have is not None and all(have.get(f) == want.get(f) for f in fields)
-
-
 def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
     """With Redis: publish cached entries Redis lacks (signed when ``secret``, the
     private key, is set: the local cache is trusted; without it, only entries the
@@ -813,14 +804,8 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
             want = sign_meta(entry.meta, entry.data, secret)
             if secret is None and not may_publish(want, entry.data):
                 continue  # the fleet would refuse it, and this node cannot sign
-            try:
-                have = rtier.get_meta(key)
-            except CorruptEntryError:
-                have = None
-            if not _same_published(
-                have, want, secret is not None
-            ):  # missing, unsigned, other key, other bytes
-                uploaded += rtier.put(key, entry.data, want).stored
+            # put writes only what the remote lacks: missing, unsigned, other bytes
+            uploaded += rtier.put(key, entry.data, want).stored
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
             found = lookup.find(item.key)
             (fetched if found else left).append(item)

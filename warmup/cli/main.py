@@ -283,6 +283,8 @@ def cmd_verify(args) -> int:
     tiers = None
     if args.redis_url or args.s3_url:  # coverage: the remote alone must hold the whole plan
         tiers = [_remote_settings(args).tier(fail_open=False)]
+    if args.rebuild:
+        return _verify_rebuild(args, cfg, tiers)
     report = verify_plan(
         cfg,
         _cache_dir(args),
@@ -299,6 +301,46 @@ def cmd_verify(args) -> int:
     else:
         _print_verify(report)
     return 0 if report["ok"] else 1
+
+
+def _verify_rebuild(args, cfg, tiers) -> int:
+    """``verify --rebuild VARIANT ...``: rebuild each variant and compare bytes
+    with the stored entry (:func:`warmup.check.rebuild.rebuild_variant`); 0 if
+    every one is identical."""
+    from warmup.check.rebuild import rebuild_variant
+
+    reports = [
+        rebuild_variant(
+            cfg,
+            v,
+            _cache_dir(args),
+            tiers=tiers,
+            bundles=args.bundle,
+            allow_shared_dir=args.insecure_allow_shared_dir or None,
+        )
+        for v in args.rebuild
+    ]
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    for r in reports:
+        if args.json:
+            break
+        if r["where"] is None:
+            print(f"rebuild {r['variant']}: missing (key {r['key'][:16]})", file=sys.stderr)
+            continue
+        status = "identical" if r["identical"] else "DIFFERS"
+        print(
+            f"rebuild {r['variant']}: {status} to the entry in {r['where']} "
+            f"(sha256 {r['stored_sha256'][:16]}, rebuilt {r['rebuilt_sha256'][:16]}, "
+            f"{r['compile_s']:.1f} s)"
+        )
+        for m in r["differs"]:
+            print(f"  differs {m['member']}: {m['stored_size']} / {m['rebuilt_size']} bytes")
+        for n in r["only_stored"]:
+            print(f"  only stored: {n}")
+        for n in r["only_rebuilt"]:
+            print(f"  only rebuilt: {n}")
+    return 0 if all(r["identical"] for r in reports) else 1
 
 
 def _print_verify(report: dict) -> None:
@@ -432,6 +474,15 @@ def _add_verify(sub) -> None:
     sv.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
     bundle_option(sv)
     sv.add_argument("--json", action="store_true")
+    sv.add_argument(
+        "--rebuild",
+        action="append",
+        default=[],
+        metavar="VARIANT",
+        help="compile VARIANT (KERNEL:QUERY:BLOCKS:SEQS, as `plan` lists it) again in a "
+        "scratch directory and compare its bytes with the stored entry, naming the package "
+        "members that differ; repeatable; exit 1 unless all are identical",
+    )
     trust_option(sv)
     fleet_options(sv, warmup=False)
     sv.set_defaults(func=cmd_verify)
