@@ -429,6 +429,7 @@ def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
         "model": "4h/2kv/d8 bs16",
         "dtype": "float32",
         "device": "cpu",
+        "device_arch": "x86_64/x86-64-v3",
         "key": "612ba077f0f6c73fba886b582c92bda3",
         "size": 455791,
         "compile_seconds": 4.88,
@@ -444,7 +445,7 @@ def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "…" not in out
     # the kernel column's cells, top to bottom: a path folded over lines joins up
-    column = "".join(ln.split("│")[4].strip() for ln in out.splitlines() if ln.count("│") > 4)
+    column = "".join(ln.split("│")[5].strip() for ln in out.splitlines() if ln.count("│") > 5)
     assert DECODE in column and PREFILL in column
 
 

@@ -200,30 +200,44 @@ def test_read_through_promotes_into_the_local_cache(
     assert load_plan(tiny_config, local).stats()["loads"] == 6
 
 
-def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_keys):
-    """A re-publish of the same bytes (another builder of the key: builds are
-    reproducible) is ``present`` and sends no write to Redis (its own command
-    counters); other bytes, or a signature over unsigned bytes, are written; an
-    unsigned put never replaces a signed entry."""
+def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_keys, monkeypatch):
+    """A re-publish of the same entry (another builder of the key: builds are
+    reproducible, only timings and creation time differ, and with them the
+    signature) is ``present`` and sends no write to Redis (its own command
+    counters); other bytes, a signature over unsigned bytes, an altered record or
+    a signature the trusted keys refuse are written over; an unsigned put never
+    replaces a signed entry."""
     tier = RedisTier(redis_db, fail_open=False)
-    key = build_key(tiny_config, Bucketer(tiny_config).variants[0]).hexdigest
-    data = b"package bytes"
+    ck = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    key, data = ck.hexdigest, b"package bytes"
 
     def hsets() -> int:
         return tier.client.info("commandstats").get("cmdstat_hset", {}).get("calls", 0)
 
-    meta = make_meta(build_key(tiny_config, Bucketer(tiny_config).variants[0]), "v", data, 1.0)
+    meta = make_meta(ck, "v", data, 1.0)
     assert tier.put(key, data, meta).outcome is PutOutcome.STORED
     n = hsets()
     later = {**meta, "compile_seconds": 9.0, "created": meta["created"] + 60}  # another build
     assert tier.put(key, data, later).outcome is PutOutcome.PRESENT
     assert hsets() == n
-    signed = sign_meta(meta, data, fleet_keys["fleet"].signer)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
+    signer = fleet_keys["fleet"].signer
+    signed = sign_meta(meta, data, signer)
     assert tier.put(key, data, signed).outcome is PutOutcome.STORED  # adds the signature
-    assert tier.put(key, data, signed).outcome is PutOutcome.PRESENT
+    assert tier.put(key, data, sign_meta(later, data, signer)).outcome is PutOutcome.PRESENT
     assert tier.put(key, data, meta).outcome is PutOutcome.PRESENT  # unsigned: keeps it
-    assert hsets() == n + 1 and "signature" in tier.get_meta(key)
-    other = make_meta(build_key(tiny_config, Bucketer(tiny_config).variants[0]), "v", b"x", 1.0)
+    assert hsets() == n + 1 and tier.get_meta(key)["signature"] == signed["signature"]
+    # Redis's record relabelled under the genuine signature: a builder's put repairs it
+    tier.client.hset(
+        tier._name("entry", key), "meta", json.dumps({**signed, "variant": "evil"}).encode()
+    )
+    assert tier.put(key, data, signed).outcome is PutOutcome.STORED
+    assert tier.get_meta(key)["variant"] == "v"
+    # signed by a key the trusted keys do not hold: replaced too
+    forged = sign_meta(meta, data, fleet_keys["attacker"].signer)
+    tier.client.hset(tier._name("entry", key), "meta", json.dumps(forged).encode())
+    assert tier.put(key, data, signed).outcome is PutOutcome.STORED
+    other = make_meta(ck, "v", b"x", 1.0)
     assert tier.put(key, b"x", other).outcome is PutOutcome.STORED
     tier.close()
 

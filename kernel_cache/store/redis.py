@@ -86,16 +86,37 @@ class RemoteUnavailableError(KernelCacheError):
     (``kernel-cache verify --redis-url``)."""
 
 
+#: Fields of an entry's record that describe one build, not its bytes or what
+#: they are: two builders of a key differ in them (builds are reproducible).
+BUILD_FIELDS = ("created", "compile_seconds", "timings", "signature", "imported_from")
+
+
 def same_published(have: dict | None, want: dict) -> bool:
-    """Whether a published entry's metadata ``have`` records the bytes
-    (``sha256``, ``size``) of the entry ``want`` and, when ``want`` is signed,
-    its signature (an unsigned entry is replaced by a signed one, never the
-    reverse). Other fields (timings, creation time) may differ: they describe a
-    build, not the bytes."""
+    """Whether a published entry's record ``have`` already stands for the entry
+    ``want`` about to be published: the same fields but for :data:`BUILD_FIELDS`
+    (sha256, size, variant, key components, CPU features, traced files...) and,
+    when ``want`` is signed, a signature the trusted keys accept over ``have``
+    (another builder's of the same bytes does: nothing is re-uploaded; an altered
+    record or a forged signature does not: it is replaced). An unsigned entry
+    never replaces a signed one."""
     if have is None:
         return False
-    fields = ("sha256", "size", "signature") if want.get("signature") else ("sha256", "size")
-    return all(have.get(f) == want.get(f) for f in fields)
+    if {k: v for k, v in have.items() if k not in BUILD_FIELDS} != {
+        k: v for k, v in want.items() if k not in BUILD_FIELDS
+    }:
+        return False
+    if not want.get("signature"):
+        return True
+    from kernel_cache.trust.signing import SignatureError, check_signature, load_trusted_keys
+
+    keyring = load_trusted_keys(required=False)
+    if keyring is None or not have.get("signature"):
+        return False
+    try:  # the bytes are the local entry's (same sha256): its digest stands for them
+        check_signature(str(have.get("key", "")), have, b"", keyring, digest=want["sha256"])
+    except SignatureError:
+        return False
+    return True
 
 
 def redact(url: str) -> str:

@@ -198,7 +198,7 @@ def _ls_table(title: str, rows: list[dict], *, with_status: bool):
             justify="right" if col in ("size", "compile s") else "left",
             overflow="fold" if col == "kernel" else "ellipsis",
             # Names a user passes on (variant, target) and times are never cut.
-            no_wrap=col in ("variant", "target", "created", "last used"),
+            no_wrap=col in ("variant", "target", "key", "created", "last used"),
         )
     for r in rows:
         table.add_row(*_ls_cells(r), *((r["status"],) if with_status else ()))
