@@ -279,6 +279,12 @@ class RealKVPagedAttention(PagedAttention):
         return out[0].transpose(0, 1).to(query.dtype)
 
 
+#: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
+#: packs the whole K/V (the entire pool here) for bfloat16/float16 once a head has
+#: 64 or more query rows (``need_pack`` in ``cpp_flex_attention_template.py``).
+_FLEX_MAX_ROWS = 63
+
+
 class RealKVBatchedDecode(BatchedDecode):
     """:class:`BatchedDecode` that reads only real KV when compiled for the CPU.
 
@@ -290,34 +296,58 @@ class RealKVBatchedDecode(BatchedDecode):
     head_dim]`` (no copy), and each sequence is one batch entry whose
     ``num_heads / num_kv_heads`` query heads of a KV head form the query rows of
     that head (every query head of a group sees the same positions, so each KV
-    block is read once per group). The block mask, built in the graph, lists for
-    sequence ``s`` its ``seq_len // block_size`` full blocks
-    (``block_tables[s]`` in order) and, if ``seq_len % block_size``, its last
-    block as a partial block whose ``mask_mod`` keeps offsets
-    ``< seq_len % block_size``. A padded row (``seq_len == 0``) lists no block
-    and returns zeros. The flex block size is the KV block size.
+    block is read once per group; groups of 64 or more heads are split into flex
+    heads of fewer rows, which read the block once each).
 
-    Compiled, the kernel reads no block past ``seq_len`` and copies nothing of
-    the pool. It relies on what an engine's block tables guarantee: a sequence
-    holds a pool block at most once. torch 2.13's CPU flex template applies
-    ``mask_mod`` to every block whose id is in the partial list, so a last,
-    partial block also listed earlier as a full block would be masked in both
-    places (``kernel_cache.runtime.inputs.make_inputs`` draws distinct blocks per row).
+    Block lists: sequence ``s`` lists ``n = min(ceil(seq_len / block_size),
+    num_blocks)`` blocks as full blocks: the first ``n`` entries of
+    ``block_tables[s]`` itself, in order, repeats included (the template visits
+    every entry, so a block listed twice is attended twice, as in vLLM's
+    reference). A padded row (``seq_len == 0``) lists none and returns zeros. The
+    positions at and past ``seq_len`` in the last block are removed by a
+    ``score_mod``, not by a partial block: the CPU template applies a partial
+    block's ``mask_mod`` to every entry with that block id, so a last block that
+    also appears earlier in the row would be masked there too. The
+    ``score_mod`` adds, to the scores of the last block's pool id ``X`` at
+    offsets ``>= lim`` (``lim = seq_len - (n - 1) * block_size``, the real tokens
+    of the last block), ``log(k / (k + 1))``, where ``k`` is how often ``X``
+    appears among the row's first ``n - 1`` entries: each of the ``k + 1``
+    entries of ``X`` then weighs those offsets ``k / (k + 1)``, ``k`` in all,
+    and the offsets below ``lim`` ``k + 1`` times; with ``k == 0`` the bias is
+    ``-inf`` (a plain mask). Rows whose last block is whole get no bias
+    (``lim == block_size``).
+
+    Compiled, the kernel reads no block past ``seq_len`` (the last block is read
+    whole and its tail masked: at most ``block_size - 1`` positions per
+    sequence) and copies nothing of the pool; its graph allocates nothing
+    pool-sized except an uninitialized ``[num_seqs, 1, 1, num_pool_blocks]``
+    int32 placeholder that is never written or read (see below).
 
     The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
     the plain path; the compiled flex kernel parallelizes over
     sequences and KV heads itself. Run eagerly (``verify``'s oracle, tests) or on
     another device it is the plain :class:`BatchedDecode`: eager
     ``flex_attention`` computes every score of the pool and ignores the block
-    mask's sparsity, and its ``mask_mod`` here is right only inside the blocks
-    the mask lists.
+    mask's sparsity.
 
     Workarounds flex needs under ``torch.export`` + AOTInductor (torch 2.13):
-    the query is a computed tensor (not a view of an input); ``mask_mod`` reads
-    only graph inputs (``seq_lens``), indexed with the batch index ``b``; the
-    block index tensors are ``num_pool_blocks + num_blocks`` wide so that the
-    CPU template's check ``kv_len <= index width * block_size`` holds for every
-    pool size without a guard on it.
+
+    * the query is a computed tensor (not a view of an input);
+    * the template checks ``kv_len <= width * block_size`` on the partial-block
+      index (``flex_cpu.lower_cpu``), so with ``kv_len`` the pool that index is
+      ``num_pool_blocks`` wide for any pool without a guard: it is
+      ``torch.empty`` (allocated, never written, never read: every row lists
+      zero partial blocks), not a ``cat`` of zeros, which cost time in
+      proportion to the pool;
+    * ``score_mod`` may capture only graph inputs or tensors that are already
+      buffers when flex is lowered (the CPU lowering records captured tensors
+      before realizing them, and a still-pointwise capture fails to render), and
+      only 1-D ones indexed by a tensor expression (an integer index into a
+      captured tensor fails under functionalization): the per-row values are one
+      int64 tensor ``[3 * num_seqs]`` (first masked position, end of the last
+      block, the bias's float32 bits) made a buffer by a ``cumsum`` of its
+      differences, exact in integers, which Inductor runs as an ATen call on the
+      CPU (it has no scan codegen there).
     """
 
     def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
@@ -331,29 +361,40 @@ class RealKVBatchedDecode(BatchedDecode):
         s, nb = block_tables.shape
         p, bs = key_cache.shape[0], key_cache.shape[1]
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = query.reshape(s, kvh, g, d) * 1  # computed, not a view of the input
+        split = next(m for m in range(1, g + 1) if g % m == 0 and g // m <= _FLEX_MAX_ROWS)
+        rows = g // split  # query rows of one flex head; kvh * split flex heads
+        q = query.reshape(s, kvh * split, rows, d) * 1  # computed, not a view of the input
         k = key_cache.view(1, p * bs, kvh, d).transpose(1, 2)
         v = value_cache.view(1, p * bs, kvh, d).transpose(1, 2)
-        full = seq_lens // bs  # full blocks per sequence, [s] int32
-        partial = (seq_lens % bs != 0).to(torch.int32)
-        full_idx = torch.cat([block_tables, block_tables.new_zeros((s, p))], dim=1)  # [s, nb + p]
-        last = torch.gather(block_tables, 1, full.clamp(max=nb - 1).long()[:, None])  # [s, 1]
-        part_idx = torch.cat([last, block_tables.new_zeros((s, nb + p - 1))], dim=1)
+        n = ((seq_lens + (bs - 1)) // bs).clamp(0, nb)  # blocks read per row, [s] int32
+        last_col = (n - 1).clamp(min=0)
+        last = torch.gather(block_tables, 1, last_col.long()[:, None])[:, 0].long()  # [s]
+        lim = seq_lens - (n - 1) * bs  # real tokens of the last block; bs: no tail
+        cols = torch.arange(nb, dtype=torch.int32, device=query.device)
+        earlier = (block_tables == last[:, None]) & (cols[None, :] < last_col[:, None])
+        reps = earlier.sum(1).to(torch.float32)  # k: the last block among the others
+        bias = torch.log(reps / (reps + 1))  # -inf when k == 0
+        vals = torch.cat([last * bs + lim, (last + 1) * bs, bias.view(torch.int32).to(torch.int64)])
+        side = (vals - torch.cat([vals.new_zeros(1), vals[:-1]])).cumsum(0)  # == vals
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx % bs) < (seq_lens[b] % bs)
+        def score_mod(score, b, h, q_idx, kv_idx):
+            tail = (kv_idx >= side[b]) & (kv_idx < side[b + s])
+            return torch.where(
+                tail, score + side[b + 2 * s].to(torch.int32).view(torch.float32), score
+            )
 
         mask = BlockMask.from_kv_blocks(
-            partial[:, None, None],
-            part_idx[:, None, None, :],
-            full[:, None, None],
-            full_idx[:, None, None, :],
+            torch.zeros((s, 1, 1), dtype=torch.int32, device=query.device),
+            torch.empty((s, 1, 1, p), dtype=torch.int32, device=query.device),
+            n[:, None, None],
+            block_tables[:, None, None, :],
             BLOCK_SIZE=(128, bs),
-            mask_mod=mask_mod,
-            seq_lengths=(g, p * bs),
+            seq_lengths=(rows, p * bs),
             compute_q_blocks=False,
         )
-        out = flex_attention(q, k, v, block_mask=mask, scale=self.scale)  # [s, kvh, g, d]
+        out = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=mask, scale=self.scale, enable_gqa=True
+        )
         return out.reshape(s, kvh * g, d).to(query.dtype)
 
 
