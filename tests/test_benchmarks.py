@@ -125,6 +125,36 @@ def test_kernel_speed_smoke(tmp_path, warm_cache, tiny_model):
 
 
 @pytest.mark.compile
+def test_pool_size_smoke(tmp_path, warm_cache, tiny_model):
+    doc = run_bench(
+        "pool_size",
+        *tiny_args(tiny_model),
+        "--cache-dir",
+        warm_cache[0],
+        "--seq-len",
+        "20",
+        "--pools",
+        "8,5000",
+        "--dtypes",
+        "float32",
+        "--calls",
+        "2",
+        "--repeats",
+        "2",
+        "--out",
+        tmp_path / "pool_size.json",
+        timeout=300,
+    )
+    (r,) = doc["results"]
+    assert r["variant"] == "batched_decode:1:2:4"
+    for k in ("compiled@8", "compiled@5000", "sdpa"):
+        summary_fields(r["ms"][k])
+    summary_fields(r["compiled_large_over_small"])
+    assert max(r["max_abs_err_vs_sdpa"].values()) < 1e-4
+    assert doc["config"]["pools"] == [8, 5000]
+
+
+@pytest.mark.compile
 def test_restart_smoke(tmp_path, warm_cache, tiny_model):
     doc = run_bench(
         "restart",

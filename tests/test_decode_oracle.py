@@ -246,8 +246,8 @@ def test_compiled_decode_touches_no_memory_in_proportion_to_the_pool(tiny_model,
     200,000-block pool against a 1,000-block pool, in a fresh process whose
     allocations of 64 KiB and more are fresh mappings (``MALLOC_MMAP_THRESHOLD_``):
     a buffer the call wrote in proportion to the pool would fault its pages in
-    on every call (the kernel before this check wrote two ``[4, 2 + pool]``
-    int32 indices, 6.4 MB at this pool: about 1,560 faults per call)."""
+    on every call (two ``[4, 2 + pool]`` int32 block indices, as the decode
+    kernel once built, are 6.4 MB at this pool: about 1,560 pages)."""
     proc = subprocess.run(
         [sys.executable, "-c", FAULTS, str(tiny_model), str(warm_cache[0])],
         capture_output=True,

@@ -393,7 +393,7 @@ class RealKVBatchedDecode(BatchedDecode):
             compute_q_blocks=False,
         )
         out = flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=mask, scale=self.scale, enable_gqa=True
+            q, k, v, score_mod=score_mod, block_mask=mask, scale=self.scale, enable_gqa=split > 1
         )
         return out.reshape(s, kvh * g, d).to(query.dtype)
 
