@@ -32,10 +32,11 @@ from .fsutil import resize_tmpfs, tmpfs, tree_state
 pytestmark = pytest.mark.compile
 
 
-def cli(*args, env=None) -> subprocess.Popen:
+def cli(*args, env=None, terminal=False) -> subprocess.Popen:
     """``kernel-cache ARGS`` started in its own process group (so a test can kill
     the warmup and its compile workers together, as an OOM killer or a pod
-    deletion does)."""
+    deletion does); with ``terminal``, as a terminal starts it: SIGINT at its
+    default, even where this test runs with SIGINT ignored."""
     return subprocess.Popen(
         [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
         cwd=ROOT,
@@ -44,6 +45,7 @@ def cli(*args, env=None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None,
     )
 
 
@@ -406,21 +408,6 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     assert report["compiler_runs"] == 6 - kept
 
 
-def _terminal_started(args, env=None) -> subprocess.Popen:
-    """``kernel-cache ARGS`` as a terminal starts it: its own process group, SIGINT
-    at its default (even where this test runs with SIGINT ignored)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-
 def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
     cache_copy, tiny_model, tiny_config
 ):
@@ -433,7 +420,7 @@ def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
         "KERNEL_CACHE_TEST_PAUSE_AT": "pool-shutdown",
         "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
     }
-    proc = _terminal_started(("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy), env)
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env, terminal=True)
     try:
         wait_for_pause(marker, proc, "pool-shutdown")
         os.killpg(proc.pid, signal.SIGINT)
@@ -469,7 +456,7 @@ def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, t
     prints ``Fatal Python error`` or a traceback."""
     cache = tmp_path / "cache"
     args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2")
-    proc = _terminal_started(args)
+    proc = cli(*args, terminal=True)
     try:
         t0 = time.monotonic()  # until the warmup process has spawned a compile worker
         while time.monotonic() - t0 < 300 and not _spawned_workers(proc.pid):
@@ -479,8 +466,11 @@ def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, t
         # From its first instant, long before its initializer runs (its imports
         # take seconds), the worker ignores SIGINT: a Ctrl-C cannot catch it halfway.
         status = Path(f"/proc/{workers[0]}/status").read_text()
-        ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
-        assert ignored & (1 << (signal.SIGINT - 1)), status
+        masks = [
+            int(re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+            for field in ("SigIgn", "SigBlk")
+        ]
+        assert any(m & (1 << (signal.SIGINT - 1)) for m in masks), status
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -1032,8 +1032,9 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     results: list[VariantResult] = []
     pool = _Pool(config, cache_dir, jobs, scratch, options)
     old = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
-    pending = {pool.submit(item, False) for item in todo}
+    pending: set = set()
     try:
+        pending = {pool.submit(item, False) for item in todo}  # a Ctrl-C here stops them too
         while pending:
             reporter.running([str(pool.futs[f].variant) for f in pending if f.running()])
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -1077,19 +1078,19 @@ def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) 
 
 @contextlib.contextmanager
 def _sigint_ignored():
-    """SIGINT ignored in this process for the block (main thread only). A worker
-    spawned meanwhile starts with SIGINT ignored, which ``exec`` keeps and
-    Python's startup leaves alone, so a Ctrl-C while it imports cannot kill it
-    half-started (``Fatal Python error: init_import_site``); the warmup process
-    stops its workers itself."""
+    """SIGINT blocked in this thread for the block (main thread only): a worker
+    spawned meanwhile starts with it blocked, which ``exec`` keeps, so a Ctrl-C
+    while it imports cannot kill it half-started (``Fatal Python error:
+    init_import_site``); a Ctrl-C meanwhile stays pending here and is delivered
+    when the block ends, and the warmup process stops its workers itself."""
     if not _main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _main_thread() -> bool:
