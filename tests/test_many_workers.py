@@ -471,6 +471,7 @@ def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, t
             for field in ("SigIgn", "SigBlk")
         ]
         assert any(m & (1 << (signal.SIGINT - 1)) for m in masks), status
+        time.sleep(0.5)  # its spawn data sent, the worker is importing
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
