@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny geometry and one warmed cache per test session.
 
-Compiling is the slow part (about 8 s a variant on a 2-core CPU), so the tiny
-plan (6 variants) is warmed once per session, and tests that change a cache
-work on a copy of it.
+Compiling is the slow part (10-20 s a variant on a 2-core CPU), so the tiny
+plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a decode
+batch of 4) is warmed once per session, and tests that change a cache work on a
+copy of it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ TINY_LIMITS = {
     "block_size": 16,
     "max_num_seqs": 4,
     "max_num_batched_tokens": 32,
+    "kv_buckets": (32,),
 }
+#: The tiny plan's variants, in plan order.
+TINY_VARIANTS = ("paged_attention:1:2:1", "paged_attention:32:2:1", "batched_decode:1:2:4")
+N_TINY = len(TINY_VARIANTS)
 
 
 def tiny_args(model_path) -> list[str]:
-    """ENGINE OPTIONS for the tiny plan (6 variants)."""
+    """ENGINE OPTIONS for the tiny plan (:data:`TINY_VARIANTS`)."""
     return [
         "--model",
         str(model_path),
@@ -42,6 +47,8 @@ def tiny_args(model_path) -> list[str]:
         "--max-num-seqs",
         "4",
         "--max-num-batched-tokens",
+        "32",
+        "--kv-buckets",
         "32",
     ]
 

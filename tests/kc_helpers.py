@@ -29,7 +29,7 @@ from kernel_cache.errors import MissingVariantsError
 from kernel_cache.plan.keys import cxx_compiler_id
 from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 doc = {"kernel_cache": kernel_cache.__file__, "cxx": cxx_compiler_id()}
 try:
     rt = load_plan(cfg, None if sys.argv[2] == "-" else sys.argv[2])

@@ -18,7 +18,7 @@ from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
 from kernel_cache.store.tier import DiskTier, PutOutcome
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir
 
 pytestmark = pytest.mark.compile
@@ -163,15 +163,15 @@ def test_container_recipe_without_docker(bundle, tiny_model):
             **user_kwargs,
         )
         assert proc.returncode == 0, proc.stderr
-        assert "verify ok: 6/6 loaded, 0 compiled" in proc.stdout
+        assert f"verify ok: {N_TINY}/{N_TINY} loaded, 0 compiled" in proc.stdout
         assert "build-only cxx: accepted" in proc.stdout
         assert snapshot(image_bundle) == before
         written = [p.name for p in cache.rglob("*") if p.suffix == ".val" or p.name == "usage.json"]
         assert written == []  # no artifact copied, no usage recorded: the bundle served all
     assert "missing" not in doc, doc
-    assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+    assert doc["stats"]["loads"] == N_TINY and doc["stats"]["compiles"] == 0
     assert doc["compile_stack"] == [] and doc["out_shape"] == [3, 4, 8]
-    assert doc["stats"]["sources"] == {str(image_bundle): 6}
+    assert doc["stats"]["sources"] == {str(image_bundle): N_TINY}
     assert doc["cxx"] == "none"
     accepted = doc["stats"]["build_only_accepted"]["cxx"]
     assert accepted["here"] == "none" and accepted["stored"] and "none" not in accepted["stored"]
@@ -184,17 +184,17 @@ def test_bundles_come_before_the_local_cache_and_import_copies(bundle, tiny_conf
     assert [t.name for t in tiers] == ["bundle"]  # engine start creates no cache dir
     assert not local.exists()
     rt = load_plan(tiny_config, local, bundles=[bundle])
-    assert rt.sources == {str(bundle): 6}
+    assert rt.sources == {str(bundle): N_TINY}
     proc = run_cli("import", bundle, "--cache-dir", local, "--json", check=True)
     assert json.loads(proc.stdout) == {
-        "imported": 6,
+        "imported": N_TINY,
         "present": 0,
         "bytes": sum(p.stat().st_size for p in (bundle / "artifacts").iterdir()),
     }
-    assert load_plan(tiny_config, local).sources == {str(local): 6}
-    assert load_plan(tiny_config, local, bundles=[bundle]).sources == {str(bundle): 6}
+    assert load_plan(tiny_config, local).sources == {str(local): N_TINY}
+    assert load_plan(tiny_config, local, bundles=[bundle]).sources == {str(bundle): N_TINY}
     proc = run_cli("import", bundle, "--cache-dir", local, "--json", check=True)
-    assert json.loads(proc.stdout)["present"] == 6
+    assert json.loads(proc.stdout)["present"] == N_TINY
 
 
 def test_a_damaged_bundle_file_is_never_loaded(bundle, tiny_config, tmp_path):

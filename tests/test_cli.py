@@ -11,7 +11,7 @@ import pytest
 from kernel_cache.config.engine import make_config
 from warmup.cli.main import build_parser, main
 
-from .conftest import TINY_LIMITS, run_cli, tiny_args
+from .conftest import N_TINY, TINY_LIMITS, run_cli, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -259,11 +259,11 @@ def test_verify_says_whether_the_plan_came_from_a_bundle_or_the_cache(
     cache = warm_cache[0]
     engine = tiny_args(tiny_model)
     out = run_cli("verify", *engine, "--cache-dir", cache, check=True).stdout
-    assert f"\n  6 from local cache {cache}\n" in out
+    assert f"\n  {N_TINY} from local cache {cache}\n" in out
     bundle = tmp_path / "bundle"
     run_cli("export", *engine, "--cache-dir", cache, "--out", bundle, check=True)
     out = run_cli("verify", *engine, "--cache-dir", cache, "--bundle", bundle, check=True).stdout
-    assert f"\n  6 from bundle {bundle}\n" in out and "local cache" not in out
+    assert f"\n  {N_TINY} from bundle {bundle}\n" in out and "local cache" not in out
 
 
 @pytest.mark.parametrize(

@@ -63,9 +63,9 @@ def test_cuda_compile_options_and_environment_name_the_cpu_target(target):
     assert "TORCHINDUCTOR_CPP_MARCH" not in env
     if target == "x86-64-v3":
         assert opts["cpp.march"] == "x86-64-v3" and "native" not in json.dumps(opts)
-        assert env["ATEN_CPU_CAPABILITY"] == "avx2"
-    else:  # native: the best this CPU has, as on the CPU
-        assert "ATEN_CPU_CAPABILITY" not in env
+        assert env["ATEN_CPU_CAPABILITY"] == "avx2" and opts["cpp.vec_isa_ok"] is True
+    else:  # native: the best this CPU has (probed), as on the CPU
+        assert "ATEN_CPU_CAPABILITY" not in env and "cpp.vec_isa_ok" not in opts
     assert compile_environment({}, "cuda", target) == compile_environment({}, "cpu", target)
 
 

@@ -19,7 +19,7 @@ from kernel_cache.kernels.slots import SLOTS, kernel_path
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer
 from kernel_cache.plan.keys import build_key, source_files
 
-from .conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, TINY_LIMITS, run_cli, tiny_args
 
 EXAMPLE = ROOT / "examples" / "custom_kernel"
 DECODE = "kc_example_kernels.decode:SdpaDecode"
@@ -298,7 +298,7 @@ def test_warmup_reports_a_bad_kernel_as_failed_variants_not_a_crash(
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     failed = {r["variant"]: r["error"] for r in json.loads(proc.stdout)["results"]}
-    assert len(failed) == 6
+    assert len(failed) == N_TINY
     for v, err in failed.items():
         if v.startswith(BATCHED_DECODE):
             assert (
@@ -316,7 +316,7 @@ import json, sys, torch
 from kernel_cache import load_plan, make_config
 from kernel_cache.errors import MissingVariantsError
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32, kernels=json.loads(sys.argv[3]))
+                  max_num_batched_tokens=32, kv_buckets=(32,), kernels=json.loads(sys.argv[3]))
 doc = {}
 try:
     rt = load_plan(cfg, sys.argv[2])
@@ -383,7 +383,7 @@ def test_warm_verify_and_load_an_engines_batched_decode(example, tiny_model, cac
 @pytest.mark.compile
 def test_warm_verify_and_load_an_engines_paged_attention(example, tiny_model, cache_copy, tmp_path):
     out = _warm_verify_load(tiny_model, cache_copy, PAGED_ATTENTION, PREFILL, tmp_path)
-    assert len(out["compiled"]) == 4
+    assert len(out["compiled"]) == 2
     doc = engine_start(tiny_model, cache_copy, {"paged_attention": PREFILL})
     assert doc["imported"] == [] and "missing" not in doc, doc
 
@@ -546,7 +546,7 @@ def test_verify_blames_the_artifact_when_its_kernel_run_eagerly_is_right(tiny_co
     from kernel_cache.runtime.inputs import make_inputs
     from warmup.check.verify import _Oracle
 
-    (item,) = [i for i in Plan.build(tiny_config) if str(i.variant) == "batched_decode:1:1:4"]
+    (item,) = [i for i in Plan.build(tiny_config) if str(i.variant) == "batched_decode:1:2:4"]
     oracle = _Oracle(tiny_config)
     args = make_inputs(tiny_config, item.variant, seed=1)
     wrong = oracle._reference(item, args).clone()
@@ -570,7 +570,7 @@ def test_verify_names_the_padded_rows_and_the_contract_of_an_engine_kernel_that_
     unzeroed, tiny_model, tiny_config, cache_copy, tmp_path
 ):
     """An engine's decode that returns non-zeros in padded rows: warmup compiles
-    its 2 variants (the built-in prefill is in the copied cache), and verify's
+    its variant (the built-in prefill is in the copied cache), and verify's
     JSON and text name the padded row, its value, the contract, and the kernel
     as the fix, with no warmup command (a warmup cannot repair it)."""
     log = tmp_path / "compiles.log"
@@ -584,12 +584,12 @@ def test_verify_names_the_padded_rows_and_the_contract_of_an_engine_kernel_that_
     ]
     run_cli("warmup", *args, "--jobs", "2", "--json", env=env, check=True)
     compiled = sorted(line.split()[1] for line in log.read_text().splitlines())
-    assert compiled == ["batched_decode:1:1:4", "batched_decode:1:2:4"]
+    assert compiled == ["batched_decode:1:2:4"]
 
     proc = run_cli("verify", *args, "--json", env=env)
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
-    assert not report["ok"] and report["loaded"] == 6 and report.get("repair") is None
+    assert not report["ok"] and report["loaded"] == N_TINY and report.get("repair") is None
     assert sorted(m["variant"] for m in report["mismatched"]) == compiled
     for m in report["mismatched"]:
         variant = next(v for v in Bucketer(tiny_config).variants if str(v) == m["variant"])
@@ -607,7 +607,7 @@ def test_verify_names_the_padded_rows_and_the_contract_of_an_engine_kernel_that_
 
     text = run_cli("verify", *args, env=env)
     out = text.stdout + text.stderr
-    assert text.returncode == 1 and "verify FAILED: 6/6 loaded" in out, out
+    assert text.returncode == 1 and f"verify FAILED: {N_TINY}/{N_TINY} loaded" in out, out
     assert "padded rows: 1 of 1 differ (rows 3)" in out
     assert "real rows: 0 of 3 differ" in out
     assert "must hold zeros" in out and "returns zeros" in out

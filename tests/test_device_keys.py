@@ -13,7 +13,7 @@ from kernel_cache.plan.keys import cxx_compiler_id, device_arch
 from kernel_cache.runtime.load import default_tiers
 from warmup.check.explain import explain
 
-from .conftest import run_cli
+from .conftest import N_TINY, run_cli
 from .kc_helpers import rekey
 
 pytestmark = pytest.mark.compile
@@ -26,7 +26,7 @@ def test_gpu_warmed_cache_misses_on_cpu_and_explain_names_device(cache_copy, tin
     rt = load_plan(tiny_config, cache_copy, strict=False)
     assert rt.counters["loads"] == 0
     report = explain(tiny_config, default_tiers(cache_copy))
-    assert report["misses"] == 6
+    assert report["misses"] == N_TINY
     for r in report["results"]:
         best = r["nearest"][0]
         assert best["variant"] == r["variant"]

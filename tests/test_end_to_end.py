@@ -11,7 +11,7 @@ import torch
 from kernel_cache import MissingVariantsError, ShapeError, load_plan
 from kernel_cache.plan.buckets import Bucketer
 
-from .conftest import ROOT, TRACE, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, TRACE, run_cli, tiny_args
 
 pytestmark = pytest.mark.compile
 
@@ -49,7 +49,7 @@ from kernel_cache import load_plan, make_config
 from kernel_cache.kernels.reference import reference_attention, reference_decode
 from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 rt = load_plan(cfg, sys.argv[2])
 g = torch.Generator().manual_seed(3)
 P = 11
@@ -86,7 +86,7 @@ def test_engine_start_dispatch_matches_reference_without_compiling(warm_cache, t
     assert doc["max_abs_err"] < 1e-5
     assert doc["stats"]["compiles"] == 0 and doc["compile_stack"] == []
     assert doc["stats"]["compile_stack_imported"] == [] and doc["stats"]["dynamo_graphs"] == 0
-    assert doc["stats"]["loads"] == 6
+    assert doc["stats"]["loads"] == N_TINY
     assert sum(doc["stats"]["calls"].values()) == 5 + 3 * 2
 
 
@@ -94,7 +94,7 @@ COUNTING_SCRIPT = r"""
 import json, sys, torch
 from kernel_cache import load_plan, make_config
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 kc = torch.randn(9, 16, 2, 8)
 def serve(rt):
     rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int32), [5, 17, 32])
@@ -153,7 +153,7 @@ def test_stats_count_the_compiles_this_process_runs_beside_a_loaded_plan(
 def test_missing_variant_names_variants_and_command(tmp_path, tiny_config, tiny_model):
     with pytest.raises(MissingVariantsError) as e:
         load_plan(tiny_config, tmp_path / "empty")
-    assert len(e.value.missing) == 6
+    assert len(e.value.missing) == N_TINY
     assert "kernel-cache warmup --model" in str(e.value)
     proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", tmp_path / "empty2")
     assert proc.returncode == 1 and "missing" in proc.stderr

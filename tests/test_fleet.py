@@ -42,7 +42,7 @@ from kernel_cache.trust.signing import (
 )
 from warmup.build.planner import warmup
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, run_cli, tiny_args
 from .redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
 from .signing_keys import make_keypair
 
@@ -192,12 +192,12 @@ def test_read_through_promotes_into_the_local_cache(
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
     local = tmp_path / "empty"
     rt = load_plan(tiny_config, local)  # default tiers: disk, then Redis
-    assert rt.stats()["loads"] == 6 and rt.stats()["compiles"] == 0
+    assert rt.stats()["loads"] == N_TINY and rt.stats()["compiles"] == 0
     disk = DiskTier(local)
     for key in _plan_keys(tiny_config).values():
         verify_entry(disk.get(key))  # promoted: the next start is local
     monkeypatch.setenv(ENV_REDIS_URL, f"redis://127.0.0.1:{free_port()}/0")  # Redis gone
-    assert load_plan(tiny_config, local).stats()["loads"] == 6
+    assert load_plan(tiny_config, local).stats()["loads"] == N_TINY
 
 
 def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_keys, monkeypatch):
@@ -244,7 +244,7 @@ def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_
 
 def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_config):
     report = warmup(tiny_config, cache_copy, progress=False, remote=RedisSettings(url=redis_db))
-    assert (report["compiled"], report["cached"], report["uploaded"]) == (0, 6, 6)
+    assert (report["compiled"], report["cached"], report["uploaded"]) == (0, N_TINY, N_TINY)
     assert report["remote"] == redis_db and report["remote_error"] is None
     tier = RedisTier(redis_db, fail_open=False)
     assert set(tier.keys()) == set(_plan_keys(tiny_config).values())
@@ -327,7 +327,7 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
     fix = warmup(tiny_config, local, progress=False, remote=RedisSettings(url=redis_db))
     assert (fix["compiled"], fix["cached"]) == (1, 5) and fix["failed"] == []
     assert tier.get(keys[victim]).data != payload
-    assert load_plan(tiny_config, tmp_path / "another").stats()["loads"] == 6
+    assert load_plan(tiny_config, tmp_path / "another").stats()["loads"] == N_TINY
 
 
 def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
@@ -338,7 +338,7 @@ def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
     monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
     with pytest.raises(MissingVariantsError) as e:
         load_plan(tiny_config, tmp_path / "local")
-    assert len(e.value.missing) == 6
+    assert len(e.value.missing) == N_TINY
 
 
 # -- Redis down or failing ------------------------------------------------------
@@ -350,7 +350,7 @@ def test_engine_start_with_redis_down_uses_local_and_warns_once(
     dead = f"redis://127.0.0.1:{free_port()}/0"
     monkeypatch.setenv(ENV_REDIS_URL, dead)
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        assert load_plan(tiny_config, warm_cache[0]).stats()["loads"] == 6
+        assert load_plan(tiny_config, warm_cache[0]).stats()["loads"] == N_TINY
     assert caplog.text == ""  # the local tier held the plan: Redis never asked
     disk = DiskTier(cache_copy)
     keys = list(_plan_keys(tiny_config).values())

@@ -28,7 +28,7 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, device_arch, diff_components
 from kernel_cache.store.tier import DiskTier
 
-from .conftest import ROOT, TINY_LIMITS, TRACE, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, TINY_LIMITS, TRACE, run_cli, tiny_args
 
 pytestmark = [
     pytest.mark.gpu,
@@ -170,7 +170,7 @@ def test_eager_paged_attention_on_cuda_matches_reference(dtype):
 
 @pytest.fixture(scope="module")
 def gpu_cache(tmp_path_factory, tiny_model):
-    """The tiny plan (6 variants) warmed for CUDA in bfloat16, and warmup's report."""
+    """The tiny plan warmed for CUDA in bfloat16, and warmup's report."""
     cache = tmp_path_factory.mktemp("gpu") / "cache"
     proc = run_cli(
         "warmup",
@@ -268,7 +268,7 @@ def test_gpu_engine_start_dispatch_matches_reference_without_compiling(gpu_cache
     assert doc["max_rel_err"] < 1e-2
     assert doc["stats"]["compiles"] == 0 and doc["compile_stack"] == []
     assert doc["triton_modules"] == []  # loading needs neither Triton nor the kernel source
-    assert doc["stats"]["loads"] == 6
+    assert doc["stats"]["loads"] == N_TINY
     assert sum(doc["stats"]["calls"].values()) == 5 + 3 * 2
 
 

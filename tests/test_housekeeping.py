@@ -21,7 +21,7 @@ from kernel_cache.store.housekeeping import (
 )
 from kernel_cache.store.tier import DiskTier, make_meta
 
-from .conftest import run_cli, tiny_args
+from .conftest import N_TINY, run_cli, tiny_args
 
 
 @pytest.mark.parametrize(
@@ -39,8 +39,9 @@ def test_parse_size_rejects_with_the_form(text):
 
 
 def _fill(cache, tiny_config, t0=1_000_000.0):
-    """6 plan entries (1000 bytes each, used at t0+100..105) and 6 entries of the
-    same plan under an older torch (1000 bytes each, used at t0+0..5)."""
+    """One entry per variant of the tiny plan (3; 1000 bytes each, used at t0+100,
+    t0+101, ...) and as many of the same plan under an older torch (1000 bytes
+    each, used at t0+0, t0+1, ...)."""
     tier = DiskTier(cache)
     plan, stale = [], []
     for i, v in enumerate(Bucketer(tiny_config).variants):
@@ -60,13 +61,14 @@ def _fill(cache, tiny_config, t0=1_000_000.0):
 def test_gc_removes_least_recently_used_first_never_a_kept_plan(tmp_path, tiny_config):
     plan, stale = _fill(tmp_path, tiny_config)
     tier = DiskTier(tmp_path)
-    report = gc(tier, 8000, plan_digests(tiny_config))
-    assert [r["key"] for r in report["removed"]] == stale[:4]  # oldest last use first
-    assert report["after_bytes"] == 8000 and report["under_limit"]
+    assert len(plan) == len(stale) == 3
+    report = gc(tier, 4000, plan_digests(tiny_config))
+    assert [r["key"] for r in report["removed"]] == stale[:2]  # oldest last use first
+    assert report["after_bytes"] == 4000 and report["under_limit"]
     left = {r["key"] for r in list_entries(tier)}
-    assert left == set(plan) | set(stale[4:])
+    assert left == set(plan) | set(stale[2:])
     report = gc(tier, 0, plan_digests(tiny_config))  # the kept plan alone is above 0
-    assert not report["under_limit"] and report["kept_bytes"] == 6000
+    assert not report["under_limit"] and report["kept_bytes"] == 3000
     assert {r["key"] for r in list_entries(tier)} == set(plan)
     assert set(usage.read_usage(tmp_path).last_used) == set(plan)
     tier.close()
@@ -79,7 +81,7 @@ def test_gc_cli_keep_plan_as_plan_file_or_engine_options(tmp_path, tiny_config, 
     proc = run_cli(
         "gc",
         "--max-size",
-        "7000",
+        "4500",
         "--keep-plan",
         plan_file,
         "--cache-dir",
@@ -87,7 +89,7 @@ def test_gc_cli_keep_plan_as_plan_file_or_engine_options(tmp_path, tiny_config, 
         "--json",
         check=True,
     )
-    assert [r["key"] for r in json.loads(proc.stdout)["removed"]] == stale[:5]
+    assert [r["key"] for r in json.loads(proc.stdout)["removed"]] == stale[:2]
     assert "warning" not in proc.stderr
     # a plan that matches nothing in the cache (another dtype): gc says so
     other = " ".join(map(str, tiny_args(tiny_model))) + " --dtype bfloat16"
@@ -97,7 +99,7 @@ def test_gc_cli_keep_plan_as_plan_file_or_engine_options(tmp_path, tiny_config, 
     opts = " ".join(map(str, tiny_args(tiny_model)))
     proc = run_cli("gc", "--max-size", "1K", "--keep-plan", opts, "--cache-dir", tmp_path / "c")
     assert proc.returncode == 2
-    assert "the kept plans alone hold 6000 bytes, above --max-size 1024 bytes" in proc.stderr
+    assert "the kept plans alone hold 3000 bytes, above --max-size 1024 bytes" in proc.stderr
     tier = DiskTier(tmp_path / "c")
     assert {r["key"] for r in list_entries(tier)} == set(plan)
     tier.close()
@@ -111,18 +113,18 @@ def test_ls_stats_and_clear_after_a_real_engine_start(cache_copy, tiny_config):
     with pytest.raises(KernelCacheError):
         load_plan(tiny_config.model_copy(update={"dtype": "bfloat16"}), cache_copy)
     s = json.loads(run_cli("stats", "--cache-dir", cache_copy, "--json", check=True).stdout)
-    assert s["entries"] == 6 and s["bytes"] == sum(
+    assert s["entries"] == N_TINY and s["bytes"] == sum(
         r["size"] for r in list_entries(DiskTier(cache_copy))
     )
-    assert (s["hits"] - before["hits"], s["misses"] - before["misses"]) == (6, 6)
+    assert (s["hits"] - before["hits"], s["misses"] - before["misses"]) == (N_TINY, N_TINY)
     rows = json.loads(run_cli("ls", "--cache-dir", cache_copy, "--json", check=True).stdout)
-    assert len(rows) == 6 and all(r["last_used"] and r["compile_seconds"] > 0 for r in rows)
+    assert len(rows) == N_TINY and all(r["last_used"] and r["compile_seconds"] > 0 for r in rows)
     table = run_cli("ls", "--cache-dir", cache_copy, check=True).stdout
     for col in ("variant", "key", "size", "compile s", "created", "last used"):
         assert col in table
     assert all(r["variant"] in table and r["key"][:12] in table for r in rows)
     proc = run_cli("clear", "--cache-dir", cache_copy, "--json", check=True)
-    assert json.loads(proc.stdout)["removed"] == 6
+    assert json.loads(proc.stdout)["removed"] == N_TINY
     s = json.loads(run_cli("stats", "--cache-dir", cache_copy, "--json", check=True).stdout)
     assert (s["entries"], s["bytes"], s["hits"], s["misses"]) == (0, 0, 0, 0)
     proc = run_cli("clear", "--cache-dir", cache_copy / "absent")

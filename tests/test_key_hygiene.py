@@ -21,7 +21,7 @@ from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.tier import DiskTier
 from warmup.check.explain import explain, short
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, TINY_VARIANTS, run_cli, tiny_args
 from .kc_helpers import engine_start, other_user_kwargs, rekey, world_readable_dir
 
 pytestmark = pytest.mark.compile
@@ -55,8 +55,8 @@ def test_moved_cache_hits_under_another_home_user_and_gpu_index(cache_copy, tiny
         env.pop("KERNEL_CACHE_BUNDLE", None)
         doc = engine_start(model, "-", env=env, user_kwargs=user_kwargs)
     assert "missing" not in doc, doc
-    assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
-    assert doc["stats"]["sources"] == {str(moved): 6}
+    assert doc["stats"]["loads"] == N_TINY and doc["stats"]["compiles"] == 0
+    assert doc["stats"]["sources"] == {str(moved): N_TINY}
     assert doc["stats"]["build_only_accepted"] == {}  # an exact hit: same compiler here
 
 
@@ -75,7 +75,7 @@ def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config
     rt = load_plan(tiny_config, cache_copy, strict=False)
     assert rt.counters["loads"] == 0  # never the artifact built under other conditions
     report = explain(tiny_config, default_tiers(cache_copy))
-    assert report["misses"] == 6 and len(report["results"]) == 6
+    assert report["misses"] == N_TINY and len(report["results"]) == N_TINY
     for r in report["results"]:
         best = r["nearest"][0]
         assert best["variant"] == r["variant"]
@@ -96,8 +96,8 @@ def test_explain_cli_names_torch_on_a_simulated_upgrade(cache_copy, tiny_model):
     import torch
 
     proc = run_cli("explain", *tiny_args(tiny_model), "--cache-dir", cache_copy, check=True)
-    assert "6 miss" in proc.stdout
-    assert proc.stdout.count(f"torch: {torch.__version__} != 2.14.1") >= 6
+    assert f"{N_TINY} miss" in proc.stdout
+    assert proc.stdout.count(f"torch: {torch.__version__} != 2.14.1") >= N_TINY
     proc = run_cli(
         "explain",
         *tiny_args(tiny_model),
@@ -116,7 +116,7 @@ def test_explain_cli_names_torch_on_a_simulated_upgrade(cache_copy, tiny_model):
 def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny_config):
     rekey(cache_copy, {"cxx": "gcc 99.1.0"})
     rt = load_plan(tiny_config, cache_copy)
-    assert rt.counters["loads"] == 6
+    assert rt.counters["loads"] == N_TINY
     assert rt.build_only_accepted["cxx"]["stored"] == ["gcc 99.1.0"]
     tier = DiskTier(cache_copy)  # warmup checks the exact key: it would compile afresh
     assert all(
@@ -156,12 +156,12 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
     doc = engine_start(tiny_model, warm_cache[0], env=env, cwd=tree)
     assert doc["kernel_cache"].startswith(str(tree)), doc["kernel_cache"]
     if not edited:
-        assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+        assert doc["stats"]["loads"] == N_TINY and doc["stats"]["compiles"] == 0
         return
-    assert len(doc["missing"]) == 6 and "stats" not in doc
+    assert len(doc["missing"]) == N_TINY and "stats" not in doc
     proc = subprocess.run(
         [sys.executable, "-m", "warmup.cli.main", "explain", *map(str, tiny_args(tiny_model))]
-        + ["--cache-dir", str(warm_cache[0]), "--variant", "paged_attention:1:1:1", "--json"],
+        + ["--cache-dir", str(warm_cache[0]), "--variant", TINY_VARIANTS[0], "--json"],
         capture_output=True,
         text=True,
         cwd=tree,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import N_TINY, ROOT
 
 pytestmark = pytest.mark.compile
 
@@ -33,20 +33,20 @@ def test_no_unpacked_packages_left_after_exit_or_sigkill(warm_cache, tiny_model,
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     p = start(tmpdir, tiny_model, warm_cache[0])
-    assert p.stdout.readline().strip() == "6"
+    assert p.stdout.readline().strip() == str(N_TINY)
     assert p.wait(timeout=120) == 0
     assert os.listdir(tmpdir) == []  # no aotinductor_*, no kernel_cache-load-*
 
     # a process killed while serving leaves its directory; the next start removes it
     p = start(tmpdir, tiny_model, warm_cache[0], mode="hang")
-    assert p.stdout.readline().strip() == "6"
+    assert p.stdout.readline().strip() == str(N_TINY)
     left = os.listdir(tmpdir)
     assert [n.startswith(f"kernel_cache-load-{p.pid}-") for n in left] == [True]
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert os.listdir(tmpdir) == left
     p = start(tmpdir, tiny_model, warm_cache[0])
-    assert p.stdout.readline().strip() == "6"
+    assert p.stdout.readline().strip() == str(N_TINY)
     assert p.wait(timeout=120) == 0
     assert os.listdir(tmpdir) == []
 

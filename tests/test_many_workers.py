@@ -26,7 +26,7 @@ from kernel_cache.plan.keys import build_key
 from kernel_cache.store.quarantine import list_quarantine
 from kernel_cache.store.tier import DiskTier, make_meta
 
-from .conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, TINY_LIMITS, run_cli, tiny_args
 from .fsutil import resize_tmpfs, tmpfs, tree_state
 
 pytestmark = pytest.mark.compile
@@ -64,11 +64,6 @@ def verify_json(model, cache, *extra, expect_rc=0) -> dict:
     proc = run_cli("verify", *tiny_args(model), *extra, "--cache-dir", cache, "--json")
     assert proc.returncode == expect_rc, proc.stderr
     return json.loads(proc.stdout)
-
-
-# The tiny plan restricted to 3 variants (KV bucket 32 tokens, query buckets 1
-# and 32): paged_attention:1:2:1, paged_attention:32:2:1, batched_decode:1:2:4.
-SUBSET = ["--kv-buckets", "32", "--query-buckets", "1,32"]
 
 
 def _cxx_wrapper(tmp_path: Path, log: Path) -> Path:
@@ -111,7 +106,7 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tin
         assert "Traceback" not in err, err
     reports = [json.loads(out) for out, _ in outs]
     n = reports[0]["variants"]
-    assert n == 6
+    assert n == N_TINY
     # Independent counts: links of a package's .so, and compile_variant calls.
     linked = [line.split()[1] for line in _lines(links)]
     assert len(linked) == n, linked
@@ -265,7 +260,7 @@ def test_compile_failure_is_reported_and_the_other_variants_finish(
     )
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
-    assert (report["compiled"], report["cached"]) == (1, 4)
+    assert (report["compiled"], report["cached"]) == (1, N_TINY - 2)
     (failure,) = report["failed"]
     assert failure["variant"] == str(bad)
     assert f"AOTInductor failed for {bad}" in failure["error"]
@@ -289,7 +284,7 @@ def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
     """Another process holds the compile locks of a 2-variant plan: warmup waits
     --lock-timeout seconds for each, then reports both (nothing is compiled)."""
     subset = ["--kv-buckets", "32", "--query-buckets", "32"]
-    cfg = make_config(str(tiny_model), **TINY_LIMITS, kv_buckets=(32,), query_buckets=(32,))
+    cfg = make_config(str(tiny_model), **{**TINY_LIMITS, "query_buckets": (32,)})
     variants = Bucketer(cfg).variants  # paged_attention:32:2:1, batched_decode:1:2:4
     keys = keys_of(cfg, variants)
     cache = tmp_path / "cache"
@@ -389,7 +384,7 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = proc.stderr.readline()  # blocks until the first variant is done
-    assert re.match(r"warmup \[1/6\] \S+ compiled [\d.]+ s$", first.strip()), first
+    assert re.match(rf"warmup \[1/{N_TINY}\] \S+ compiled [\d.]+ s$", first.strip()), first
     assert proc.poll() is None  # a line per variant before the end
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=300)
@@ -404,8 +399,8 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     assert f"{kept} compiled and kept" in summary[0]
     proc = run_cli(*args, "--json", "--quiet", check=True)
     report = json.loads(proc.stdout)
-    assert report["cached"] == kept and report["compiled"] == 6 - kept
-    assert report["compiler_runs"] == 6 - kept
+    assert report["cached"] == kept and report["compiled"] == N_TINY - kept
+    assert report["compiler_runs"] == N_TINY - kept
 
 
 def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
@@ -519,7 +514,7 @@ def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err
     report = json.loads(out)
-    assert report["compiled"] == 6 and report["failed"] == [], report["failed"]
+    assert report["compiled"] == N_TINY and report["failed"] == [], report["failed"]
     lines = log.read_text().split("\n")
     assert sum(line.endswith(" " + victim) for line in lines) == 2  # killed once, then rebuilt
     assert verify_json(tiny_model, cache)["ok"] is True

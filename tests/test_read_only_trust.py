@@ -22,7 +22,7 @@ from kernel_cache.plan.keys import build_key
 from kernel_cache.store.tier import DiskTier
 from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, run_cli, tiny_args
 from .fsutil import readonly_bind, tree_state
 
 pytestmark = pytest.mark.compile  # needs the session's warmed cache
@@ -31,7 +31,7 @@ ENGINE = r"""
 import json, sys, torch
 from kernel_cache import load_plan, make_config
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 rt = load_plan(cfg, sys.argv[2])
 kc = torch.randn(3, 16, 2, 8)
 out = rt.decode(torch.randn(2, 4, 8), kc, kc, torch.zeros(2, 2, dtype=torch.int32), [5, 20])
@@ -57,7 +57,7 @@ def check_loads(model, cache) -> None:
     proc = engine_start(model, cache)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc["stats"]["loads"] == 6 and doc["stats"]["compiles"] == 0
+    assert doc["stats"]["loads"] == N_TINY and doc["stats"]["compiles"] == 0
     assert doc["shape"] == [2, 4, 8]
 
 
@@ -82,7 +82,7 @@ def test_read_only_bind_mount_loads_and_warmup_needs_no_write(
         check_loads(tiny_model, ro)
         proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", ro, "--json")
         assert proc.returncode == 0, proc.stderr  # everything cached: nothing to write
-        assert json.loads(proc.stdout)["cached"] == 6
+        assert json.loads(proc.stdout)["cached"] == N_TINY
         assert tree_state(ro) == before
     # the same read-only directory with a variant missing: warmup says it cannot write
     v = Bucketer(tiny_config).variants[0]
@@ -93,7 +93,7 @@ def test_read_only_bind_mount_loads_and_warmup_needs_no_write(
         proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", tmp_path / "ro")
     assert proc.returncode == 2
     assert f"cache directory {tmp_path / 'ro'} is not writable" in proc.stderr
-    assert "1 of the plan's 6 variants are not cached" in proc.stderr
+    assert f"1 of the plan's {N_TINY} variants are not cached" in proc.stderr
     assert "bytes, from the mean size of the 5 entries" in proc.stderr
 
 
@@ -121,4 +121,4 @@ def test_world_writable_cache_is_refused_and_the_opt_out_loads(
     )
     assert proc.returncode == 0, proc.stderr
     monkeypatch.setenv(ENV_ALLOW_SHARED, "1")
-    assert load_plan(tiny_config, cache_copy).stats()["loads"] == 6
+    assert load_plan(tiny_config, cache_copy).stats()["loads"] == N_TINY

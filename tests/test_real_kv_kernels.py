@@ -105,11 +105,12 @@ def test_make_inputs_covers_the_edge_lengths_with_distinct_blocks(tmp_path):
 # --- compiled through the real warmup path -------------------------------------------
 
 GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-#: block_size -> plan limits: 6 variants each (4 paged_attention, 2 batched_decode).
+#: block_size -> plan limits: one KV bucket of 2 blocks (lengths from 1 token to 2
+#: full blocks), 3 variants each (2 paged_attention, 1 batched_decode).
 PLANS = {
-    16: {"max_model_len": 32, "max_num_batched_tokens": 32},
-    128: {"max_model_len": 256, "max_num_batched_tokens": 16},
-    192: {"max_model_len": 384, "max_num_batched_tokens": 16},
+    16: {"max_model_len": 32, "max_num_batched_tokens": 32, "kv_buckets": (32,)},
+    128: {"max_model_len": 256, "max_num_batched_tokens": 16, "kv_buckets": (256,)},
+    192: {"max_model_len": 384, "max_num_batched_tokens": 16, "kv_buckets": (384,)},
 }
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from kernel_cache.store.tier import DiskTier
 
-from .conftest import ROOT, tiny_args
+from .conftest import N_TINY, ROOT, tiny_args
 from .kc_helpers import other_user_kwargs, world_readable_dir
 from .redis_server import RedisServer, redis_server_binary
 
@@ -103,10 +103,10 @@ def builders(tiny_model):
 def test_two_cold_builders_write_identical_bytes_without_builder_paths(builders):
     a, b = builders
     for x in (a, b):
-        assert x["report"]["compiled"] == 6
-        assert len(x["log"].read_text().splitlines()) == 6  # the compiler really ran 6 times
+        assert x["report"]["compiled"] == N_TINY
+        assert len(x["log"].read_text().splitlines()) == N_TINY  # the compiler really ran
     ea, eb = _entries(a["cache"]), _entries(b["cache"])
-    assert sorted(ea) == sorted(eb) and len(ea) == 6
+    assert sorted(ea) == sorted(eb) and len(ea) == N_TINY
     differ = [k[:16] for k in ea if ea[k] != eb[k]]
     assert differ == [], f"keys whose bytes differ between the builders: {differ}"
     builder_paths = {*a["paths"], *b["paths"], sys.prefix, str(ROOT), os.path.realpath(ROOT)}
@@ -143,10 +143,10 @@ def test_alternating_builders_upload_nothing_after_the_first(builders):
             hsets.append(after["hset"] - before["hset"])
             other.append(sum(after.values()) - sum(before.values()) - hsets[-1])
             uploaded.append(r["uploaded"])
-            assert r["compiled"] == 0 and r["cached"] == 6
-        assert hsets == [6, 0, 0, 0], hsets  # one HSET per entry, by the first builder only
+            assert r["compiled"] == 0 and r["cached"] == N_TINY
+        assert hsets == [N_TINY, 0, 0, 0], hsets  # one HSET per entry, by the first builder only
         assert other[1:] == [0, 0, 0], other  # and no other write after it
-        assert uploaded == [6, 0, 0, 0]
+        assert uploaded == [N_TINY, 0, 0, 0]
     finally:
         server.stop()
 

@@ -41,7 +41,7 @@ from kernel_cache.trust.signing import (
     sign_meta,
 )
 
-from .conftest import ROOT, run_cli, tiny_args
+from .conftest import N_TINY, ROOT, run_cli, tiny_args
 from .redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
 from .signing_keys import make_keypair, raw_key_id
 
@@ -409,7 +409,7 @@ import json, sys
 from kernel_cache import load_plan
 from kernel_cache.config.engine import make_config
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 out = {}
 for bundle, local in json.loads(sys.argv[2]):
     try:
@@ -458,17 +458,17 @@ def test_a_signed_bundle_carries_whole_records_and_loads_with_public_keys_only(
         assert {k: v for k, v in e.items() if k not in ("file", "signature")} == built
     engine = keys["a"].engine_env  # no private key in this process
     starts = _engine_starts(tiny_model, [[str(signed_bundle), str(tmp_path / "l")]], engine)
-    assert starts == {str(signed_bundle): "loaded 6"}
+    assert starts == {str(signed_bundle): f"loaded {N_TINY}"}
     proc = run_cli(
         "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path / "v", "--bundle",
         signed_bundle, "--require-signed", "--json", env=engine,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["loaded"] == 6
+    assert json.loads(proc.stdout)["loaded"] == N_TINY
     # imported into a local cache (checked first), then loaded from there
     for var, value in engine.items():
         monkeypatch.setenv(var, value)
-    assert import_bundle(signed_bundle, DiskTier(tmp_path / "imported"))["imported"] == 6
+    assert import_bundle(signed_bundle, DiskTier(tmp_path / "imported"))["imported"] == N_TINY
 
 
 def test_every_tampered_bundle_field_is_refused_at_start_and_by_verify(
@@ -477,7 +477,7 @@ def test_every_tampered_bundle_field_is_refused_at_start_and_by_verify(
     """Tampered copies of one signed bundle, one field each. Engine start (a fresh
     process holding only the public key, ``load_plan``) refuses each copy naming
     the field; ``verify`` reports each entry corrupt with the same reason
-    (up to 6 tampers per bundle, one per entry)."""
+    (as many tampers per bundle as it has entries, one per entry)."""
     doc = json.loads((signed_bundle / MANIFEST).read_text())
     variants = [e["variant"] for e in doc["entries"]]
     tampers = _tampers(variants, doc["entries"][1], keys["evil"].key_id)
@@ -499,7 +499,7 @@ def test_every_tampered_bundle_field_is_refused_at_start_and_by_verify(
         assert got.startswith("CorruptEntryError: ") and message in got, (bundle, got)
         assert variants[0] in got and "export the bundle again" in got
 
-    # verify: one bundle per round of 6 tampers, entry i gets tamper i
+    # verify: one bundle per round of tampers, entry i gets tamper i
     for n, cases in enumerate(_rounds(list(tampers), len(variants))):
         copy_dir = tmp_path / f"verify-{n}"
         _writable_copy(signed_bundle, copy_dir)
@@ -567,7 +567,7 @@ import json, sys
 from kernel_cache import load_plan
 from kernel_cache.config.engine import make_config
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 try:
     print(json.dumps({"loads": load_plan(cfg, sys.argv[2]).stats()["loads"]}))
 except Exception as e:
@@ -642,7 +642,7 @@ def test_key_rotation_either_trusted_key_loads_a_dropped_key_is_refused(
     monkeypatch.setenv(ENV_TRUSTED_KEYS, f"{b.public},{a.public}")
     from kernel_cache import load_plan
 
-    assert load_plan(tiny_config, tmp_path / "both").stats()["loads"] == 6
+    assert load_plan(tiny_config, tmp_path / "both").stats()["loads"] == N_TINY
     monkeypatch.setenv(ENV_TRUSTED_KEYS, str(b.public))  # a dropped
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         with pytest.raises(MissingVariantsError) as e:
@@ -688,12 +688,12 @@ def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse
         "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--redis-url", url,
         "--json", "-q", env=a.builder_env,
     )  # fmt: skip
-    assert proc.returncode == 0 and json.loads(proc.stdout)["uploaded"] == 6, proc.stderr
+    assert proc.returncode == 0 and json.loads(proc.stdout)["uploaded"] == N_TINY, proc.stderr
     assert all(redis_db.get_meta(k)["signature"]["key_id"] == a.key_id for k in redis_db.keys())
     from kernel_cache import load_plan
 
     monkeypatch.setenv(ENV_REDIS_URL, url)
-    assert load_plan(tiny_config, tmp_path / "engine").stats()["loads"] == 6
+    assert load_plan(tiny_config, tmp_path / "engine").stats()["loads"] == N_TINY
 
 
 def test_export_without_the_private_key_refuses_what_the_fleet_would_refuse(
@@ -702,6 +702,6 @@ def test_export_without_the_private_key_refuses_what_the_fleet_would_refuse(
     from kernel_cache.errors import BundleError
 
     monkeypatch.setenv(ENV_TRUSTED_KEYS, str(keys["a"].public))
-    with pytest.raises(BundleError, match=f"6 entries .*unsigned.*{ENV_SIGNING_KEY_FILE}"):
+    with pytest.raises(BundleError, match=f"{N_TINY} entries .*unsigned.*{ENV_SIGNING_KEY_FILE}"):
         export_bundle(tiny_config, tmp_path / "b", [DiskTier(warm_cache[0])])
     assert not (tmp_path / "b").exists()

@@ -20,7 +20,7 @@ from kernel_cache.store.locks import KeyLock
 from kernel_cache.store.quarantine import quarantine_entry
 from kernel_cache.store.tier import DiskTier, make_meta
 
-from .conftest import run_cli, tiny_args
+from .conftest import N_TINY, run_cli, tiny_args
 from .fsutil import tree_state
 
 DATA = b"\x7fELF-not-a-package" * 4096  # 72 KiB: stored as a value file
@@ -139,7 +139,7 @@ import sys
 from kernel_cache import load_plan, make_config
 from kernel_cache.errors import CorruptEntryError
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))
 try:
     load_plan(cfg, sys.argv[2])
 except CorruptEntryError as e:
@@ -254,7 +254,7 @@ def test_linked_index_is_refused_as_a_link_not_for_its_mode(tmp_path, tiny_confi
     # the suggested fix works: the cache is whole again
     os.unlink(cache / "cache.db")
     shutil.copy(real, cache / "cache.db")
-    assert len(list(DiskTier(cache, read_only=True).iter_meta())) == 6
+    assert len(list(DiskTier(cache, read_only=True).iter_meta())) == N_TINY
 
 
 @pytest.mark.parametrize("name", ["usage.json", "usage.json.lock"])

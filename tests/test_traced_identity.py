@@ -367,7 +367,7 @@ def test_editing_a_helper_refuses_recompiles_its_variants_and_restoring_hits(
     args = [*tiny_args(tiny_model), *SMALL_ARGS, "--kernel", f"{BATCHED_DECODE}={KERNEL}"]
     args += ["--cache-dir", cache]
     log = tmp_path / "compiles.log"
-    cfg = make_config(str(tiny_model), **TINY_LIMITS, **SMALL)
+    cfg = make_config(str(tiny_model), **{**TINY_LIMITS, **SMALL})
     variants = sorted(str(v) for v in Bucketer(cfg).variants)
     decode = [v for v in variants if v.startswith(BATCHED_DECODE)]
     assert len(variants) == 2 and len(decode) == 1
