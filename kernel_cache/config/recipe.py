@@ -304,6 +304,11 @@ def missing_cpu_features(required) -> list[str]:
 def compile_options(device: str, cpu_target: str) -> dict:
     """The Inductor options a variant is compiled with (a key component).
 
+    Where the target fixes the vector ISA (``x86-64-v3``: AVX2),
+    ``cpp.vec_isa_ok``: Inductor takes the ISAs ``/proc/cpuinfo`` lists as
+    buildable instead of dry-compiling a probe for each (``native`` keeps the
+    probe: there it picks the best ISA the toolchain builds).
+
     On the CPU: :data:`BASE_OPTIONS` plus ``cpp.threads`` and
     ``cpp.dynamic_threads`` (:data:`CPU_CODEGEN_THREADS`) and ``cpp.march``
     from the target. On CUDA: :data:`BASE_OPTIONS` plus ``cpp.march``: the
@@ -316,6 +321,11 @@ def compile_options(device: str, cpu_target: str) -> dict:
     """
     opts = dict(BASE_OPTIONS)
     target = resolve_cpu_target(cpu_target)
+    if target.capability is not None:
+        # The vector ISA is the target's (ATEN_CPU_CAPABILITY), not a probe's result:
+        # Inductor's probe (a dry compile and a load per ISA this CPU lists, 11 g++
+        # runs in each compile worker) cannot change the choice, only fail or pass.
+        opts["cpp.vec_isa_ok"] = True
     if device == "cpu":
         opts.update(
             {

@@ -122,16 +122,18 @@ def required_cpu_features(config: EngineConfig) -> list[str]:
     return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
-def _check_vec_isa(config: EngineConfig) -> None:
+def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
-    wrapper's)."""
+    wrapper's), chosen under the recipe's ``options`` (``cpp.vec_isa_ok``)."""
     target = resolve_cpu_target(config.cpu_target)
     if target.capability is None:
         return
+    from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    chosen = str(pick_vec_isa())
+    with inductor_config.patch({k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}):
+        chosen = str(pick_vec_isa())
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
     if chosen != want:
         raise CompileError(
@@ -219,8 +221,8 @@ def compile_variant(
         ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
     """
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
-    _check_vec_isa(config)
     opts = compile_options(config.device, config.cpu_target)
+    _check_vec_isa(config, opts)
     if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
         opts["kernel_cache_test_no_such_option"] = True
     window = TraceWindow(kernel_path(config, variant.kernel))
