@@ -107,6 +107,18 @@ def test_read_only_tier_writes_nothing_and_reads_what_was_published(tmp_path):
     assert not (tmp_path / "absent").exists()
 
 
+def test_a_truncated_artifact_is_corrupt_for_the_size_it_lost(tmp_path):
+    """An artifact file cut short under intact metadata: the read is refused
+    for its size, before any checksum or loader sees the bytes."""
+    key, data = put(tmp_path / "c", 1)
+    tier = DiskTier(tmp_path / "c")
+    art = tier.artifact_path(key)
+    art.write_bytes(data[:1000])
+    with pytest.raises(CorruptEntryError, match=r"size 1000 bytes != recorded 100000 \(truncated"):
+        verify_entry(tier.get(key))
+    tier.close()
+
+
 def test_reader_sees_an_entry_published_by_a_live_writer(tmp_path):
     """While a writer holds the index open (a write-ahead log is pending), a
     read-only reader reads through the log and sees the committed entry."""
