@@ -456,3 +456,27 @@ def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
     finally:
         for name in [m for m in sys.modules if m.startswith("userkern5")]:
             del sys.modules[name]
+
+
+def test_code_from_a_pyc_only_module_is_refused_not_left_out(tmp_path, monkeypatch):
+    """A helper shipped as ``.pyc`` only: its code ran in the trace, but its
+    source path (the code's ``co_filename``) is not on disk, so nothing could
+    be hashed. Building from it is refused, naming the file, rather than
+    recording an identity that leaves it out."""
+    import importlib
+    import py_compile
+
+    from kernel_cache.errors import CompileError
+
+    pkg = tmp_path / "site" / "pyconly"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "helper.py"
+    src.write_text("def gain():\n    return 2.0\n")
+    py_compile.compile(str(src), cfile=str(pkg / "helper.pyc"), doraise=True)
+    src.unlink()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    helper = importlib.import_module("pyconly.helper")
+    assert helper.gain() == 2.0 and helper.__file__.endswith(".pyc")
+    with pytest.raises(CompileError, match=r"pyconly/helper\.py .*not on disk.*ship the \.py"):
+        manifest_of([helper.gain.__code__.co_filename])
