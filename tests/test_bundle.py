@@ -236,3 +236,26 @@ def test_bundle_tier_writes_nothing_and_bad_paths_are_clear_errors(bundle, tmp_p
         BundleTier(tmp_path / "empty")
     env = {"KERNEL_CACHE_BUNDLE": os.pathsep.join(["/a", "", "/b", "/a"])}
     assert bundle_paths(["/c"], env) == [Path("/c"), Path("/a"), Path("/b")]
+
+
+def test_a_fifo_or_a_device_in_a_bundle_is_refused_at_once(bundle, tmp_path):
+    """An artifact file replaced by a FIFO (a read would block for ever) or by a
+    link to ``/dev/zero`` (a read would fill memory), and a manifest that is a
+    FIFO: each is refused without reading, naming the file."""
+    b = _writable_copy(bundle, tmp_path / "b")
+    doc = json.loads((b / MANIFEST).read_text())
+    fifo, device = doc["entries"][0], doc["entries"][1]
+    (b / fifo["file"]).unlink()
+    os.mkfifo(b / fifo["file"])
+    (b / device["file"]).unlink()
+    (b / device["file"]).symlink_to("/dev/zero")
+    tier = BundleTier(b)
+    for entry in (fifo, device):
+        with pytest.raises(CorruptEntryError, match="not a regular file") as e:
+            tier.get(entry["key"])
+        assert entry["file"] in str(e.value)
+    m = tmp_path / "m"
+    m.mkdir()
+    os.mkfifo(m / MANIFEST)
+    with pytest.raises(BundleError, match="manifest.json.*not a regular file"):
+        BundleTier(m)

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from kernel_cache import MissingVariantsError, load_plan
-from kernel_cache.errors import ConfigError
+from kernel_cache.errors import ConfigError, CorruptEntryError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.redis import (
@@ -239,6 +239,61 @@ def test_put_of_the_published_bytes_writes_nothing(redis_db, tiny_config, fleet_
     assert tier.put(key, data, signed).outcome is PutOutcome.STORED
     other = make_meta(ck, "v", b"x", 1.0)
     assert tier.put(key, b"x", other).outcome is PutOutcome.STORED
+    tier.close()
+
+
+def _alter_bytes_under_the_record(url: str, tier, key: str, data: bytes, scripting: bool):
+    """Flip a bit, then cut the bytes, under Redis's intact signed record: each
+    time a reader rejects the entry, and a builder's put of the genuine entry
+    writes it again (it did not: the record alone said "present")."""
+    name = tier._name("entry", key)
+    for bad in (data[:-1] + bytes([data[-1] ^ 1]), data[:-3]):
+        tier.client.hset(name, "data", bad)
+        with pytest.raises(CorruptEntryError):
+            verify_entry(tier.get(key))
+        calls = tier.client.info("commandstats")
+        assert tier.put(key, data, tier.get_meta(key)).outcome is PutOutcome.STORED
+        verify_entry(tier.get(key))
+        after = tier.client.info("commandstats")
+        used = after.get("cmdstat_eval", {}).get("calls", 0) - calls.get("cmdstat_eval", {}).get(
+            "calls", 0
+        )
+        assert used == (1 if scripting else 0)
+    # intact: present, nothing written
+    n = tier.client.info("commandstats").get("cmdstat_hset", {}).get("calls", 0)
+    assert tier.put(key, data, tier.get_meta(key)).outcome is PutOutcome.PRESENT
+    assert tier.client.info("commandstats").get("cmdstat_hset", {}).get("calls", 0) == n
+
+
+def test_a_put_replaces_bytes_altered_under_an_intact_signed_record(
+    redis_db, tiny_config, monkeypatch, fleet_keys
+):
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
+    tier = RedisTier(redis_db, fail_open=False)
+    ck = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    data = b"package bytes" * 100
+    signed = sign_meta(make_meta(ck, "v", data, 1.0), data, fleet_keys["fleet"].signer)
+    assert tier.put(ck.hexdigest, data, signed).outcome is PutOutcome.STORED
+    _alter_bytes_under_the_record(redis_db, tier, ck.hexdigest, data, scripting=True)
+    tier.close()
+
+
+def test_a_put_compares_the_bytes_where_scripting_is_refused(
+    private_redis, tiny_config, monkeypatch, fleet_keys
+):
+    """A Redis whose ACL refuses EVAL: the bytes are read back instead, and the
+    tier is not marked down."""
+    for var in (ENV_REDIS_URL, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
+    tier = RedisTier(private_redis.url, fail_open=True)
+    tier.client.execute_command("ACL", "SETUSER", "default", "-@scripting")
+    ck = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    data = b"package bytes" * 100
+    signed = sign_meta(make_meta(ck, "v", data, 1.0), data, fleet_keys["fleet"].signer)
+    assert tier.put(ck.hexdigest, data, signed).outcome is PutOutcome.STORED
+    _alter_bytes_under_the_record(private_redis.url, tier, ck.hexdigest, data, scripting=False)
+    assert not tier.is_down() and tier.error is None
     tier.close()
 
 

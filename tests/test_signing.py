@@ -706,3 +706,30 @@ def test_export_without_the_private_key_refuses_what_the_fleet_would_refuse(
     with pytest.raises(BundleError, match=f"{N_TINY} entries .*unsigned.*{ENV_SIGNING_KEY_FILE}"):
         export_bundle(tiny_config, tmp_path / "b", [DiskTier(warm_cache[0])])
     assert not (tmp_path / "b").exists()
+
+
+def test_keygen_never_writes_through_a_planted_file_and_refuses_a_shared_dir(tmp_path):
+    """A link planted where the old code put its temporary file (``.signing.key.tmp-<pid>``)
+    is not followed: the private key never lands in a file another user owns. A
+    directory others can write is refused (they could swap ``signing.pub``)."""
+    from kernel_cache.trust.signing import SigningKeyError, generate_keypair
+
+    d = tmp_path / "kc"
+    d.mkdir(mode=0o700)
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"")
+    (d / f".signing.key.tmp-{os.getpid()}").symlink_to(decoy)
+    out = generate_keypair(d)
+    private = d / "signing.key"
+    assert not private.is_symlink() and private.stat().st_mode & 0o777 == 0o600
+    assert decoy.read_bytes() == b""
+    assert out["private"] == str(private)
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(SigningKeyError) as e:
+        generate_keypair(shared)
+    assert "mode 1777" not in str(e.value) and "0777" in str(e.value)
+    assert f"chmod go-w {shared}" in str(e.value)
+    assert not (shared / "signing.key").exists()

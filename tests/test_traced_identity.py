@@ -391,3 +391,92 @@ def test_editing_a_helper_refuses_recompiles_its_variants_and_restoring_hits(
         assert warm(args, log) == []
         doc = engine_start(tiny_model, cache)
         assert "missing" not in doc and doc["err"] < 1e-5, doc
+
+
+SHARED_DECODE = """import importlib
+
+from kernel_cache.kernels.builtin import BatchedDecode
+
+_c = importlib.import_module("userkern5." + "consts")
+
+
+class Decode(BatchedDecode):
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        return super().forward(query, key_cache, value_cache, block_tables, seq_lens) * _c.GAIN
+"""
+
+SHARED_PREFILL = """import importlib
+
+from kernel_cache.kernels.builtin import PagedAttention
+
+_c = importlib.import_module("userkern5." + "consts")
+
+
+class Prefill(PagedAttention):
+    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        out = super().forward(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+        return out * _c.GAIN
+"""
+
+
+def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
+    tmp_path, monkeypatch, tiny_model
+):
+    """One compile worker traces the prefill kernel, then the decode kernel; both
+    read ``GAIN`` of a module loaded with ``importlib`` at their import. Its body
+    runs in the first window only, and the second kernel's code never calls into
+    it: the second manifest must list it all the same (it did not, so an edit of
+    ``GAIN`` left the decode entries loading with the old value)."""
+    from kernel_cache.kernels.slots import kernel_path
+    from warmup.build.compiler import TraceWindow, export_variant
+
+    site = tmp_path / "site5"
+    (site / "userkern5").mkdir(parents=True)
+    (site / "userkern5" / "__init__.py").write_text("")
+    (site / "userkern5" / "consts.py").write_text("GAIN = 1.0\n")
+    (site / "userkern5" / "decode.py").write_text(SHARED_DECODE)
+    (site / "userkern5" / "prefill.py").write_text(SHARED_PREFILL)
+    monkeypatch.syspath_prepend(str(site))
+    cfg = make_config(
+        str(tiny_model),
+        **TINY_LIMITS,
+        kernels={
+            BATCHED_DECODE: "userkern5.decode:Decode",
+            "paged_attention": "userkern5.prefill:Prefill",
+        },
+    )
+    variants = Bucketer(cfg).variants
+    try:
+        for slot in ("paged_attention", BATCHED_DECODE):  # one worker, one after the other
+            v = next(v for v in variants if v.kernel == slot)
+            window = TraceWindow(kernel_path(cfg, slot))
+            with window:
+                export_variant(cfg, v)
+            assert "userkern5/consts.py" in window.manifest().files, slot
+    finally:
+        for name in [m for m in sys.modules if m.startswith("userkern5")]:
+            del sys.modules[name]
+
+
+def test_code_from_a_pyc_only_module_is_refused_not_left_out(tmp_path, monkeypatch):
+    """A helper shipped as ``.pyc`` only: its code ran in the trace, but its
+    source path (the code's ``co_filename``) is not on disk, so nothing could
+    be hashed. Building from it is refused, naming the file, rather than
+    recording an identity that leaves it out."""
+    import importlib
+    import py_compile
+
+    from kernel_cache.errors import CompileError
+
+    pkg = tmp_path / "site" / "pyconly"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "helper.py"
+    src.write_text("def gain():\n    return 2.0\n")
+    py_compile.compile(str(src), cfile=str(pkg / "helper.pyc"), doraise=True)
+    src.unlink()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    helper = importlib.import_module("pyconly.helper")
+    assert helper.gain() == 2.0 and helper.__file__.endswith(".pyc")
+    with pytest.raises(CompileError, match=r"pyconly/helper\.py .*not on disk.*ship the \.py"):
+        manifest_of([helper.gain.__code__.co_filename])

@@ -43,6 +43,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernel_cache.errors import CompileError
+
 log = logging.getLogger("kernel_cache")
 
 #: The value recorded for a listed file that is not found here, or a
@@ -254,7 +256,13 @@ def manifest_of(filenames) -> Manifest:
     that ran): each classified (:func:`classify`; the module docstring says
     what is recorded how). A file outside every import root (a script run by
     its path) cannot be found by another process and is left out, with a
-    warning."""
+    warning.
+
+    Raises:
+        CompileError: code ran from a file outside the standard library, torch and
+            the distributions that is not on disk (a ``.pyc``-only module): its
+            identity cannot be recorded, so no entry is built from it.
+    """
     modules = _module_files()
     files: dict[str, str] = {}
     dists: dict[str, str] = {}
@@ -264,6 +272,14 @@ def manifest_of(filenames) -> Manifest:
             continue
         path = _norm(filename)
         if not os.path.isfile(path):
+            if kind == OTHER and os.path.isabs(path):
+                raise CompileError(
+                    f"code from {filename} ran while the kernel was built, and that file "
+                    "is not on disk (a module shipped as .pyc only, or a file removed "
+                    "since): its code cannot be part of the entry's identity; ship the "
+                    ".py source, or install the package as a distribution (recorded "
+                    "by name and version)"
+                )
             continue
         if kind == SITE:
             dist = dist_of(path)

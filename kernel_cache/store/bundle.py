@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -57,6 +58,36 @@ from kernel_cache.store.tier import (
 
 BUNDLE_FORMAT = "kc-bundle-1"
 MANIFEST = "manifest.json"
+#: The largest ``manifest.json`` read (bytes): about 1 KB per entry, so far above
+#: any plan; a larger file is refused rather than read into memory.
+MANIFEST_LIMIT = 64 << 20
+
+
+def read_regular(path: Path, size: int | None, *, limit: int | None = None) -> bytes:
+    """The bytes of ``path``, which must be a regular file (a link to one is
+    followed) of exactly ``size`` bytes when ``size`` is given, at most ``limit``
+    bytes otherwise. Opened non-blocking, so a FIFO or device planted in a
+    bundle is refused at once instead of hanging or filling memory.
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ValueError: not a regular file, or another size (the message says which).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or directory is never read)")
+        if size is not None and st.st_size != size:
+            raise ValueError(f"{st.st_size} bytes on disk, the manifest records {size}")
+        if limit is not None and st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, above the {limit}-byte limit")
+        data = f.read(st.st_size + 1)
+    if len(data) != st.st_size:
+        raise ValueError(f"changed while read ({len(data)} bytes read, {st.st_size} on disk)")
+    return data
+
+
 ENV_BUNDLE = settings.var("bundle")
 
 _FILE_RE = re.compile(r"artifacts/([0-9a-f]{64})\.pt2")
@@ -120,14 +151,18 @@ def read_manifest(directory: str | os.PathLike) -> BundleManifest:
             f"wrote (to --bundle, ${ENV_BUNDLE} or kernel-cache import DIR)"
         )
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(path, None, limit=MANIFEST_LIMIT))
+    except ValueError as e:
+        if isinstance(e, json.JSONDecodeError):
+            raise BundleError(f"bundle manifest {str(path)!r} is not JSON: {e}") from None
+        raise BundleError(f"bundle manifest {str(path)!r}: {e}") from None
     except FileNotFoundError:
         raise BundleError(
             f"bundle {str(d)!r} has no {MANIFEST}: not a kernel-cache bundle; "
             "write one with: kernel-cache export [ENGINE OPTIONS] --out DIR"
         ) from None
-    except (OSError, ValueError) as e:
-        raise BundleError(f"bundle manifest {str(path)!r} cannot be read as JSON: {e}") from None
+    except OSError as e:
+        raise BundleError(f"bundle manifest {str(path)!r} cannot be read: {e}") from None
     if not isinstance(doc, dict) or doc.get("bundle_format") != BUNDLE_FORMAT:
         got = doc.get("bundle_format") if isinstance(doc, dict) else None
         raise BundleError(
@@ -180,11 +215,13 @@ class BundleTier(Tier):
                 self.location,
             )
         try:
-            data = (self.directory / meta["file"]).read_bytes()
+            data = read_regular(self.directory / meta["file"], int(meta["size"]))
         except OSError as e:
             raise CorruptEntryError(
                 key, f"cannot read {meta['file']}: {e.strerror or e}", self.location
             ) from None
+        except ValueError as e:
+            raise CorruptEntryError(key, f"{meta['file']}: {e}", self.location) from None
         return Entry(key=key, meta=meta, data=data, where=self.location)
 
     def put(self, key: str, data: bytes, meta: dict) -> PutResult:

@@ -32,6 +32,7 @@ seconds and the next builder takes over.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -89,6 +90,13 @@ class RemoteUnavailableError(KernelCacheError):
 #: Fields of an entry's record that describe one build, not its bytes or what
 #: they are: two builders of a key differ in them (builds are reproducible).
 BUILD_FIELDS = ("created", "compile_seconds", "timings", "signature", "imported_from")
+
+
+#: Lua: the SHA-1 (hex) of an entry hash's ``data`` field, "" when it has none.
+_DATA_SHA1 = (
+    "local d = redis.call('HGET', KEYS[1], 'data') "
+    "if not d then return '' end return redis.sha1hex(d)"
+)
 
 
 def same_published(have: dict | None, want: dict) -> bool:
@@ -338,7 +346,8 @@ class RedisTier(Tier):
 
     def put(self, key: str, data: bytes, meta: dict) -> PutResult:
         """Publish atomically (one ``MULTI``/``EXEC``), unless Redis holds these
-        bytes already (:func:`same_published`: one ``HGET`` of the metadata, no
+        bytes already (:func:`same_published`: one ``HGET`` of the metadata,
+        and the stored bytes' SHA-1 computed in Redis, :meth:`_holds_bytes`; no
         write), as it does when another builder of the key published first:
         builds are reproducible (docs/reproducible.md).
 
@@ -356,7 +365,7 @@ class RedisTier(Tier):
             have = self.get_meta(key)
         except CorruptEntryError:
             have = None
-        if same_published(have, meta):
+        if same_published(have, meta) and self._holds_bytes(name, data):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
 
         def op(c):
@@ -372,6 +381,26 @@ class RedisTier(Tier):
             return PutResult(PutOutcome.STORED, self.location)
         why = f"Redis at {self.location} is unavailable: {self.error}"
         return PutResult(PutOutcome.FAILED, self.location, why)
+
+    def _holds_bytes(self, name: str, data: bytes) -> bool:
+        """Whether the hash ``name`` holds ``data`` as its artifact bytes: the
+        record alone does not say so (bytes altered or cut under an intact,
+        signed record would never be replaced, and every reader would reject
+        them). Compared by SHA-1 computed inside Redis (:data:`_DATA_SHA1`: no
+        bytes move); where scripting is refused (ACL, a proxy), by reading the
+        bytes back. False when Redis fails (then the write fails too)."""
+
+        def op(c):
+            from redis.exceptions import ResponseError
+
+            try:
+                got = c.eval(_DATA_SHA1, 1, name)
+            except ResponseError:
+                raw = c.hget(name, "data")
+                got = None if raw is None else hashlib.sha1(raw).hexdigest()
+            return got.decode() if isinstance(got, bytes) else got
+
+        return self._run("put", op) == hashlib.sha1(data).hexdigest()
 
     def delete(self, key: str) -> None:
         self._run("delete", lambda c: c.delete(self._name("entry", key)))

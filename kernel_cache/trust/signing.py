@@ -488,14 +488,18 @@ def may_publish(meta: Mapping, data: bytes, environ=None) -> bool:
 
 def _write_new(path: Path, data: bytes, mode: int, replace: bool) -> None:
     """Write ``path`` whole (a temporary file renamed or linked into place):
-    replacing it only when ``replace``.
+    replacing it only when ``replace``. The temporary file gets a random name
+    and is created exclusively (``tempfile.mkstemp``: ``O_EXCL``), so a file or
+    link planted under a predictable name is never written through.
 
     Raises:
         FileExistsError: ``path`` exists and ``replace`` is False.
         OSError: it cannot be written.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    tmp = Path(name)
     try:
         os.fchmod(fd, mode)  # the umask must not widen or narrow it
         os.write(fd, data)
@@ -512,6 +516,19 @@ def _write_new(path: Path, data: bytes, mode: int, replace: bool) -> None:
             tmp.unlink()
 
 
+def _refuse_shared_dir(d: Path) -> None:
+    """Raises SigningKeyError: ``d`` is writable by group or others, so another
+    user could replace ``signing.pub`` (engines would trust their key) or plant
+    files where the private key is written."""
+    mode = d.stat().st_mode & 0o777
+    if mode & 0o022:
+        raise SigningKeyError(
+            f"keygen {d}: refusing a directory writable by group or others (mode {mode:04o}): "
+            "another user could replace the public key engines will trust; fix: "
+            f"chmod go-w {d}, or give a directory only you can write"
+        )
+
+
 def generate_keypair(directory: str | os.PathLike, *, force: bool = False) -> dict:
     """Write a new Ed25519 key pair: ``DIR/signing.key`` (PEM PKCS#8, unencrypted,
     mode 600) and ``DIR/signing.pub`` (PEM SubjectPublicKeyInfo, mode 644).
@@ -520,8 +537,8 @@ def generate_keypair(directory: str | os.PathLike, *, force: bool = False) -> di
 
     Raises:
         SigningKeyError: ``DIR/signing.key`` exists and ``force`` is False (a key
-            whose entries the fleet trusts is never replaced by accident), or
-            ``DIR`` cannot be written.
+            whose entries the fleet trusts is never replaced by accident),
+            ``DIR`` is writable by group or others, or ``DIR`` cannot be written.
     """
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -545,6 +562,7 @@ def generate_keypair(directory: str | os.PathLike, *, force: bool = False) -> di
     )
     try:
         d.mkdir(parents=True, exist_ok=True)
+        _refuse_shared_dir(d)
         _write_new(private_path, private_pem, 0o600, replace=force)
         _write_new(public_path, public_pem, 0o644, replace=True)
     except FileExistsError:

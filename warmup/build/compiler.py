@@ -343,8 +343,12 @@ def compile_with_options(
 #: Per kernel import path: the source files (outside the standard library,
 #: torch and the installed distributions) whose import ran inside one of its
 #: :class:`TraceWindow` in this process. A module's body runs once per process,
-#: so a later variant of the kernel would not see it run (a module-level
-#: constant read at trace time); it is added to every later window of that kernel.
+#: so a later window would not see it run (a module-level constant read at trace
+#: time); it is added to later windows: of the same kernel, and of every engine
+#: kernel (not a built-in one), since two engine kernels may share a module
+#: loaded by a computed name (``importlib.import_module``) and the second one's
+#: window sees no code of it run. The cost is over-invalidation: an edit to such
+#: a file rebuilds the other engine kernel's variants too.
 _IMPORTED: dict[str, set[str]] = {}
 
 
@@ -364,8 +368,9 @@ class TraceWindow:
     Code run by an import (finders, module and class bodies) is told apart by
     the import system's ``_find_and_load`` frame: of it only files classified
     :data:`~kernel_cache.plan.traced.OTHER` are kept (the engine's modules,
-    whose module-level values a trace may read), also for the later windows of
-    the same kernel import path ``kernel``; a distribution counts only where its
+    whose module-level values a trace may read), also for every later window
+    of the same kernel import path ``kernel`` and, for an engine kernel, of
+    every engine kernel (:data:`_IMPORTED`); a distribution counts only where its
     code ran outside an import (so the setuptools and editable-install import
     hooks, and the libraries torch's export stack imports on first use, do not).
 
@@ -413,9 +418,17 @@ class TraceWindow:
         _IMPORTED.setdefault(self.kernel, set()).update(own)
 
     def manifest(self) -> Manifest:
-        """The recorded files, with the source files this kernel imported in
-        this or an earlier window, as a :class:`~kernel_cache.plan.traced.Manifest`."""
-        return manifest_of(self.files | _IMPORTED.get(self.kernel, set()))
+        """The recorded files, with the source files imported in this or an
+        earlier window of this process (:data:`_IMPORTED`), as a
+        :class:`~kernel_cache.plan.traced.Manifest`."""
+        from kernel_cache.kernels.slots import builtin_paths
+
+        builtins = builtin_paths()
+        if self.kernel in builtins:
+            imported = _IMPORTED.get(self.kernel, set())
+        else:
+            imported = set().union(*(f for k, f in _IMPORTED.items() if k not in builtins))
+        return manifest_of(self.files | imported)
 
 
 # -- Reproducible packages (docs/reproducible.md) ------------------------------
