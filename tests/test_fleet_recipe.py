@@ -212,7 +212,8 @@ def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny
         "export", *tiny_args(tiny_model), "--cache-dir", tmp_path / "rel0", "--out", bundle,
         env={**release, "KERNEL_CACHE_TRUSTED_KEYS": str(other.public)},
     )  # fmt: skip
-    assert refused.returncode != 0 and "trusted keys refuse" in refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "rejected s3 entry" in refused.stderr and "which is not trusted" in refused.stderr
     assert not bundle.exists()
     run_cli(
         "export", *tiny_args(tiny_model), "--cache-dir", tmp_path / "rel", "--out", bundle,
