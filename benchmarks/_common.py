@@ -9,6 +9,7 @@ machines these run on are shared and noisy; ratios are taken inside one run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -176,3 +177,71 @@ def inductor_env(d: Path) -> dict:
 
 def header(name: str, argv: list[str] | None = None) -> dict:
     return {"benchmark": name, "argv": list(sys.argv if argv is None else argv)}
+
+
+def nearest_rank(xs, p: float) -> float:
+    """The ``p``-th percentile of ``xs`` by the nearest-rank method (a value of ``xs``)."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def start_together(
+    cmds: list[list[str]], envs: list[dict], log_dir: str | os.PathLike, timeout: float
+) -> list[dict]:
+    """Start one process per command and let them go at once; their JSON results.
+
+    The protocol of a child: import what it needs, print ``ready``, read one
+    line from stdin and go on only if it is ``go``, print one JSON line last.
+    Every child is started, then each one's ``ready`` awaited (the barrier:
+    Python and torch imports are behind it), then ``go`` is written to all.
+    ``envs[i]`` is child ``i``'s whole environment; its stderr goes to
+    ``log_dir/engine<i>.err``.
+
+    Raises:
+        RuntimeError: a child did not get ready or failed (its stderr tail is in
+            the message), or ``timeout`` seconds passed in all. Every child still
+            running is killed.
+    """
+    log_dir = Path(log_dir)
+    procs, logs = [], []
+
+    def tail(i: int) -> str:
+        logs[i].seek(0)
+        return logs[i].read()[-3000:]
+
+    try:
+        for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
+            logs.append(open(log_dir / f"engine{i}.err", "w+"))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=logs[-1],
+                    text=True,
+                    cwd=ROOT,
+                    env=env,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs):  # every child imported and waiting: the barrier
+            line = p.stdout.readline().strip()
+            if line != "ready" or time.monotonic() > deadline:
+                raise RuntimeError(f"engine {i} did not get ready: {line!r}\n{tail(i)}")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for i, p in enumerate(procs):
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"engine {i} failed (exit {p.returncode}):\n{tail(i)}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for f in logs:
+            f.close()

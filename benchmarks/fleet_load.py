@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _common import nearest_rank, start_together  # noqa: E402
 
 
 def engine_main(spec_json: str) -> int:
@@ -73,11 +74,6 @@ def engine_main(spec_json: str) -> int:
     return 0
 
 
-def nearest_rank(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
-
-
 def run(args) -> dict:
     from kernel_cache.plan.buckets import Bucketer
     from kernel_cache.plan.keys import build_key
@@ -93,7 +89,6 @@ def run(args) -> dict:
 
         server = RedisServer()
         url = server.url
-    procs, logs = [], []
     tmp = tempfile.TemporaryDirectory(prefix="kernel_cache-fleet-")
     try:
         tier = RedisTier(url, fail_open=False)
@@ -103,50 +98,18 @@ def run(args) -> dict:
                 tier.delete(k)
                 tier.client.delete(tier._name("lock", k))
         expected = sum(not tier.contains(k) for k in keys)
+        cmds = []
         for i in range(args.engines):
-            logs.append(open(Path(tmp.name) / f"engine{i}.err", "w+"))
             spec = {
                 "config": cfg.model_dump_json(),
                 "cache_dir": str(Path(tmp.name) / f"engine{i}"),
                 "redis_url": url,
                 "launched": time.time(),
             }
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--engine", json.dumps(spec)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=logs[-1],
-                    text=True,
-                    cwd=ROOT,
-                )
-            )
-
-        def tail(i: int) -> str:
-            logs[i].seek(0)
-            return logs[i].read()[-3000:]
-
-        deadline = time.monotonic() + args.timeout
-        for i, p in enumerate(procs):  # every engine imported and waiting: the barrier
-            line = p.stdout.readline().strip()
-            if line != "ready" or time.monotonic() > deadline:
-                raise RuntimeError(f"engine {i} did not get ready: {line!r}\n{tail(i)}")
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        results = []
-        for i, p in enumerate(procs):
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"engine {i} failed (exit {p.returncode}):\n{tail(i)}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            cmds.append([sys.executable, __file__, "--engine", json.dumps(spec)])
+        envs = [dict(os.environ)] * args.engines
+        results = start_together(cmds, envs, tmp.name, args.timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        for f in logs:
-            f.close()
         tmp.cleanup()
         if server is not None:
             server.stop()

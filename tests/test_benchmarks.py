@@ -218,3 +218,52 @@ def test_warmup_throughput_smoke(tmp_path, tiny_model):
     (ph,) = doc["results"]["phases"]
     assert set(ph["steady_share"]) == {"export", "codegen", "cxx", "packaging"}
     assert {"first_compile_s", "steady_cpu_s", "kernel_time_vs_current"} <= set(ph)
+
+
+@pytest.mark.compile
+def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
+    """1 and 2 engines from each source the machine has a server for; each engine
+    cost, as the servers count it, one request per variant (plus S3's manifest GET
+    and Redis's HELLO) and about the plan's bytes."""
+    import shutil
+
+    from kernel_cache.plan.buckets import Bucketer
+
+    from .s3_server import weed_binary
+
+    sources = ["bundle"]
+    sources += ["s3"] if weed_binary() else []
+    sources += ["redis"] if shutil.which("redis-server") else []
+    doc = run_bench(
+        "fleet_start",
+        *tiny_args(tiny_model),
+        "--cache-dir",
+        cache_copy,
+        "--engines",
+        "1,2",
+        "--sources",
+        ",".join(sources),
+        "--remote-timeout",
+        "30",
+        "--out",
+        tmp_path / "fleet_start.json",
+    )
+    n = len(Bucketer(tiny_config).variants)
+    runs = doc["results"]["runs"]
+    assert [(r["source"], r["engines"]) for r in runs] == [(s, k) for s in sources for k in (1, 2)]
+    plan_bytes = doc["config"]["publish"]["bundle"]["bytes"]
+    for r in runs:
+        assert r["all_loaded"] and r["compiles"] == 0 and len(r["per_engine"]) == r["engines"]
+        assert {"median", "min", "max", "n", "p99"} <= set(r["ready_s"])
+        if r["source"] == "bundle":
+            assert r["rchar_per_engine"]["min"] >= plan_bytes  # every artifact read
+            assert r["local_cache_bytes_per_engine"]["max"] == 0
+            continue
+        kinds = r["server"]["requests_by_kind_per_engine"]
+        if r["source"] == "s3":
+            assert kinds == {"GET": n + 1}  # the manifest, then one per entry
+        else:
+            assert kinds.get("hmget") == n and r["server"]["requests_per_engine"] <= n + 2
+        assert plan_bytes <= r["server"]["sent_bytes_per_engine"] <= 1.2 * plan_bytes
+        assert r["local_cache_bytes_per_engine"]["min"] >= plan_bytes  # written through
+    assert set(doc["results"]["ratio_largest_to_smallest"]) == set(sources)

@@ -284,6 +284,12 @@ class SettingsFields(BaseModel):
         "for debugging; its path is logged",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
+    # -- sharded warmup -------------------------------------------------------------------
+    shards: int | None = _f(
+        None, "the number of warmup shards for --shard auto, whose index is a Kubernetes "
+        "Indexed Job's JOB_COMPLETION_INDEX; set it to the Job's completions (--shards wins)",
+        type="int", expected="an integer >= 1", example="4", shown_default="none", ge=1,
+    )  # fmt: skip
     # -- signing ------------------------------------------------------------------------
     signing_key: SecretStr | None = _f(
         None, "retired (the HMAC secret): set, it is an error saying how to migrate "

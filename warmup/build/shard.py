@@ -1,7 +1,9 @@
 """Split a plan into N disjoint shards of about equal expected compile time.
 
 ``kernel-cache warmup --shard I/N`` compiles shard ``I`` (0-based, as a
-Kubernetes indexed Job's ``JOB_COMPLETION_INDEX``) of ``N``. Every builder
+Kubernetes indexed Job's ``JOB_COMPLETION_INDEX``) of ``N``; ``--shard auto``
+takes ``I`` from ``JOB_COMPLETION_INDEX`` and ``N`` from ``--shards N`` or
+``KERNEL_CACHE_SHARDS`` (:func:`resolve_shard`). Every builder
 computes the same split from the plan alone (no clock, host or Redis state
 enters it), so N builders started with ``0/N`` ... ``N-1/N`` cover the plan
 exactly once.
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import re
+from collections.abc import Mapping
 
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import ConfigError
@@ -66,6 +70,81 @@ def parse_shard(text: str) -> tuple[int, int]:
     if index >= count:
         raise ConfigError(
             f"--shard {text!r}: I is {index}, outside 0..{count - 1}; shards are 0-based"
+        )
+    return index, count
+
+
+#: The variable a Kubernetes Indexed Job (``completionMode: Indexed``) sets in
+#: each pod: its 0-based completion index, as decimal text.
+ENV_JOB_INDEX = "JOB_COMPLETION_INDEX"
+
+_AUTO_HELP = (
+    "--shard auto is for a Kubernetes Indexed Job (completionMode: Indexed), which sets "
+    f"{ENV_JOB_INDEX} in each pod"
+)
+
+
+def resolve_shard(
+    spec: str, shards: int | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
+    """``(index, count)`` of ``--shard SPEC`` with ``--shards SHARDS``.
+
+    ``SPEC`` is ``I/N`` (:func:`parse_shard`; ``shards``, if given, must equal
+    ``N``) or ``auto``: the index is ``$JOB_COMPLETION_INDEX`` of ``environ``
+    (default :data:`os.environ`), the count ``shards``, else
+    ``$KERNEL_CACHE_SHARDS``; set it to the Job's ``completions``.
+
+    Raises:
+        ConfigError: a malformed ``I/N``; ``shards`` < 1 or unlike ``N``; auto
+            without a count, outside an Indexed Job (no index), with an index
+            that is not a non-negative integer or not below the count. The
+            message names the input, its value, the limit and the fix.
+        SettingError: ``KERNEL_CACHE_SHARDS`` is not an integer >= 1.
+    """
+    from kernel_cache.config import settings
+
+    if shards is not None and shards < 1:
+        raise ConfigError(
+            f"--shards {shards}: the shard count must be >= 1; give the number of builders "
+            "(an Indexed Job's completions), e.g. --shards 4"
+        )
+    if (spec or "").strip().lower() != "auto":
+        index, count = parse_shard(spec)
+        if shards is not None and shards != count:
+            raise ConfigError(
+                f"--shards {shards} disagrees with --shard {spec!r} (N = {count}); "
+                f"drop --shards, or use --shard auto to read the index from {ENV_JOB_INDEX}"
+            )
+        return index, count
+    environ = os.environ if environ is None else environ
+    var = settings.var("shards")
+    if shards is not None:
+        count, count_from = shards, f"--shards {shards}"
+    else:
+        count = settings.get("shards", environ)
+        count_from = f"{var}={count}"
+    if count is None:
+        raise ConfigError(
+            f"--shard auto: no shard count (neither --shards nor {var} is set); give the "
+            f"Job's completions as --shards N or {var}=N"
+        )
+    raw = environ.get(ENV_JOB_INDEX)
+    if raw is None or not raw.strip():
+        raise ConfigError(
+            f"--shard auto: {ENV_JOB_INDEX} is not set; {_AUTO_HELP}. Outside one, give "
+            f"the index yourself: --shard I/{count}"
+        )
+    if not re.fullmatch(r"\s*[0-9]+\s*", raw):
+        raise ConfigError(
+            f"--shard auto: {ENV_JOB_INDEX}={raw!r} is not a non-negative integer "
+            f"(0..{count - 1} for {count_from}); {_AUTO_HELP}, or give --shard I/{count}"
+        )
+    index = int(raw)
+    if index >= count:
+        raise ConfigError(
+            f"--shard auto: {ENV_JOB_INDEX}={index} is outside 0..{count - 1} for "
+            f"{count_from}; set the count to the Job's completions (spec.completions, "
+            f"at least {index + 1})"
         )
     return index, count
 

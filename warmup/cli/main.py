@@ -37,10 +37,13 @@ from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and exa
 def cmd_plan(args) -> int:
     cfg = config_from_args(args)
     b = Bucketer(cfg)
+    shard_variants, shard = _shard_of(cfg, args.shard, args.shards)
     doc = {"config": cfg.model_dump(mode="json"), **b.describe(), "kernels": _kernels(cfg)}
     launch = _plan_launch(cfg, b)
     if launch is not None:
         doc["launch"] = describe_plan(launch[0])
+    if shard is not None:
+        doc["shard"] = shard
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -59,8 +62,13 @@ def cmd_plan(args) -> int:
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
         f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
     )
-    for v in b.variants:  # the names explain --variant and verify take
-        print(f"  {v}")
+    if shard is not None:
+        print(
+            f"shard {shard['index']}/{shard['count']}: {len(shard_variants)} variants, "
+            f"expected compile {shard['expected_compile_s']:.1f} s"
+        )
+    for v in b.variants if shard_variants is None else shard_variants:
+        print(f"  {v}")  # the names explain --variant and verify take
     if launch is not None:
         print(format_plan(*launch))
     else:
@@ -137,12 +145,27 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
             default=None,
             help="seconds a Redis entry lives (default: no expiry; env KERNEL_CACHE_REDIS_TTL)",
         )
-        g.add_argument(
-            "--shard",
-            default=None,
-            metavar="I/N",
-            help="compile only shard I (0-based) of N, balanced by expected compile time",
-        )
+        shard_options(g, "compile only")
+
+
+def shard_options(g, verb: str) -> None:
+    """``--shard I/N|auto`` and ``--shards N`` on ``g`` (warmup: what to compile;
+    plan: which shard to show)."""
+    g.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N|auto",
+        help=f"{verb} shard I (0-based) of N, balanced by expected compile time; auto: I from "
+        "a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, N from --shards",
+    )
+    g.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the shard count for --shard auto: the Indexed Job's completions "
+        "(env KERNEL_CACHE_SHARDS)",
+    )
 
 
 def _remote_settings(args):
@@ -177,6 +200,7 @@ def cmd_warmup(args) -> int:
     from warmup.build.planner import WarmupInterrupted, warmup
 
     cfg = config_from_args(args)
+    variants, shard = _shard_of(cfg, args.shard, args.shards)
     if args.jobs < 1:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
     if args.lock_timeout is not None and not args.lock_timeout >= 0:
@@ -184,7 +208,6 @@ def cmd_warmup(args) -> int:
     max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
     load_trusted_keys(required=args.require_signed or None)
     remote = _remote_settings(args)
-    variants, shard = _shard_of(cfg, args.shard)
     try:
         report = warmup(
             cfg,
@@ -215,13 +238,26 @@ def cmd_warmup(args) -> int:
     return _warmup_status(report)
 
 
-def _shard_of(cfg, spec: str | None) -> tuple[list | None, dict | None]:
-    """``(variants, shard report)`` of ``--shard I/N`` (``(None, None)`` without one)."""
-    from warmup.build.shard import parse_shard, shard_costs, split_plan
+def _shard_of(cfg, spec: str | None, shards: int | None) -> tuple[list | None, dict | None]:
+    """``(variants, shard report)`` of ``--shard I/N|auto`` and ``--shards N``
+    (``(None, None)`` without ``--shard``; see
+    :func:`warmup.build.shard.resolve_shard`).
+
+    Raises:
+        ConfigError: a bad ``--shard`` / ``--shards`` / ``JOB_COMPLETION_INDEX`` /
+            ``KERNEL_CACHE_SHARDS``, or ``--shards`` without ``--shard``.
+    """
+    from kernel_cache.errors import ConfigError
+    from warmup.build.shard import resolve_shard, shard_costs, split_plan
 
     if spec is None:
+        if shards is not None:
+            raise ConfigError(
+                f"--shards {shards} without --shard: add --shard auto (the index from "
+                "JOB_COMPLETION_INDEX) or --shard I/N"
+            )
         return None, None
-    index, count = parse_shard(spec)
+    index, count = resolve_shard(spec, shards)
     shards = split_plan(cfg, Bucketer(cfg).variants, count)
     return shards[index], {
         "index": index,
@@ -430,6 +466,7 @@ def _add_plan(sub) -> None:
     """The ``plan`` subcommand's parser on ``sub`` (the subparsers action)."""
     sp = sub.add_parser("plan", help="print the buckets and variants of a plan")
     engine_options(sp)
+    shard_options(sp.add_argument_group("sharding (as warmup takes it)"), "list only")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_plan)
 
