@@ -218,3 +218,15 @@ def test_warmup_throughput_smoke(tmp_path, tiny_model):
     (ph,) = doc["results"]["phases"]
     assert set(ph["steady_share"]) == {"export", "codegen", "cxx", "packaging"}
     assert {"first_compile_s", "steady_cpu_s", "kernel_time_vs_current"} <= set(ph)
+
+
+def test_import_cost_smoke(tmp_path):
+    doc = run_bench("import_cost", "--rounds", "1", "--out", tmp_path / "import_cost.json")
+    by_case = {r["case"]: r for r in doc["results"]}
+    assert {"python -c pass", "import torch", "import kernel_cache", "make_config"} <= set(by_case)
+    assert not by_case["import kernel_cache"]["imports_torch"]
+    assert not by_case["make_config"]["imports_torch"]
+    assert by_case["engine imports after torch"]["imports_torch"]
+    for r in doc["results"]:
+        summary_fields(r["seconds"])
+        summary_fields(r["ratio_to_import_torch"])
