@@ -267,3 +267,15 @@ def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
         assert plan_bytes <= r["server"]["sent_bytes_per_engine"] <= 1.2 * plan_bytes
         assert r["local_cache_bytes_per_engine"]["min"] >= plan_bytes  # written through
     assert set(doc["results"]["ratio_largest_to_smallest"]) == set(sources)
+
+
+def test_import_cost_smoke(tmp_path):
+    doc = run_bench("import_cost", "--rounds", "1", "--out", tmp_path / "import_cost.json")
+    by_case = {r["case"]: r for r in doc["results"]}
+    assert {"python -c pass", "import torch", "import kernel_cache", "make_config"} <= set(by_case)
+    assert not by_case["import kernel_cache"]["imports_torch"]
+    assert not by_case["make_config"]["imports_torch"]
+    assert by_case["engine imports after torch"]["imports_torch"]
+    for r in doc["results"]:
+        summary_fields(r["seconds"])
+        summary_fields(r["ratio_to_import_torch"])

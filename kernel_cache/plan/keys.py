@@ -399,17 +399,44 @@ def _target_of(config_or_device) -> tuple[str, str]:
     return config_or_device.device, config_or_device.cpu_target
 
 
+@functools.cache
+def torch_version() -> str:
+    """``torch.__version__`` (``"2.13.0+cpu"``, the ``torch`` key component), read
+    without importing torch where this process has not imported it.
+
+    torch defines ``__version__`` from ``torch/version.py``, a file of constants;
+    that file is run on its own here (about 1 ms against seconds for ``import
+    torch``), so commands that need keys but no tensors (``plan``, ``explain``,
+    ``gc --keep-plan``) stay torch-free. The installed distribution's metadata
+    (``importlib.metadata.version("torch")``) is not used: a source build or a
+    stale ``dist-info`` can name another string, and the key would change.
+    Falls back to ``import torch`` if the file is missing.
+    """
+    import importlib.util
+
+    if "torch" not in sys.modules:
+        spec = importlib.util.find_spec("torch")
+        for d in (spec and spec.submodule_search_locations) or ():
+            path = Path(d) / "version.py"
+            if path.is_file():
+                file_spec = importlib.util.spec_from_file_location("_kernel_cache_torch_v", path)
+                module = importlib.util.module_from_spec(file_spec)
+                file_spec.loader.exec_module(module)
+                return str(module.__version__)
+    import torch
+
+    return str(torch.__version__)
+
+
 def environment(config_or_device) -> dict[str, str]:
     """The environment components of a key, as strings, for an
     :class:`EngineConfig` (its device and CPU target) or a device name (the
     default CPU target)."""
-    import torch
-
     device, target = _target_of(config_or_device)
     return {
         "device": device,
         "device_arch": device_arch(device, target),
-        "torch": torch.__version__,
+        "torch": torch_version(),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "cxx": cxx_compiler_id(),
     }

@@ -19,8 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
@@ -30,7 +29,6 @@ from kernel_cache.errors import (
 )
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
-from kernel_cache.runtime.dispatch import AttentionRuntime
 from kernel_cache.store.tier import (
     ENV_CACHE_DIR,
     DiskTier,
@@ -39,6 +37,9 @@ from kernel_cache.store.tier import (
     default_cache_dir,
 )
 from kernel_cache.trust.signing import load_trusted_keys
+
+if TYPE_CHECKING:
+    from kernel_cache.runtime.dispatch import AttentionRuntime
 
 log = logging.getLogger("kernel_cache")
 
@@ -93,6 +94,8 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     Raises:
         CorruptEntryError: the loader rejected the package.
     """
+    import torch  # here, not at module top: listings and ``explain`` need no torch
+
     where_to = load_dir()
     fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-", dir=where_to)
     try:
@@ -270,6 +273,7 @@ def load_plan(
         SigningKeyError: signed entries are required and no trusted key is set, or a
             key setting is wrong (names the variable and the fix).
     """
+    from kernel_cache.runtime.dispatch import AttentionRuntime  # imports torch
     from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()

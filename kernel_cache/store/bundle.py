@@ -247,14 +247,12 @@ class BundleTier(Tier):
 
 def tool_versions() -> dict:
     """The tools that built a bundle (informational; the key components decide)."""
-    import torch
-
     from kernel_cache import __version__
-    from kernel_cache.plan.keys import cxx_compiler_id
+    from kernel_cache.plan.keys import cxx_compiler_id, torch_version
 
     return {
         "kernel_cache": __version__,
-        "torch": torch.__version__,
+        "torch": torch_version(),
         "python": sys.version.split()[0],
         "cxx": cxx_compiler_id(),
         "platform": platform.platform(),

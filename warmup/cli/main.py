@@ -89,14 +89,15 @@ def _kernels(cfg) -> dict:
 def _plan_launch(cfg, bucketer):
     """The plan's resolved launch configs and their sources line, or None for a CUDA
     plan on a machine without a GPU (the lookup needs the device architecture)."""
-    import torch
-
     from kernel_cache.plan.keys import device_arch
     from kernel_cache.plan.launch import Resolver, source_counts
 
     resolver = Resolver()  # validates KERNEL_CACHE_TUNING even where nothing resolves
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        return None
+    if cfg.device == "cuda":
+        import torch  # only here: a CPU plan's launch configs need no torch
+
+        if not torch.cuda.is_available():
+            return None
     arch = device_arch(cfg.device, cfg.cpu_target)
     resolved = {v: resolver.resolve(cfg, v, arch) for v in bucketer.variants}
     return resolved, resolver.sources(arch, source_counts(resolved))
@@ -444,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     clear, keygen, tune), each with its ``func`` and ``-v``."""
     p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    p.add_argument("--version", action="version", version=version())
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_warmup(sub)
@@ -542,17 +543,30 @@ def _add_verbose_to_subcommands(sub) -> None:
         sp.set_defaults(_subparser=sp)
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version` and exit. The string is made only when
+    the option is given (argparse's ``version`` action needs it at parser build,
+    for every command)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        kwargs.setdefault("help", "show the versions (kernel-cache, torch, Python) and exit")
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
+
+
 def version() -> str:
     """``kernel-cache 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)``: the versions that
     are key components too."""
     import platform
 
-    import torch
-
     from kernel_cache import __version__
+    from kernel_cache.plan.keys import torch_version
 
     py = platform.python_version()
-    return f"kernel-cache {__version__} (torch {torch.__version__}, Python {py})"
+    return f"kernel-cache {__version__} (torch {torch_version()}, Python {py})"
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
