@@ -652,6 +652,7 @@ def test_key_rotation_either_trusted_key_loads_a_dropped_key_is_refused(
     assert caplog.text.count(f"signed by key {a.key_id}, which is not trusted") == half
 
 
+@pytest.mark.compile  # compiles one variant
 def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse(
     redis_db, cache_copy, tiny_config, tiny_model, tmp_path, keys, monkeypatch, caplog
 ):
