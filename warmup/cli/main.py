@@ -389,7 +389,8 @@ def _print_verify(report: dict) -> None:
     print(
         f"verify {status}: {report['loaded']}/{report['variants']} loaded, "
         f"{report['compiled']} compiled, {len(report['missing'])} missing, "
-        f"{len(report['corrupt'])} corrupt, {len(report['mismatched'])} mismatched, "
+        f"{len(report['corrupt'])} corrupt, {len(report['unrunnable'])} cannot run here, "
+        f"{len(report['mismatched'])} mismatched, "
         f"max abs err {report['max_abs_err']:.2e}, {report['seconds']:.2f} s"
         + (f" ({report['tier']} alone)" if "tier" in report else "")
     )
