@@ -5,6 +5,7 @@ benchmarks themselves, on purpose not in tests)."""
 import csv
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 
@@ -35,8 +36,13 @@ def run_bench(name, *args, timeout=900) -> dict:
     return doc
 
 
-def summary_fields(s):
+def summary_fields(s, n: int | None = None):
+    """A summary (benchmarks/_common.py ``summary``) whose figures are consistent:
+    finite, min <= median <= max, over ``n`` samples when given."""
     assert {"median", "min", "max", "n"} <= set(s)
+    assert s["n"] >= 1 and (n is None or s["n"] == n), s
+    assert all(math.isfinite(s[k]) for k in ("median", "min", "max")), s
+    assert s["min"] <= s["median"] <= s["max"], s
 
 
 def test_padding_smoke(tmp_path):
@@ -97,9 +103,17 @@ def test_dispatch_smoke(tmp_path, warm_cache, tiny_model):
     )
     assert {r["variant"] for r in doc["results"]} >= {"batched_decode:1:2:4"}
     for r in doc["results"]:
-        for k in ("direct_us", "dispatch_us", "overhead_us", "overhead_pct", "host_only_us"):
-            summary_fields(r[k])
-    assert {"target_us", "overhead_under_target", "host_only_under_target"} <= set(doc["target"])
+        for k in ("direct_us", "dispatch_us", "overhead_us", "overhead_pct"):
+            summary_fields(r[k], n=2)  # one per repeat
+        summary_fields(r["host_only_us"])
+        assert r["direct_us"]["min"] > 0 and r["dispatch_us"]["min"] > 0
+    # the verdicts are the figures' own, not constants
+    target, results = doc["target"], doc["results"]
+    us = target["target_us"]
+    assert target["overhead_under_target"] == all(r["overhead_us"]["median"] < us for r in results)
+    assert target["host_only_under_target"] == all(
+        r["host_only_us"]["median"] < us for r in results
+    )
 
 
 @pytest.mark.compile
