@@ -419,12 +419,12 @@ def _child_main(argv=None) -> int:
         sys.stdout.write(json.dumps(ev) + "\n")
         sys.stdout.flush()
 
+    import torch  # as in an engine process: torch (and its libstdc++) loaded first
+
     from kernel_cache.errors import CorruptEntryError
     from kernel_cache.runtime.load import load_package
 
     if args.device == "cuda":
-        import torch
-
         torch.cuda.init()
     emit(event="start", pid=os.getpid(), libstdcxx=loaded_libstdcxx())
     if args.serve:
