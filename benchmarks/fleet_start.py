@@ -193,7 +193,7 @@ class Sources:
     """The published plan in each source and how an engine reaches it."""
 
     def __init__(self, args, engine_args: list[str], work: Path):
-        self.work = work
+        self.args, self.work = args, work
         self.engine_args = engine_args
         self.base = _clean_env()
         self.builder = {**self.base}
@@ -216,6 +216,9 @@ class Sources:
     def start(self, source: str) -> None:
         """Start the server of ``source`` (none for a bundle) and publish the plan."""
         pub = [*self.engine_args, "--cache-dir", self.cache, "-q"]
+        timeout = self.args.remote_timeout
+        if source in ("s3", "redis") and timeout is not None:  # the publish gets it too
+            pub += [f"--{source}-timeout", str(timeout)]
         if source == "s3":
             from tests.s3_server import BUCKET, S3Server
 
@@ -236,6 +239,8 @@ class Sources:
                 "export",
             )
             rep["bundle_bytes"] = _dir_bytes(self.bundle)
+        if rep.get("remote_error"):  # the engines would measure a partial plan
+            raise RuntimeError(f"publishing to {source} failed: {rep['remote_error']}")
         keep = ("compiled", "uploaded", "remote_error", "files", "bytes", "bundle_bytes")
         self.publish[source] = {k: rep[k] for k in keep if k in rep}
 
