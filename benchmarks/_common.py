@@ -185,6 +185,27 @@ def nearest_rank(xs, p: float) -> float:
     return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
 
 
+def engine_ready(spec_json: str):
+    """A child of :func:`start_together` (``--engine SPEC``, SPEC a JSON object with
+    ``launched``, the ``time.time()`` of its launch, and ``config``, an
+    ``EngineConfig`` as JSON): import the runtime, print ``ready``, wait for ``go``.
+    Call it after the engine's other imports, so they count in ``import_s``.
+
+    Returns:
+        ``(spec, config, import_s)``, import_s in seconds from launch to ready;
+        None when the line read is not ``go``.
+    """
+    from kernel_cache.config.engine import EngineConfig
+
+    spec = json.loads(spec_json)
+    cfg = EngineConfig.model_validate_json(spec["config"])
+    import_s = time.time() - float(spec["launched"])
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return None
+    return spec, cfg, import_s
+
+
 def start_together(
     cmds: list[list[str]], envs: list[dict], log_dir: str | os.PathLike, timeout: float
 ) -> list[dict]:

@@ -33,24 +33,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import nearest_rank, start_together  # noqa: E402
+from _common import engine_ready, nearest_rank, start_together  # noqa: E402
 
 
 def engine_main(spec_json: str) -> int:
     """One engine process (``--engine SPEC``): import, ready, wait for go, start."""
-    t_launch = float(json.loads(spec_json)["launched"])
     from kernel_cache import load_plan
-    from kernel_cache.config.engine import EngineConfig
     from kernel_cache.store.redis import RedisSettings, RedisTier
     from kernel_cache.store.tier import DiskTier
     from warmup.build.planner import warmup
 
-    spec = json.loads(spec_json)
-    cfg = EngineConfig.model_validate_json(spec["config"])
-    import_s = time.time() - t_launch
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
+    ready = engine_ready(spec_json)
+    if ready is None:
         return 1
+    spec, cfg, import_s = ready
     t0 = time.perf_counter()
     settings = RedisSettings(url=spec["redis_url"])
     report = warmup(cfg, spec["cache_dir"], jobs=0, progress=False, remote=settings)

@@ -66,6 +66,7 @@ sys.path.insert(0, str(ROOT))  # tests/ (the private servers' helpers)
 from _common import (  # noqa: E402
     DEFAULT_CACHE,
     OUT_DIR,
+    engine_ready,
     header,
     machine,
     nearest_rank,
@@ -91,16 +92,12 @@ def _proc_io() -> dict:
 
 def engine_main(spec_json: str) -> int:
     """One engine (``--engine SPEC``): import, ready, wait for go, ``load_plan``."""
-    t_launch = float(json.loads(spec_json)["launched"])
     from kernel_cache import load_plan
-    from kernel_cache.config.engine import EngineConfig
 
-    spec = json.loads(spec_json)
-    cfg = EngineConfig.model_validate_json(spec["config"])
-    import_s = time.time() - t_launch
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
+    ready = engine_ready(spec_json)
+    if ready is None:
         return 1
+    _, cfg, import_s = ready
     io0 = _proc_io()
     t0 = time.perf_counter()
     rt = load_plan(cfg)  # every tier from the environment, as an engine does
