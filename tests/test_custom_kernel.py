@@ -440,7 +440,8 @@ def test_ls_shows_the_kernel_import_path_in_full(monkeypatch, capsys):
     }
     rows = [row, {**row, "kernel": PREFILL, "variant": "paged_attention:32:2:1"}]
     monkeypatch.setattr(commands, "_rows", lambda args: ("/cache", rows))
-    monkeypatch.setattr(commands.shutil, "get_terminal_size", lambda *a: os.terminal_size((80, 24)))
+    # An 80-column terminal; COLUMNS is what shutil.get_terminal_size reads first.
+    monkeypatch.setenv("COLUMNS", "80")
     assert commands.cmd_ls(argparse.Namespace(json=False, bundle=None)) == 0
     out = capsys.readouterr().out
     assert "…" not in out
