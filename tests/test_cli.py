@@ -237,7 +237,7 @@ def test_explain_says_why_no_call_has_the_shape(tmp_path, capsys, variant, says)
 
 
 def test_verify_names_the_kind_of_each_source():
-    from warmup.cli.main import source_lines
+    from warmup.cli.verify import source_lines
 
     report = {
         "sources": {"/opt/b": 4, "/c": 1, "redis://h:6379/0": 1},

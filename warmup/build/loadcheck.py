@@ -19,7 +19,7 @@ Two ways to run the check:
   fed one artifact at a time as soon as it is built (``--serve``: paths on
   standard input); after a crash the next artifact gets a new process. Warmup
   uses it, so a new artifact is published seconds after its compile, while the
-  worker still holds the key's lock (:mod:`warmup.build.planner`).
+  worker still holds the key's lock (:mod:`warmup.build.worker`).
 - :func:`check_loadable`: a list of artifacts, one process per batch.
 
 Protocol: each artifact is a file in a private staging directory; a request is

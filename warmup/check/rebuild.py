@@ -106,7 +106,8 @@ def rebuild_variant(
         ConfigError: ``variant`` is not in the plan (names the plan's variants).
         CompileError: the rebuild failed.
     """
-    from warmup.build.planner import _drop_scratch, _init_worker, _new_scratch
+    from warmup.build.pool import _drop_scratch, _new_scratch
+    from warmup.build.worker import _init_worker
 
     plan = Plan.build(config)
     item = plan.find(variant)

@@ -20,13 +20,7 @@ from pathlib import Path
 
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import KernelCacheError
-from warmup.cli.options import (
-    CACHE_DIR_HELP,
-    _cache_dir,
-    bundle_option,
-    config_from_args,
-    engine_options,
-)
+from warmup.cli.options import Parents, _cache_dir, config_from_args, engine_options
 
 
 def _when(ts) -> str:
@@ -384,55 +378,28 @@ def _print_orphans(o: dict) -> None:
         )
 
 
-def add_commands(sub) -> None:
-    """Register the subcommands on the ``kernel-cache`` parser's subparsers."""
-    _add_export(sub)
-    _add_import(sub)
-    _add_explain(sub)
-    _add_ls(sub)
-    _add_stats(sub)
-    _add_gc(sub)
-    _add_clear(sub)
-    _add_keygen(sub)
-
-
-def _add_keygen(sub) -> None:
-    """The ``keygen`` subcommand's parser on ``sub`` (the subparsers action)."""
+def add_commands(sub, parents: Parents) -> None:
+    """Register the subcommands on ``sub`` (the ``kernel-cache`` parser's subparsers)."""
+    p = parents
     s = sub.add_parser(
-        "keygen",
-        help="make an Ed25519 key pair: DIR/signing.key (builders sign) and DIR/signing.pub "
-        "(engines check)",
+        "export",
+        parents=[p.engine, p.cache_dir, p.bundle, p.json],
+        help="write a read-only bundle of exactly the plan's artifacts",
     )
-    s.add_argument("dir", metavar="DIR", help="where to write signing.key and signing.pub")
-    s.add_argument("--force", action="store_true", help="replace an existing DIR/signing.key")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_keygen)
-
-
-def _add_export(sub) -> None:
-    """The ``export`` subcommand's parser on ``sub`` (the subparsers action)."""
-    s = sub.add_parser("export", help="write a read-only bundle of exactly the plan's artifacts")
-    engine_options(s)
     s.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    bundle_option(s)
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_export)
 
-
-def _add_import(sub) -> None:
-    """The ``import`` subcommand's parser on ``sub`` (the subparsers action)."""
-    s = sub.add_parser("import", help="copy a bundle's entries into the local cache")
+    s = sub.add_parser(
+        "import", parents=[p.cache_dir, p.json], help="copy a bundle's entries into the local cache"
+    )
     s.add_argument("dir", metavar="DIR", help="a bundle written by kernel-cache export")
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_import)
 
-
-def _add_explain(sub) -> None:
-    """The ``explain`` subcommand's parser on ``sub`` (the subparsers action)."""
-    s = sub.add_parser("explain", help="why a variant misses: nearest entries and differences")
-    engine_options(s)
+    s = sub.add_parser(
+        "explain",
+        parents=[p.engine, p.cache_dir, p.bundle, p.json],
+        help="why a variant misses: nearest entries and differences",
+    )
     s.add_argument(
         "--variant",
         action="append",
@@ -440,34 +407,23 @@ def _add_explain(sub) -> None:
         metavar="KERNEL:QUERY:BLOCKS:SEQS",
         help="explain this variant (repeatable; default: every missing variant of the plan)",
     )
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    bundle_option(s)
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_explain)
 
-
-def _add_ls(sub) -> None:
-    """The ``ls`` subcommand's parser on ``sub`` (the subparsers action)."""
-    s = sub.add_parser("ls", help="list the cache's entries")
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
+    s = sub.add_parser("ls", parents=[p.cache_dir, p.json], help="list the cache's entries")
     s.add_argument("--bundle", default=None, metavar="DIR", help="list this bundle instead")
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_ls)
 
+    sub.add_parser(
+        "stats",
+        parents=[p.cache_dir, p.json],
+        help="entries, bytes, hits and misses of the cache (zeros if it does not exist)",
+    ).set_defaults(func=cmd_stats)
 
-def _add_stats(sub) -> None:
-    """The ``stats`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
-        "stats", help="entries, bytes, hits and misses of the cache (zeros if it does not exist)"
+        "gc",
+        parents=[p.cache_dir, p.json],
+        help="remove least recently used entries down to a size limit",
     )
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_stats)
-
-
-def _add_gc(sub) -> None:
-    """The ``gc`` subcommand's parser on ``sub`` (the subparsers action)."""
-    s = sub.add_parser("gc", help="remove least recently used entries down to a size limit")
     s.add_argument(
         "--max-size",
         default=None,
@@ -482,16 +438,20 @@ def _add_gc(sub) -> None:
         help="never remove this plan's entries: quoted ENGINE OPTIONS, or a file from "
         "'kernel-cache plan --json' or a bundle's manifest.json (repeatable)",
     )
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_gc)
 
+    sub.add_parser(
+        "clear",
+        parents=[p.cache_dir, p.json],
+        help="remove every entry, quarantined entry and orphan file of the local cache",
+    ).set_defaults(func=cmd_clear)
 
-def _add_clear(sub) -> None:
-    """The ``clear`` subcommand's parser on ``sub`` (the subparsers action)."""
     s = sub.add_parser(
-        "clear", help="remove every entry, quarantined entry and orphan file of the local cache"
+        "keygen",
+        parents=[p.json],
+        help="make an Ed25519 key pair: DIR/signing.key (builders sign) and DIR/signing.pub "
+        "(engines check)",
     )
-    s.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_clear)
+    s.add_argument("dir", metavar="DIR", help="where to write signing.key and signing.pub")
+    s.add_argument("--force", action="store_true", help="replace an existing DIR/signing.key")
+    s.set_defaults(func=cmd_keygen)

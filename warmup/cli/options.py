@@ -1,8 +1,11 @@
 """Command-line options shared by every ``kernel-cache`` subcommand module
-(:mod:`warmup.cli.main`, :mod:`warmup.cli.commands`, :mod:`warmup.tune`, the benchmarks
-and examples): ENGINE OPTIONS derived from :class:`EngineConfig`, the cache
-directory, bundles and the trust opt-out. It imports none of those modules, so
-they never import each other through it.
+(:mod:`warmup.cli.main`, :mod:`warmup.cli.build`, :mod:`warmup.cli.verify`,
+:mod:`warmup.cli.commands`, :mod:`warmup.tune.cli`, the benchmarks and examples):
+ENGINE OPTIONS derived from :class:`EngineConfig`, the cache directory, ``--json``,
+``--jobs``, bundles, the trust opt-out and the fleet options. An option several
+subcommands take is declared once, in a parent parser (:class:`Parents`,
+``parents=[...]`` of ``add_parser``). It imports none of those modules, so they
+never import each other through it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import os
 import typing
 from pathlib import Path
+from typing import NamedTuple
 
 from kernel_cache.config import settings
 from kernel_cache.config.engine import (
@@ -21,6 +25,7 @@ from kernel_cache.config.engine import (
     make_config,
     option_flag,
 )
+from kernel_cache.errors import KernelCacheError
 from kernel_cache.kernels.slots import parse_kernel_option
 from kernel_cache.plan.buckets import Bucketer, parse_bucket_list
 from kernel_cache.store.tier import ENV_CACHE_DIR, check_cache_dir_path, default_cache_dir
@@ -132,4 +137,137 @@ def bundle_option(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a bundle searched before the local cache (repeatable; also $KERNEL_CACHE_BUNDLE, "
         "os.pathsep-separated)",
+    )
+
+
+def cache_dir_option(p: argparse.ArgumentParser) -> None:
+    """``--cache-dir DIR`` (read with :func:`_cache_dir`)."""
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
+
+
+def json_option(p: argparse.ArgumentParser) -> None:
+    """``--json``: the command's report as JSON on stdout."""
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+class Parents(NamedTuple):
+    """The parent parsers of the options several subcommands take, made once per
+    ``kernel-cache`` parser (:func:`make_parents`) and named in each
+    subcommand's ``parents=[...]``."""
+
+    engine: argparse.ArgumentParser  #: ENGINE OPTIONS (:func:`engine_options`)
+    cache_dir: argparse.ArgumentParser  #: ``--cache-dir``
+    json: argparse.ArgumentParser  #: ``--json``
+    jobs: argparse.ArgumentParser  #: ``--jobs`` (:func:`jobs_option`)
+    bundle: argparse.ArgumentParser  #: ``--bundle``, repeatable (:func:`bundle_option`)
+    trust: argparse.ArgumentParser  #: ``--insecure-allow-shared-dir``
+
+
+def make_parents() -> Parents:
+    """One parent parser (``add_help=False``) per shared option set."""
+
+    def parent(add) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(add_help=False)
+        add(p)
+        return p
+
+    return Parents(
+        engine=parent(engine_options),
+        cache_dir=parent(cache_dir_option),
+        json=parent(json_option),
+        jobs=parent(jobs_option),
+        bundle=parent(bundle_option),
+        trust=parent(trust_option),
+    )
+
+
+def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
+    """Options of the shared Redis tier, signing and (warmup) sharding."""
+    g = p.add_argument_group("fleet options (a cache shared across machines)")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="shared Redis tier, e.g. redis://10.0.0.5:6379/0 (env KERNEL_CACHE_REDIS_URL)"
+        + ("" if warmup else "; verify then checks that Redis alone holds the plan"),
+    )
+    g.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=None,
+        help="seconds any Redis call may block (default 2; env KERNEL_CACHE_REDIS_TIMEOUT)",
+    )
+    g.add_argument(
+        "--s3-url",
+        default=None,
+        help="shared S3 tier, s3://BUCKET/PREFIX; endpoint and credentials from AWS_ENDPOINT_URL, "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION (env KERNEL_CACHE_S3_URL)"
+        + ("" if warmup else "; verify then checks that S3 alone holds the plan"),
+    )
+    g.add_argument(
+        "--s3-timeout",
+        type=float,
+        default=None,
+        help="seconds any S3 call may wait to connect or read (default 2; env "
+        "KERNEL_CACHE_S3_TIMEOUT)",
+    )
+    g.add_argument(
+        "--require-signed",
+        action="store_true",
+        help="fail at start unless a key to check signatures is set: "
+        "KERNEL_CACHE_TRUSTED_KEYS (public) or KERNEL_CACHE_SIGNING_KEY_FILE (private) "
+        "(env KERNEL_CACHE_REQUIRE_SIGNED=1)",
+    )
+    if warmup:
+        g.add_argument(
+            "--redis-ttl",
+            type=int,
+            default=None,
+            help="seconds a Redis entry lives (default: no expiry; env KERNEL_CACHE_REDIS_TTL)",
+        )
+        shard_options(g, "compile only")
+
+
+def shard_options(g, verb: str) -> None:
+    """``--shard I/N|auto`` and ``--shards N`` on ``g`` (warmup: what to compile;
+    plan: which shard to show)."""
+    g.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N|auto",
+        help=f"{verb} shard I (0-based) of N, balanced by expected compile time; auto: I from "
+        "a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, N from --shards",
+    )
+    g.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the shard count for --shard auto: the Indexed Job's completions "
+        "(env KERNEL_CACHE_SHARDS)",
+    )
+
+
+def _remote_settings(args):
+    """The remote tier's settings: S3 (``--s3-url`` / ``KERNEL_CACHE_S3_URL``),
+    else Redis; None for neither.
+
+    Raises:
+        KernelCacheError: both are set (warmup and verify use one remote).
+    """
+    from kernel_cache.store.redis import RedisSettings
+    from kernel_cache.store.s3 import S3Settings
+
+    s3 = S3Settings.from_env(url=args.s3_url, timeout_s=args.s3_timeout)
+    if s3 is not None:
+        if args.redis_url or settings.is_set("redis_url"):
+            raise KernelCacheError(
+                f"both a Redis URL and an S3 URL ({s3.url}) are set; warmup and verify use "
+                "one remote tier: unset KERNEL_CACHE_REDIS_URL / --redis-url or "
+                "KERNEL_CACHE_S3_URL / --s3-url"
+            )
+        return s3
+    return RedisSettings.from_env(
+        url=args.redis_url,
+        timeout_s=args.redis_timeout,
+        ttl_s=getattr(args, "redis_ttl", None),
     )

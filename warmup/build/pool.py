@@ -1,0 +1,260 @@
+"""The worker pool of a warmup (:func:`_run_pool`): ``jobs`` spawned worker
+processes run :func:`warmup.build.worker.build_variant` per variant, a worker
+that dies is replaced once, and SIGINT/SIGTERM stop every worker
+(:class:`_Interrupt` carries the rows so far). ``jobs=0`` builds in this
+process (:func:`_in_process`). Each warmup compiles in a private scratch
+directory (:func:`_new_scratch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from kernel_cache._testhooks import hook
+from kernel_cache.config import settings
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.plan.plan import PlanItem
+from kernel_cache.store.locks import private_temp_dir
+from warmup.build.report import Status, VariantResult, _Reporter
+from warmup.build.worker import _init_worker, build_variant
+
+log = logging.getLogger("kernel_cache.warmup")
+
+#: Set to 1 to keep the compile scratch directory (Inductor's sources, objects
+#: and precompiled headers) for debugging; its path is logged.
+ENV_KEEP_SCRATCH = settings.var("keep_scratch")
+
+
+class _Interrupt(Exception):
+    """SIGINT/SIGTERM reached :func:`_run_pool`; ``results`` are its rows so far
+    (unfinished variants as ``not started``)."""
+
+    def __init__(self, signum: int, results: list[VariantResult]):
+        super().__init__(signum)
+        self.signum = signum
+        self.results = results
+
+
+def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
+    """``jobs=0``: a pass that never waits, then one that does, in this process."""
+    from warmup.build.compiler import pin_environment
+
+    scratch = _new_scratch()
+    saved = dict(os.environ)
+    results, busy = [], []
+    try:
+        pin_environment(config.device, config.cpu_target, scratch)
+        cfg_json = config.model_dump_json()
+        for blocking in (False, True):
+            for item in busy if blocking else todo:
+                opts = {**_item_options(item, options, blocking), "check": False}
+                r = build_variant(cfg_json, item.variant.model_dump_json(), cache_dir, opts)
+                if r.status is Status.BUSY and not blocking:
+                    busy.append(item)
+                    continue
+                results.append(r)
+                reporter.finished(r)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _drop_scratch(scratch)
+    return results
+
+
+_SCRATCH_PREFIX = "kernel_cache-inductor-"
+
+
+def _new_scratch() -> str:
+    """A private directory under the system temp dir for one warmup's compiles
+    (Inductor's scratch and temp files), removed by :func:`_drop_scratch`.
+    Those of warmups that died (SIGKILL) are removed here first: the pid is
+    in the name."""
+    return private_temp_dir(_SCRATCH_PREFIX)
+
+
+def _drop_scratch(scratch: str) -> None:
+    if settings.get("keep_scratch"):
+        log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
+        return
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
+    """The row of a variant whose worker raised instead of returning a result."""
+    if isinstance(e, BrokenProcessPool):
+        why = f"its worker process died (killed, out of memory or crashed): {e}"
+    else:
+        why = f"the worker raised {type(e).__name__}: {e}"
+    return VariantResult(str(v), Status.FAILED, error=why)
+
+
+def _item_options(item: PlanItem, options: dict, blocking: bool) -> dict:
+    """A worker's options for ``item``: its key (computed once, in the plan)
+    and launch config, and whether to wait for the locks."""
+    return {**options, "blocking": blocking, "launch": item.launch, "key": item.key.as_dict()}
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt(signum, [])
+
+
+class _Pool:
+    """The worker pools of :func:`_run_pool`: a new pool replaces one a dying
+    worker broke; each future remembers its item and the pool it went to."""
+
+    def __init__(self, config: EngineConfig, cache_dir: str, jobs: int, scratch: str, options):
+        self.config, self.cache_dir, self.jobs, self.scratch = config, cache_dir, jobs, scratch
+        self.options, self.cfg_json = options, config.model_dump_json()
+        self.pools = [self._new()]
+        self.futs: dict = {}  # future -> PlanItem
+        self.pool_of: dict = {}  # future -> index in pools of the pool it was sent to
+        self.retried: set[str] = set()
+        self.fatal: str | None = None
+
+    def _new(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=self.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(), self.config.device, self.config.cpu_target, self.scratch),
+        )
+
+    def submit(self, item: PlanItem, blocking: bool):
+        opts = _item_options(item, self.options, blocking)
+        v_json = item.variant.model_dump_json()
+        with _sigint_ignored():  # the submit may spawn a worker
+            f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
+        self.futs[f], self.pool_of[f] = item, len(self.pools) - 1
+        return f
+
+    def _not_started(self, v) -> VariantResult:
+        return VariantResult(str(v), Status.NOT_STARTED, error=f"not attempted: {self.fatal}")
+
+    def outcome(self, f, pending: set) -> VariantResult | None:
+        """The row of a finished future, or None when its item went back into
+        ``pending`` (a first death of its worker, or busy on the first pass)."""
+        item = self.futs[f]
+        v = item.variant
+        if f.cancelled():
+            return self._not_started(v)
+        try:
+            r = f.result()
+        except BrokenProcessPool as e:
+            if str(v) not in self.retried and self.fatal is None:
+                self.retried.add(str(v))
+                if self.pool_of[f] == len(self.pools) - 1:  # the newest pool broke
+                    self.pools.append(self._new())
+                pending.add(self.submit(item, True))
+                return None
+            r = _worker_failure(v, e)
+        except Exception as e:
+            r = _worker_failure(v, e)
+        if r.status is Status.BUSY:
+            if self.fatal is None:
+                pending.add(self.submit(item, True))
+                return None
+            r = self._not_started(v)
+        return r
+
+
+def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
+    """Build ``todo`` (:class:`~kernel_cache.plan.plan.PlanItem` s) in ``jobs``
+    worker processes.
+
+    A worker that dies (SIGKILL, out of memory, a crash) breaks the pool and
+    fails every variant in flight; those are tried once more in a new pool, and
+    only a variant whose second try also dies is reported failed.
+
+    Raises:
+        _Interrupt: SIGINT or SIGTERM; the workers are stopped first (their
+            finished artifacts are published already).
+    """
+    if jobs == 0:
+        return _in_process(config, todo, cache_dir, reporter, options)
+    scratch = _new_scratch()
+    results: list[VariantResult] = []
+    pool = _Pool(config, cache_dir, jobs, scratch, options)
+    old = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+    pending: set = set()
+    try:
+        pending = {pool.submit(item, False) for item in todo}  # a Ctrl-C here stops them too
+        while pending:
+            reporter.running([str(pool.futs[f].variant) for f in pending if f.running()])
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for f in done:
+                r = pool.outcome(f, pending)
+                if r is None:
+                    continue
+                results.append(r)
+                reporter.finished(r)
+                if r.fatal and pool.fatal is None:
+                    pool.fatal = r.error
+                    for p in pending:
+                        p.cancel()
+    except (KeyboardInterrupt, _Interrupt) as e:
+        raise _stopped(e, pool, todo, results) from None
+    finally:
+        try:
+            hook("pool-shutdown")
+            for p in pool.pools:
+                p.shutdown(wait=True, cancel_futures=True)
+        except (KeyboardInterrupt, _Interrupt) as e:  # a signal while the workers exit
+            raise _stopped(e, pool, todo, results) from None
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+            _drop_scratch(scratch)
+    return results
+
+
+def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) -> _Interrupt:
+    """The :class:`_Interrupt` to raise for the signal ``e`` (KeyboardInterrupt is
+    SIGINT): every worker of ``pool`` stopped, and ``results`` completed with a
+    ``not started`` row for each item of ``todo`` that has none."""
+    signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
+    for p in pool.pools:
+        _stop_workers(p)
+    seen = {r.variant for r in results}
+    left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
+    return _Interrupt(signum, results + [r for r in left if r.variant not in seen])
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT blocked in this thread for the block (main thread only): a worker
+    spawned meanwhile starts with it blocked, which ``exec`` keeps, so a Ctrl-C
+    while it imports cannot kill it half-started (``Fatal Python error:
+    init_import_site``); a Ctrl-C meanwhile stays pending here and is delivered
+    when the block ends, and the warmup process stops its workers itself."""
+    if not _main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM every worker of this process (their check processes follow them:
+    :func:`warmup.build.loadcheck.die_with_parent`) and cancel what is queued."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in multiprocessing.active_children():
+        p.terminate()
+    for p in multiprocessing.active_children():
+        p.join(timeout=10)

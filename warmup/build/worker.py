@@ -1,0 +1,316 @@
+"""One variant's build, in a worker process (:func:`build_variant`), as typed steps:
+
+1. **claim**: take the key's lock (:class:`kernel_cache.store.locks.KeyLock`). The
+   first pass does not wait: a key another process holds comes back ``busy``
+   and is queued again, waiting, behind the free ones, so N processes spread
+   over the plan instead of queueing on its first key.
+2. **check**: a verified cached entry (checksum, trust, AOTInductor's loader
+   accepts it) ends the work as ``cached``; a bad one is moved to
+   ``quarantine/``. With Redis, a verified Redis hit is copied in (``fetched``),
+   else the key's Redis build lock is taken as well.
+3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.build.compiler`) in
+   the worker, whose environment the recipe pinned
+   (:func:`kernel_cache.config.recipe.compile_environment`).
+4. **load check**: the new artifact is loaded once in a check process that has
+   only what an engine has (:class:`warmup.build.loadcheck.LoadChecker`); one that
+   kills that process or is rejected is reported and never published.
+5. **publish**: to the local cache, then to Redis.
+6. **release** the locks.
+
+The key stays claimed from "missing" until it is published, so a waiter finds
+the entry and reports ``cached``: one compile per key, whatever the number of
+processes, machines (with Redis) or workers. A result row says ``compiled`` if
+and only if this process ran the compiler for it and published the artifact;
+``compiler_ran`` says whether the compiler ran at all (a compile whose artifact
+failed its load check is ``failed`` with ``compiler_ran`` true).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import time
+
+from kernel_cache.config.engine import EngineConfig
+from kernel_cache.errors import (
+    CacheWriteError,
+    CompileError,
+    CorruptEntryError,
+    KernelCacheError,
+    LockTimeoutError,
+    UntrustedCacheError,
+)
+from kernel_cache.plan.buckets import KernelVariant
+from kernel_cache.plan.keys import key_from_components
+from kernel_cache.store.locks import KeyLock, LockBusy
+from kernel_cache.store.lookup import Current, Lookup, current_entry
+from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
+from kernel_cache.store.remote import settings_from_json
+from kernel_cache.store.tier import DiskTier, Tier, make_meta, verify_entry
+from kernel_cache.trust.signing import load_signer, may_publish, sign_meta
+from warmup.build.loadcheck import LoadChecker, die_with_parent
+from warmup.build.report import Status, VariantResult
+
+
+def check_cached(
+    tier: DiskTier, key: str, device: str, cpu_features: list[str] | None = None
+) -> str | None:
+    """Why the cached entry of ``key`` cannot be used, or None if it can.
+
+    Returns ``"missing"`` for no entry, a corruption or trust reason for a bad
+    one (checksum, truncation, metadata that does not parse, a file others can
+    write, a package AOTInductor's loader rejects, or, given ``cpu_features``
+    (what this key's CPU target records), other recorded CPU features: an entry
+    that says it needs instructions its key does not). Never modifies the cache.
+    """
+    from kernel_cache.runtime.load import load_package
+
+    try:
+        entry = tier.get(key)
+        if entry is None:
+            return "missing"
+        verify_entry(entry)
+        if cpu_features is not None and entry.meta.get("cpu_features") != cpu_features:
+            return (
+                f"its recorded cpu_features {entry.meta.get('cpu_features')!r} are not its "
+                f"key's CPU target's {cpu_features!r}"
+            )
+        runner = load_package(entry.data, device, entry.where, key)
+        del runner
+    except CorruptEntryError as e:
+        return e.reason
+    except UntrustedCacheError as e:
+        return f"untrusted: {e}"
+    return None
+
+
+def locate(tier, key) -> Current:
+    """The artifact of plan key ``key`` (a :class:`CacheKey`) for the files here
+    in ``tier``, or where to store it (:func:`kernel_cache.store.lookup.current_entry`,
+    engine start's function). An entry that cannot be read ends the search at
+    its key: :func:`check_cached` then says why and warmup replaces it there."""
+    return current_entry(tier.get, key.hexdigest, stop_on=(CorruptEntryError, UntrustedCacheError))
+
+
+def _cpu_features(config: EngineConfig) -> list[str] | None:
+    """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
+    from warmup.build.compiler import required_cpu_features
+
+    return required_cpu_features(config)
+
+
+class _Rejected(Exception):
+    """The load check refused a new artifact."""
+
+
+_REMOTE_TIERS: dict[str, Tier] = {}
+_CHECKER: LoadChecker | None = None
+
+
+def _remote_tier(remote_json: str) -> Tier:
+    """One quiet remote tier (Redis or S3) per worker process (its failures go
+    back in the result; the parent warns once)."""
+    tier = _REMOTE_TIERS.get(remote_json)
+    if tier is None:
+        tier = _REMOTE_TIERS[remote_json] = settings_from_json(remote_json).tier(warn=False)
+    return tier
+
+
+def _checker(device: str) -> LoadChecker:
+    """This worker's load-check process (started on first use, closed at exit)."""
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = LoadChecker(device)
+        atexit.register(_CHECKER.close)
+    return _CHECKER
+
+
+def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
+    """Compile worker initializer: die with the warmup process, leave Ctrl-C to
+    it, and pin the compile environment before torch's compile stack is imported."""
+    from warmup.build.compiler import pin_environment
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+    pin_environment(device, cpu_target, scratch)
+
+
+def _claim(lock: KeyLock, blocking: bool, timeout: float, res: VariantResult) -> bool:
+    """Step 1: take the key's lock; on failure set ``res`` (busy or failed)."""
+    try:
+        lock.acquire(timeout if blocking else 0)
+    except LockBusy:
+        if blocking:  # --lock-timeout 0
+            res.status, res.error = Status.FAILED, lock.timeout_message(0)
+        else:
+            res.status = Status.BUSY
+        return False
+    except LockTimeoutError as e:
+        res.status, res.error = Status.FAILED, str(e)
+        return False
+    res.lock_wait_s = round(lock.waited_s, 3)
+    return True
+
+
+def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantResult) -> bool:
+    """Step 2: True if a verified entry is cached; a bad one is quarantined."""
+    why = check_cached(tier, key, config.device, _cpu_features(config))
+    if why is None:
+        res.status = Status.CACHED
+        return True
+    if why != "missing":
+        where = tier.quarantine(key, why, res.variant)
+        res.quarantined = {"reason": why, "path": where}
+    return False
+
+
+def _claim_remote(
+    remote: Tier, tier: DiskTier, key, target: str, blocking: bool, res: VariantResult
+):
+    """Step 2 with Redis: copy a verified Redis hit of plan key ``key`` in
+    (``fetched``, returns None), or take the Redis build lock of ``target``
+    (the key the artifact is stored under: :func:`locate`; returns it; None with
+    ``res.status`` set when another builder holds it on the first pass, or
+    when Redis is down or slow: then this process compiles without it)."""
+    lookup = Lookup([remote], exact=True, promote_into=tier)
+    for _ in range(2):  # a second round only if a published entry was rejected
+        if lookup.find(key) is not None:
+            res.status = Status.FETCHED
+            return None
+        build_lock = remote.build_lock(target)
+        outcome = build_lock.acquire(wait=blocking)
+        if outcome == BUSY:
+            res.status = Status.BUSY
+            return None
+        if outcome == ACQUIRED:  # check again: it may have landed before we locked
+            if lookup.find(key) is not None:
+                build_lock.release()
+                res.status = Status.FETCHED
+                return None
+            return build_lock
+        if outcome != PUBLISHED:
+            return None  # TIMEOUT or UNAVAILABLE: compile without the lock
+    return None
+
+
+def _target(cache_dir, key, allow_shared) -> Current:
+    """Where the artifact of plan key ``key`` is, or is to be stored, in the
+    local cache (:func:`locate`)."""
+    tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
+    try:
+        return locate(tier, key)
+    finally:
+        tier.close()
+
+
+def _compile(config, variant, key, derived, launch, res: VariantResult) -> tuple[bytes, dict]:
+    """Step 3: run the compiler; returns the package bytes and its metadata,
+    keyed by ``key`` followed through ``derived`` (:attr:`Current.derived`)."""
+    from warmup.build.compiler import compile_variant, required_cpu_features
+
+    res.compiler_ran = True
+    data, timings, traced = compile_variant(config, variant, launch=launch)
+    res.timings = timings
+    extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
+    extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
+    extra["cpu_features"] = required_cpu_features(config)
+    meta = make_meta(
+        key, str(variant), data, timings["total_s"], traced=traced, derived=derived, **extra
+    )
+    return data, sign_meta(meta, data, load_signer())
+
+
+def _load_check(device: str, res: VariantResult, data: bytes) -> None:
+    """Step 4: load the artifact once in this worker's check process.
+
+    Raises:
+        _Rejected: it killed that process or the loader refused it.
+    """
+    checker = _checker(device)
+    before, t0 = checker.started, time.perf_counter()
+    verdict = checker.check(res.variant, data)
+    res.check_s = round(time.perf_counter() - t0, 3)
+    res.check_processes = checker.started - before
+    res.libstdcxx = checker.libstdcxx
+    if not verdict["ok"]:
+        raise _Rejected(verdict["error"])
+
+
+def _publish(tier: DiskTier, remote: Tier | None, key: str, data: bytes, meta: dict) -> None:
+    """Step 5: local cache first (atomic), then the remote tier (a failure there is
+    noted), unless the trusted keys would refuse the entry there (no private key
+    here to sign it: it stays local, see :func:`warmup`)."""
+    stored = tier.put(key, data, meta)
+    if not stored.ok:  # the writable handle of a warmup never refuses; say so if it does
+        raise CacheWriteError(f"cannot publish {key[:16]} to {stored.where}: {stored.reason}")
+    if remote is not None and may_publish(meta, data):
+        remote.put(key, data, meta)  # a failure is kept in remote.error
+
+
+def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
+    """Worker body: claim, check, compile, load check, publish, release.
+
+    ``options``: ``key`` (the variant's key components, computed once per
+    plan by the parent), ``blocking`` (wait for the locks, else return
+    ``busy`` at once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch``
+    (the variant's launch config, resolved once per plan by the parent), ``check``
+    (load-check new artifacts before publishing; default True), ``remote``
+    (optional: the Redis tier's :class:`RedisSettings` as JSON).
+
+    Returns:
+        a :class:`VariantResult`. Never raises for one variant's failure.
+    """
+    config = EngineConfig.model_validate_json(config_json)
+    variant = KernelVariant.model_validate_json(variant_json)
+    allow_shared = options["allow_shared"]
+    # The parent computed the key once for the plan: a worker never re-probes
+    # the toolchain, so every process of a warmup agrees on every key.
+    key = key_from_components(options["key"])
+    res = VariantResult(str(variant), Status.FAILED, key=key.hexdigest, pid=os.getpid())
+    t0 = time.perf_counter()
+    remote = _remote_tier(options["remote"]) if options.get("remote") else None
+    try:
+        target = _target(cache_dir, key, allow_shared)
+        res.key = target.key
+        lock = KeyLock(cache_dir, target.key, variant=str(variant), shared=allow_shared)
+        claimed = _claim(lock, options["blocking"], options["lock_timeout"], res)
+    except KernelCacheError as e:  # e.g. locks/ became a link: refused, never followed
+        res.status, res.error = Status.FAILED, str(e)
+        claimed = False
+    if not claimed:
+        res.seconds = time.perf_counter() - t0
+        return res
+    tier = DiskTier(cache_dir, allow_shared=allow_shared)
+    build_lock = None
+    try:
+        if _check_local(tier, target.key, config, res):
+            return res
+        if remote is not None:
+            build_lock = _claim_remote(remote, tier, key, target.key, options["blocking"], res)
+            if res.status in (Status.FETCHED, Status.BUSY):
+                return res
+        data, meta = _compile(config, variant, key, target.derived, options.get("launch"), res)
+        if options.get("check", True):
+            _load_check(config.device, res, data)
+        _publish(tier, remote, target.key, data, meta)
+        res.status = Status.COMPILED
+    except _Rejected as e:
+        res.status, res.error = Status.FAILED, f"not published: {e}"
+    except CompileError as e:
+        res.status, res.error = Status.FAILED, str(e)
+    except CacheWriteError as e:
+        res.status, res.error, res.fatal = Status.FAILED, str(e), True
+    except Exception as e:  # report it with the variant; the other variants go on
+        res.status, res.error = Status.FAILED, f"{type(e).__name__}: {e}"
+    finally:
+        try:
+            if build_lock is not None:
+                build_lock.release()
+            tier.close()
+        finally:
+            lock.release()
+        res.seconds = time.perf_counter() - t0
+        if remote is not None and remote.error:
+            res.remote_error = str(remote.error)
+    return res
