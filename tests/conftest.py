@@ -1,9 +1,13 @@
-"""Shared fixtures: a tiny geometry and one warmed cache per test session.
+"""Shared fixtures: a tiny geometry and one warmed cache per test run.
 
 Compiling is the slow part (10-20 s a variant on a 2-core CPU), so the tiny
 plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a decode
-batch of 4) is warmed once per session, and tests that change a cache work on a
-copy of it.
+batch of 4) is warmed once per run, and tests that change a cache work on a
+copy of it. The warmup starts in the background as soon as a collected test
+needs it, and those tests run last, so the compile overlaps the other tests.
+One warm cache serves every pytest-xdist worker of the run: the main process
+makes its folder (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers)
+and removes it at the end; the first worker to need it starts the build.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from kernel_cache.config.engine import make_config
 
@@ -53,11 +61,87 @@ def tiny_args(model_path) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("model") / "config.json"
-    p.write_text(json.dumps(TINY_GEOMETRY))
+#: The run's shared folder: the tiny model's config.json and the warm cache.
+ENV_WARM_DIR = "KERNEL_CACHE_TEST_WARM_DIR"
+#: Seconds a test waits for the background warmup of the tiny plan.
+WARM_TIMEOUT_S = 1200
+
+
+def _shared_dir() -> Path:
+    return Path(os.environ[ENV_WARM_DIR])
+
+
+def _shared_model() -> Path:
+    """The tiny model's ``config.json``, written once per run."""
+    p = _shared_dir() / "model" / "config.json"
+    with FileLock(_shared_dir() / "model.lock"):
+        if not p.exists():
+            p.parent.mkdir(exist_ok=True)
+            p.write_text(json.dumps(TINY_GEOMETRY))
     return p
+
+
+def _start_warm_build() -> None:
+    """Start ``kernel-cache warmup`` of the tiny plan in the background, once per
+    run (whichever process asks first); it writes ``report.json``, ``stderr``
+    and, when it exits, ``rc``."""
+    d = _shared_dir()
+    with FileLock(d / "build.lock"):
+        if (d / "pid").exists():
+            return
+        cmd = [
+            sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(_shared_model()),
+            "--cache-dir", str(d / "cache"), "--jobs", "2", "--json",
+        ]  # fmt: skip
+        script = (
+            '"$@" >"$D/report.json" 2>"$D/stderr"; echo $? >"$D/rc.tmp"; mv "$D/rc.tmp" "$D/rc"'
+        )
+        proc = subprocess.Popen(
+            ["sh", "-c", script, "sh", *cmd],
+            env={**os.environ, "D": str(d)},
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # stopped as a group at the end of the run
+        )
+        (d / "pid").write_text(str(proc.pid))
+
+
+_OWN_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the run's main process
+        d = tempfile.mkdtemp(prefix="kernel_cache-tests-")
+        os.environ[ENV_WARM_DIR] = d
+        config.stash[_OWN_DIR] = d
+
+
+def pytest_unconfigure(config):
+    d = config.stash.get(_OWN_DIR, None)
+    if d is None:
+        return
+    pid = Path(d, "pid")
+    if pid.exists():
+        try:
+            os.killpg(int(pid.read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(d, ignore_errors=True)
+    os.environ.pop(ENV_WARM_DIR, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the warm cache run last; its build starts now."""
+    warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
+    if warm:
+        _start_warm_build()
+        ids = {id(i) for i in warm}
+        items[:] = [i for i in items if id(i) not in ids] + warm
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return _shared_model()
 
 
 @pytest.fixture(scope="session")
@@ -84,13 +168,20 @@ def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedPr
 
 
 @pytest.fixture(scope="session")
-def warm_cache(tmp_path_factory, tiny_model) -> tuple[Path, dict]:
+def warm_cache() -> tuple[Path, dict]:
     """A cache with the tiny plan compiled, and warmup's JSON report. Read-only use."""
-    cache = tmp_path_factory.mktemp("warm") / "cache"
-    proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2", "--json", check=True
-    )
-    return cache, json.loads(proc.stdout)
+    _start_warm_build()
+    d = _shared_dir()
+    deadline = time.monotonic() + WARM_TIMEOUT_S
+    while not (d / "rc").exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the tiny plan's warmup did not finish in {WARM_TIMEOUT_S} s")
+        time.sleep(0.2)
+    rc = int((d / "rc").read_text())
+    if rc != 0:
+        err = (d / "stderr").read_text()
+        raise AssertionError(f"the tiny plan's warmup exited {rc}:\n{err}")
+    return d / "cache", json.loads((d / "report.json").read_text())
 
 
 @pytest.fixture

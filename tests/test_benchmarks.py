@@ -283,6 +283,7 @@ def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
     assert set(doc["results"]["ratio_largest_to_smallest"]) == set(sources)
 
 
+@pytest.mark.slow
 def test_import_cost_smoke(tmp_path):
     doc = run_bench("import_cost", "--rounds", "1", "--out", tmp_path / "import_cost.json")
     by_case = {r["case"]: r for r in doc["results"]}

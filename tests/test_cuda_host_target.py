@@ -89,6 +89,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.compile
 @x86_only
 def test_inductor_builds_the_cuda_wrapper_with_the_recipes_march(tmp_path):
     """The command line Inductor would compile a CUDA package's C++ wrapper with

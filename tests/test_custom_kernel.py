@@ -289,6 +289,7 @@ def test_a_kernel_that_does_not_export_gets_the_exporters_first_lines(bad_kernel
     assert "data" in msg.lower() and len(msg.splitlines()) <= EXPORT_LINES + 1
 
 
+@pytest.mark.compile
 def test_warmup_reports_a_bad_kernel_as_failed_variants_not_a_crash(
     bad_kernels, tiny_model, tmp_path
 ):

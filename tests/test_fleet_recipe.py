@@ -30,6 +30,10 @@ from .conftest import ROOT, run_cli, tiny_args
 from .signing_keys import make_keypair
 from .test_s3_tier import s3, s3_server  # noqa: F401 - fixtures: the shared SeaweedFS server
 
+#: One pytest-xdist worker runs every test that uses the shared Redis and S3 servers
+#: (they empty the Redis database and count the server's requests).
+pytestmark = pytest.mark.xdist_group("servers")
+
 FLEET = ROOT / "examples" / "fleet"
 JOB = FLEET / "warmup-job.yaml"
 DOCKERFILE = FLEET / "Dockerfile"

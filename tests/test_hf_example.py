@@ -72,13 +72,23 @@ def load_example():
         (["--start", "-5"], "--start: -5: must be at least 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk: 0: must be at least 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens: 0: must be at least 1"),
-        (["--start", "5"], "no rows from --start 5 (nothing to serve)"),
     ],
 )
-def test_counts_that_would_serve_nothing_are_refused(trace, tmp_path, args, says):
-    """Before any plan is loaded: no compile, no vacuous 'identical' with exit 0."""
-    proc = run_example("--trace", trace, "--cache-dir", tmp_path / "cache", *args)
+def test_counts_that_would_serve_nothing_are_refused(trace, tmp_path, capsys, args, says):
+    """The argument parser refuses them (exit 2, before any plan is loaded)."""
+    with pytest.raises(SystemExit) as e:
+        load_example().main(["--trace", str(trace), "--cache-dir", str(tmp_path / "c"), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert says in err and "Traceback" not in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_start_past_the_trace_is_refused_before_any_plan_is_loaded(trace, tmp_path):
+    """No compile, no vacuous 'identical' with exit 0, in a process of its own."""
+    proc = run_example("--trace", trace, "--cache-dir", tmp_path / "cache", "--start", "5")
     assert proc.returncode == 2, proc.stderr
+    says = "no rows from --start 5 (nothing to serve)"
     assert says in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -47,6 +47,10 @@ _CLEAN = (
     "KERNEL_CACHE_SIGNING_KEY_FILE",
 )
 
+#: One pytest-xdist worker runs every test that uses the shared Redis and S3 servers
+#: (they empty the Redis database and count the server's requests).
+pytestmark = pytest.mark.xdist_group("servers")
+
 
 def _needs_weed():
     if weed_binary() is None:
