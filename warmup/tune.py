@@ -40,7 +40,7 @@ artifact's key (kernel source, variant, geometry, dtype, device, versions), the
 candidate list and the timing settings; an interrupted tune run again with the
 same arguments reuses every finished variant and compiles nothing it has.
 
-The output is a table in the bundled format (:mod:`kernel_cache.plan.launch`), one
+The output is a table in the bundled format (:mod:`kernel_cache.plan.tables`), one
 entry per tuned variant (the defaults written out where they won; a prefill
 entry names its ``query_len``), with the measurements under ``measured``.
 """
@@ -64,21 +64,17 @@ from pydantic import BaseModel, ConfigDict
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.config.recipe import device_arch
 from kernel_cache.errors import CompileError, ConfigError
-from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
-from kernel_cache.plan.keys import CacheKey
-from kernel_cache.plan.launch import (
+from kernel_cache.kernels.tiles import (
     PREFILL_SMEM_BYTES,
-    TABLE_FORMAT,
-    arch_family,
-    check_launch,
-    dtype_bytes,
-    parse_table,
     prefill_max_block_m,
     prefill_min_block_m,
     prefill_smem_bytes,
-    variant_defaults,
 )
+from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
+from kernel_cache.plan.keys import CacheKey
+from kernel_cache.plan.launch import dtype_bytes, variant_defaults
 from kernel_cache.plan.plan import Plan, PlanItem
+from kernel_cache.plan.tables import TABLE_FORMAT, arch_family, check_launch, parse_table
 from kernel_cache.store.tier import DiskTier, Tier, verify_entry
 
 TUNE_FORMAT = "kc-tune1"
@@ -97,7 +93,7 @@ class TuneSettings(BaseModel):
     ``target_ms``: milliseconds a timing sample of the defaults should last;
     ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %);
     ``block_m`` ... ``num_stages``: the prefill tiles tried on CUDA (the
-    defaults of :func:`~kernel_cache.plan.launch.cuda_prefill_defaults` are
+    defaults of :func:`~kernel_cache.kernels.tiles.cuda_prefill_defaults` are
     always tried too).
     """
 
@@ -173,9 +169,9 @@ def prefill_candidates(
     combination of the settings' ``block_m``, ``block_n``, ``num_warps`` and
     ``num_stages`` with ``block_m`` at least the GQA group (padded to a power of
     two) and at most the rows the query bucket fills
-    (:func:`~kernel_cache.plan.launch.prefill_max_block_m`), and an estimated
-    shared memory (:func:`~kernel_cache.plan.launch.prefill_smem_bytes`) within
-    :data:`~kernel_cache.plan.launch.PREFILL_SMEM_BYTES`."""
+    (:func:`~kernel_cache.kernels.tiles.prefill_max_block_m`), and an estimated
+    shared memory (:func:`~kernel_cache.kernels.tiles.prefill_smem_bytes`) within
+    :data:`~kernel_cache.kernels.tiles.PREFILL_SMEM_BYTES`."""
     out = [variant_defaults(config, variant)]
     low = prefill_min_block_m(config.num_queries_per_kv)
     top = prefill_max_block_m(variant.query_len, config.num_queries_per_kv)
@@ -622,7 +618,7 @@ def write_table(doc: dict, out: str | Path) -> Path:
 
     Raises:
         ConfigError: ``out`` cannot be written (the temporary file is removed),
-            or ``doc`` is not a valid table (:class:`~kernel_cache.plan.launch.LaunchTableDoc`).
+            or ``doc`` is not a valid table (:class:`~kernel_cache.plan.tables.LaunchTableDoc`).
     """
     parse_table(doc, f"--out {str(out)!r} (the tuned table)")
     out = check_out(out)
