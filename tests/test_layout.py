@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernel_cache.plan.keys import _imports
+from kernel_cache.plan.sources import _imports
 
 from .conftest import ROOT
 
