@@ -31,7 +31,7 @@ from kernel_cache import AttentionRuntime, make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
 
 try:  # absent before the kernels read pinned lengths in place (a baseline run)
-    from kernel_cache.runtime.dispatch import mapped_pinned_reads
+    from kernel_cache.runtime.buffers import mapped_pinned_reads
 except ImportError:
 
     def mapped_pinned_reads(device) -> bool:

@@ -62,8 +62,8 @@ from gpu_common import (
 )
 
 from kernel_cache.kernels.reference import reference_attention
+from kernel_cache.kernels.tiles import cuda_prefill_defaults
 from kernel_cache.kernels.triton_prefill import launch_prefill
-from kernel_cache.plan.launch import cuda_prefill_defaults
 
 H, KVH, D = GRANITE["num_heads"], GRANITE["num_kv_heads"], GRANITE["head_dim"]
 BS = 16

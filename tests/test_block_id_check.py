@@ -5,7 +5,8 @@ import torch
 
 from kernel_cache import ShapeError, make_config
 from kernel_cache.plan.buckets import KernelVariant
-from kernel_cache.runtime.dispatch import SMALL_TABLE, AttentionRuntime, _Slot
+from kernel_cache.runtime.buffers import SMALL_TABLE, VariantSlot
+from kernel_cache.runtime.dispatch import AttentionRuntime
 
 
 @pytest.mark.parametrize("num_seqs,num_blocks", [(4, 2), (8, 64)])
@@ -14,7 +15,7 @@ def test_block_ids_outside_the_pool_are_found_in_small_and_large_tables(num_seqs
     v = KernelVariant(
         kernel="batched_decode", query_len=1, num_blocks=num_blocks, num_seqs=num_seqs
     )
-    slot = _Slot(v, None, cfg, torch.float32, torch.device("cpu"))
+    slot = VariantSlot(v, None, cfg, torch.float32, torch.device("cpu"))
     small = num_seqs * num_blocks <= SMALL_TABLE
     assert small == ((num_seqs, num_blocks) == (4, 2))  # both paths are covered
     pool = torch.empty(10, 1)

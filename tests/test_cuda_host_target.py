@@ -20,7 +20,7 @@ from kernel_cache.config.recipe import CPU_TARGETS, ISA_FLAGS, compile_environme
 from kernel_cache.errors import CorruptEntryError, CpuTargetError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, diff_components
-from kernel_cache.plan.launch import arch_family, table_filename
+from kernel_cache.plan.tables import arch_family, table_filename
 from kernel_cache.runtime.load import check_cpu_features, load_plan
 from kernel_cache.store.tier import DiskTier, Entry, make_meta
 

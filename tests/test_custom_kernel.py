@@ -17,7 +17,8 @@ from kernel_cache.config.engine import config_to_cli, make_config
 from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.kernels.slots import SLOTS, kernel_path
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer
-from kernel_cache.plan.keys import build_key, source_files
+from kernel_cache.plan.keys import build_key
+from kernel_cache.plan.sources import source_files
 
 from .conftest import N_TINY, ROOT, TINY_LIMITS, run_cli, tiny_args
 

@@ -112,8 +112,8 @@ def _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed):
 def test_triton_prefill_matches_reference(h, kvh, d, bs, nb, qb, cases, dtype):
     """The Triton prefill kernel against the float32 SDPA reference, with the
     default tiles and others; bucket-padding rows are zeros."""
+    from kernel_cache.kernels.tiles import cuda_prefill_defaults
     from kernel_cache.kernels.triton_prefill import TritonPagedAttention
-    from kernel_cache.plan.launch import cuda_prefill_defaults
 
     q, kc, vc, bt = _prefill_inputs(h, kvh, d, bs, nb, qb, dtype, seed=h + nb)
     g = h // kvh

@@ -31,7 +31,8 @@ from kernel_cache.config.recipe import (
 )
 from kernel_cache.errors import CpuTargetError
 from kernel_cache.plan.buckets import Bucketer
-from kernel_cache.plan.keys import build_key, source_files
+from kernel_cache.plan.keys import build_key
+from kernel_cache.plan.sources import source_files
 from kernel_cache.runtime.load import load_plan
 from kernel_cache.store.tier import DiskTier
 from warmup.check.verify import verify_plan

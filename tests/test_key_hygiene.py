@@ -178,7 +178,7 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
 def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
     """The closure is read from the code: explain.py is not imported by the
     compile path, so editing it keeps every key (and kernels.py is in it)."""
-    from kernel_cache.plan.keys import source_files
+    from kernel_cache.plan.sources import source_files
 
     files = source_files()
     assert "kernel_cache/kernels/builtin.py" in files and "warmup/build/compiler.py" in files

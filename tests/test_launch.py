@@ -9,17 +9,8 @@ import pytest
 from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import Bucketer, KernelVariant
 from kernel_cache.plan.keys import build_key, environment
-from kernel_cache.plan.launch import (
-    BUNDLED_DIR,
-    ENV_TUNING,
-    Resolver,
-    arch_family,
-    default_launch,
-    load_table,
-    parse_table,
-    resolve_plan,
-    table_filename,
-)
+from kernel_cache.plan.launch import BUNDLED_DIR, ENV_TUNING, Resolver, default_launch, resolve_plan
+from kernel_cache.plan.tables import arch_family, load_table, parse_table, table_filename
 
 from .conftest import run_cli, tiny_args
 
@@ -140,7 +131,7 @@ def _cuda_cfg():
 def test_cuda_default_splits_whole_blocks_of_at_least_256_tokens(
     num_seqs, num_kv_heads, num_blocks, block_size, splits
 ):
-    from kernel_cache.plan.launch import MIN_SPLIT_TOKENS, cuda_default_splits
+    from kernel_cache.kernels.tiles import MIN_SPLIT_TOKENS, cuda_default_splits
 
     got = cuda_default_splits(num_seqs, num_kv_heads, num_blocks, block_size)
     assert got == splits
@@ -173,7 +164,7 @@ def test_cuda_prefill_tiles_default_per_query_bucket_and_merge_table_entries():
     """On CUDA paged_attention is the Triton prefill kernel: its tiles default per
     query bucket, a table entry may set some of them (the rest take defaults); on
     the CPU the plain kernel takes none, and an entry setting one is refused."""
-    from kernel_cache.plan.launch import cuda_prefill_defaults
+    from kernel_cache.kernels.tiles import cuda_prefill_defaults
 
     p1 = KernelVariant(kernel="paged_attention", query_len=1, num_blocks=2, num_seqs=1)
     p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
@@ -420,7 +411,7 @@ def test_prefill_entry_for_a_query_bucket_wins_over_one_for_every_bucket():
     """On CUDA a paged_attention entry may name its query bucket: it wins for that
     bucket; an entry without one still sets every other bucket of its KV bucket;
     an arch-less entry for the bucket wins over an arch entry for every bucket."""
-    from kernel_cache.plan.launch import cuda_prefill_defaults
+    from kernel_cache.kernels.tiles import cuda_prefill_defaults
 
     p32 = KernelVariant(kernel="paged_attention", query_len=32, num_blocks=2, num_seqs=1)
     p16 = KernelVariant(kernel="paged_attention", query_len=16, num_blocks=2, num_seqs=1)
@@ -468,7 +459,7 @@ def test_tune_prefill_candidates_fit_the_kernel_and_the_query_bucket():
     """CUDA prefill candidates: the defaults first, no duplicates, block_m from
     the GQA group to the rows the query bucket fills, shared memory within the
     limit; the tile lists are checked like table entries."""
-    from kernel_cache.plan.launch import (
+    from kernel_cache.kernels.tiles import (
         PREFILL_SMEM_BYTES,
         cuda_prefill_defaults,
         prefill_smem_bytes,

@@ -7,7 +7,7 @@ import torch
 
 from kernel_cache import load_plan
 from kernel_cache.kernels.reference import reference_decode
-from kernel_cache.plan.launch import ENV_TUNING, load_table
+from kernel_cache.plan.tables import ENV_TUNING, load_table
 
 from .conftest import N_TINY, TINY_VARIANTS, run_cli, tiny_args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernel_cache.plan.keys import _imports
+from kernel_cache.plan.sources import _imports
 
 from .conftest import ROOT
 
@@ -78,3 +78,56 @@ def test_the_runtime_never_imports_the_compiler_side():
     graph = import_graph()
     leaks = {m: sorted(d for d in deps if d.startswith("warmup")) for m, deps in graph.items()}
     assert {m: d for m, d in leaks.items() if m.startswith("kernel_cache") and d} == {}
+
+
+#: The layers inside kernel_cache, lowest first: a module may import its own
+#: layer and the ones below, never one above (function-level imports included).
+#: Config knows no kernel (a slot's name and import path are strings there),
+#: kernels own their launch space (kernels/tiles.py), plan reads both.
+LAYERS = ("kernel_cache.config", "kernel_cache.kernels", "kernel_cache.plan")
+
+
+def layer(module: str) -> int | None:
+    for i, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return None
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` pairs where a layer imports one above it."""
+    out = []
+    for m, deps in graph.items():
+        lm = layer(m)
+        if lm is None:
+            continue
+        out += [(m, d) for d in sorted(deps) if (ld := layer(d)) is not None and ld > lm]
+    return sorted(out)
+
+
+def test_config_kernels_and_plan_import_only_downward():
+    graph = import_graph()
+    assert "kernel_cache.kernels.tiles" in graph and "kernel_cache.config.kernel_paths" in graph
+    assert upward_edges(graph) == []
+    # the edges the layering rests on are there, so the check above checks something
+    assert "kernel_cache.kernels.tiles" in graph["kernel_cache.kernels.slots"]
+    assert "kernel_cache.config.kernel_paths" in graph["kernel_cache.kernels.slots"]
+    assert "kernel_cache.kernels.slots" in graph["kernel_cache.plan.launch"]
+    assert "kernel_cache.kernels.tiles" in graph["kernel_cache.kernels.triton_decode"]
+
+
+def test_the_layer_check_finds_an_upward_import_inside_a_function(tmp_path):
+    src = tmp_path / "engine.py"
+    src.write_text("def validator():\n    from kernel_cache.kernels.slots import SLOTS\n")
+    found = _imports(src, "kernel_cache.config.engine")
+    assert "kernel_cache.kernels.slots" in found  # a function-level import is an edge
+    graph = {
+        "kernel_cache.config.engine": {"kernel_cache.kernels.slots"},  # as a validator once did
+        "kernel_cache.kernels.slots": {"kernel_cache.config.engine"},
+        "kernel_cache.plan.launch": {"kernel_cache.kernels.slots", "kernel_cache.config.engine"},
+        "kernel_cache.kernels.triton_decode": {"kernel_cache.plan.launch"},
+    }
+    assert upward_edges(graph) == [
+        ("kernel_cache.config.engine", "kernel_cache.kernels.slots"),
+        ("kernel_cache.kernels.triton_decode", "kernel_cache.plan.launch"),
+    ]

@@ -76,7 +76,7 @@ def test_a_bad_file_names_the_file_field_and_problem(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"entries": [{"kernel": "batched_decode", "head_dim": "8"}]}))
     with pytest.raises(ConfigError) as e:
-        schemas.validate_file("kernel_cache.plan.launch:LaunchTableDoc", path)
+        schemas.validate_file("kernel_cache.plan.tables:LaunchTableDoc", path)
     msg = str(e.value)
     assert f"{path}: entries[0].head_dim='8': Input should be a valid integer" in msg
     assert f"{path}: entries[0].num_blocks: required field missing" in msg
@@ -92,7 +92,7 @@ def test_bundled_launch_tables_validate():
     files = sorted(BUNDLED_DIR.glob("*.json"))
     assert files
     for f in files:
-        table = schemas.validate_file("kernel_cache.plan.launch:LaunchTableDoc", f)
+        table = schemas.validate_file("kernel_cache.plan.tables:LaunchTableDoc", f)
         assert table.entries and table.device_arch
         with pytest.raises(ValidationError):
             table.entries[0].num_blocks = 1  # frozen

@@ -21,7 +21,8 @@ import pytest
 
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
-from kernel_cache.plan.keys import build_key, source_files
+from kernel_cache.plan.keys import build_key
+from kernel_cache.plan.sources import source_files
 from kernel_cache.plan.traced import MISSING, Manifest, changes, current, find_file, manifest_of
 from kernel_cache.store.lookup import Lookup, consistent, current_entry
 from kernel_cache.store.tier import DiskTier, make_meta

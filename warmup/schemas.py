@@ -25,7 +25,7 @@ SCHEMA_DIR = ROOT / "docs" / "schemas"
 #: The JSON formats of this branch: launch tables, the warmup report (and its
 #: rows), the verify report.
 MODELS: tuple[str, ...] = (
-    "kernel_cache.plan.launch:LaunchTableDoc",
+    "kernel_cache.plan.tables:LaunchTableDoc",
     "warmup.build.report:WarmupReport",
     "warmup.check.verify:VerifyReport",
     "warmup.check.rebuild:RebuildReport",

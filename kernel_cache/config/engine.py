@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from kernel_cache.config import settings
+from kernel_cache.config.kernel_paths import builtin_path, normalize
 from kernel_cache.config.recipe import DEFAULT_CPU_TARGET
 from kernel_cache.errors import ConfigError
 
@@ -199,14 +200,12 @@ class EngineConfig(BaseModel):
         """Sorted ``(slot, path)`` pairs; a pair naming the slot's built-in
         factory on this device is dropped, so naming it is the same config (the
         same keys, fingerprint and command line) as leaving it out."""
-        from kernel_cache.kernels.slots import SLOTS, normalize
-
         try:
             pairs = normalize(v)
         except ConfigError as e:  # pydantic reports a ValueError with the field name
             raise ValueError(str(e).removeprefix("kernels: ")) from None
         device = info.data.get("device", "cpu")
-        return tuple((s, p) for s, p in pairs if p != SLOTS[s].default_for(device))
+        return tuple((s, p) for s, p in pairs if p != builtin_path(s, device))
 
     @field_validator("kv_dense_cap")
     @classmethod

@@ -30,7 +30,7 @@ NaN. Every decode kernel (plain, flex, and the CUDA one in ``triton_decode.py``)
 returns zeros for a padded row (``seq_len == 0``).
 
 The bytes of this file are hashed into every cache key
-(:func:`kernel_cache.plan.keys.source_files`): any edit here misses the cache.
+(:func:`kernel_cache.plan.sources.source_files`): any edit here misses the cache.
 """
 
 from __future__ import annotations

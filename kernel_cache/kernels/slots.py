@@ -34,7 +34,7 @@ decode-batch bucket in sequences. Lengths are in tokens.
 Identity: the key of a variant names its slot's import path (the ``kernel``
 component) and hashes the source files of the implementation's module and
 every module of its top-level package it imports, found by reading the code,
-without importing it (:func:`kernel_cache.plan.keys.kernel_source_files`).
+without importing it (:func:`kernel_cache.plan.sources.kernel_source_files`).
 
 Resolving a path imports the engine's code: only warmup (compile, verify)
 does it. Engine start needs only the key.
@@ -42,17 +42,22 @@ does it. Engine start needs only the key.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
+from kernel_cache.config.kernel_paths import (  # noqa: F401 - re-exported: the slots' names and parsing
+    BATCHED_DECODE,
+    BUILTIN,
+    ENTRY_POINT_GROUP,
+    FORM,
+    PAGED_ATTENTION,
+    check_path,
+    check_slot_name,
+    normalize,
+    parse_kernel_option,
+)
 from kernel_cache.errors import CompileError, ConfigError
-
-#: Entry-point group of installed kernel plugins: ``--kernel SLOT=NAME`` (no ':')
-#: resolves ``NAME`` here.
-ENTRY_POINT_GROUP = "kernel_cache.kernels"
-
-PAGED_ATTENTION = "paged_attention"
-BATCHED_DECODE = "batched_decode"
+from kernel_cache.kernels import tiles
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,11 @@ class Slot:
         default: import path of the built-in factory on the CPU (and the eager
             oracle that verify compares every implementation with).
         cuda_default: import path of the built-in factory on CUDA.
+        cuda_launch: launch keywords on CUDA (the built-in Triton kernel's).
+        cuda_defaults: the Triton kernel's default launch parameters for a
+            variant's shape (keywords of :meth:`default_launch`; :mod:`.tiles`).
+        launch_ranges: ``{keyword: (lo, hi)}`` accepted, where the kernel bounds
+            a keyword by itself (the Triton prefill tiles; :mod:`.tiles`).
     """
 
     name: str
@@ -79,10 +89,27 @@ class Slot:
     launch: tuple[str, ...]
     default: str
     cuda_default: str
+    cuda_launch: tuple[str, ...] = ()
+    cuda_defaults: Callable[..., dict[str, int]] | None = None
+    launch_ranges: Mapping[str, tuple[int, int]] = field(default_factory=dict, hash=False)
 
     def default_for(self, device: str) -> str:
         """The built-in factory's import path on ``device`` ("cpu" or "cuda")."""
         return self.cuda_default if device == "cuda" else self.default
+
+    def launch_fields(self) -> tuple[str, ...]:
+        """Every launch keyword the slot takes on some device, sorted."""
+        return tuple(sorted({*self.launch, *self.cuda_launch}))
+
+    def default_launch(self, device: str, **shape: int) -> dict[str, int]:
+        """The launch parameters the slot's kernels take by default for a variant
+        whose shape ``shape`` gives (``num_seqs``, ``num_kv_heads``, ``num_blocks``,
+        ``block_size``, ``query_len``, ``num_queries_per_kv``, ``head_dim``,
+        ``itemsize``): none on the CPU (the plan fills in its own), on CUDA the
+        Triton kernel's heuristic (:mod:`kernel_cache.kernels.tiles`)."""
+        if device != "cuda" or self.cuda_defaults is None:
+            return {}
+        return self.cuda_defaults(**shape)
 
     def signature(self) -> str:
         """``forward(query [S, H, D] dtype, ...) -> [S, H, D] dtype``."""
@@ -111,8 +138,11 @@ SLOTS: dict[str, Slot] = {
         "(must be finite, never compared); block_table entries past ceil(seq_len / B) are "
         "padding and must not change the output",
         launch=(),
-        default="kernel_cache.kernels.builtin:RealKVPagedAttention",
-        cuda_default="kernel_cache.kernels.triton_prefill:TritonPagedAttention",
+        default=BUILTIN[PAGED_ATTENTION][0],
+        cuda_default=BUILTIN[PAGED_ATTENTION][1],
+        cuda_launch=tuple(tiles.PREFILL_RANGES),
+        cuda_defaults=tiles.prefill_defaults,
+        launch_ranges=tiles.PREFILL_RANGES,
     ),
     BATCHED_DECODE: Slot(
         name=BATCHED_DECODE,
@@ -127,14 +157,12 @@ SLOTS: dict[str, Slot] = {
         "< seq_lens[s]; a padded row (seq_lens[s] == 0) returns zeros; block_tables "
         "entries past ceil(seq_len / B) are padding and must not change the output",
         launch=("blocks_per_chunk", "num_kv_splits"),
-        default="kernel_cache.kernels.builtin:RealKVBatchedDecode",
-        cuda_default="kernel_cache.kernels.triton_decode:TritonBatchedDecode",
+        default=BUILTIN[BATCHED_DECODE][0],
+        cuda_default=BUILTIN[BATCHED_DECODE][1],
+        cuda_launch=("blocks_per_chunk", "num_kv_splits"),
+        cuda_defaults=tiles.decode_defaults,
     ),
 }
-
-_PATH_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-_NAME_RE = re.compile(r"[A-Za-z0-9][\w.-]*")
-FORM = "package.module:Factory (or the name of an installed 'kernel_cache.kernels' entry point)"
 
 
 def check_slot(slot: str) -> Slot:
@@ -143,67 +171,7 @@ def check_slot(slot: str) -> Slot:
     Raises:
         ConfigError: an unknown slot (names it and the known slots).
     """
-    if slot not in SLOTS:
-        raise ConfigError(f"kernels: unknown slot {slot!r}; known slots: {', '.join(SLOTS)}")
-    return SLOTS[slot]
-
-
-def check_path(slot: str, path: str) -> str:
-    """``path`` if it has the form of an import path or an entry-point name.
-
-    Raises:
-        ConfigError: a malformed path (names the slot, the value and the form).
-    """
-    if not isinstance(path, str) or not (_PATH_RE.fullmatch(path) or _NAME_RE.fullmatch(path)):
-        raise ConfigError(f"kernels: {slot}={path!r} is not an import path; expected {FORM}")
-    return path
-
-
-def parse_kernel_option(text: str, flag: str = "--kernel") -> tuple[str, str]:
-    """``"batched_decode=pkg.mod:Factory"`` -> ``("batched_decode", "pkg.mod:Factory")``.
-
-    Raises:
-        ConfigError: no ``=``, an unknown slot or a malformed path (names ``flag``).
-    """
-    slot, eq, path = text.partition("=")
-    if not eq:
-        raise ConfigError(f"{flag} {text!r}: expected SLOT={FORM}; slots: {', '.join(SLOTS)}")
-    slot, path = slot.strip(), path.strip()
-    check_slot(slot)
-    return slot, check_path(slot, path)
-
-
-def normalize(kernels) -> tuple[tuple[str, str], ...]:
-    """A mapping, or pairs, or ``SLOT=PATH`` strings -> sorted ``((slot, path), ...)``.
-
-    Raises:
-        ConfigError: an unknown slot, a malformed path or a slot given twice
-            with different paths.
-    """
-    if kernels is None:
-        return ()
-    if isinstance(kernels, str):  # one "SLOT=PATH", not its characters
-        kernels = (kernels,)
-    items = kernels.items() if hasattr(kernels, "items") else kernels
-    if not hasattr(items, "__iter__"):
-        raise ConfigError(
-            f"kernels: {kernels!r} is not a mapping {{slot: path}}, (slot, path) pairs "
-            "or SLOT=PATH strings"
-        )
-    out: dict[str, str] = {}
-    for item in items:
-        if isinstance(item, str):
-            slot, path = parse_kernel_option(item)
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            slot, path = item
-        else:
-            raise ConfigError(f"kernels: {item!r} is not a (slot, path) pair or SLOT=PATH")
-        check_slot(slot)
-        check_path(slot, path)
-        if out.get(slot, path) != path:
-            raise ConfigError(f"kernels: slot {slot!r} given twice ({out[slot]!r}, {path!r})")
-        out[slot] = path
-    return tuple(sorted(out.items()))
+    return SLOTS[check_slot_name(slot)]
 
 
 #: Entry-point names resolved in this process (engine start resolves one per

@@ -30,7 +30,7 @@ keeps it and AOTInductor compiles both kernels into the variant's ``.pt2``
 package; loading that package needs neither Triton nor this module.
 
 Only the warmup (the compiler) and tests import this module: it imports Triton.
-Its bytes are hashed into every cache key (``kernel_cache.plan.keys.source_files``).
+Its bytes are hashed into every cache key (``kernel_cache.plan.sources.source_files``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
 
-from kernel_cache.plan.launch import cuda_default_splits
+from kernel_cache.kernels.tiles import cuda_default_splits
 
 #: Launch parameters, picked on an H200 (docs/benchmarks.md, "GPU (H200)",
 #: kernel sweep): tokens per inner step, warps per program, pipeline stages.
@@ -68,7 +68,7 @@ def split_plan(
 
     ``tokens_per_split`` is a multiple of ``block_n`` tokens; ``num_splits *
     tokens_per_split >= num_blocks * block_size``. ``num_kv_splits`` (1 to
-    ``num_blocks``; None: :func:`kernel_cache.plan.launch.cuda_default_splits`) cuts
+    ``num_blocks``; None: :func:`kernel_cache.kernels.tiles.cuda_default_splits`) cuts
     the ``num_blocks`` axis into that many splits of ``ceil(num_blocks /
     num_kv_splits)`` blocks, as in the plain-torch kernel's split-KV.
 

@@ -35,7 +35,7 @@ inputs use IEEE products (no TF32).
 
 Launch parameters (``block_m``, ``block_n``, ``num_warps``, ``num_stages``) come
 from :mod:`kernel_cache.plan.launch` (tables, else
-:func:`kernel_cache.plan.launch.cuda_prefill_defaults`).
+:func:`kernel_cache.kernels.tiles.cuda_prefill_defaults`).
 
 The op is registered with :func:`torch.library.triton_op`, so ``torch.export``
 keeps it and AOTInductor compiles the kernel into the variant's ``.pt2``
@@ -336,7 +336,7 @@ class TritonPagedAttention(nn.Module):
         block_m: score rows per program (query tokens x the padded GQA group), a
             power of two >= 16; block_n: KV tokens per step, a power of two >= 16;
             num_warps, num_stages: Triton's. Defaults:
-            :func:`kernel_cache.plan.launch.cuda_prefill_defaults` for ``query_len``
+            :func:`kernel_cache.kernels.tiles.cuda_prefill_defaults` for ``query_len``
             (the query bucket) and ``itemsize`` (bytes per element of the dtype).
 
     Returns: ``[query_len, num_heads, head_dim]`` in the query's dtype.
@@ -360,7 +360,7 @@ class TritonPagedAttention(nn.Module):
         num_stages: int | None = None,
     ):
         super().__init__()
-        from kernel_cache.plan.launch import cuda_prefill_defaults
+        from kernel_cache.kernels.tiles import cuda_prefill_defaults
 
         if num_heads % num_kv_heads:
             raise ValueError(

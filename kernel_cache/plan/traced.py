@@ -2,7 +2,7 @@
 their check against the files here.
 
 A key's ``sources`` component is found by reading imports
-(:func:`kernel_cache.plan.keys.source_files`); code that a kernel reaches another
+(:func:`kernel_cache.plan.sources.source_files`); code that a kernel reaches another
 way (a module loaded by a computed name, a helper module read through an
 attribute) is not in it. So warmup also records, for each artifact, the files
 whose Python code ran while the kernel was built and exported

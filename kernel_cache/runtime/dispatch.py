@@ -14,9 +14,6 @@ are passed as device tensors (``device_seq_lens``; ``device_seq_len`` and
 
 from __future__ import annotations
 
-import operator
-import weakref
-from array import array
 from collections import Counter
 
 import torch
@@ -24,180 +21,24 @@ import torch
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import ShapeError
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
+from kernel_cache.runtime.buffers import RING, VariantSlot, mapped_pinned_reads
+from kernel_cache.runtime.checks import InputChecks
 from kernel_cache.runtime.compiles import CompileCounter
 
 #: torch.cuda.is_current_stream_capturing without its Python frame (hot path);
 #: False on a torch built without CUDA.
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
-#: Pinned staging rows per slot for the lengths of a CUDA call; a row is
-#: rewritten only after the GPU has run the kernel that read it, so the host may
-#: run up to RING / 2 calls of one variant ahead of the GPU before a call waits.
-RING = 64
+#: Rows of a staging ring's half (:data:`~kernel_cache.runtime.buffers.RING`):
+#: the host waits for the GPU at most once per half.
 _HALF = RING // 2
-
-#: Block tables up to this many entries are range-checked with Python's max over
-#: a memoryview (cheaper in the dispatch loop than a numpy or torch reduction,
-#: measured with benchmarks/dispatch.py); larger ones with numpy's.
-SMALL_TABLE = 256
-
-
-class _HostArray:
-    """A ``__cuda_array_interface__`` over page-locked host memory: torch wraps
-    it as a CUDA tensor whose kernels read that memory directly (under unified
-    addressing, every ``cudaHostAlloc`` block is mapped at the same address on
-    the device). Holds ``host`` alive as long as the tensor."""
-
-    def __init__(self, host: torch.Tensor):
-        self.host = host
-        self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape),
-            "typestr": "<i4",
-            "data": (host.data_ptr(), False),
-            "strides": None,
-            "version": 2,
-        }
-
-
-def _mapped(host: torch.Tensor, device):
-    """``host`` (pinned) as a CUDA tensor on ``device`` over the same memory, or
-    None where torch refuses the pointer or would copy it instead (another
-    device than the one the memory was registered with)."""
-    try:
-        dev = torch.as_tensor(_HostArray(host), device=device)
-    except (RuntimeError, TypeError, ValueError):  # torch or CUDA refused the pointer
-        return None
-    return dev if dev.is_cuda and dev.data_ptr() == host.data_ptr() else None
-
-
-_mapped_ok: dict = {}
-
-
-def mapped_pinned_reads(device) -> bool:
-    """Whether kernels on ``device`` read page-locked host memory through its
-    host address (checked once per process and device: a kernel reads values
-    written on the host after the tensor was made; it synchronizes). False
-    where that fails: dispatch then copies the lengths to the device per call."""
-    key = str(device)
-    if key not in _mapped_ok:
-        try:
-            host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
-            dev = _mapped(host, device)
-            host.numpy()[:] = range(3, 11)
-            _mapped_ok[key] = dev is not None and (dev * 1).tolist() == list(range(3, 11))
-        except Exception:  # any CUDA or torch refusal: fall back to the copy
-            _mapped_ok[key] = False
-    return _mapped_ok[key]
-
-
-class _Slot:
-    """One loaded variant with everything its calls reuse: the runner, the padded
-    input buffers and views of them, made once (dispatch is a hot path: every
-    torch op saved is microseconds per call).
-
-    On CUDA, host lengths go through a ring of pinned rows (``ring``; the host
-    writes row ``ring_i`` through ``ring_mv``/``ring_np``). Where kernels read
-    pinned memory directly (:func:`mapped_pinned_reads`), ``ring_args[i]`` are the
-    kernel's length arguments over row i itself, with no copy; else the row is
-    copied to ``lens`` (``ring_rows[i]`` is the copy's source) and the kernel
-    reads ``lens_views``. Each row starts 16 bytes apart (AOTInductor copies an
-    input that is not 16-byte aligned on every call)."""
-
-    __slots__ = (
-        "variant",
-        "runner",
-        "calls",
-        "num_seqs",
-        "num_blocks",
-        "qbuf",
-        "btbuf",
-        "lens",
-        "lens_host",
-        "lens_arr",
-        "zeros",
-        "lens_views",
-        "ring",
-        "ring_np",
-        "ring_mv",
-        "ring_rows",
-        "ring_args",
-        "ring_i",
-        "ring_events",
-        "bt_rows",
-        "rows",
-        "bt_max",
-    )
-
-    def __init__(self, v: KernelVariant, runner, config: EngineConfig, dtype, device, mapped=False):
-        self.variant = v
-        self.runner = runner
-        self.calls = 0
-        # The bucket as plain ints: a tensor's .shape builds a torch.Size per call.
-        self.num_seqs, self.num_blocks = v.num_seqs, v.num_blocks
-        dev = device
-        self.qbuf = torch.zeros(
-            (v.query_len * v.num_seqs, config.num_heads, config.head_dim), dtype=dtype, device=dev
-        )
-        prefill = v.kernel == PAGED_ATTENTION
-        n = 2 if prefill else v.num_seqs
-        shape = (v.num_blocks,) if v.kernel == PAGED_ATTENTION else (v.num_seqs, v.num_blocks)
-        self.btbuf = torch.zeros(shape, dtype=torch.int32, device=dev)
-        # Lengths are written on the host into an int32 array that a CPU tensor
-        # shares (torch.frombuffer): no torch op per call.
-        self.lens_arr = array("i", bytes(4 * n))
-        self.zeros = array("i", bytes(4 * n))
-        self.lens_host = torch.frombuffer(self.lens_arr, dtype=torch.int32)
-        self.ring = self.ring_np = self.ring_mv = self.ring_rows = None
-        self.ring_args = self.ring_events = None
-        self.ring_i = 0
-
-        def views(t):  # prefill's two [1] lengths 16 bytes apart, decode's [n]
-            return (t[0:1], t[4:5]) if prefill else (t[:n],)
-
-        if dev.type == "cpu":
-            self.lens = self.lens_host
-            self.lens_views = (self.lens[0:1], self.lens[1:2]) if prefill else (self.lens,)
-        else:
-            width = 8 if prefill else -(-n // 4) * 4
-            self.lens = torch.zeros(width, dtype=torch.int32, device=dev)
-            self.lens_views = views(self.lens)
-            self.ring = torch.zeros((RING, width), dtype=torch.int32, pin_memory=True)
-            self.ring_np = self.ring.numpy()
-            self.ring_mv = [memoryview(r).cast("B").cast("i") for r in self.ring_np]
-            on_device = _mapped(self.ring, dev) if mapped else None
-            if on_device is not None:
-                self.ring_args = [views(on_device[i]) for i in range(RING)]
-            else:
-                self.ring_rows = list(self.ring)
-            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
-        self.bt_rows = v.num_seqs  # rows of btbuf that may hold stale block ids
-        # On the CPU, the largest block id of btbuf read as unsigned (shared memory,
-        # no copy): one max() finds an id >= the pool and a negative one (which
-        # wraps above 2**31). Python's max over a memoryview for small tables
-        # (about 2 us in a dispatch loop here), numpy's for large ones; None on CUDA.
-        self.bt_max = None
-        if dev.type == "cpu" and self.btbuf.numel():
-            import functools
-
-            import numpy
-
-            u32 = self.btbuf.numpy().view(numpy.uint32)
-            if u32.size <= SMALL_TABLE:
-                self.bt_max = functools.partial(max, memoryview(u32).cast("B").cast("I"))
-            else:
-                self.bt_max = u32.max
-        self.rows: dict = {}  # num_seqs -> (qbuf[:num_seqs], btbuf[:num_seqs])
-
-    def row_views(self, n: int):
-        views = self.rows[n] = (self.qbuf[:n], self.btbuf[:n])
-        return views
 
 
 def _dead_ref():
     return None
 
 
-class AttentionRuntime:
+class AttentionRuntime(InputChecks):
     """The attention object an engine calls, holding one loaded kernel per variant.
 
     The shape, dtype, device and layout checks of ``key_cache``/``value_cache``
@@ -269,82 +110,8 @@ class AttentionRuntime:
         calls = Counter({s.variant: s.calls for s in self._slots.values() if s.calls})
         return {"loads": len(self._runners), "calls": calls, **self._compile_counter.read()}
 
-    # -- checks ------------------------------------------------------------
-    def _check(self, query, key_cache, value_cache):
-        # shape[1:] of any tensor that is not [n, num_heads, head_dim] differs
-        # from the tuple (length or entries): no dim() call needed.
-        if query.shape[1:] != self._qshape:
-            raise ShapeError(
-                f"query shape {tuple(query.shape)}: expected [n, num_heads, "
-                f"head_dim] = [n, {self._qshape[0]}, {self._qshape[1]}]"
-            )
-        # t.is_cuda / t.is_cpu: a device object per check (t.device.type) costs
-        # about half a microsecond, three times per call.
-        dt, cuda = self._dtype, self._device.type == "cuda"
-        if query.dtype != dt or not (query.is_cuda if cuda else query.is_cpu):
-            raise ShapeError(
-                f"query is {query.dtype} on {query.device}; the plan is "
-                f"{self._dtype} on {self._device.type}"
-            )
-        ok = self._kv_ok
-        if ok[0]() is key_cache and ok[1]() is value_cache:
-            return
-        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-            if t.dim() != 4 or t.shape[1:] != self._kvshape:
-                raise ShapeError(
-                    f"{name} shape {tuple(t.shape)}: expected [num_pool_blocks, block_size, "
-                    f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
-                )
-            if t.dtype != dt or not (t.is_cuda if cuda else t.is_cpu):
-                raise ShapeError(
-                    f"{name} is {t.dtype} on {t.device}; the plan is "
-                    f"{self._dtype} on {self._device.type}"
-                )
-            if not t.is_contiguous():
-                # The artifacts were compiled for the contiguous paged layout; a
-                # strided view (a slice of a larger pool, a permuted tensor) would be
-                # read with the wrong strides.
-                raise ShapeError(
-                    f"{name} is not contiguous (strides {tuple(t.stride())}); the kernels "
-                    "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
-                    "head_dim] layout: pass the pool tensor itself or .contiguous()"
-                )
-        self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
-
     @staticmethod
-    def _check_block_ids(name: str, slot: _Slot, key_cache) -> None:
-        """On the CPU, every block id a kernel will read (the slot's padded block
-        table) must lie in the pool: an out-of-range id would abort the process
-        inside the kernel. On CUDA the table lives on the device and reading it
-        would synchronize: not checked (``slot.bt_max`` is None)."""
-        top = slot.bt_max
-        pool = key_cache.shape[0]
-        if top is not None and int(top()) >= pool:
-            lo, hi = (int(x) for x in torch.aminmax(slot.btbuf))
-            bad = lo if lo < 0 else hi
-            raise ShapeError(
-                f"{name} holds block id {bad}, outside the KV pool [0, {pool}) "
-                f"(key_cache.shape[0] = num_pool_blocks = {pool}); every id up to the "
-                "bucket's num_blocks columns must be a block of the pool (pad with 0)"
-            )
-
-    def _check_device_lens(self, name: str, t, n: int) -> None:
-        """``t`` must be ``[n]`` int32 on the plan's CUDA device (metadata only:
-        its values are never read here)."""
-        if self._device.type != "cuda":
-            raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
-        if t is None:
-            raise ShapeError(
-                f"{name} is missing: give device_seq_len and device_query_len together"
-            )
-        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
-            raise ShapeError(
-                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
-                "torch.int32 on the plan's CUDA device"
-            )
-
-    @staticmethod
-    def _staging_row(slot: _Slot, name: str) -> int:
+    def _staging_row(slot: VariantSlot, name: str) -> int:
         """The index of ``slot``'s next pinned staging row, for the host to write
         this call's lengths into (``slot.ring_mv[i]`` / ``slot.ring_np[i]``);
         :meth:`_staged_lens` gives the kernel's length arguments for it and
@@ -371,7 +138,7 @@ class AttentionRuntime:
         return i
 
     @staticmethod
-    def _staged_lens(slot: _Slot, i: int) -> tuple:
+    def _staged_lens(slot: VariantSlot, i: int) -> tuple:
         """The kernel's length arguments holding staging row ``i``: views of the
         pinned row itself where kernels read it directly, else of the slot's
         device lengths after an enqueued copy of the row (pinned source)."""
@@ -381,14 +148,14 @@ class AttentionRuntime:
         return slot.lens_views
 
     @staticmethod
-    def _staged_done(slot: _Slot, i: int) -> None:
+    def _staged_done(slot: VariantSlot, i: int) -> None:
         """After the kernel that reads row ``i`` is enqueued: close the ring's half
         with an event at its last row, and move to the next row."""
         if i % _HALF == _HALF - 1:
             slot.ring_events[i // _HALF].record()
         slot.ring_i = (i + 1) % RING
 
-    def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> _Slot:
+    def _slot(self, kernel: str, query_len: int, num_blocks: int, num_seqs: int) -> VariantSlot:
         key = (kernel, query_len, num_blocks, num_seqs)
         slot = self._slots.get(key)
         if slot is None:
@@ -401,7 +168,7 @@ class AttentionRuntime:
                     f"variant {v} is not loaded; warm it up: kernel-cache warmup "
                     f"{config_to_cli(self.config)}"
                 )
-            slot = self._slots[key] = _Slot(
+            slot = self._slots[key] = VariantSlot(
                 v, r, self.config, self._dtype, self._device, self.map_pinned_lengths
             )
         slot.calls += 1
@@ -485,26 +252,8 @@ class AttentionRuntime:
             self._staged_done(slot, i)
         return out[:q] if q != qb else out
 
-    def _prefill_seq_len(self, seq_len, q: int) -> int:
-        """``seq_len`` as an int, checked: an integer (not a bool), at least the
-        chunk's ``q`` tokens, at most max_model_len. Raises ShapeError."""
-        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
-            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
-        try:
-            seq_len = operator.index(seq_len)
-        except TypeError:
-            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
-        if not 1 <= q <= seq_len:
-            raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
-        if seq_len > self._max_len:
-            raise ShapeError(
-                f"seq_len {seq_len} is above max_model_len {self._max_len}; "
-                "raise --max-model-len and warm up"
-            )
-        return seq_len
-
     @staticmethod
-    def _prefill_table(slot: _Slot, block_table, width: int, nb: int):
+    def _prefill_table(slot: VariantSlot, block_table, width: int, nb: int):
         """The ``[nb]`` block table the kernel reads: on CUDA the engine's own
         when it is exactly ``nb`` wide and contiguous (ids not checked), else the
         slot's buffer holding its first ``nb`` ids, zero-padded."""
@@ -592,52 +341,8 @@ class AttentionRuntime:
             self._staged_done(slot, i)
         return out[:s] if s != sb else out
 
-    def _decode_seq_lens(self, seq_lens, s: int) -> tuple:
-        """Check decode's host ``seq_lens`` for ``s`` queries: ``(lens, longest)``,
-        ``lens`` an int32 ``array`` of them (None for a CPU tensor, used as it
-        is). Raises ShapeError: a GPU tensor, a wrong count, a non-integer or
-        bool, a length below 1 or above max_model_len."""
-        lens_arr = None
-        if isinstance(seq_lens, torch.Tensor):
-            if seq_lens.device.type != "cpu":
-                raise ShapeError(
-                    "seq_lens must be host-side (a list or a CPU tensor); "
-                    "reading a GPU tensor would synchronize the device"
-                )
-            if seq_lens.numel() != s:
-                raise ShapeError(f"seq_lens has {seq_lens.numel()} entries for {s} queries")
-            if seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
-                raise ShapeError(f"seq_lens is {seq_lens.dtype}; expected integers (tokens)")
-            shortest, longest = (int(x) for x in torch.aminmax(seq_lens)) if s else (1, 0)
-        else:
-            if len(seq_lens) != s:
-                raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
-            try:  # one C loop: rejects floats and strings, and is what the slot takes
-                lens_arr = array("i", seq_lens)
-            except (TypeError, OverflowError):
-                bad = next((n for n in seq_lens if not isinstance(n, int)), seq_lens)
-                raise ShapeError(
-                    f"seq_lens holds {bad!r}; expected ints (tokens) below 2**31"
-                ) from None
-            shortest, longest = (min(lens_arr), max(lens_arr)) if s else (1, 0)
-            # bool is an int subclass (True == 1): looked for only where one could hide
-            if shortest <= 1 and any(n is True or n is False for n in seq_lens):
-                bad = next(n for n in seq_lens if n is True or n is False)
-                raise ShapeError(f"seq_lens holds {bad!r}, a bool; expected ints (tokens)")
-        if shortest < 1:
-            raise ShapeError(
-                f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
-                "token (its query token): drop finished or empty sequences from the batch"
-            )
-        if longest > self._max_len:
-            raise ShapeError(
-                f"seq_len {longest} is above max_model_len "
-                f"{self._max_len}; raise --max-model-len and warm up"
-            )
-        return lens_arr, longest
-
     @staticmethod
-    def _decode_tables(slot: _Slot, block_tables, s: int):
+    def _decode_tables(slot: VariantSlot, block_tables, s: int):
         """The ``[num_seqs bucket, nb]`` block tables the kernel reads: on CUDA the
         engine's own when they are exactly that shape and contiguous (ids not
         checked), else the slot's buffer holding the first ``nb`` ids of each of
@@ -662,7 +367,7 @@ class AttentionRuntime:
         slot.bt_rows = s
         return btbuf
 
-    def _decode_host_lens(self, slot: _Slot, seq_lens, lens_arr, s: int) -> tuple:
+    def _decode_host_lens(self, slot: VariantSlot, seq_lens, lens_arr, s: int) -> tuple:
         """Write the ``s`` host lengths (``lens_arr``, or the CPU tensor
         ``seq_lens`` where it is None) and 0 past them up to the bucket:
         ``(kernel's lengths argument, staging row index or None)``. On the CPU
@@ -691,7 +396,7 @@ class AttentionRuntime:
                 row[s:sb] = slot.zeros[: sb - s]
         return self._staged_lens(slot, i)[0], i
 
-    def _decode_device_lens(self, slot: _Slot, device_seq_lens, s: int):
+    def _decode_device_lens(self, slot: VariantSlot, device_seq_lens, s: int):
         """``device_seq_lens`` (checked: ``[s]`` int32 on the device) as the
         kernel's ``[num_seqs bucket]`` lengths: itself for a full bucket, else
         copied into the slot's device lengths with 0 (nothing read) past ``s``."""

@@ -2,7 +2,7 @@
 
 This is the only module of the project that imports torch's compile stack, and
 it does so lazily, inside :func:`compile_variant`. It is the root of the
-``sources`` key component (:func:`kernel_cache.plan.keys.source_files`): it and
+``sources`` key component (:func:`kernel_cache.plan.sources.source_files`): it and
 every project module it imports are hashed into every key, so an edit to the
 recipe below misses every cached artifact. The options and the environment a
 compile runs under are declared in :mod:`kernel_cache.config.recipe`; the worker

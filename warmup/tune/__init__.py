@@ -40,7 +40,7 @@ artifact's key (kernel source, variant, geometry, dtype, device, versions), the
 candidate list and the timing settings; an interrupted tune run again with the
 same arguments reuses every finished variant and compiles nothing it has.
 
-The output is a table in the bundled format (:mod:`kernel_cache.plan.launch`), one
+The output is a table in the bundled format (:mod:`kernel_cache.plan.tables`), one
 entry per tuned variant (the defaults written out where they won; a prefill
 entry names its ``query_len``), with the measurements under ``measured``.
 

@@ -12,17 +12,16 @@ from pydantic import BaseModel, ConfigDict
 
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import ConfigError
-from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
-from kernel_cache.plan.keys import CacheKey
-from kernel_cache.plan.launch import (
+from kernel_cache.kernels.tiles import (
     PREFILL_SMEM_BYTES,
-    check_launch,
-    dtype_bytes,
     prefill_max_block_m,
     prefill_min_block_m,
     prefill_smem_bytes,
-    variant_defaults,
 )
+from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
+from kernel_cache.plan.keys import CacheKey
+from kernel_cache.plan.launch import dtype_bytes, variant_defaults
+from kernel_cache.plan.tables import check_launch
 
 TUNE_FORMAT = "kc-tune1"
 
@@ -40,7 +39,7 @@ class TuneSettings(BaseModel):
     ``target_ms``: milliseconds a timing sample of the defaults should last;
     ``min_gain``: the fraction a candidate must beat the defaults by (0.05 = 5 %);
     ``block_m`` ... ``num_stages``: the prefill tiles tried on CUDA (the
-    defaults of :func:`~kernel_cache.plan.launch.cuda_prefill_defaults` are
+    defaults of :func:`~kernel_cache.kernels.tiles.cuda_prefill_defaults` are
     always tried too).
     """
 
@@ -116,9 +115,9 @@ def prefill_candidates(
     combination of the settings' ``block_m``, ``block_n``, ``num_warps`` and
     ``num_stages`` with ``block_m`` at least the GQA group (padded to a power of
     two) and at most the rows the query bucket fills
-    (:func:`~kernel_cache.plan.launch.prefill_max_block_m`), and an estimated
-    shared memory (:func:`~kernel_cache.plan.launch.prefill_smem_bytes`) within
-    :data:`~kernel_cache.plan.launch.PREFILL_SMEM_BYTES`."""
+    (:func:`~kernel_cache.kernels.tiles.prefill_max_block_m`), and an estimated
+    shared memory (:func:`~kernel_cache.kernels.tiles.prefill_smem_bytes`) within
+    :data:`~kernel_cache.kernels.tiles.PREFILL_SMEM_BYTES`."""
     out = [variant_defaults(config, variant)]
     low = prefill_min_block_m(config.num_queries_per_kv)
     top = prefill_max_block_m(variant.query_len, config.num_queries_per_kv)

@@ -13,11 +13,7 @@ from pathlib import Path
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
-from kernel_cache.plan.launch import (
-    TABLE_FORMAT,
-    arch_family,
-    parse_table,
-)
+from kernel_cache.plan.tables import TABLE_FORMAT, arch_family, parse_table
 from warmup.tune.candidates import RULE
 
 
@@ -137,7 +133,7 @@ def write_table(doc: dict, out: str | Path) -> Path:
 
     Raises:
         ConfigError: ``out`` cannot be written (the temporary file is removed),
-            or ``doc`` is not a valid table (:class:`~kernel_cache.plan.launch.LaunchTableDoc`).
+            or ``doc`` is not a valid table (:class:`~kernel_cache.plan.tables.LaunchTableDoc`).
     """
     parse_table(doc, f"--out {str(out)!r} (the tuned table)")
     out = check_out(out)

@@ -1,0 +1,158 @@
+"""Input checks of the dispatch hot path: shapes, dtypes, devices and layout of
+the query and the KV pool, host lengths against the plan's limits, block ids
+against the pool (CPU), device lengths (CUDA). A mixin of
+:class:`kernel_cache.runtime.dispatch.AttentionRuntime`, whose attributes it
+reads (``_qshape``, ``_kvshape``, ``_dtype``, ``_device``, ``_kv_ok``,
+``_max_len``); every check raises :class:`~kernel_cache.errors.ShapeError`.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from array import array
+
+import torch
+
+from kernel_cache.errors import ShapeError
+from kernel_cache.runtime.buffers import VariantSlot
+
+
+class InputChecks:
+    """The checks :class:`~kernel_cache.runtime.dispatch.AttentionRuntime` runs
+    per call (see the module docstring)."""
+
+    def _check(self, query, key_cache, value_cache):
+        # shape[1:] of any tensor that is not [n, num_heads, head_dim] differs
+        # from the tuple (length or entries): no dim() call needed.
+        if query.shape[1:] != self._qshape:
+            raise ShapeError(
+                f"query shape {tuple(query.shape)}: expected [n, num_heads, "
+                f"head_dim] = [n, {self._qshape[0]}, {self._qshape[1]}]"
+            )
+        # t.is_cuda / t.is_cpu: a device object per check (t.device.type) costs
+        # about half a microsecond, three times per call.
+        dt, cuda = self._dtype, self._device.type == "cuda"
+        if query.dtype != dt or not (query.is_cuda if cuda else query.is_cpu):
+            raise ShapeError(
+                f"query is {query.dtype} on {query.device}; the plan is "
+                f"{self._dtype} on {self._device.type}"
+            )
+        ok = self._kv_ok
+        if ok[0]() is key_cache and ok[1]() is value_cache:
+            return
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if t.dim() != 4 or t.shape[1:] != self._kvshape:
+                raise ShapeError(
+                    f"{name} shape {tuple(t.shape)}: expected [num_pool_blocks, block_size, "
+                    f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
+                )
+            if t.dtype != dt or not (t.is_cuda if cuda else t.is_cpu):
+                raise ShapeError(
+                    f"{name} is {t.dtype} on {t.device}; the plan is "
+                    f"{self._dtype} on {self._device.type}"
+                )
+            if not t.is_contiguous():
+                # The artifacts were compiled for the contiguous paged layout; a
+                # strided view (a slice of a larger pool, a permuted tensor) would be
+                # read with the wrong strides.
+                raise ShapeError(
+                    f"{name} is not contiguous (strides {tuple(t.stride())}); the kernels "
+                    "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
+                    "head_dim] layout: pass the pool tensor itself or .contiguous()"
+                )
+        self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
+
+    @staticmethod
+    def _check_block_ids(name: str, slot: VariantSlot, key_cache) -> None:
+        """On the CPU, every block id a kernel will read (the slot's padded block
+        table) must lie in the pool: an out-of-range id would abort the process
+        inside the kernel. On CUDA the table lives on the device and reading it
+        would synchronize: not checked (``slot.bt_max`` is None)."""
+        top = slot.bt_max
+        pool = key_cache.shape[0]
+        if top is not None and int(top()) >= pool:
+            lo, hi = (int(x) for x in torch.aminmax(slot.btbuf))
+            bad = lo if lo < 0 else hi
+            raise ShapeError(
+                f"{name} holds block id {bad}, outside the KV pool [0, {pool}) "
+                f"(key_cache.shape[0] = num_pool_blocks = {pool}); every id up to the "
+                "bucket's num_blocks columns must be a block of the pool (pad with 0)"
+            )
+
+    def _check_device_lens(self, name: str, t, n: int) -> None:
+        """``t`` must be ``[n]`` int32 on the plan's CUDA device (metadata only:
+        its values are never read here)."""
+        if self._device.type != "cuda":
+            raise ShapeError(f"{name} is for CUDA plans; on the CPU pass host lengths only")
+        if t is None:
+            raise ShapeError(
+                f"{name} is missing: give device_seq_len and device_query_len together"
+            )
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_cuda:
+            raise ShapeError(
+                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected [{n}] "
+                "torch.int32 on the plan's CUDA device"
+            )
+
+    def _prefill_seq_len(self, seq_len, q: int) -> int:
+        """``seq_len`` as an int, checked: an integer (not a bool), at least the
+        chunk's ``q`` tokens, at most max_model_len. Raises ShapeError."""
+        if seq_len is True or seq_len is False:  # bool is an int subclass: True == 1
+            raise ShapeError(f"seq_len {seq_len!r} is a bool; expected an int (tokens)")
+        try:
+            seq_len = operator.index(seq_len)
+        except TypeError:
+            raise ShapeError(f"seq_len {seq_len!r} must be an integer (tokens)") from None
+        if not 1 <= q <= seq_len:
+            raise ShapeError(f"query_len {q} must be between 1 and seq_len {seq_len}")
+        if seq_len > self._max_len:
+            raise ShapeError(
+                f"seq_len {seq_len} is above max_model_len {self._max_len}; "
+                "raise --max-model-len and warm up"
+            )
+        return seq_len
+
+    def _decode_seq_lens(self, seq_lens, s: int) -> tuple:
+        """Check decode's host ``seq_lens`` for ``s`` queries: ``(lens, longest)``,
+        ``lens`` an int32 ``array`` of them (None for a CPU tensor, used as it
+        is). Raises ShapeError: a GPU tensor, a wrong count, a non-integer or
+        bool, a length below 1 or above max_model_len."""
+        lens_arr = None
+        if isinstance(seq_lens, torch.Tensor):
+            if seq_lens.device.type != "cpu":
+                raise ShapeError(
+                    "seq_lens must be host-side (a list or a CPU tensor); "
+                    "reading a GPU tensor would synchronize the device"
+                )
+            if seq_lens.numel() != s:
+                raise ShapeError(f"seq_lens has {seq_lens.numel()} entries for {s} queries")
+            if seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+                raise ShapeError(f"seq_lens is {seq_lens.dtype}; expected integers (tokens)")
+            shortest, longest = (int(x) for x in torch.aminmax(seq_lens)) if s else (1, 0)
+        else:
+            if len(seq_lens) != s:
+                raise ShapeError(f"seq_lens has {len(seq_lens)} entries for {s} queries")
+            try:  # one C loop: rejects floats and strings, and is what the slot takes
+                lens_arr = array("i", seq_lens)
+            except (TypeError, OverflowError):
+                bad = next((n for n in seq_lens if not isinstance(n, int)), seq_lens)
+                raise ShapeError(
+                    f"seq_lens holds {bad!r}; expected ints (tokens) below 2**31"
+                ) from None
+            shortest, longest = (min(lens_arr), max(lens_arr)) if s else (1, 0)
+            # bool is an int subclass (True == 1): looked for only where one could hide
+            if shortest <= 1 and any(n is True or n is False for n in seq_lens):
+                bad = next(n for n in seq_lens if n is True or n is False)
+                raise ShapeError(f"seq_lens holds {bad!r}, a bool; expected ints (tokens)")
+        if shortest < 1:
+            raise ShapeError(
+                f"seq_lens holds {shortest}; every decoding sequence has at least 1 KV "
+                "token (its query token): drop finished or empty sequences from the batch"
+            )
+        if longest > self._max_len:
+            raise ShapeError(
+                f"seq_len {longest} is above max_model_len "
+                f"{self._max_len}; raise --max-model-len and warm up"
+            )
+        return lens_arr, longest
