@@ -338,6 +338,7 @@ def test_gc_and_clear_remove_orphan_files_but_keep_young_ones_and_quarantine(tmp
     assert DiskTier(cache, read_only=True).get(key) is None
 
 
+@pytest.mark.slow
 def test_a_damaged_index_is_a_clear_error_for_every_command(tmp_path, tiny_model):
     """cache.db that is not an SQLite database: every command names it and the
     fix (move it away, warm up again) instead of a traceback."""

@@ -160,6 +160,7 @@ def test_every_inductor_environment_variable_is_pinned():
     assert env["ATEN_CPU_CAPABILITY"] == "avx2"
 
 
+@pytest.mark.slow
 # -- the sources closure --------------------------------------------------------
 def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_config):
     """Export a variant under a profiler and record every file of kernel_cache/

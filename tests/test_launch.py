@@ -343,6 +343,7 @@ def test_tune_refuses_an_unwritable_out_before_compiling(tiny_model, tmp_path, w
     assert list((tmp_path / "adir").iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["paged_attention:32:2:1", "batched_decode:1:2:4"])
 def test_tune_for_cuda_without_a_gpu_is_refused_before_out_is_touched(
     tiny_model, tmp_path, variant

@@ -390,6 +390,7 @@ def test_engine_start_with_a_paused_server_uses_local_and_warns_once(
     assert "Traceback" not in doc["stderr"]
 
 
+@pytest.mark.slow
 def test_server_killed_mid_publish_leaves_nothing_half_written(private_s3, tiny_config):
     """SIGKILL while a large entry is being uploaded: after a restart the key
     is absent or whole (never a partial object), and publishing again works."""

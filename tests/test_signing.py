@@ -475,6 +475,7 @@ def test_a_signed_bundle_carries_whole_records_and_loads_with_public_keys_only(
     assert import_bundle(signed_bundle, DiskTier(tmp_path / "imported"))["imported"] == N_TINY
 
 
+@pytest.mark.slow
 def test_every_tampered_bundle_field_is_refused_at_start_and_by_verify(
     signed_bundle, tiny_config, tiny_model, tmp_path, keys
 ):
@@ -580,6 +581,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow
 def test_every_tampered_redis_field_is_refused_at_start_and_by_verify(
     redis_db, warm_cache, tiny_model, tmp_path, keys
 ):
