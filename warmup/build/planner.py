@@ -72,7 +72,7 @@ from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.keys import key_from_components
 from kernel_cache.plan.launch import LaunchChoice
 from kernel_cache.plan.plan import Plan, PlanItem
-from kernel_cache.store.locks import KeyLock, LockBusy, lock_timeout_from_env, private_temp_dir
+from kernel_cache.store.locks import KeyLock, LockBusy, private_temp_dir
 from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED, RedisSettings
 from kernel_cache.store.remote import settings_from_json
@@ -625,7 +625,7 @@ def warmup(
     plan = Plan.build(config)
     items = list(plan) if variants is None else plan.items_for(variants)
     allow_shared = resolve_allow_shared(allow_shared_dir)
-    lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
+    lock_timeout = settings.get("lock_timeout") if lock_timeout is None else float(lock_timeout)
     secret = load_signer()
     keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
@@ -764,7 +764,7 @@ def compile_items(
     allow_shared = resolve_allow_shared(None)
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
     results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
-    options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
+    options = {"lock_timeout": settings.get("lock_timeout"), "allow_shared": allow_shared}
     reporter = _Reporter(len(items), len(cached), progress)
     try:
         if todo:
