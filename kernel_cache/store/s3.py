@@ -59,7 +59,6 @@ from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_me
 
 log = logging.getLogger("kernel_cache")
 
-ENV_S3_URL = env_settings.var("s3_url")
 MAGIC = b"KCS3"
 _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
