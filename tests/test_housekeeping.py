@@ -8,6 +8,7 @@ import pytest
 
 import kernel_cache.store.usage as usage
 from kernel_cache import load_plan
+from kernel_cache.config.settings import parse_size
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
@@ -16,7 +17,6 @@ from kernel_cache.store.housekeeping import (
     cache_stats,
     gc,
     list_entries,
-    parse_size,
     plan_digests,
 )
 from kernel_cache.store.tier import DiskTier, make_meta

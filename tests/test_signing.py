@@ -719,7 +719,8 @@ def test_keygen_never_writes_through_a_planted_file_and_refuses_a_shared_dir(tmp
     """A link planted where the old code put its temporary file (``.signing.key.tmp-<pid>``)
     is not followed: the private key never lands in a file another user owns. A
     directory others can write is refused (they could swap ``signing.pub``)."""
-    from kernel_cache.trust.signing import SigningKeyError, generate_keypair
+    from kernel_cache.trust.keygen import generate_keypair
+    from kernel_cache.trust.signing import SigningKeyError
 
     d = tmp_path / "kc"
     d.mkdir(mode=0o700)

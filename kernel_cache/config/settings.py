@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,6 +41,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
     SecretStr,
@@ -49,6 +49,14 @@ from pydantic import (
     ValidationError,
 )
 
+from kernel_cache.config.parsers import (  # noqa: F401 - callers use them as settings.<name>
+    binary_units,
+    check_redis_url,
+    check_s3_url,
+    parse_bool,
+    parse_int_list,
+    redact_url,
+)
 from kernel_cache.errors import ConfigError
 
 PREFIX = "KERNEL_CACHE_"
@@ -62,12 +70,6 @@ TEST_ONLY: dict[str, str] = {
     "KERNEL_CACHE_TEST_BAD_COMPILE": "variant whose compile is made to fail (compiler.py)",
 }
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
 
 class SettingError(ConfigError):
     """A ``KERNEL_CACHE_*`` variable holds a value its field does not accept.
@@ -79,103 +81,23 @@ class SettingError(ConfigError):
         self.value = value
 
 
-def parse_bool(text: str) -> bool:
-    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (any case, blanks around).
+def parse_size(text: str, name: str = "SIZE") -> int:
+    """Bytes from ``"500M"``, ``"1.5GiB"``, ``"1048576"`` (units are powers of 1024),
+    read as ``KERNEL_CACHE_MAX_SIZE`` is (a flag such as ``--max-size``).
 
     Raises:
-        ValueError: anything else.
+        ConfigError: not a size (names ``name``, the value and the form).
     """
-    raw = str(text).strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{text!r} is not a boolean")
-
-
-def parse_size_bytes(text: str) -> int:
-    """Bytes from ``"500M"``, ``"1.5GiB"``, ``"1048576"`` (units are powers of 1024).
-
-    Raises:
-        ValueError: not a size.
-    """
-    m = _SIZE_RE.fullmatch(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def parse_int_list(text: str) -> tuple[int, ...]:
-    """``"128, 256,512"`` -> ``(128, 256, 512)``; empty items are skipped.
-
-    Raises:
-        ValueError: an item that is not a positive integer, or no item at all.
-    """
-    out = []
-    for tok in str(text).split(","):
-        tok = tok.strip()
-        if not tok:
-            continue
-        if not tok.isdigit() or int(tok) < 1:
-            raise ValueError(f"entry {tok!r} is not a positive integer")
-        out.append(int(tok))
-    if not out:
-        raise ValueError("empty list")
-    return tuple(out)
-
-
-def check_redis_url(v: str) -> str:
-    """A Redis URL that redis-py's ``from_url`` accepts (scheme, port, database).
-
-    Raises:
-        ValueError: naming the URL (password hidden) and what is wrong.
-    """
-    from urllib.parse import urlsplit
-
-    shown = re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", v)
-    if not v.startswith(_REDIS_SCHEMES):
-        raise ValueError(
-            f"Redis URL {shown!r} must start with one of {', '.join(_REDIS_SCHEMES)}, "
-            "e.g. redis://10.0.0.5:6379/0"
+    try:
+        value = _adapter("max_size").validate_python(text)
+    except ValidationError:
+        value = None
+    if value is None:
+        raise ConfigError(
+            f"{name}={text!r} is not a size; expected bytes or a number with K, M, G or T "
+            "(powers of 1024), e.g. 500M or 2G"
         )
-    if not v.startswith("unix://"):
-        parts = urlsplit(v)
-        try:
-            parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
-        except ValueError:
-            raise ValueError(
-                f"Redis URL {shown!r}: the port is not a number in 0..65535, "
-                "e.g. redis://10.0.0.5:6379/0"
-            ) from None
-        db = parts.path.strip("/")
-        if db and not db.isdigit():
-            raise ValueError(
-                f"Redis URL {shown!r}: the database {db!r} is not a number, "
-                "e.g. redis://10.0.0.5:6379/0"
-            )
-    return v
-
-
-_S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-
-def check_s3_url(v: str) -> str:
-    """An ``s3://BUCKET/PREFIX`` URL (the prefix may be empty; the bucket follows
-    S3's naming rules: 3-63 characters of a-z, 0-9, '.' and '-').
-
-    Raises:
-        ValueError: naming the URL and what is wrong.
-    """
-    eg = "e.g. s3://kernel-cache/fleet-a"
-    if not v.startswith("s3://"):
-        raise ValueError(f"S3 URL {v!r} must start with s3://, {eg}")
-    bucket = v[5:].split("/", 1)[0]
-    if not _S3_BUCKET_RE.fullmatch(bucket):
-        raise ValueError(
-            f"S3 URL {v!r}: the bucket {bucket!r} is not a valid bucket name "
-            f"(3-63 characters: a-z, 0-9, '.', '-'), {eg}"
-        )
-    return v
+    return value
 
 
 def _f(default, description: str, *, type: str, unit: str = "", expected: str, example: str,
@@ -213,7 +135,11 @@ Bool = Annotated[bool, _before(parse_bool)]
 BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
 PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
 CommaPathList = Annotated[tuple[Path, ...], _before(_split_comma_paths)]
-Size = Annotated[int | None, _before(parse_size_bytes)]
+Size = Annotated[
+    ByteSize | None,
+    BeforeValidator(binary_units),
+    AfterValidator(lambda v: v if v is None else int(v)),
+]
 RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
 S3Url = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_s3_url(v))]
 
@@ -404,6 +330,11 @@ _FIELDS = SettingsFields.model_fields
 VARIABLES: dict[str, str] = {name: PREFIX + name.upper() for name in _FIELDS}
 
 
+def default(name: str) -> Any:
+    """The default of field ``name`` (what an unset variable reads as)."""
+    return _FIELDS[name].default
+
+
 def var(name: str) -> str:
     """The variable of field ``name``: ``"db_timeout"`` -> ``"KERNEL_CACHE_DB_TIMEOUT"``."""
     return VARIABLES[name]
@@ -424,7 +355,7 @@ def _error(name: str, e: ValidationError, value) -> SettingError:
     if name == "signing_key":
         shown = "'***'"
     elif name == "redis_url" and isinstance(value, str):
-        shown = repr(re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", value))  # hide the password
+        shown = repr(redact_url(value))
     else:
         shown = repr(value)
     problem = str(e.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import shutil
 import sqlite3
 import stat
@@ -50,157 +49,29 @@ from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOW
 from kernel_cache import _testhooks
 from kernel_cache.config import settings
 from kernel_cache.errors import CacheBusyError, CacheWriteError, DamagedIndexError
+from kernel_cache.store.nofollow import (
+    O_CLOEXEC,
+    O_NOFOLLOW,
+    LinkInCacheError,
+    UnsafeValueError,
+    lstat_or_none,
+    makedirs,
+    open_dir_nofollow,
+    open_entry_file,
+    remove_entry_file,
+    write_all,
+)
+from kernel_cache.store.retry import retry
 
 log = logging.getLogger("kernel_cache")
 
 DBNAME = "cache.db"
-ENV_DB_TIMEOUT = settings.var("db_timeout")
-#: Seconds a writer keeps retrying a locked index before CacheBusyError. Long
-#: enough for dozens of processes publishing at once (each write holds the lock
-#: for milliseconds), short enough that a stuck holder is reported.
-DEFAULT_DB_TIMEOUT = 60.0
 
 T = TypeVar("T")
 
 
-class UnsafeValueError(ValueError):
-    """An index row that kernel-cache refuses to decode (pickled, or a file name
-    that points outside the cache)."""
-
-
-class LinkInCacheError(UnsafeValueError):
-    """A path below the cache directory is a symbolic link (or not the kind of
-    file expected there); it was not followed. ``path`` is the offending path."""
-
-    def __init__(self, path: str | os.PathLike, kind: str):
-        self.path = str(path)
-        self.kind = kind
-        st = _lstat(path)
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            try:
-                target = os.readlink(path)
-            except OSError:
-                target = "?"
-            why = f"is a symbolic link (to {target}); kernel-cache never follows links in the cache"
-        else:
-            why = "is not a directory" if kind.endswith("folder") else "is not a regular file"
-        self.why = why
-        super().__init__(f"{kind} {path} {why}")
-
-
-def _lstat(path) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except OSError:
-        return None
-
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_NOT_FOLLOWED = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
-
-
-def open_dir_nofollow(
-    root: str | os.PathLike, parts, *, create_mode: int | None = None, kind: str = "cache folder"
-) -> int:
-    """A descriptor of ``root/parts[0]/.../parts[-1]``, each component opened
-    relative to its parent with ``O_NOFOLLOW | O_DIRECTORY``, so no symbolic
-    link below ``root`` is followed (``root`` itself may be one: the user chose
-    that path). With ``create_mode``, missing components are created with it
-    (before the umask). The caller closes the descriptor.
-
-    Raises:
-        LinkInCacheError: a component is a symbolic link or not a directory.
-        FileNotFoundError: ``root`` or a component is missing (without ``create_mode``).
-    """
-    fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    path = Path(root)
-    try:
-        for name in parts:
-            path = path / name
-            if create_mode is not None:
-                try:
-                    os.mkdir(name, create_mode, dir_fd=fd)
-                except FileExistsError:
-                    pass
-            try:
-                nfd = os.open(
-                    name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd
-                )
-            except OSError as e:
-                if e.errno in _NOT_FOLLOWED:
-                    raise LinkInCacheError(path, kind) from None
-                raise
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def open_entry_file(directory: str | os.PathLike, filename: str):
-    """Open the value file ``filename`` (relative, from an index row) for reading,
-    following no symbolic link below ``directory`` (``O_NOFOLLOW`` on every
-    component; ``O_NONBLOCK`` so a FIFO cannot hang the reader). Returns a
-    binary file object whose ``name`` is the full path.
-
-    Raises:
-        UnsafeValueError: ``filename`` is absolute or has a ``..`` component.
-        LinkInCacheError: the file or a folder holding it is a symbolic link,
-            or the file is not a regular file.
-        FileNotFoundError: the file or a folder is gone.
-    """
-    path = safe_relpath(directory, filename)
-    parts = Path(filename).parts
-    dfd = open_dir_nofollow(directory, parts[:-1], kind="cache entry folder")
-    try:
-        fd = os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=dfd)
-    except OSError as e:
-        if e.errno in _NOT_FOLLOWED:
-            raise LinkInCacheError(path, "cache entry file") from None
-        raise
-    finally:
-        os.close(dfd)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
-        os.close(fd)
-        raise LinkInCacheError(path, "cache entry file")
-    return open(path, "rb", opener=lambda _p, _f: fd)  # noqa: SIM115 - the caller closes it
-
-
-def remove_entry_file(directory: str | os.PathLike, filename: str) -> None:
-    """Remove the value file ``filename`` and its ``xx/yy`` folders if now empty,
-    following no symbolic link below ``directory`` (a link where a folder
-    belongs is left alone; a link where the file belongs is removed itself)."""
-    parts = Path(filename).parts
-    if not parts or os.path.isabs(filename) or ".." in parts:
-        return
-    fds = []
-    try:
-        fds.append(os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC))
-        for name in parts[:-1]:
-            fds.append(
-                os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fds[-1])
-            )
-        os.unlink(parts[-1], dir_fd=fds[-1])
-        for i in range(len(parts) - 1, 0, -1):  # prune empty xx/yy
-            os.rmdir(parts[i - 1], dir_fd=fds[i - 1])
-    except OSError:
-        pass  # gone already, not empty, or a link: nothing more to remove
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def db_timeout_from_env() -> float:
-    """``KERNEL_CACHE_DB_TIMEOUT`` in seconds (default 60).
-
-    Raises:
-        ConfigError: not a positive number.
-    """
-    return settings.get("db_timeout")
+class _Unreadable(Exception):
+    """No way of opening the index worked this time (:meth:`IndexSnapshot._read`)."""
 
 
 # -- errors ---------------------------------------------------------------------
@@ -276,76 +147,32 @@ def damaged_index(e: BaseException, directory: Path) -> DamagedIndexError | None
 
 
 def retry_busy(fn: Callable[[], T], *, directory: Path, timeout: float, what: str) -> T:
-    """Call ``fn``; while SQLite says the index is locked, back off and retry.
-
-    Backoff starts at 10 ms and doubles to 0.5 s, with +-50 % jitter so that
-    processes started together do not retry in lockstep.
+    """Call ``fn``; while SQLite says the index is locked, back off and retry
+    (:func:`~kernel_cache.store.retry.retry`: 10 ms doubling to 0.5 s, +-50 %
+    jitter so that processes started together do not retry in lockstep).
 
     Raises:
         CacheBusyError: still locked after ``timeout`` seconds.
         DamagedIndexError: the index is not a database or is malformed.
     """
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        try:
-            return fn()
-        except (sqlite3.DatabaseError, diskcache.Timeout) as e:
-            damaged = damaged_index(e, directory)
-            if damaged is not None:
-                raise damaged from None
-            if not isinstance(e, (sqlite3.OperationalError, diskcache.Timeout)) or not _is_busy(e):
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                db = Path(directory) / DBNAME
-                raise CacheBusyError(
-                    f"the cache index {db} stayed locked by other processes ('database is "
-                    f"locked') for {timeout:g} s while {what}; a process may be stuck inside "
-                    f"a write to {directory} (find it with: fuser -v {db}); retry, stop it, "
-                    f"or raise {ENV_DB_TIMEOUT} (seconds)"
-                ) from None
-            time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
-            delay = min(0.5, delay * 2)
-
-
-def makedirs(path: Path, mode: int) -> None:
-    """Create ``path`` and missing parents, each with ``mode`` (before the umask).
-
-    For the cache directory itself (a user-chosen path, which may be or pass
-    through a link); folders inside the cache use :func:`open_dir_nofollow`."""
-    missing = []
-    p = Path(path)
-    while not p.is_dir():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            pass
+    try:
+        return retry(fn, when=_is_busy, timeout=timeout, jitter=0.5)
+    except (sqlite3.DatabaseError, diskcache.Timeout) as e:
+        damaged = damaged_index(e, directory)
+        if damaged is not None:
+            raise damaged from None
+        if not _is_busy(e):
+            raise
+        db = Path(directory) / DBNAME
+        raise CacheBusyError(
+            f"the cache index {db} stayed locked by other processes ('database is "
+            f"locked') for {timeout:g} s while {what}; a process may be stuck inside "
+            f"a write to {directory} (find it with: fuser -v {db}); retry, stop it, "
+            f"or raise {settings.var('db_timeout')} (seconds)"
+        ) from None
 
 
 # -- writer -----------------------------------------------------------------------
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def safe_relpath(directory: str | os.PathLike, filename: str) -> str:
-    """``directory/filename`` if ``filename`` is a plain relative path inside it.
-
-    Raises:
-        UnsafeValueError: absolute, or with a ``..`` component.
-    """
-    if not isinstance(filename, str) or os.path.isabs(filename) or ".." in Path(filename).parts:
-        raise UnsafeValueError(f"index row names file {filename!r} outside the cache")
-    return os.path.join(directory, filename)
 
 
 class SafeDisk(diskcache.Disk):
@@ -389,27 +216,26 @@ class SafeDisk(diskcache.Disk):
         from kernel_cache.trust.permissions import refuse_link
 
         parts = Path(filename).parts
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        for attempt in range(10):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+
+        def create() -> int:
+            dfd = open_dir_nofollow(self._directory, parts[:-1], create_mode=self.dir_mode)
             try:
-                dfd = open_dir_nofollow(self._directory, parts[:-1], create_mode=self.dir_mode)
-                try:
-                    fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
-                finally:
-                    os.close(dfd)
-                break
-            except LinkInCacheError as e:
-                raise refuse_link("cache entry folder", e.path, "rm {p} (the link only)") from None
-            except FileNotFoundError:  # another process's remove() pruned the empty xx/yy
-                if attempt == 9:
-                    raise
+                return os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+
+        try:  # FileNotFoundError: another process's remove() pruned the empty xx/yy
+            fd = retry(create, when=lambda e: type(e) is FileNotFoundError, attempts=10, delay=0)
+        except LinkInCacheError as e:
+            raise refuse_link("cache entry folder", e.path, "rm {p} (the link only)") from None
         try:
             try:
                 view = memoryview(data)
                 half = len(view) // 2
-                _write_all(fd, view[:half])
+                write_all(fd, view[:half])
                 _testhooks.hook("publish-write")
-                _write_all(fd, view[half:])
+                write_all(fd, view[half:])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -509,16 +335,16 @@ class IndexSnapshot:
     files the index references.
     """
 
-    def __init__(self, directory: Path, *, timeout: float = DEFAULT_DB_TIMEOUT):
+    def __init__(self, directory: Path, *, timeout: float | None = None):
         self.directory = Path(directory)
-        self.timeout = timeout
+        self.timeout = settings.get("db_timeout") if timeout is None else timeout
         self.rows: dict[str, tuple] = {}
         self.filenames: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
         db = self.directory / DBNAME
-        st = _lstat(db)
+        st = lstat_or_none(db)
         if st is None or not stat.S_ISREG(st.st_mode):  # a link: refused by the trust check
             self.rows, self.filenames = {}, set()
             return
@@ -543,15 +369,14 @@ class IndexSnapshot:
             wal_pending = False
         uri = (db.parent.resolve() / DBNAME).as_uri()  # never resolves a link at cache.db
         attempts = (["?mode=ro"] if wal_pending else []) + ["?mode=ro&immutable=1"]
-        last: Exception | None = None
-        for tries in range(3):
+        errors: list[Exception] = []
+
+        def read_once() -> list[tuple]:
             for q in attempts:
                 try:
                     con = sqlite3.connect(uri + q, uri=True, timeout=1.0)
                     try:
-                        rows = con.execute(
-                            "SELECT key, raw, mode, filename, value FROM Cache"
-                        ).fetchall()
+                        return self._select(con, db, q, wal_pending, errors)
                     finally:
                         con.close()
                 except sqlite3.OperationalError as e:
@@ -559,21 +384,31 @@ class IndexSnapshot:
                         return []
                     if _is_busy(e) and "immutable" not in q:
                         raise
-                    last = e
-                    continue
+                    errors.append(e)
                 except sqlite3.DatabaseError as e:  # a page read torn by a checkpoint
-                    last = e
-                    continue
-                if wal_pending and "immutable" in q:
-                    log.warning(
-                        "%s has a pending write-ahead log that cannot be read here (%s); "
-                        "entries published after its last checkpoint are not visible",
-                        db,
-                        last,
-                    )
-                return rows
-            time.sleep(0.05 * (tries + 1))
-        raise sqlite3.DatabaseError(f"cannot read the cache index {db}: {last}")
+                    errors.append(e)
+            raise _Unreadable()
+
+        try:
+            return retry(
+                read_once, when=lambda e: isinstance(e, _Unreadable), attempts=3, delay=0.05
+            )
+        except _Unreadable:
+            raise sqlite3.DatabaseError(
+                f"cannot read the cache index {db}: {errors[-1] if errors else '?'}"
+            ) from None
+
+    @staticmethod
+    def _select(con, db: Path, q: str, wal_pending: bool, errors: list) -> list[tuple]:
+        rows = con.execute("SELECT key, raw, mode, filename, value FROM Cache").fetchall()
+        if wal_pending and "immutable" in q:
+            log.warning(
+                "%s has a pending write-ahead log that cannot be read here (%s); "
+                "entries published after its last checkpoint are not visible",
+                db,
+                errors[-1] if errors else None,
+            )
+        return rows
 
     def value(self, key: str, check_fd: Callable[[int, str], None] | None = None) -> bytes | None:
         """The stored bytes of ``key`` (a file read through ``check_fd(fd, path)``

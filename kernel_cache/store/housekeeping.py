@@ -36,12 +36,9 @@ import time
 from pathlib import Path
 
 import kernel_cache.store.usage as usage
-from kernel_cache.config import settings
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.keys import runtime_digest
 from kernel_cache.store.tier import Tier
-
-ENV_MAX_SIZE = settings.var("max_size")
 
 #: Seconds an unreferenced value file is kept by ``gc`` and ``clear``. A
 #: publish writes its file and commits its index row within one SQLite write
@@ -53,21 +50,6 @@ ORPHAN_GRACE_S = 3600.0
 _HEX2 = re.compile(r"[0-9a-f]{2}")
 
 
-def parse_size(text: str, name: str = "SIZE") -> int:
-    """Bytes from ``"500M"``, ``"1.5GiB"``, ``"1048576"`` (units are powers of 1024).
-
-    Raises:
-        KernelCacheError: not a size (names ``name``, the value and the form).
-    """
-    try:
-        return settings.parse_size_bytes(text)
-    except ValueError:
-        raise KernelCacheError(
-            f"{name}={text!r} is not a size; expected bytes or a number with K, M, G or T "
-            "(powers of 1024), e.g. 500M or 2G"
-        ) from None
-
-
 def format_size(n: float) -> str:
     """``1536 -> "1.5 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -75,15 +57,6 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"  # pragma: no cover - loop always returns
-
-
-def max_size_from_env(environ=None) -> int | None:
-    """``$KERNEL_CACHE_MAX_SIZE`` in bytes, or None if unset or empty.
-
-    Raises:
-        ConfigError: not a size (bytes, or a number with K, M, G or T).
-    """
-    return settings.get("max_size", environ)
 
 
 def _directory(tier: Tier) -> Path | None:

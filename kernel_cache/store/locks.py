@@ -1,13 +1,15 @@
 """Single-flight per key across processes: one compile per key, however many workers.
 
-:class:`KeyLock` is an ``flock(2)`` on ``<cache>/locks/<key>.lock``. The kernel
-drops an ``flock`` when its holder exits, however it exits (``SIGKILL``, OOM
-kill), so a dead holder never blocks a later start. (``flock`` is not reliable
-on every network file system; keep the cache on a local disk.)
+:class:`KeyLock` is a :class:`filelock.FileLock` (an ``flock(2)``) on
+``<cache>/locks/<key>.lock``. The kernel drops an ``flock`` when its holder
+exits, however it exits (``SIGKILL``, OOM kill), so a dead holder never blocks
+a later start. (``flock`` is not reliable on every network file system; keep
+the cache on a local disk.)
 
 No symbolic link is followed: ``locks/`` is opened with ``O_NOFOLLOW |
-O_DIRECTORY`` and each file in it with ``O_NOFOLLOW``, so a link there (to
-another user's folder or file) is refused with
+O_DIRECTORY`` (:func:`~kernel_cache.store.nofollow.open_dir_nofollow`) before
+the lock is taken, and filelock opens the lock file with ``O_NOFOLLOW``, so a
+link there (to another user's folder or file) is refused with
 :class:`~kernel_cache.errors.UntrustedCacheError` naming it and the fix, and
 nothing is created or truncated through it.
 
@@ -24,35 +26,25 @@ compiling), compile, publish, release.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
+import filelock
+
 from kernel_cache.config import settings
 from kernel_cache.errors import LockTimeoutError
-from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+from kernel_cache.store.nofollow import (
+    O_CLOEXEC,
+    O_NOFOLLOW,
+    LinkInCacheError,
+    makedirs,
+    open_dir_nofollow,
+)
 
 LOCKS_DIR = "locks"
-ENV_LOCK_TIMEOUT = settings.var("lock_timeout")
-#: Seconds a warmup waits for another process compiling the same key. A CPU
-#: compile of one variant takes about 8 s here (2-core CPU, tiny geometry); a
-#: large GPU kernel can take minutes, hence 15 minutes.
-DEFAULT_LOCK_TIMEOUT = 900.0
-
-
-def lock_timeout_from_env() -> float:
-    """``KERNEL_CACHE_LOCK_TIMEOUT`` in seconds (default 900).
-
-    Raises:
-        ConfigError: not a number >= 0.
-    """
-    return settings.get("lock_timeout")
 
 
 def pid_alive(pid: int) -> bool | None:
@@ -133,7 +125,7 @@ class KeyLock:
         self.shared = shared
         self.path = self.dir / f"{key}.lock"
         self.owner_path = self.dir / f"{key}.owner"
-        self._fd: int | None = None
+        self._lock: filelock.FileLock | None = None
         self.waited_s = 0.0
 
     def _open_dir(self) -> int:
@@ -160,7 +152,7 @@ class KeyLock:
         except Exception:
             return None
         try:
-            fd = os.open(self.owner_path.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dfd)
+            fd = os.open(self.owner_path.name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dfd)
             with os.fdopen(fd, "rb") as f:
                 rec = json.loads(f.read(65536))
         except (OSError, ValueError):
@@ -183,34 +175,22 @@ class KeyLock:
             UntrustedCacheError: ``locks/`` or the lock file is a symbolic link.
         """
         t0 = time.monotonic()
-        dfd = self._open_dir()
+        dfd = self._open_dir()  # refuses a linked locks/ before filelock opens a file in it
         try:
+            # the shared mode is 0666 minus the umask: filelock's default when unset
+            mode = {} if self.shared else {"mode": 0o644}
+            lock = filelock.FileLock(self.path, thread_local=False, **mode)
             try:
-                fd = os.open(
-                    self.path.name,
-                    os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC,
-                    0o666 if self.shared else 0o644,
-                    dir_fd=dfd,
-                )
+                lock.acquire(timeout=timeout, blocking=timeout != 0)
+            except filelock.Timeout:
+                if timeout == 0:
+                    raise LockBusy(self.key) from None
+                raise LockTimeoutError(self.timeout_message(timeout)) from None
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.EMLINK):
                     raise _refuse_link(self.path) from None
                 raise
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        os.close(fd)
-                        raise
-                if timeout == 0 or time.monotonic() - t0 >= timeout:
-                    os.close(fd)
-                    if timeout == 0:
-                        raise LockBusy(self.key)
-                    raise LockTimeoutError(self.timeout_message(timeout))
-                time.sleep(0.05)
-            self._fd = fd
+            self._lock = lock
             self.waited_s = time.monotonic() - t0
             self._write_owner(dfd)
         finally:
@@ -224,7 +204,7 @@ class KeyLock:
             "variant": self.variant,
         }
         tmp = f"{self.owner_path.name}.{os.getpid()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
             with os.fdopen(fd, "wb") as f:
@@ -239,7 +219,7 @@ class KeyLock:
     def release(self) -> None:
         """Drop the lock (and the owner record if it is this process's); a no-op
         if it is not held."""
-        if self._fd is None:
+        if self._lock is None:
             return
         rec = self.holder()
         if rec is not None and rec.get("pid") == os.getpid():
@@ -249,13 +229,10 @@ class KeyLock:
                     os.unlink(self.owner_path.name, dir_fd=dfd)
                 finally:
                     os.close(dfd)
-            except Exception:  # noqa: BLE001 - the flock below is what matters
+            except Exception:  # noqa: BLE001 - the lock below is what matters
                 pass
-        fd, self._fd = self._fd, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        lock, self._lock = self._lock, None
+        lock.release(force=True)
 
     def timeout_message(self, timeout: float) -> str:
         """The error text for a wait of ``timeout`` seconds: key, lock file, holder."""
@@ -279,11 +256,11 @@ class KeyLock:
             f"waited {timeout:g} s for the compile lock of key {self.key[:16]}"
             f"{f' (variant {self.variant})' if self.variant else ''}: lock file {self.path} "
             f"is {who}; let it finish, stop it, or raise --lock-timeout / "
-            f"{ENV_LOCK_TIMEOUT} (seconds)"
+            f"{settings.var('lock_timeout')} (seconds)"
         )
 
     def __enter__(self):
-        self.acquire(lock_timeout_from_env())
+        self.acquire(settings.get("lock_timeout"))
         return self
 
     def __exit__(self, *exc):

@@ -35,11 +35,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kernel_cache.store.disk import LinkInCacheError, makedirs, open_dir_nofollow
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+from kernel_cache.store.nofollow import (
+    DIR_FLAGS,
+    O_CLOEXEC,
+    O_DIRECTORY,
+    O_NOFOLLOW,
+    LinkInCacheError,
+    makedirs,
+    open_dir_nofollow,
+)
 
 log = logging.getLogger("kernel_cache")
 
@@ -47,7 +51,7 @@ QUARANTINE_DIR = "quarantine"
 
 
 def _write_new(dfd: int, name: str, data: bytes) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
     fd = os.open(name, flags, 0o644, dir_fd=dfd)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -57,15 +61,11 @@ def _open_dirs(root: Path, parts) -> tuple[list[int], str | None]:
     """Descriptors of ``root`` and each folder of ``parts`` opened without
     following a link; stops at the first component that is a link and returns
     its name (the caller moves that link), else None."""
-    fds = [os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)]
+    fds = [os.open(root, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)]
     try:
         for name in parts:
             try:
-                fds.append(
-                    os.open(
-                        name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fds[-1]
-                    )
-                )
+                fds.append(os.open(name, DIR_FLAGS, dir_fd=fds[-1]))
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     return fds, name
@@ -130,9 +130,7 @@ def _make_folder(root: Path, key: str, mode: int) -> tuple[int, str]:
                 if n == 99:
                     raise
                 name = f"{key}.{stamp}.{os.getpid()}.{n + 1}"
-        return os.open(
-            name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=qfd
-        ), name
+        return os.open(name, DIR_FLAGS, dir_fd=qfd), name
     finally:
         os.close(qfd)
 

@@ -23,7 +23,8 @@ seconds (default 30), during which every call returns at once as a miss; the
 local tiers carry on. ``fail_open=False`` (``kernel-cache verify --redis-url``)
 raises :class:`RemoteUnavailableError` instead.
 
-Single flight. :class:`BuildLock` is ``SET <prefix>lock:<key> <token> NX PX
+Single flight. :class:`BuildLock` (a
+:class:`~kernel_cache.store.remote_base.BuildLease`) is ``SET <prefix>lock:<key> <token> NX PX
 <ttl>`` (redis-py's :class:`redis.lock.Lock`), renewed every ``ttl / 3`` by a
 thread while the holder compiles, and released by a compare-and-delete script.
 A holder that dies stops renewing; its lock expires after at most ``lock_ttl_s``
@@ -34,57 +35,29 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import re
-import socket
-import threading
-import time
-import uuid
 from collections.abc import Iterator, Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import ConfigError, CorruptEntryError, KernelCacheError
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are imported from here too
+    ACQUIRED,
+    BUSY,
+    PUBLISHED,
+    TIMEOUT,
+    UNAVAILABLE,
+    BuildLease,
+    RemoteSettings,
+    RemoteTier,
+    RemoteUnavailableError,
+)
 from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 
 ENV_REDIS_URL = env_settings.var("redis_url")
-ENV_REDIS_TIMEOUT = env_settings.var("redis_timeout")
-ENV_REDIS_TTL = env_settings.var("redis_ttl")
-ENV_REDIS_LOCK_TTL = env_settings.var("redis_lock_ttl")
-ENV_REDIS_LOCK_WAIT = env_settings.var("redis_lock_wait")
-
-#: RedisSettings field -> the Settings field of its variable
-_ENV_FIELDS = {
-    "timeout_s": "redis_timeout",
-    "ttl_s": "redis_ttl",
-    "lock_ttl_s": "redis_lock_ttl",
-    "lock_wait_s": "redis_lock_wait",
-}
-
-#: where each RedisSettings field comes from, for error messages
-_SOURCES = {
-    "url": f"--redis-url / {ENV_REDIS_URL}",
-    "timeout_s": f"--redis-timeout / {ENV_REDIS_TIMEOUT}",
-    "ttl_s": f"--redis-ttl / {ENV_REDIS_TTL}",
-    "lock_ttl_s": ENV_REDIS_LOCK_TTL,
-    "lock_wait_s": ENV_REDIS_LOCK_WAIT,
-}
-
-# BuildLock.acquire outcomes
-ACQUIRED = "acquired"  # we hold the lock: compile and publish
-PUBLISHED = "published"  # another builder published the entry meanwhile: fetch it
-BUSY = "busy"  # another builder holds the lock (only with wait=False)
-TIMEOUT = "timeout"  # waited lock_wait_s for a live holder: compile without the lock
-UNAVAILABLE = "unavailable"  # Redis is down: compile without the lock
-
-
-class RemoteUnavailableError(KernelCacheError):
-    """Redis could not be reached or failed, where the caller asked for it to work
-    (``kernel-cache verify --redis-url``)."""
 
 
 #: Fields of an entry's record that describe one build, not its bytes or what
@@ -127,46 +100,45 @@ def same_published(have: dict | None, want: dict) -> bool:
     return True
 
 
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and errors)."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
-
-
-class RedisSettings(BaseModel):
+class RedisSettings(RemoteSettings):
     """Where the shared cache is and how long anything may wait for it.
 
-    Fields (seconds unless noted): ``url``; ``timeout_s`` (socket connect and
-    read timeout of every call, default 2); ``ttl_s`` (entry expiry, None keeps
-    entries until deleted); ``lock_ttl_s`` (build-lock expiry, renewed every
-    third of it while compiling, default 30: a dead builder's variant is taken
-    over at most that long after it died); ``lock_wait_s`` (longest wait for a
-    live holder before compiling anyway, default 900); ``retry_s`` (how long a
-    failed Redis is left alone before the next try, default 30); ``prefix`` (of
-    every Redis key, default ``kernel_cache:``).
+    Fields (seconds unless noted), defaults from the ``KERNEL_CACHE_REDIS_*``
+    variables' (:mod:`kernel_cache.config.settings`): ``url``; ``timeout_s``
+    (socket connect and read timeout of every call); ``ttl_s`` (entry expiry,
+    None keeps entries until deleted); ``lock_ttl_s`` (build-lock expiry,
+    renewed every third of it while compiling: a dead builder's variant is
+    taken over at most that long after it died); ``lock_wait_s`` (longest wait
+    for a live holder before compiling anyway); ``retry_s`` (how long a failed
+    Redis is left alone before the next try, default 30); ``prefix`` (of every
+    Redis key, default ``kernel_cache:``).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    VARIABLES: ClassVar[dict[str, str]] = {
+        "url": "redis_url",
+        "timeout_s": "redis_timeout",
+        "ttl_s": "redis_ttl",
+        "lock_ttl_s": "redis_lock_ttl",
+        "lock_wait_s": "redis_lock_wait",
+    }
+    FLAGS: ClassVar[dict[str, str]] = {
+        "url": "--redis-url",
+        "timeout_s": "--redis-timeout",
+        "ttl_s": "--redis-ttl",
+    }
+    LABEL: ClassVar[str] = "Redis"
 
     kind: Literal["redis"] = "redis"
-    url: str
-    timeout_s: float = 2.0
-    ttl_s: int | None = None
-    lock_ttl_s: float = 30.0
-    lock_wait_s: float = 900.0
-    retry_s: float = 30.0
+    timeout_s: float = env_settings.default("redis_timeout")
+    ttl_s: int | None = env_settings.default("redis_ttl")
+    lock_ttl_s: float = env_settings.default("redis_lock_ttl")
+    lock_wait_s: float = env_settings.default("redis_lock_wait")
     prefix: str = "kernel_cache:"
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         return env_settings.check_redis_url(v)  # what redis-py's from_url would fail on later
-
-    @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
-    @classmethod
-    def _positive(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError(f"{v}: must be > 0 seconds")
-        return v
 
     @field_validator("ttl_s")
     @classmethod
@@ -175,41 +147,11 @@ class RedisSettings(BaseModel):
             raise ValueError(f"{v}: an entry TTL must be >= 1 second (or unset: no expiry)")
         return v
 
-    @classmethod
-    def from_env(
-        cls, url: str | None = None, environ: Mapping[str, str] | None = None, **overrides
-    ) -> RedisSettings | None:
-        """Settings from ``url`` (else ``KERNEL_CACHE_REDIS_URL``) and the
-        ``KERNEL_CACHE_REDIS_TIMEOUT`` / ``_TTL`` / ``_LOCK_TTL`` / ``_LOCK_WAIT`` variables;
-        ``overrides`` (not None) win. None when no URL is set.
-
-        Raises:
-            ConfigError: a malformed URL or number (names the variable and value).
-        """
-        if not url:
-            url = env_settings.get("redis_url", environ)
-            if url is None:
-                return None
-        fields: dict = {"url": url}
-        for name, env_name in _ENV_FIELDS.items():
-            if env_settings.is_set(env_name, environ):
-                fields[name] = env_settings.get(env_name, environ)
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**fields)
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
-            msgs = "; ".join(
-                f"{_SOURCES.get(str(x['loc'][0]), x['loc'][0]) if x['loc'] else 'settings'}: "
-                f"{x['msg'].removeprefix('Value error, ')}"
-                for x in e.errors()
-            )
-            raise ConfigError(f"Redis settings: {msgs}") from None
-
     def tier(self, **kw) -> RedisTier:
         return RedisTier(self, **kw)
 
 
-class RedisTier(Tier):
+class RedisTier(RemoteTier):
     """The shared remote tier (see the module docstring for layout and failure).
 
     Args:
@@ -221,20 +163,13 @@ class RedisTier(Tier):
     """
 
     name = "redis"
-    trusted = False
-    corrupt_is_miss = True
+    LABEL = "Redis"
+    CHECK = "check the URL and that redis-server is running and reachable"
 
     def __init__(self, settings: RedisSettings | str, *, fail_open: bool = True, warn=True):
         if isinstance(settings, str):
             settings = RedisSettings.from_env(url=settings, environ={})
-        self.settings = settings
-        self.location = redact(settings.url)
-        self.fail_open = fail_open
-        self.warn = warn
-        #: the first failure ("ConnectionError: ..."), None while all went well
-        self.error: str | None = None
-        self._warned = False
-        self._down_until = 0.0
+        super().__init__(settings, fail_open=fail_open, warn=warn)
         self._client = None
 
     # -- plumbing ----------------------------------------------------------
@@ -265,61 +200,15 @@ class RedisTier(Tier):
     def _name(self, kind: str, key: str) -> str:
         return f"{self.settings.prefix}{kind}:{key}"
 
-    @staticmethod
-    def _is_failure(e: BaseException) -> bool:
-        if isinstance(e, (OSError, RemoteUnavailableError)):
-            return True
+    def _call(self, fn):
+        return fn(self.client)
+
+    def _is_client_error(self, e: BaseException) -> bool:
         try:
             from redis.exceptions import RedisError
         except ImportError:
             return False
         return isinstance(e, RedisError)
-
-    def note_failure(self, e: BaseException | str) -> None:
-        """Record a failure (an exception, or the text another process reported):
-        keep :attr:`error`, warn once, leave Redis alone for ``retry_s`` seconds.
-        Never raises."""
-        if isinstance(e, (str, RemoteUnavailableError)):
-            text = str(e)
-        else:
-            text = f"{type(e).__name__}: {e}"
-        if self.error is None:
-            self.error = text
-        self._down_until = time.monotonic() + self.settings.retry_s
-        if self.warn and self.fail_open and not self._warned:  # else the caller raises
-            self._warned = True
-            log.warning(
-                "Redis at %s is unavailable (%s); carrying on with the local tiers "
-                "(next try in %.0f s)",
-                self.location,
-                text,
-                self.settings.retry_s,
-            )
-
-    def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _run(self, what: str, fn, default=None, *, fail_open: bool | None = None):
-        """``fn(client)``; on a Redis failure, :meth:`note_failure` and ``default``
-        (or :class:`RemoteUnavailableError` when not fail-open: ``fail_open``,
-        else the tier's)."""
-        fail_open = self.fail_open if fail_open is None else fail_open
-        if self.is_down():
-            if not fail_open:
-                raise RemoteUnavailableError(f"Redis at {self.location} is down: {self.error}")
-            return default
-        try:
-            return fn(self.client)
-        except Exception as e:
-            if not self._is_failure(e):
-                raise
-            self.note_failure(e)
-            if not fail_open:
-                raise RemoteUnavailableError(
-                    f"Redis at {self.location} failed during {what}: {self.error}; check the URL "
-                    "and that redis-server is running and reachable"
-                ) from None
-            return default
 
     def ping(self) -> bool:
         """True if Redis answers within the timeout."""
@@ -445,31 +334,18 @@ class RedisTier(Tier):
             self._client = None
 
 
-class BuildLock:
-    """Cross-machine single flight for compiling one key.
+class BuildLock(BuildLease):
+    """:class:`~kernel_cache.store.remote_base.BuildLease` on Redis: redis-py's
+    :class:`redis.lock.Lock` on ``<prefix>lock:<key>``, the entry's hash
+    checked for a publish while waiting."""
 
-    :meth:`acquire` returns :data:`ACQUIRED` (compile, publish, then
-    :meth:`release`), :data:`PUBLISHED` (another builder published the entry
-    while we waited: fetch it), :data:`BUSY` (held elsewhere, ``wait=False``),
-    :data:`TIMEOUT` (a live holder kept it ``lock_wait_s`` seconds) or
-    :data:`UNAVAILABLE` (Redis failed). Only ACQUIRED holds the lock. The token
-    stored is ``host:pid:random`` so a waiter can name the holder.
-    """
+    WHAT = "build lock"
 
     def __init__(self, tier: RedisTier, key: str, ttl_s=None, wait_s=None, poll_s: float = 0.25):
-        self.tier = tier
-        self.key = key
-        self.ttl_s = float(ttl_s or tier.settings.lock_ttl_s)
-        self.wait_s = float(tier.settings.lock_wait_s if wait_s is None else wait_s)
-        self.poll_s = poll_s
+        super().__init__(tier, key, ttl_s, wait_s, poll_s)
         self.name = tier._name("lock", key)
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-        self.lost = False
-        self.waited_s = 0.0
         self._lock = None
         self._held = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _redis_lock(self, client):
         if self._lock is None:
@@ -479,78 +355,33 @@ class BuildLock:
         return self._lock
 
     def holder(self) -> str | None:
-        """The token of the current holder, or None."""
         raw = self.tier._run("lock holder", lambda c: c.get(self.name))
         return raw.decode() if isinstance(raw, bytes) else raw
 
-    def acquire(self, wait: bool = True) -> str:
-        t0 = time.monotonic()
-        deadline = t0 + (self.wait_s if wait else 0.0)
-        entry = self.tier._name("entry", self.key)
-        try:
-            while True:
-                got = self.tier._run(
-                    "lock",
-                    lambda c: self._redis_lock(c).acquire(blocking=False, token=self.token),
-                )
-                if got is None:
-                    return UNAVAILABLE
-                if got:
-                    self._held = True
-                    self._start_renewal()
-                    return ACQUIRED
-                present = self.tier._run("lock", lambda c: c.exists(entry))
-                if present is None:
-                    return UNAVAILABLE
-                if present:
-                    return PUBLISHED
-                if not wait:
-                    return BUSY
-                if time.monotonic() >= deadline:
-                    log.warning(
-                        "build lock for %s still held by %s after %.0f s; compiling anyway",
-                        self.key[:16],
-                        self.holder(),
-                        self.wait_s,
-                    )
-                    return TIMEOUT
-                time.sleep(self.poll_s)
-        finally:
-            self.waited_s = time.monotonic() - t0
-
-    def _start_renewal(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._renew, name=f"kernel-cache-lock-{self.key[:8]}", daemon=True
+    def _take(self) -> bool | None:
+        got = self.tier._run(
+            "lock", lambda c: self._redis_lock(c).acquire(blocking=False, token=self.token)
         )
-        self._thread.start()
+        self._held = bool(got)
+        return got
 
-    def _renew(self) -> None:
+    def _published(self) -> bool | None:
+        entry = self.tier._name("entry", self.key)
+        return self.tier._run("lock", lambda c: c.exists(entry))
+
+    def _extend(self) -> bool | None:
         from redis.exceptions import LockNotOwnedError
 
-        interval = max(0.05, self.ttl_s / 3)
-        while not self._stop.wait(interval):
-            try:
-                self._lock.reacquire()
-            except LockNotOwnedError:
-                self.lost = True
-                log.warning(
-                    "lost the build lock for %s (it expired: was this process paused "
-                    "longer than %.1f s?); another builder may compile it too",
-                    self.key[:16],
-                    self.ttl_s,
-                )
-                return
-            except Exception as e:  # Redis went away: the lock expires on its own
-                self.tier.note_failure(e)
-                return
+        try:
+            self._lock.reacquire()
+        except LockNotOwnedError:
+            return False
+        except Exception as e:  # Redis went away: the lock expires on its own
+            self.tier.note_failure(e)
+            return None
+        return True
 
-    def release(self) -> None:
-        """Stop renewing and delete the lock if we still hold it. Never raises."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.tier.settings.timeout_s + 1)
-            self._thread = None
+    def _drop(self) -> None:
         if self._held:
             self._held = False
             self.tier._run("unlock", lambda c: self._release_quietly(), fail_open=True)

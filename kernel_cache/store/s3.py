@@ -31,7 +31,7 @@ Failure. Every call runs with obstore's ``connect_timeout`` and
 retries. The first failure logs one warning naming the URL and marks the tier
 down for ``retry_s`` seconds, during which every call is a miss at once.
 ``fail_open=False`` (``kernel-cache verify --s3-url``) raises
-:class:`~kernel_cache.store.redis.RemoteUnavailableError` instead.
+:class:`~kernel_cache.store.remote_base.RemoteUnavailableError` instead.
 """
 
 from __future__ import annotations
@@ -40,48 +40,30 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import struct
-import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import ConfigError, CorruptEntryError
-from kernel_cache.store.redis import (
-    ACQUIRED,
-    BUSY,
-    PUBLISHED,
-    TIMEOUT,
-    UNAVAILABLE,
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.store.remote_base import (
+    BuildLease,
+    RemoteSettings,
+    RemoteTier,
     RemoteUnavailableError,
 )
 from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 
-ENV_S3_URL = env_settings.var("s3_url")
 MAGIC = b"KCS3"
 _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
 META_PROBE = 16384
 MANIFEST_FORMAT = "kc-s3-manifest-1"
-
-_ENV_FIELDS = {
-    "timeout_s": "s3_timeout",
-    "lock_ttl_s": "s3_lock_ttl",
-    "lock_wait_s": "s3_lock_wait",
-}
-_SOURCES = {
-    "url": f"--s3-url / {ENV_S3_URL}",
-    "timeout_s": f"--s3-timeout / {env_settings.var('s3_timeout')}",
-    "lock_ttl_s": env_settings.var("s3_lock_ttl"),
-    "lock_wait_s": env_settings.var("s3_lock_wait"),
-}
 
 
 class S3Manifest(BaseModel):
@@ -103,36 +85,35 @@ class S3LeaseDoc(BaseModel):
     expires_at: float = Field(description="unix seconds; 0 once released")
 
 
-class S3Settings(BaseModel):
+class S3Settings(RemoteSettings):
     """Where the bucket is and how long anything may wait for it.
 
-    Fields (seconds unless noted): ``url`` (``s3://BUCKET/PREFIX``);
-    ``timeout_s`` (connect and read timeout of every call, default 2);
-    ``lock_ttl_s`` (lease expiry, renewed every third of it while compiling,
-    default 30); ``lock_wait_s`` (longest wait for a live holder, default 900);
-    ``retry_s`` (how long a failed store is left alone, default 30).
+    Fields (seconds unless noted), defaults from the ``KERNEL_CACHE_S3_*``
+    variables' (:mod:`kernel_cache.config.settings`): ``url``
+    (``s3://BUCKET/PREFIX``); ``timeout_s`` (connect and read timeout of every
+    call); ``lock_ttl_s`` (lease expiry, renewed every third of it while
+    compiling); ``lock_wait_s`` (longest wait for a live holder); ``retry_s``
+    (how long a failed store is left alone, default 30).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    VARIABLES: ClassVar[dict[str, str]] = {
+        "url": "s3_url",
+        "timeout_s": "s3_timeout",
+        "lock_ttl_s": "s3_lock_ttl",
+        "lock_wait_s": "s3_lock_wait",
+    }
+    FLAGS: ClassVar[dict[str, str]] = {"url": "--s3-url", "timeout_s": "--s3-timeout"}
+    LABEL: ClassVar[str] = "S3"
 
     kind: Literal["s3"] = "s3"
-    url: str
-    timeout_s: float = 2.0
-    lock_ttl_s: float = 30.0
-    lock_wait_s: float = 900.0
-    retry_s: float = 30.0
+    timeout_s: float = env_settings.default("s3_timeout")
+    lock_ttl_s: float = env_settings.default("s3_lock_ttl")
+    lock_wait_s: float = env_settings.default("s3_lock_wait")
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         return env_settings.check_s3_url(v)
-
-    @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s")
-    @classmethod
-    def _positive(cls, v: float) -> float:
-        if not 0 < v <= 1e9:
-            raise ValueError(f"{v}: must be > 0 and <= 1e9 seconds")
-        return v
 
     @property
     def bucket(self) -> str:
@@ -141,36 +122,6 @@ class S3Settings(BaseModel):
     @property
     def prefix(self) -> str:
         return self.url[5:].partition("/")[2].strip("/")
-
-    @classmethod
-    def from_env(
-        cls, url: str | None = None, environ: Mapping[str, str] | None = None, **overrides
-    ) -> S3Settings | None:
-        """Settings from ``url`` (else ``KERNEL_CACHE_S3_URL``) and the
-        ``KERNEL_CACHE_S3_*`` variables; ``overrides`` (not None) win. None
-        when no URL is set.
-
-        Raises:
-            ConfigError: a malformed URL or number (names the flag or variable).
-        """
-        if not url:
-            url = env_settings.get("s3_url", environ)
-            if url is None:
-                return None
-        fields: dict = {"url": url}
-        for name, env_name in _ENV_FIELDS.items():
-            if env_settings.is_set(env_name, environ):
-                fields[name] = env_settings.get(env_name, environ)
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**fields)
-        except ValueError as e:
-            msgs = "; ".join(
-                f"{_SOURCES.get(str(x['loc'][0]), x['loc'][0]) if x['loc'] else 'settings'}: "
-                f"{x['msg'].removeprefix('Value error, ')}"
-                for x in e.errors()
-            )
-            raise ConfigError(f"S3 settings: {msgs}") from None
 
     def tier(self, **kw) -> S3Tier:
         return S3Tier(self, **kw)
@@ -203,31 +154,24 @@ def manifest_name(keys) -> str:
     return f"manifests/{digest}.json"
 
 
-class S3Tier(Tier):
+class S3Tier(RemoteTier):
     """The shared S3 tier (see the module docstring for objects and failure).
 
     Args:
         settings: an :class:`S3Settings` or a URL.
         fail_open: on a failure, warn once and act as a miss (default); False
-            raises :class:`~kernel_cache.store.redis.RemoteUnavailableError`.
+            raises :class:`~kernel_cache.store.remote_base.RemoteUnavailableError`.
         warn: log the one warning (False where the caller reports :attr:`error`).
     """
 
     name = "s3"
-    trusted = False
-    corrupt_is_miss = True
+    LABEL = "S3"
+    CHECK = "check the URL, AWS_ENDPOINT_URL and the credentials, and that the store is reachable"
 
     def __init__(self, settings: S3Settings | str, *, fail_open: bool = True, warn=True):
         if isinstance(settings, str):
             settings = S3Settings.from_env(url=settings, environ={})
-        self.settings = settings
-        self.location = settings.url
-        self.fail_open = fail_open
-        self.warn = warn
-        #: the first failure ("GenericError: ..."), None while all went well
-        self.error: str | None = None
-        self._warned = False
-        self._down_until = 0.0
+        super().__init__(settings, fail_open=fail_open, warn=warn)
         self._store = None
         self._expected: list[str] = []
         self._manifest_read = False
@@ -263,62 +207,17 @@ class S3Tier(Tier):
             )
         return self._store
 
-    @staticmethod
-    def _is_failure(e: BaseException) -> bool:
-        if isinstance(e, (OSError, RemoteUnavailableError)):
-            return True
+    def _call(self, fn):
+        import obstore
+
+        return fn(obstore, self.store)
+
+    def _is_client_error(self, e: BaseException) -> bool:
         try:
             from obstore.exceptions import BaseError
         except ImportError:
             return False
         return isinstance(e, BaseError)
-
-    def note_failure(self, e: BaseException | str) -> None:
-        """Record a failure: keep :attr:`error`, warn once, leave the store alone
-        for ``retry_s`` seconds. Never raises."""
-        if isinstance(e, (str, RemoteUnavailableError)):
-            text = str(e)
-        else:
-            text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if self.error is None:
-            self.error = text
-        self._down_until = time.monotonic() + self.settings.retry_s
-        if self.warn and self.fail_open and not self._warned:
-            self._warned = True
-            log.warning(
-                "S3 at %s is unavailable (%s); carrying on with the local tiers "
-                "(next try in %.0f s)",
-                self.location,
-                text,
-                self.settings.retry_s,
-            )
-
-    def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _run(self, what: str, fn, default=None, *, fail_open: bool | None = None):
-        """``fn(obstore, store)``; on a failure :meth:`note_failure` and ``default``
-        (or raise when not fail-open). Not-found, already-exists and
-        precondition answers are the caller's to handle inside ``fn``."""
-        fail_open = self.fail_open if fail_open is None else fail_open
-        if self.is_down():
-            if not fail_open:
-                raise RemoteUnavailableError(f"S3 at {self.location} is down: {self.error}")
-            return default
-        try:
-            import obstore
-
-            return fn(obstore, self.store)
-        except Exception as e:
-            if not self._is_failure(e):
-                raise
-            self.note_failure(e)
-            if not fail_open:
-                raise RemoteUnavailableError(
-                    f"S3 at {self.location} failed during {what}: {self.error}; check the URL, "
-                    "AWS_ENDPOINT_URL and the credentials, and that the store is reachable"
-                ) from None
-            return default
 
     def _get_bytes(self, path: str) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure)."""
@@ -523,33 +422,25 @@ class S3Tier(Tier):
         self._prefetched = {}
 
 
-class S3Lease:
-    """Cross-machine single flight for compiling one key, with the same
-    outcomes as :class:`kernel_cache.store.redis.BuildLock`.
+class S3Lease(BuildLease):
+    """:class:`~kernel_cache.store.remote_base.BuildLease` on S3.
 
     The lease object ``leases/<key>`` holds ``{"holder", "expires_at"}`` (unix
     seconds). Taken with ``If-None-Match: *``; an expired one (its holder died or
     released it) is taken over by a conditional overwrite ``If-Match: <ETag>``
-    of the lease read, so of two builders racing for it one wins. Renewed every
-    ``ttl / 3`` by a thread (``If-Match`` on our own ETag: a lease taken over
-    after we stalled is lost, not stolen back) and released by overwriting it
-    as expired (``If-Match`` again). Expiry compares wall clocks of builders:
-    their skew must stay well below the TTL.
+    of the lease read, so of two builders racing for it one wins. Renewed with
+    ``If-Match`` on our own ETag (a lease taken over after we stalled is lost,
+    not stolen back) and released by overwriting it as expired (``If-Match``
+    again). Expiry compares wall clocks of builders: their skew must stay well
+    below the TTL.
     """
 
+    WHAT = "S3 build lease"
+
     def __init__(self, tier: S3Tier, key: str, ttl_s=None, wait_s=None, poll_s: float = 0.25):
-        self.tier = tier
-        self.key = key
-        self.ttl_s = float(ttl_s or tier.settings.lock_ttl_s)
-        self.wait_s = float(tier.settings.lock_wait_s if wait_s is None else wait_s)
-        self.poll_s = poll_s
+        super().__init__(tier, key, ttl_s, wait_s, poll_s)
         self.path = f"leases/{key}"
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-        self.lost = False
-        self.waited_s = 0.0
         self._etag: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _body(self, expires_at: float) -> bytes:
         return S3LeaseDoc(holder=self.token, expires_at=expires_at).model_dump_json().encode()
@@ -589,74 +480,34 @@ class S3Lease:
         got = self._read()
         return got[0].get("holder") if got else None
 
-    def acquire(self, wait: bool = True) -> str:
-        t0 = time.monotonic()
-        deadline = t0 + (self.wait_s if wait else 0.0)
-        try:
-            while True:
-                etag = self._put("create", time.time() + self.ttl_s)
-                if etag is False:
-                    return UNAVAILABLE
-                if etag is None:
-                    got = self._read()
-                    if got is False:
-                        return UNAVAILABLE
-                    if got is not None and float(got[0].get("expires_at", 0)) < time.time():
-                        etag = self._put({"e_tag": got[1]}, time.time() + self.ttl_s)
-                        if etag is False:
-                            return UNAVAILABLE
-                if etag is not None and etag is not False:
-                    self._etag = etag
-                    self._start_renewal()
-                    return ACQUIRED
-                if self.tier.contains(self.key):
-                    return PUBLISHED
-                if self.tier.is_down():
-                    return UNAVAILABLE
-                if not wait:
-                    return BUSY
-                if time.monotonic() >= deadline:
-                    log.warning(
-                        "S3 build lease for %s still held by %s after %.0f s; compiling anyway",
-                        self.key[:16],
-                        self.holder(),
-                        self.wait_s,
-                    )
-                    return TIMEOUT
-                time.sleep(self.poll_s)
-        finally:
-            self.waited_s = time.monotonic() - t0
+    def _take(self) -> bool | None:
+        etag = self._put("create", time.time() + self.ttl_s)
+        if etag is None:
+            got = self._read()
+            if got is False:
+                return None
+            if got is not None and float(got[0].get("expires_at", 0)) < time.time():
+                etag = self._put({"e_tag": got[1]}, time.time() + self.ttl_s)
+        if etag is False:
+            return None
+        if etag is None:
+            return False
+        self._etag = etag
+        return True
 
-    def _start_renewal(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._renew, name=f"kernel-cache-lease-{self.key[:8]}", daemon=True
-        )
-        self._thread.start()
+    def _published(self) -> bool | None:
+        if self.tier.contains(self.key):
+            return True
+        return None if self.tier.is_down() else False
 
-    def _renew(self) -> None:
-        interval = max(0.05, self.ttl_s / 3)
-        while not self._stop.wait(interval):
-            etag = self._put({"e_tag": self._etag}, time.time() + self.ttl_s)
-            if etag is None:
-                self.lost = True
-                log.warning(
-                    "lost the S3 build lease for %s (it expired: was this process paused "
-                    "longer than %.1f s?); another builder may compile it too",
-                    self.key[:16],
-                    self.ttl_s,
-                )
-                return
-            if etag is False:
-                return  # the store failed (noted): the lease expires on its own
-            self._etag = etag
+    def _extend(self) -> bool | None:
+        etag = self._put({"e_tag": self._etag}, time.time() + self.ttl_s)
+        if etag is None or etag is False:
+            return None if etag is False else False  # failed (noted) / taken over
+        self._etag = etag
+        return True
 
-    def release(self) -> None:
-        """Stop renewing and mark the lease expired if we still hold it. Never raises."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.tier.settings.timeout_s + 1)
-            self._thread = None
+    def _drop(self) -> None:
         if self._etag is not None and not self.lost:
             try:
                 self._put({"e_tag": self._etag}, 0.0)

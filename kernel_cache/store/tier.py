@@ -1,15 +1,10 @@
-"""Storage tiers behind one small interface, and entry verification.
+"""The local disk tier (:class:`DiskTier`), and the names callers import with it.
 
-An entry is the artifact's bytes (an AOTInductor ``.pt2`` package) plus a JSON
-metadata record::
-
-    {"key": <sha256 hex>, "variant": "batched_decode:1:8:4",
-     "components": {name: value, ...}, "sha256": <sha256 of the bytes>,
-     "size": <bytes>, "compile_seconds": <float>, "created": <unix seconds>,
-     "format": "kc1"}
-
-Metadata is JSON, never pickle. Every tier returns raw entries;
-:func:`verify_entry` checks them before any code is loaded.
+The tier interface is :mod:`kernel_cache.store.base`'s, an entry and its
+metadata record :mod:`kernel_cache.store.entry`'s; both are imported here too,
+where most callers take them from. Every tier returns raw entries;
+:func:`~kernel_cache.store.entry.verify_entry` checks them before any code is
+loaded.
 
 The interface (:class:`Tier`) follows the shape of Triton's ``CacheManager``
 (``python/triton/runtime/cache.py``): get, put, contains, delete and listing.
@@ -17,317 +12,35 @@ The interface (:class:`Tier`) follows the shape of Triton's ``CacheManager``
 
 from __future__ import annotations
 
-import abc
-import hashlib
 import json
 import os
 import sqlite3
 import stat
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from kernel_cache.config import settings
 from kernel_cache.errors import (
     CacheWriteError,
     CorruptEntryError,
     UntrustedCacheError,
-    describe_errors,
 )
-from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
-from kernel_cache.plan.traced import Manifest, chain_key
-
-ENV_CACHE_DIR = settings.var("dir")
-
-
-def default_cache_dir() -> Path:
-    """``$KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernel_cache``, else
-    ``~/.cache/kernel_cache`` (a relative ``XDG_CACHE_HOME`` is ignored, as the
-    XDG Base Directory spec says)."""
-    env = settings.get("dir")
-    if env is not None:
-        return env
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
-
-
-def check_cache_dir_path(directory: Path, source: str, fix: str) -> None:
-    """Raise :class:`~kernel_cache.errors.ConfigError` when ``directory``, or a
-    folder above it, exists and is not a directory, naming both, ``source``
-    (where the path came from) and ``fix`` (what to point at a directory)."""
-    for p in (directory, *directory.parents):
-        try:
-            if not p.exists():
-                continue
-        except OSError:
-            return
-        if not p.is_dir():
-            from kernel_cache.errors import ConfigError
-
-            what = "it is" if p == directory else f"{p} is"
-            raise ConfigError(
-                f"cache directory {directory} (from {source}): {what} a file, not a directory; "
-                f"fix: point {fix} at a directory (a new one or a kernel-cache cache), "
-                f"or move {p} out of the way"
-            )
-        return
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A stored entry as read from a tier: metadata (parsed JSON) and bytes."""
-
-    key: str
-    meta: dict
-    data: bytes
-    where: str = ""
-
-
-class EntryMeta(BaseModel):
-    """An entry's JSON metadata record (see the module docstring).
-
-    ``key``, ``sha256`` and ``size`` (bytes) are required; the other fields
-    are written by :func:`make_meta` and may be absent from older records.
-    Fields beyond these (``timings``, ``cpu_target``, ``cpu_features``,
-    ``signature``, ``imported_from``, a bundle's ``file``) are kept as stored.
-
-    ``traced``: the files whose code ran while the kernel was built and
-    exported, with their sha256, and the distributions, with their versions
-    (:mod:`kernel_cache.plan.traced`); checked against the files here before
-    the entry is used. ``derived``: for an entry compiled while files its plan
-    key's entry recorded had changed, the state of those files at each step,
-    so that ``key`` is ``chain_key(hash of components, derived)`` (docs/keys.md).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="allow")
-
-    key: str
-    sha256: str
-    size: StrictInt = Field(ge=0)
-    variant: str | None = None
-    components: dict[str, str] | None = None
-    # int | float: a number read back is written back unchanged (5 stays 5)
-    compile_seconds: int | float | None = None
-    created: int | float | None = None
-    format: str | None = None
-    traced: Manifest | None = None
-    derived: list[Manifest] | None = None
-
-    def record(self) -> dict:
-        """The JSON record: the fields it was made or read with, extra ones included."""
-        return self.model_dump(mode="json", exclude_unset=True)
-
-
-def make_meta(
-    key: CacheKey,
-    variant: str,
-    data: bytes,
-    compile_seconds: float,
-    *,
-    traced: Manifest | None = None,
-    derived=(),
-    **extra,
-) -> dict:
-    """The JSON metadata record for a new entry (an :class:`EntryMeta` record),
-    stored under ``key`` or, given ``derived`` states, under the key they derive
-    from it (:func:`kernel_cache.plan.traced.chain_key`)."""
-    if traced is not None:
-        extra["traced"] = traced
-    if derived:
-        extra["derived"] = list(derived)
-    return EntryMeta(
-        key=chain_key(key.hexdigest, derived),
-        variant=variant,
-        components=key.as_dict(),
-        sha256=hashlib.sha256(data).hexdigest(),
-        size=len(data),
-        compile_seconds=round(compile_seconds, 3),
-        created=time.time(),
-        format=ARTIFACT_FORMAT,
-        **extra,
-    ).record()
-
-
-def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
-    """Parse a metadata record (JSON, validated as :class:`EntryMeta`); returns
-    the parsed object as stored.
-
-    Raises:
-        CorruptEntryError: not JSON, not an object, or a field missing or of the
-            wrong type (names the field, what was wrong and the value).
-    """
-    try:
-        meta = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, TypeError) as e:
-        raise CorruptEntryError(key, f"metadata is not JSON ({e})", where) from None
-    check_meta(meta, key, where)
-    return meta  # as stored: validated, never rewritten
-
-
-def check_meta(meta, key: str, where: str = "") -> EntryMeta:
-    """``meta`` (parsed JSON) as an :class:`EntryMeta`.
-
-    Raises:
-        CorruptEntryError: naming the field and what was wrong.
-    """
-    if not isinstance(meta, dict):
-        raise CorruptEntryError(
-            key, f"metadata is a JSON {type(meta).__name__}, not an object", where
-        )
-    try:
-        return EntryMeta.model_validate(meta)
-    except ValidationError as e:
-        raise CorruptEntryError(key, f"metadata: {describe_errors(e)}", where) from None
-
-
-def verify_entry(entry: Entry) -> str:
-    """Check an entry before its code is loaded; returns the sha256 (hex) of its
-    bytes, so a signature check need not hash them again.
-
-    Raises:
-        CorruptEntryError: the metadata is malformed (names the field), names
-            another key, the size differs (truncated bytes), or the sha256 of
-            the bytes does not match.
-    """
-    m = check_meta(entry.meta, entry.key, entry.where)
-    if m.key != entry.key:
-        raise CorruptEntryError(entry.key, f"metadata is for key {m.key[:16]}", entry.where)
-    if m.size != len(entry.data):
-        raise CorruptEntryError(
-            entry.key,
-            f"size {len(entry.data)} bytes != recorded {m.size} (truncated?)",
-            entry.where,
-        )
-    digest = hashlib.sha256(entry.data).hexdigest()
-    if digest != m.sha256:
-        raise CorruptEntryError(
-            entry.key, f"sha256 {digest[:16]} != recorded {m.sha256[:16]}", entry.where
-        )
-    return digest
-
-
-class PutOutcome(str, Enum):
-    """What :meth:`Tier.put` did."""
-
-    STORED = "stored"  #: the entry is now in the tier
-    PRESENT = "present"  #: the same record was there already; nothing was written
-    READ_ONLY = "read-only"  #: refused: the tier is read-only (``reason`` says which)
-    FAILED = "failed"  #: a fail-open tier could not store it (``reason`` says why)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """The typed result of :meth:`Tier.put`: the outcome, the tier's location
-    (for reports) and, unless stored, why."""
-
-    outcome: PutOutcome
-    where: str = ""
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        """True if the tier holds the entry now (stored or already present)."""
-        return self.outcome in (PutOutcome.STORED, PutOutcome.PRESENT)
-
-    @property
-    def stored(self) -> bool:
-        """True if this call wrote the entry."""
-        return self.outcome is PutOutcome.STORED
-
-
-class Tier(abc.ABC):
-    """A place entries are stored: a bundle, a local disk cache, Redis.
-
-    The interface is get, put, contains and iteration over metadata. Whether a
-    tier's entries are trusted, whether a bad one is a miss and where a hit is
-    copied are the policy of the lookup that orders the tiers
-    (:class:`kernel_cache.store.lookup.Source`); :attr:`trusted` and
-    :attr:`corrupt_is_miss` are only the defaults it starts from. :attr:`name`
-    and :attr:`location` are for reports (where an entry came from).
-    """
-
-    name: str = "tier"
-    location: str = ""
-    #: Default policy: False for shared stores others can write (Redis, bundles),
-    #: whose entries must also pass :func:`kernel_cache.trust.signing.check_untrusted`.
-    trusted: bool = True
-    #: Default policy: True where an entry failing its checks is a miss rather
-    #: than an error (Redis: a shared cache that warmup repairs).
-    corrupt_is_miss: bool = False
-
-    @abc.abstractmethod
-    def get(self, key: str) -> Entry | None:
-        """The raw (unverified) entry, or None on a miss.
-
-        Raises:
-            CorruptEntryError: the entry exists but its metadata cannot be read.
-        """
-
-    @abc.abstractmethod
-    def get_meta(self, key: str) -> dict | None:
-        """The metadata record alone, or None."""
-
-    @abc.abstractmethod
-    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
-        """Publish an entry atomically: readers see all of it or none of it.
-
-        Returns the outcome (:class:`PutResult`): stored, already present,
-        refused as read-only, or failed (a fail-open tier) with the reason.
-        A fail-closed tier raises instead of failing (the disk tier:
-        CacheWriteError, CacheBusyError).
-        """
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> None: ...
-
-    @abc.abstractmethod
-    def iter_meta(self) -> Iterator[dict]:
-        """Every entry's metadata (for ls, stats, explain)."""
-
-    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
-        """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
-        reason)`` for one whose metadata cannot be read (the default lists
-        :meth:`iter_meta`, which has none of the latter)."""
-        for m in self.iter_meta():
-            yield m["key"], m, None
-
-    def contains(self, key: str) -> bool:
-        return self.get_meta(key) is not None
-
-    def quarantine(self, key: str, reason: str, variant: str = "") -> str:
-        """Move ``key``'s bad entry out of the way; returns where it was kept, or
-        ``""`` where the tier keeps nothing (this default deletes it)."""
-        self.delete(key)
-        return ""
-
-    def note_usage(self, hits, misses: int) -> bool:
-        """Record ``hits`` (keys served now) and ``misses`` (a count) where the
-        tier keeps usage records; returns whether it does (this default: no).
-        Best effort, never raises."""
-        return False
-
-    def repair_hint(self, config, cache_dir=None) -> str:
-        """How a corrupt entry of this tier is replaced, for error messages
-        (``config``: the EngineConfig; ``cache_dir``: the local cache given, if any)."""
-        from kernel_cache.config.engine import config_to_cli
-
-        return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
-
-    def expect(self, keys) -> None:  # noqa: B027 - optional hook
-        """The keys the caller is about to look up (a plan); a tier may fetch them
-        together (S3: its plan manifest). Sends nothing by itself."""
-
-    def publish_manifest(self, keys) -> PutResult | None:
-        """Record that every key of ``keys`` (a whole plan) is published, where
-        the tier keeps such records (S3); None where it does not (this default)."""
-        return None
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        pass
+from kernel_cache.store.base import (  # noqa: F401 - callers import these from here
+    ENV_CACHE_DIR,
+    PutOutcome,
+    PutResult,
+    Tier,
+    check_cache_dir_path,
+    default_cache_dir,
+)
+from kernel_cache.store.entry import (  # noqa: F401 - callers import these from here
+    Entry,
+    EntryMeta,
+    check_meta,
+    make_meta,
+    parse_meta,
+    verify_entry,
+)
 
 
 class DiskTier(Tier):
@@ -368,14 +81,13 @@ class DiskTier(Tier):
         allow_shared: bool | None = None,
         timeout: float | None = None,
     ):
-        from kernel_cache.store.disk import db_timeout_from_env
         from kernel_cache.trust.permissions import EntryFileChecker, resolve_allow_shared
 
         self.directory = Path(directory) if directory else default_cache_dir()
         self.location = str(self.directory)
         self.read_only = read_only
         self.allow_shared = resolve_allow_shared(allow_shared)
-        self.timeout = db_timeout_from_env() if timeout is None else float(timeout)
+        self.timeout = settings.get("db_timeout") if timeout is None else float(timeout)
         self._files = EntryFileChecker(self.directory, allow_shared=self.allow_shared)
         self._cache = None
         self._snapshot = None

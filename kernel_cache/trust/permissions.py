@@ -49,18 +49,9 @@ FLAG_ALLOW_SHARED = "--insecure-allow-shared-dir"
 _warned: set[str] = set()
 
 
-def allow_shared_from_env() -> bool:
-    """``KERNEL_CACHE_INSECURE_ALLOW_SHARED_DIR`` as a bool (``1``/``0``, unset = 0).
-
-    Raises:
-        ConfigError: the variable holds something else.
-    """
-    return settings.get("insecure_allow_shared_dir")
-
-
 def resolve_allow_shared(allow_shared: bool | None) -> bool:
     """An explicit argument wins; None reads the environment."""
-    return allow_shared_from_env() if allow_shared is None else bool(allow_shared)
+    return settings.get("insecure_allow_shared_dir") if allow_shared is None else bool(allow_shared)
 
 
 def _user(uid: int) -> str:

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import CacheWriteError, KernelCacheError
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import Plan, PlanItem
-from kernel_cache.store.locks import lock_timeout_from_env
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import RedisSettings
 from kernel_cache.store.tier import DiskTier, Tier
@@ -190,7 +190,7 @@ def warmup(
     plan = Plan.build(config)
     items = list(plan) if variants is None else plan.items_for(variants)
     allow_shared = resolve_allow_shared(allow_shared_dir)
-    lock_timeout = lock_timeout_from_env() if lock_timeout is None else float(lock_timeout)
+    lock_timeout = settings.get("lock_timeout") if lock_timeout is None else float(lock_timeout)
     secret = load_signer()
     keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
@@ -288,7 +288,7 @@ def compile_items(
     allow_shared = resolve_allow_shared(None)
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
     results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
-    options = {"lock_timeout": lock_timeout_from_env(), "allow_shared": allow_shared}
+    options = {"lock_timeout": settings.get("lock_timeout"), "allow_shared": allow_shared}
     reporter = _Reporter(len(items), len(cached), progress)
     try:
         if todo:

@@ -91,7 +91,7 @@ def _plan_launch(cfg, bucketer):
 
 
 def cmd_warmup(args) -> int:
-    from kernel_cache.store.housekeeping import max_size_from_env, parse_size
+    from kernel_cache.config import settings
     from kernel_cache.trust.signing import load_trusted_keys
     from warmup.build.planner import WarmupInterrupted, warmup
 
@@ -101,7 +101,11 @@ def cmd_warmup(args) -> int:
         raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
     if args.lock_timeout is not None and not args.lock_timeout >= 0:
         raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
-    max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    max_size = (
+        settings.parse_size(args.max_size, "--max-size")
+        if args.max_size
+        else settings.get("max_size")
+    )
     load_trusted_keys(required=args.require_signed or None)
     remote = _remote_settings(args)
     try:

@@ -95,7 +95,8 @@ def cmd_import(args) -> int:
 
 # -- keygen --------------------------------------------------------------------
 def cmd_keygen(args) -> int:
-    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS, generate_keypair
+    from kernel_cache.trust.keygen import generate_keypair
+    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
 
     report = generate_keypair(args.dir, force=args.force)
     if args.json:
@@ -284,15 +285,14 @@ def keep_plan_config(spec: str) -> EngineConfig:
 
 
 def cmd_gc(args) -> int:
-    from kernel_cache.store.housekeeping import (
-        format_size,
-        gc,
-        max_size_from_env,
-        parse_size,
-        plan_digests,
-    )
+    from kernel_cache.config import settings
+    from kernel_cache.store.housekeeping import format_size, gc, plan_digests
 
-    max_size = parse_size(args.max_size, "--max-size") if args.max_size else max_size_from_env()
+    max_size = (
+        settings.parse_size(args.max_size, "--max-size")
+        if args.max_size
+        else settings.get("max_size")
+    )
     if max_size is None:
         raise KernelCacheError("gc needs a limit: --max-size SIZE (or $KERNEL_CACHE_MAX_SIZE)")
     keep: set[str] = set()

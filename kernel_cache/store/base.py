@@ -1,0 +1,173 @@
+"""The interface every storage tier has (:class:`Tier`), what a put did
+(:class:`PutResult`), and where the local cache is by default.
+
+The interface follows the shape of Triton's ``CacheManager``
+(``python/triton/runtime/cache.py``): get, put, contains, delete and listing.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from kernel_cache.config import settings
+from kernel_cache.store.entry import Entry
+
+ENV_CACHE_DIR = settings.var("dir")
+
+
+def default_cache_dir() -> Path:
+    """``$KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kernel_cache``, else
+    ``~/.cache/kernel_cache`` (a relative ``XDG_CACHE_HOME`` is ignored, as the
+    XDG Base Directory spec says)."""
+    env = settings.get("dir")
+    if env is not None:
+        return env
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
+
+
+def check_cache_dir_path(directory: Path, source: str, fix: str) -> None:
+    """Raise :class:`~kernel_cache.errors.ConfigError` when ``directory``, or a
+    folder above it, exists and is not a directory, naming both, ``source``
+    (where the path came from) and ``fix`` (what to point at a directory)."""
+    for p in (directory, *directory.parents):
+        try:
+            if not p.exists():
+                continue
+        except OSError:
+            return
+        if not p.is_dir():
+            from kernel_cache.errors import ConfigError
+
+            what = "it is" if p == directory else f"{p} is"
+            raise ConfigError(
+                f"cache directory {directory} (from {source}): {what} a file, not a directory; "
+                f"fix: point {fix} at a directory (a new one or a kernel-cache cache), "
+                f"or move {p} out of the way"
+            )
+        return
+
+
+class PutOutcome(str, Enum):
+    """What :meth:`Tier.put` did."""
+
+    STORED = "stored"  #: the entry is now in the tier
+    PRESENT = "present"  #: the same record was there already; nothing was written
+    READ_ONLY = "read-only"  #: refused: the tier is read-only (``reason`` says which)
+    FAILED = "failed"  #: a fail-open tier could not store it (``reason`` says why)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """The typed result of :meth:`Tier.put`: the outcome, the tier's location
+    (for reports) and, unless stored, why."""
+
+    outcome: PutOutcome
+    where: str = ""
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True if the tier holds the entry now (stored or already present)."""
+        return self.outcome in (PutOutcome.STORED, PutOutcome.PRESENT)
+
+    @property
+    def stored(self) -> bool:
+        """True if this call wrote the entry."""
+        return self.outcome is PutOutcome.STORED
+
+
+class Tier(abc.ABC):
+    """A place entries are stored: a bundle, a local disk cache, Redis.
+
+    The interface is get, put, contains and iteration over metadata. Whether a
+    tier's entries are trusted, whether a bad one is a miss and where a hit is
+    copied are the policy of the lookup that orders the tiers
+    (:class:`kernel_cache.store.lookup.Source`); :attr:`trusted` and
+    :attr:`corrupt_is_miss` are only the defaults it starts from. :attr:`name`
+    and :attr:`location` are for reports (where an entry came from).
+    """
+
+    name: str = "tier"
+    location: str = ""
+    #: Default policy: False for shared stores others can write (Redis, bundles),
+    #: whose entries must also pass :func:`kernel_cache.trust.signing.check_untrusted`.
+    trusted: bool = True
+    #: Default policy: True where an entry failing its checks is a miss rather
+    #: than an error (Redis: a shared cache that warmup repairs).
+    corrupt_is_miss: bool = False
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Entry | None:
+        """The raw (unverified) entry, or None on a miss.
+
+        Raises:
+            CorruptEntryError: the entry exists but its metadata cannot be read.
+        """
+
+    @abc.abstractmethod
+    def get_meta(self, key: str) -> dict | None:
+        """The metadata record alone, or None."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, meta: dict) -> PutResult:
+        """Publish an entry atomically: readers see all of it or none of it.
+
+        Returns the outcome (:class:`PutResult`): stored, already present,
+        refused as read-only, or failed (a fail-open tier) with the reason.
+        A fail-closed tier raises instead of failing (the disk tier:
+        CacheWriteError, CacheBusyError).
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def iter_meta(self) -> Iterator[dict]:
+        """Every entry's metadata (for ls, stats, explain)."""
+
+    def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
+        """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
+        reason)`` for one whose metadata cannot be read (the default lists
+        :meth:`iter_meta`, which has none of the latter)."""
+        for m in self.iter_meta():
+            yield m["key"], m, None
+
+    def contains(self, key: str) -> bool:
+        return self.get_meta(key) is not None
+
+    def quarantine(self, key: str, reason: str, variant: str = "") -> str:
+        """Move ``key``'s bad entry out of the way; returns where it was kept, or
+        ``""`` where the tier keeps nothing (this default deletes it)."""
+        self.delete(key)
+        return ""
+
+    def note_usage(self, hits, misses: int) -> bool:
+        """Record ``hits`` (keys served now) and ``misses`` (a count) where the
+        tier keeps usage records; returns whether it does (this default: no).
+        Best effort, never raises."""
+        return False
+
+    def repair_hint(self, config, cache_dir=None) -> str:
+        """How a corrupt entry of this tier is replaced, for error messages
+        (``config``: the EngineConfig; ``cache_dir``: the local cache given, if any)."""
+        from kernel_cache.config.engine import config_to_cli
+
+        return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
+
+    def expect(self, keys) -> None:  # noqa: B027 - optional hook
+        """The keys the caller is about to look up (a plan); a tier may fetch them
+        together (S3: its plan manifest). Sends nothing by itself."""
+
+    def publish_manifest(self, keys) -> PutResult | None:
+        """Record that every key of ``keys`` (a whole plan) is published, where
+        the tier keeps such records (S3); None where it does not (this default)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
