@@ -72,3 +72,50 @@ def test_a_reinstall_with_other_code_under_the_same_version_is_a_change(tmp_path
 
     _install(site, "def gain():\n    return 1.0\n")  # the first code again: a hit again
     assert _run(site, "check", json.dumps(stored)) == []
+
+
+SOURCELESS = r"""
+import json, sys
+from kernel_cache.errors import CompileError
+from kernel_cache.plan.traced import manifest_of
+import kcpyc
+try:
+    print(json.dumps(manifest_of([kcpyc.gain.__code__.co_filename]).record()))
+except CompileError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def _sourceless(site: Path, with_dist: bool) -> dict:
+    """``kcpyc`` as ``kcpyc/__init__.pyc`` only (compiled with the path it is
+    installed at, as a sourceless wheel ships it), with or without a dist-info
+    listing it; returns the manifest a fresh process records for its code."""
+    pkg = site / "kcpyc"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def gain():\n    return 1.0\n")
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-b", "-d", str(pkg), str(pkg)], check=True
+    )
+    (pkg / "__init__.py").unlink()
+    if with_dist:
+        info = site / "kcpyc-0.1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kcpyc\nVersion: 0.1.0\n")
+        (info / "RECORD").write_text(f"kcpyc/__init__.pyc,,\n{info.name}/METADATA,,\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SOURCELESS], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_sourceless_module_of_a_distribution_is_recorded_by_the_distribution(tmp_path):
+    m = _sourceless(tmp_path / "site-packages", with_dist=True)
+    assert m["files"] == {} and list(m["dists"]) == ["kcpyc"]
+    assert m["dists"]["kcpyc"].startswith("0.1.0 (RECORD ")
+
+
+def test_a_sourceless_module_in_site_packages_outside_a_distribution_is_refused(tmp_path):
+    m = _sourceless(tmp_path / "site-packages", with_dist=False)
+    assert "kcpyc/__init__.py" in m["error"] and "not on disk" in m["error"]

@@ -283,7 +283,12 @@ def manifest_of(filenames) -> Manifest:
             continue
         path = _norm(filename)
         if not os.path.isfile(path):
-            if kind == OTHER and os.path.isabs(path):
+            # a sourceless module of a distribution (its RECORD lists the .pyc
+            # beside where the .py would be): recorded by the distribution
+            dist = dist_of(path + "c") if kind == SITE and os.path.isfile(path + "c") else None
+            if dist is not None:
+                dists[dist] = dist_version(dist)
+            elif os.path.isabs(path) and (kind == OTHER or os.path.isfile(path + "c")):
                 raise CompileError(
                     f"code from {filename} ran while the kernel was built, and that file "
                     "is not on disk (a module shipped as .pyc only, or a file removed "
