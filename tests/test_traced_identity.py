@@ -23,7 +23,15 @@ from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.plan.sources import source_files
-from kernel_cache.plan.traced import MISSING, Manifest, changes, current, find_file, manifest_of
+from kernel_cache.plan.traced import (
+    MISSING,
+    Manifest,
+    changes,
+    current,
+    dist_version,
+    find_file,
+    manifest_of,
+)
 from kernel_cache.store.lookup import Lookup, consistent, current_entry
 from kernel_cache.store.tier import DiskTier, make_meta
 
@@ -185,7 +193,8 @@ def test_the_manifest_hashes_source_files_and_names_distributions(site):
             (ROOT / "kernel_cache" / "plan" / "traced.py").read_bytes()
         ).hexdigest(),
     }
-    assert m.dists == {"pydantic": importlib.metadata.version("pydantic")}
+    assert m.dists == {"pydantic": dist_version("pydantic")}
+    assert m.dists["pydantic"].startswith(importlib.metadata.version("pydantic") + " (RECORD ")
     assert str(site) not in json.dumps(m.record())
 
 

@@ -15,8 +15,9 @@ Each file is classified (:func:`classify`):
 - the standard library: ignored (the ``python`` component pins it);
 - torch's own package: ignored (the ``torch`` component pins it);
 - a file listed in an installed distribution's ``RECORD``: recorded as the
-  distribution's name and version (hashing every file of a large library on
-  every engine start would cost more than the version, which pins its files);
+  distribution's name, version and a digest of its ``RECORD`` (which holds the
+  sha256 of every file installed: :func:`dist_version`); hashing every file
+  of a large library on every engine start would cost more;
 - anything else (the engine's source trees, top-level modules, editable
   installs, kernel_cache and warmup themselves): its sha256, under its path
   relative to the folder its top-level module was imported from
@@ -196,12 +197,22 @@ def dist_of(path: str) -> str | None:
 
 @functools.cache
 def dist_version(name: str) -> str:
-    """The installed version of distribution ``name``, or :data:`MISSING`
-    (read from its metadata; cached per process)."""
+    """What identifies the installed distribution ``name``: its version and the
+    first 16 hex of the sha256 of its ``RECORD`` (``"0.1.0 (RECORD
+    1a2b3c4d5e6f7a8b)"``; the version alone where it has none), or
+    :data:`MISSING`. Read from its metadata; cached per process.
+
+    ``RECORD`` lists the sha256 of every file the installer wrote, so a
+    reinstall of changed code under the same version (``pip install ./pkg``
+    again) changes it; an edit made in place after installing does not."""
     try:
-        return importlib.metadata.version(name)
+        dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return MISSING
+    record = dist.read_text("RECORD")
+    if not record:
+        return dist.version
+    return f"{dist.version} (RECORD {hashlib.sha256(record.encode()).hexdigest()[:16]})"
 
 
 # -- files --------------------------------------------------------------------------
@@ -272,7 +283,12 @@ def manifest_of(filenames) -> Manifest:
             continue
         path = _norm(filename)
         if not os.path.isfile(path):
-            if kind == OTHER and os.path.isabs(path):
+            # a sourceless module of a distribution (its RECORD lists the .pyc
+            # beside where the .py would be): recorded by the distribution
+            dist = dist_of(path + "c") if kind == SITE and os.path.isfile(path + "c") else None
+            if dist is not None:
+                dists[dist] = dist_version(dist)
+            elif os.path.isabs(path) and (kind == OTHER or os.path.isfile(path + "c")):
                 raise CompileError(
                     f"code from {filename} ran while the kernel was built, and that file "
                     "is not on disk (a module shipped as .pyc only, or a file removed "

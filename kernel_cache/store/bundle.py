@@ -156,6 +156,8 @@ def read_manifest(directory: str | os.PathLike) -> BundleManifest:
         if isinstance(e, json.JSONDecodeError):
             raise BundleError(f"bundle manifest {str(path)!r} is not JSON: {e}") from None
         raise BundleError(f"bundle manifest {str(path)!r}: {e}") from None
+    except RecursionError:  # "[[[[...": json raises it, not ValueError
+        raise BundleError(f"bundle manifest {str(path)!r} is not JSON: nested too deep") from None
     except FileNotFoundError:
         raise BundleError(
             f"bundle {str(d)!r} has no {MANIFEST}: not a kernel-cache bundle; "

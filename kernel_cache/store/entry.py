@@ -106,13 +106,16 @@ def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
     the parsed object as stored.
 
     Raises:
-        CorruptEntryError: not JSON, not an object, or a field missing or of the
-            wrong type (names the field, what was wrong and the value).
+        CorruptEntryError: not JSON (or nested too deep to parse), not an object,
+            or a field missing or of the wrong type (names the field, what was
+            wrong and the value).
     """
     try:
         meta = json.loads(raw)
     except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise CorruptEntryError(key, f"metadata is not JSON ({e})", where) from None
+    except RecursionError:  # "[[[[...": json raises it, not ValueError
+        raise CorruptEntryError(key, "metadata is not a record (nested too deep)", where) from None
     check_meta(meta, key, where)
     return meta  # as stored: validated, never rewritten
 

@@ -48,7 +48,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import CorruptEntryError
+from kernel_cache.errors import ConfigError, CorruptEntryError
 from kernel_cache.store.remote_base import (
     BuildLease,
     RemoteSettings,
@@ -127,6 +127,39 @@ class S3Settings(RemoteSettings):
         return S3Tier(self, **kw)
 
 
+def endpoint_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else None (AWS S3).
+
+    Raises:
+        ConfigError: the value is not an ``http://`` or ``https://`` URL with a
+            host (obstore would panic on the first request, e.g. on
+            ``minio.internal:9000`` without a scheme); names the variable,
+            the value and the fix.
+    """
+    from urllib.parse import urlsplit
+
+    environ = os.environ if environ is None else environ
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        value = environ.get(name)
+        if not value:
+            continue
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError: not a number in 0..65535
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            ok = ok and not parts.netloc.endswith(":") and not any(c.isspace() for c in value)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{name}={value!r} is not an S3 endpoint URL: it must be http:// or "
+                f"https:// followed by a host and an optional port; fix: set it like "
+                f"{name}=https://s3.internal:9000, or unset it for AWS S3"
+            )
+        return value
+    return None
+
+
 def pack(data: bytes, raw_meta: bytes) -> bytes:
     """One entry object: magic, metadata length, metadata JSON, artifact bytes."""
     return MAGIC + _HEAD.pack(len(raw_meta)) + raw_meta + data
@@ -189,8 +222,9 @@ class S3Tier(RemoteTier):
                     f"an S3 URL is set ({self.location}) but the obstore package is not "
                     "installed; install it with: pip install 'kernel-cache[s3]'"
                 ) from None
-            t = f"{self.settings.timeout_s}s"
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            # fixed-point: obstore cannot parse Python's "1e-05s" for small timeouts
+            t = f"{self.settings.timeout_s:.9f}s"
+            endpoint = endpoint_from_env()
             config = {"endpoint": endpoint} if endpoint else {}
             if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
                 config["region"] = "us-east-1"
