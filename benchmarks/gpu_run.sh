@@ -78,7 +78,7 @@ CPP
 # so it still prints its failures and summary.
 suite() {
   KERNEL_CACHE_TEST_OTHER_CXX=$OTHER_CXX timeout -s INT -k 30 "${SUITE_TIMEOUT:-570}" \
-    python3 -m pytest -v -rs -m gpu tests/test_gpu.py --durations=15 -p no:cacheprovider \
+    python3 -m pytest -o addopts= -v -rs -m gpu tests/e2e/test_gpu.py --durations=15 -p no:cacheprovider \
     ${SUITE_K:+-k "$SUITE_K"}
 }
 

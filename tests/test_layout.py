@@ -131,3 +131,14 @@ def test_the_layer_check_finds_an_upward_import_inside_a_function(tmp_path):
         ("kernel_cache.config.engine", "kernel_cache.kernels.slots"),
         ("kernel_cache.kernels.triton_decode", "kernel_cache.plan.launch"),
     ]
+
+
+def test_test_folders_mirror_the_packages():
+    """Each test folder is named after the package it tests (docs/testing.md), and
+    every test file sits in one; whole-path tests sit in ``e2e``."""
+    tests = ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages = {p.parent.name for p in (ROOT / "kernel_cache").glob("*/__init__.py")}
+    assert folders <= packages | {"warmup", "e2e"}, sorted(folders - packages)
+    at_top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert at_top == ["test_imports.py", "test_layout.py"], at_top

@@ -7,7 +7,7 @@ writes, as ``"module:Class"`` import strings (the single list of them).
 model (``<name>`` is :func:`schema_name`) and regenerates the table of
 ``KERNEL_CACHE_*`` variables in ``docs/settings.md``
 (:func:`kernel_cache.config.settings.markdown_table`).
-``tests/test_schemas.py`` and ``tests/test_settings.py`` fail when a model changed
+``tests/warmup/test_schemas.py`` and ``tests/config/test_settings.py`` fail when a model changed
 and these files were not regenerated.
 """
 

@@ -13,7 +13,7 @@ Ladders (all immutable tuples):
     bucket; above it ``cap_blocks * 2, * 4, ...`` while below ``max_blocks``.
     Below the cap a real block count ``n`` maps to the smallest bucket
     ``B >= n`` with ``(B - n) / B < 1/4`` (at most a quarter of a read is
-    padding; property-tested in ``tests/test_buckets.py``).
+    padding; property-tested in ``tests/plan/test_buckets.py``).
   - ``pow2``: 1, 2, 4, ... while below ``max_blocks``, then ``max_blocks``.
 
 * Query (prefill / mixed kernel), in tokens: ``{1} U {k * query_step <= M} U {M}``

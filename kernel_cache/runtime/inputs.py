@@ -35,7 +35,7 @@ def make_inputs(
     :class:`~kernel_cache.kernels.builtin.BatchedDecode` ``forward`` (see their docstrings
     for shapes). Each block table (each row of a decode batch's) indexes distinct
     random pool blocks, as an engine's does (the kernels are also right for
-    tables that repeat a block: ``tests/test_decode_oracle.py``).
+    tables that repeat a block: ``tests/kernels/test_decode_oracle.py``).
 
     Raises:
         ValueError: ``num_pool_blocks`` smaller than the variant's ``num_blocks``.

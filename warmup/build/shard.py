@@ -13,7 +13,7 @@ not by count: the split is greedy longest-processing-time-first (Graham,
 "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 1969):
 variants in decreasing cost (ties by name) each go to the shard with the least
 cost so far (ties to the lowest index). Its largest shard is within one
-variant's cost of the mean (tested in ``tests/test_shard.py``).
+variant's cost of the mean (tested in ``tests/warmup/test_shard.py``).
 """
 
 from __future__ import annotations

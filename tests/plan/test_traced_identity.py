@@ -1,0 +1,492 @@
+"""An engine kernel's identity covers every source file whose code ran while it
+was traced: a helper in another top-level module (followed by the static
+closure) and one loaded by ``importlib`` under a computed name (recorded by the
+compile worker's trace, :mod:`kernel_cache.plan.traced`).
+
+The kernel package is written into ``tmp_path`` and put on ``PYTHONPATH``; the
+compiling test warms, edits each helper, starts the engine in a fresh process,
+re-warms (compiles counted through ``KERNEL_CACHE_TEST_COMPILE_LOG``) and
+restores the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.plan.sources import source_files
+from kernel_cache.plan.traced import (
+    MISSING,
+    Manifest,
+    changes,
+    current,
+    dist_version,
+    find_file,
+    manifest_of,
+)
+from kernel_cache.store.lookup import Lookup, consistent, current_entry
+from kernel_cache.store.tier import DiskTier, make_meta
+
+from ..conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
+
+KERNEL = "userkern2.decode:Decode"
+
+DECODE = '''"""A batched_decode kernel: the scale from a top-level module, the gather and
+mask helpers from a module imported by a computed name."""
+
+import importlib
+
+import torch.nn.functional as F
+from torch import nn
+
+from nc_outside_helper import score_scale
+
+_helpers = importlib.import_module("userkern2." + "dyn_helper")
+
+
+class Decode(nn.Module):
+    def __init__(self, num_heads, num_kv_heads, head_dim, **launch):
+        super().__init__()
+        self.groups = num_heads // num_kv_heads
+        self.scale = score_scale(head_dim)
+
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        h = _helpers
+        k = h.gather_heads(key_cache, block_tables, self.groups).float()
+        v = h.gather_heads(value_cache, block_tables, self.groups).float()
+        mask = h.length_mask(seq_lens, k.shape[-2])[:, None, None, :]
+        q = query.float().unsqueeze(2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = out.squeeze(2) * (seq_lens > 0)[:, None, None] * h.OUT_GAIN
+        return out.to(query.dtype)
+'''
+
+DYN_HELPER = '''"""Gather paged KV, build the length mask; OUT_GAIN is read at trace time."""
+
+import torch
+
+OUT_GAIN = 1.0
+
+
+def gather_heads(cache, table, groups):
+    blocks = cache[table.long()]
+    *lead, nb, bs, kvh, d = blocks.shape
+    kv = blocks.reshape(*lead, nb * bs, kvh, d).repeat_interleave(groups, dim=-2)
+    return kv.transpose(-2, -3)
+
+
+def length_mask(lengths, total):
+    t = torch.arange(total, device=lengths.device, dtype=torch.int32)
+    mask = t[None, :] < lengths[:, None]
+    mask[:, 0] = True
+    return mask
+'''
+
+OUTSIDE_HELPER = '''"""A top-level module outside the kernel's package."""
+
+import math
+
+
+def score_scale(head_dim):
+    return 1.0 / math.sqrt(head_dim)
+'''
+
+#: Each helper, its path as recorded, and an edit that changes the kernel's output.
+EDITS = {
+    "dyn_helper": ("userkern2/dyn_helper.py", "OUT_GAIN = 1.0", "OUT_GAIN = 3.0"),
+    "outside": ("nc_outside_helper.py", "return 1.0 /", "return 2.0 /"),
+}
+
+
+def write_kernels(site: Path) -> None:
+    (site / "userkern2").mkdir(parents=True)
+    (site / "userkern2" / "__init__.py").write_text('"""An engine\'s kernels."""\n')
+    (site / "userkern2" / "decode.py").write_text(DECODE)
+    (site / "userkern2" / "dyn_helper.py").write_text(DYN_HELPER)
+    (site / "nc_outside_helper.py").write_text(OUTSIDE_HELPER)
+
+
+def _forget_modules() -> None:
+    for name in [m for m in sys.modules if m.startswith(("userkern2", "nc_outside_helper"))]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """The kernel package and its outside helper, on ``sys.path`` and ``PYTHONPATH``."""
+    site = tmp_path / "site"
+    write_kernels(site)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    source_files.cache_clear()
+    yield site
+    source_files.cache_clear()
+    _forget_modules()
+
+
+def edit(site: Path, which: str, undo: bool = False) -> str:
+    """Apply (or undo) one of :data:`EDITS`; returns the recorded path."""
+    rel, old, new = EDITS[which]
+    path = site / rel
+    a, b = (new, old) if undo else (old, new)
+    text = path.read_text()
+    assert a in text
+    path.write_text(text.replace(a, b))
+    return rel
+
+
+# -- the static closure ------------------------------------------------------------
+
+
+def test_the_static_key_follows_imports_into_a_sibling_top_level_module(site, tiny_model):
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={BATCHED_DECODE: KERNEL})
+    v = next(v for v in Bucketer(cfg).variants if v.kernel == BATCHED_DECODE)
+    files = json.loads(build_key(cfg, v).as_dict()["sources"])
+    assert {"userkern2/decode.py", "nc_outside_helper.py"} <= set(files)
+    assert "userkern2/dyn_helper.py" not in files  # a computed name: found by the trace
+    assert not [f for f in files if f.startswith(("torch/", "math", "importlib"))]
+    assert not [m for m in sys.modules if m.startswith(("userkern2", "nc_outside_helper"))]
+    before = build_key(cfg, v).hexdigest
+    edit(site, "outside")
+    source_files.cache_clear()
+    assert build_key(cfg, v).hexdigest != before
+
+
+# -- the manifest -------------------------------------------------------------------
+
+
+def test_the_manifest_hashes_source_files_and_names_distributions(site):
+    import importlib.metadata
+
+    import pydantic
+    import torch
+    import userkern2.decode  # noqa: F401 - its modules are what is classified
+
+    dyn = site / "userkern2" / "dyn_helper.py"
+    m = manifest_of(
+        [
+            str(dyn),
+            str(site / "nc_outside_helper.py"),
+            os.__file__,  # the standard library: the python component pins it
+            torch.__file__,  # torch: the torch component pins it
+            pydantic.__file__,  # an installed distribution: its version
+            "<frozen importlib._bootstrap>",
+            str(ROOT / "kernel_cache" / "plan" / "traced.py"),  # an editable install: hashed
+        ]
+    )
+    import hashlib
+
+    assert m.files == {
+        "userkern2/dyn_helper.py": hashlib.sha256(dyn.read_bytes()).hexdigest(),
+        "nc_outside_helper.py": hashlib.sha256(
+            (site / "nc_outside_helper.py").read_bytes()
+        ).hexdigest(),
+        "kernel_cache/plan/traced.py": hashlib.sha256(
+            (ROOT / "kernel_cache" / "plan" / "traced.py").read_bytes()
+        ).hexdigest(),
+    }
+    assert m.dists == {"pydantic": dist_version("pydantic")}
+    assert m.dists["pydantic"].startswith(importlib.metadata.version("pydantic") + " (RECORD ")
+    assert str(site) not in json.dumps(m.record())
+
+
+def test_the_check_finds_files_along_sys_path_and_names_what_changed(site, tmp_path, monkeypatch):
+    import userkern2.decode  # noqa: F401
+
+    stored = manifest_of(
+        [str(site / "userkern2" / "dyn_helper.py"), str(site / "nc_outside_helper.py")]
+    )
+    stored = Manifest(files=stored.files, dists={"pydantic": "0.0.1"})
+    assert find_file("userkern2/dyn_helper.py") == site / "userkern2" / "dyn_helper.py"
+    assert find_file("nc_outside_helper.py") == site / "nc_outside_helper.py"
+    assert changes(stored, current(stored)) == [
+        f"distribution pydantic 0.0.1 stored, {current(stored).dists['pydantic']} here"
+    ]
+    stored = Manifest(files=stored.files)
+    # mounted elsewhere: the same files found along sys.path match
+    _forget_modules()
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(site, moved)
+    shutil.rmtree(site)
+    monkeypatch.syspath_prepend(str(moved))
+    assert changes(stored, current(stored)) == []
+    rel = edit(moved, "dyn_helper")
+    (moved / "nc_outside_helper.py").unlink()
+    lines = changes(stored, current(stored))
+    old, new = stored.files[rel][:16], current(stored).files[rel][:16]
+    assert lines == [
+        f"nc_outside_helper.py not found on sys.path (sha256 "
+        f"{stored.files['nc_outside_helper.py'][:16]} stored)",
+        f"{rel} changed (sha256 {old} stored, {new} here)",
+    ]
+    assert current(stored).files["nc_outside_helper.py"] == MISSING
+
+
+def test_a_changed_traced_file_leads_to_a_derived_key_and_back(site, tiny_config, tmp_path):
+    """The lookup every path shares (:func:`current_entry`): an entry whose
+    traced file changed misses, naming it; an artifact stored under the derived
+    key hits while the file stays edited; restoring the file hits the first
+    entry again. Also through the compatible (build-only ``cxx``) lookup."""
+    import userkern2.decode  # noqa: F401
+
+    v = Bucketer(tiny_config).variants[0]
+    key = build_key(tiny_config, v)
+    traced = manifest_of([str(site / "userkern2" / "dyn_helper.py")])
+    tier = DiskTier(tmp_path / "cache")
+    try:
+        tier.put(key.hexdigest, b"first", make_meta(key, str(v), b"first", 1.0, traced=traced))
+        assert Lookup([tier]).find(key).entry.data == b"first"
+        rel = edit(site, "dyn_helper")
+        lookup = Lookup([tier])
+        assert lookup.find(key) is None
+        assert len(lookup.changes) == 1 and lookup.changes[0].startswith(f"{rel} changed")
+        assert lookup.why_missing(key) == (
+            f"traced files changed since its entry was built: {lookup.changes[0]}"
+        )
+        cur = current_entry(tier.get, key.hexdigest)
+        assert cur.entry is None and cur.key != key.hexdigest and len(cur.derived) == 1
+        now = manifest_of([str(site / "userkern2" / "dyn_helper.py")])
+        meta = make_meta(key, str(v), b"second", 1.0, traced=now, derived=cur.derived)
+        assert meta["key"] == cur.key and consistent(meta)
+        tier.put(cur.key, b"second", meta)
+        assert Lookup([tier]).find(key).entry.data == b"second"
+        # another C++ compiler here: the compatible lookup takes the entry whose files match
+        other = build_key(tiny_config, v, overrides={"cxx": "none"})
+        found = Lookup([tier]).find(other)
+        assert found.entry.data == b"second" and found.accepted
+        edit(site, "dyn_helper", undo=True)
+        assert Lookup([tier]).find(key).entry.data == b"first"
+        assert Lookup([tier]).find(other).entry.data == b"first"
+    finally:
+        tier.close()
+
+
+def test_an_unreadable_derived_entry_is_rebuilt_under_its_own_key(site, tiny_config):
+    """Warmup's search (``stop_on``) ends at a corrupt entry with the states that
+    derive its key, so the artifact built to replace it records them."""
+    import userkern2.decode  # noqa: F401
+
+    from kernel_cache.errors import CorruptEntryError
+    from kernel_cache.store.tier import Entry
+
+    v = Bucketer(tiny_config).variants[0]
+    key = build_key(tiny_config, v)
+    traced = manifest_of([str(site / "userkern2" / "dyn_helper.py")])
+    first = Entry(key.hexdigest, make_meta(key, str(v), b"a", 1.0, traced=traced), b"a")
+    edit(site, "dyn_helper")
+
+    def get(k):
+        if k == key.hexdigest:
+            return first
+        raise CorruptEntryError(k, "artifact bytes missing")
+
+    with pytest.raises(CorruptEntryError):  # engine start: an error, never a miss
+        current_entry(get, key.hexdigest)
+    cur = current_entry(get, key.hexdigest, stop_on=(CorruptEntryError,))
+    assert cur.entry is None and cur.key != key.hexdigest and len(cur.derived) == 1
+    assert make_meta(key, str(v), b"b", 1.0, derived=cur.derived)["key"] == cur.key
+
+
+def test_a_changed_static_source_is_named_by_the_lookup(site, tiny_model, tmp_path):
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={BATCHED_DECODE: KERNEL})
+    v = next(v for v in Bucketer(cfg).variants if v.kernel == BATCHED_DECODE)
+    key = build_key(cfg, v)
+    tier = DiskTier(tmp_path / "cache")
+    try:
+        tier.put(key.hexdigest, b"x", make_meta(key, str(v), b"x", 1.0))
+        edit(site, "outside")
+        source_files.cache_clear()
+        now = build_key(cfg, v)
+        lookup = Lookup([tier])
+        assert lookup.find(now) is None and lookup.changes == ()
+        assert lookup.why_missing(now) == (
+            f"sources differ from entry {key.hexdigest[:16]} in {tier.location}: "
+            "nc_outside_helper.py changed"
+        )
+    finally:
+        tier.close()
+
+
+# -- warm, edit, refuse, re-warm, restore (compiles) ------------------------------------
+
+ENGINE = r"""
+import json, sys, torch
+from kernel_cache import load_plan, make_config
+from kernel_cache.errors import MissingVariantsError
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, kernels={"batched_decode": sys.argv[3]},
+                  kv_buckets=(32,), query_buckets=(32,), num_seqs_buckets=(4,))
+doc = {}
+try:
+    rt = load_plan(cfg, sys.argv[2])
+except MissingVariantsError as e:
+    doc["missing"] = sorted(str(v) for v in e.missing)
+    doc["error"] = str(e)
+else:
+    doc["imported"] = sorted(m for m in sys.modules if m.startswith(("userkern2", "nc_outside")))
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(9, 16, 2, 8, generator=g), torch.randn(9, 16, 2, 8, generator=g)
+    q = torch.randn(3, 4, 8, generator=g)
+    bt = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    out = rt.decode(q, kc, vc, bt, [5, 17, 32])
+    from userkern2.decode import Decode  # the source as it is now, run eagerly
+    with torch.no_grad():
+        eager = Decode(num_heads=4, num_kv_heads=2, head_dim=8)(
+            q, kc, vc, bt, torch.tensor([5, 17, 32], dtype=torch.int32))
+    doc["err"] = float((out - eager).abs().max())
+print(json.dumps(doc))
+"""
+
+
+def engine_start(model, cache) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model), str(cache), KERNEL],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def warm(args, log: Path) -> list[str]:
+    """Run warmup; the variants the compiler ran for (its own log, not the report)."""
+    log.unlink(missing_ok=True)
+    env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    run_cli("warmup", *args, "--jobs", "2", "--json", env=env, check=True)
+    return sorted(line.split()[1] for line in log.read_text().splitlines()) if log.exists() else []
+
+
+#: One bucket per ladder: a plan of two variants, the built-in prefill and the
+#: engine's decode (the fewest compiles that still load a whole plan).
+SMALL = {"kv_buckets": (32,), "query_buckets": (32,), "num_seqs_buckets": (4,)}
+SMALL_ARGS = ["--kv-buckets", "32", "--query-buckets", "32", "--num-seqs-buckets", "4"]
+
+
+@pytest.mark.compile
+def test_editing_a_helper_refuses_recompiles_its_variants_and_restoring_hits(
+    site, tiny_model, tmp_path
+):
+    cache = tmp_path / "cache"
+    args = [*tiny_args(tiny_model), *SMALL_ARGS, "--kernel", f"{BATCHED_DECODE}={KERNEL}"]
+    args += ["--cache-dir", cache]
+    log = tmp_path / "compiles.log"
+    cfg = make_config(str(tiny_model), **{**TINY_LIMITS, **SMALL})
+    variants = sorted(str(v) for v in Bucketer(cfg).variants)
+    decode = [v for v in variants if v.startswith(BATCHED_DECODE)]
+    assert len(variants) == 2 and len(decode) == 1
+    assert warm(args, log) == variants
+    doc = engine_start(tiny_model, cache)
+    assert "missing" not in doc and doc["imported"] == [] and doc["err"] < 1e-5, doc
+    for which in EDITS:
+        rel = edit(site, which)
+        doc = engine_start(tiny_model, cache)
+        assert doc.get("missing") == decode, doc
+        assert rel in doc["error"], doc["error"]
+        explain = run_cli("explain", *args, check=True).stdout
+        assert rel in explain, explain
+        if which == "dyn_helper":  # the old code is not taken for the new: verify agrees
+            verify = json.loads(run_cli("verify", *args, "--json").stdout)
+            assert not verify["ok"] and verify["missing"] == decode, verify
+        assert warm(args, log) == decode
+        doc = engine_start(tiny_model, cache)
+        assert "missing" not in doc and doc["err"] < 1e-5, doc  # the edited code, compiled
+        edit(site, which, undo=True)
+        assert warm(args, log) == []
+        doc = engine_start(tiny_model, cache)
+        assert "missing" not in doc and doc["err"] < 1e-5, doc
+
+
+SHARED_DECODE = """import importlib
+
+from kernel_cache.kernels.builtin import BatchedDecode
+
+_c = importlib.import_module("userkern5." + "consts")
+
+
+class Decode(BatchedDecode):
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        return super().forward(query, key_cache, value_cache, block_tables, seq_lens) * _c.GAIN
+"""
+
+SHARED_PREFILL = """import importlib
+
+from kernel_cache.kernels.builtin import PagedAttention
+
+_c = importlib.import_module("userkern5." + "consts")
+
+
+class Prefill(PagedAttention):
+    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+        out = super().forward(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+        return out * _c.GAIN
+"""
+
+
+def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
+    tmp_path, monkeypatch, tiny_model
+):
+    """One compile worker traces the prefill kernel, then the decode kernel; both
+    read ``GAIN`` of a module loaded with ``importlib`` at their import. Its body
+    runs in the first window only, and the second kernel's code never calls into
+    it: the second manifest must list it all the same (it did not, so an edit of
+    ``GAIN`` left the decode entries loading with the old value)."""
+    from kernel_cache.kernels.slots import kernel_path
+    from warmup.build.compiler import TraceWindow, export_variant
+
+    site = tmp_path / "site5"
+    (site / "userkern5").mkdir(parents=True)
+    (site / "userkern5" / "__init__.py").write_text("")
+    (site / "userkern5" / "consts.py").write_text("GAIN = 1.0\n")
+    (site / "userkern5" / "decode.py").write_text(SHARED_DECODE)
+    (site / "userkern5" / "prefill.py").write_text(SHARED_PREFILL)
+    monkeypatch.syspath_prepend(str(site))
+    cfg = make_config(
+        str(tiny_model),
+        **TINY_LIMITS,
+        kernels={
+            BATCHED_DECODE: "userkern5.decode:Decode",
+            "paged_attention": "userkern5.prefill:Prefill",
+        },
+    )
+    variants = Bucketer(cfg).variants
+    try:
+        for slot in ("paged_attention", BATCHED_DECODE):  # one worker, one after the other
+            v = next(v for v in variants if v.kernel == slot)
+            window = TraceWindow(kernel_path(cfg, slot))
+            with window:
+                export_variant(cfg, v)
+            assert "userkern5/consts.py" in window.manifest().files, slot
+    finally:
+        for name in [m for m in sys.modules if m.startswith("userkern5")]:
+            del sys.modules[name]
+
+
+def test_code_from_a_pyc_only_module_is_refused_not_left_out(tmp_path, monkeypatch):
+    """A helper shipped as ``.pyc`` only: its code ran in the trace, but its
+    source path (the code's ``co_filename``) is not on disk, so nothing could
+    be hashed. Building from it is refused, naming the file, rather than
+    recording an identity that leaves it out."""
+    import importlib
+    import py_compile
+
+    from kernel_cache.errors import CompileError
+
+    pkg = tmp_path / "site" / "pyconly"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "helper.py"
+    src.write_text("def gain():\n    return 2.0\n")
+    py_compile.compile(str(src), cfile=str(pkg / "helper.pyc"), doraise=True)
+    src.unlink()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    helper = importlib.import_module("pyconly.helper")
+    assert helper.gain() == 2.0 and helper.__file__.endswith(".pyc")
+    with pytest.raises(CompileError, match=r"pyconly/helper\.py .*not on disk.*ship the \.py"):
+        manifest_of([helper.gain.__code__.co_filename])

@@ -1,0 +1,91 @@
+"""Hostile objects and bad settings for the S3 tier, against a real SeaweedFS
+server, in fresh engine processes: a writer of the bucket without the signing
+key, a deeply nested metadata record, an endpoint without a scheme and a
+timeout Python prints in exponent notation. Each must end in a miss or a
+clear error naming the input, never a crash of engine start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.s3 import S3Settings, S3Tier, pack
+
+from ..conftest import ROOT
+from . import test_s3_tier
+from .test_s3_tier import _env
+
+# the S3 tier's fixtures: the shared server, a fresh prefix of the test bucket
+s3_server = test_s3_tier.s3_server
+s3 = test_s3_tier.s3
+
+#: One pytest-xdist worker runs every test that uses the shared Redis and S3 servers.
+pytestmark = pytest.mark.xdist_group("servers")
+
+#: Engine start of the tiny plan (model argv[1], cache argv[2]): prints
+#: "missing N" or "loaded"; any exception is the process's own traceback.
+ENGINE = r"""
+import sys
+from kernel_cache import load_plan, make_config
+from kernel_cache.errors import MissingVariantsError
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, kv_buckets=(32,))
+try:
+    load_plan(cfg, sys.argv[2])
+except MissingVariantsError as e:
+    print("missing", len(e.missing))
+else:
+    print("loaded")
+"""
+
+
+def _engine(model, cache, env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model), str(cache)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def test_a_deeply_nested_record_in_the_bucket_is_a_miss_not_a_crash(
+    s3, tiny_model, tiny_config, tmp_path
+):
+    import obstore
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
+    keys = [build_key(tiny_config, v).hexdigest for v in Bucketer(tiny_config).variants]
+    poison = pack(b"", b"[" * 200_000)  # json.loads raises RecursionError on it
+    for k in keys:
+        obstore.put(tier.store, f"entries/{k}", poison)
+    proc = _engine(tiny_model, tmp_path / "c", _env(KERNEL_CACHE_S3_URL=s3["url"]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["missing", str(len(keys))]
+    assert "RecursionError" not in proc.stderr and "nested too deep" in proc.stderr
+    tier.close()
+
+
+def test_an_endpoint_without_a_scheme_is_a_clear_error_not_a_panic(s3, tiny_model, tmp_path):
+    env = _env(KERNEL_CACHE_S3_URL=s3["url"], AWS_ENDPOINT_URL="127.0.0.1:9000")
+    proc = _engine(tiny_model, tmp_path / "c", env)
+    assert proc.returncode != 0
+    assert "PanicException" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "ConfigError" in last and "AWS_ENDPOINT_URL='127.0.0.1:9000'" in last
+    assert "https://" in last  # the fix
+
+
+def test_a_small_timeout_reaches_the_client_as_a_duration_it_parses(s3):
+    # str(1e-05) is "1e-05", which obstore's duration parser refuses: the tier
+    # then never made a request and called the store "unavailable"
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=1e-05), warn=False)
+    tier.contains("0" * 64)
+    assert tier.error is None or "parse" not in tier.error, tier.error
+    tier.close()
+    ok = S3Tier(S3Settings(url=s3["url"], timeout_s=15), fail_open=False)
+    assert ok.contains("0" * 64) is False and ok.error is None
+    assert json.loads(ok.settings.model_dump_json())["timeout_s"] == 15
+    ok.close()

@@ -1,0 +1,522 @@
+"""Many warmups at once, killed warmups, damaged entries, failing compiles, a full disk.
+
+Real processes and real compiles of the tiny geometry; each test compiles as
+few variants as it can (a compiling process costs ~25 s once, ~8 s a variant,
+on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel_cache import CorruptEntryError, load_plan
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.quarantine import list_quarantine
+from kernel_cache.store.tier import DiskTier, make_meta
+
+from ..conftest import N_TINY, ROOT, TINY_LIMITS, run_cli, tiny_args
+from ..fsutil import resize_tmpfs, tmpfs, tree_state
+
+pytestmark = pytest.mark.compile
+
+
+def cli(*args, env=None, terminal=False) -> subprocess.Popen:
+    """``kernel-cache ARGS`` started in its own process group (so a test can kill
+    the warmup and its compile workers together, as an OOM killer or a pod
+    deletion does); with ``terminal``, as a terminal starts it: SIGINT at its
+    default, even where this test runs with SIGINT ignored."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None,
+    )
+
+
+def keys_of(config, variants):
+    return [build_key(config, v).hexdigest for v in variants]
+
+
+def remove_entries(cache: Path, keys) -> None:
+    tier = DiskTier(cache)
+    for k in keys:
+        tier.delete(k)
+    tier.close()
+
+
+def verify_json(model, cache, *extra, expect_rc=0) -> dict:
+    proc = run_cli("verify", *tiny_args(model), *extra, "--cache-dir", cache, "--json")
+    assert proc.returncode == expect_rc, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _cxx_wrapper(tmp_path: Path, log: Path) -> Path:
+    """A ``CXX`` that logs each link of a package's ``wrapper.so`` (one per
+    compile) and runs the system compiler. Its ``--version``/``-v`` answers
+    are the real compiler's, so the ``cxx`` key component is unchanged."""
+    real = shutil.which("g++")
+    assert real, "these tests need g++"
+    w = tmp_path / "g++-counting"
+    w.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in *.wrapper.so) '
+        f'echo "$$ $a" >> {log}; break;; esac; done\n'
+        f'exec {real} "$@"\n'
+    )
+    w.chmod(0o755)
+    return w
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tiny_config, tmp_path):
+    cache, links, compiles = tmp_path / "cache", tmp_path / "links.log", tmp_path / "compiles"
+    env = {
+        **os.environ,
+        "CXX": str(_cxx_wrapper(tmp_path, links)),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
+    }
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd += ["--cache-dir", str(cache), "--jobs", "1", "--json", "--quiet"]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(8)
+    ]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err, err
+    reports = [json.loads(out) for out, _ in outs]
+    n = reports[0]["variants"]
+    assert n == N_TINY
+    # Independent counts: links of a package's .so, and compile_variant calls.
+    linked = [line.split()[1] for line in _lines(links)]
+    assert len(linked) == n, linked
+    compiled_variants = [line.split()[1] for line in _lines(compiles)]
+    assert sorted(compiled_variants) == sorted(str(v) for v in Bucketer(tiny_config).variants)
+    # The reports agree with the counts, row by row.
+    assert sum(r["compiled"] for r in reports) == n
+    assert sum(r["compiler_runs"] for r in reports) == n
+    rows = [x for r in reports for x in r["results"]]
+    assert sorted(x["variant"] for x in rows if x["compiler_ran"]) == sorted(compiled_variants)
+    for r in reports:
+        assert r["compiled"] + r["cached"] == n and not r["failed"], r
+        assert r["compiled"] == sum(x["status"] == "compiled" for x in r["results"])
+    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache, "--json", check=True)
+    assert json.loads(proc.stdout)["ok"]
+
+
+def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if marker.exists() and point in marker.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"warmup exited {proc.returncode} first: {proc.communicate()}")
+        time.sleep(0.1)
+    raise AssertionError(f"warmup did not reach {point} in {timeout} s")
+
+
+def test_sigkill_during_compile_and_publish_then_warmup_completes(
+    cache_copy, tiny_model, tiny_config
+):
+    v = Bucketer(tiny_config).variants[-1]
+    (key,) = keys_of(tiny_config, [v])
+    remove_entries(cache_copy, [key])
+    for point in ("compile", "publish-write"):
+        marker = cache_copy.parent / f"paused-{point}"
+        env = {"KERNEL_CACHE_TEST_PAUSE_AT": point, "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+        proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", env=env)
+        try:
+            wait_for_pause(marker, proc, point)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the warmup and its compile worker
+            proc.wait(timeout=60)
+        # killed holding the key's lock (and, at publish, inside the index transaction
+        # with half an artifact file written): no entry, not half of one
+        assert DiskTier(cache_copy, read_only=True).get(key) is None
+        owner = json.loads((cache_copy / "locks" / f"{key}.owner").read_text())
+        assert owner["pid"] == int(marker.read_text().split()[1])  # a dead holder's record
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+    )
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"], report["failed"]) == (1, N_TINY - 1, [])
+    assert verify_json(tiny_model, cache_copy)["ok"] is True
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (absent, or a zombie not reaped yet)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_the_warmup_process_alone_ends_its_compile_workers(
+    cache_copy, tiny_model, tiny_config, sig
+):
+    """Only the warmup process is killed (not its process group): its worker,
+    paused inside a compile, must not run on (the kernel kills it with the parent)."""
+    v = Bucketer(tiny_config).variants[-1]
+    remove_entries(cache_copy, keys_of(tiny_config, [v]))
+    marker = cache_copy.parent / f"paused-{sig.name}"
+    env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env)
+    try:
+        wait_for_pause(marker, proc, "compile")
+        worker = int(marker.read_text().split()[1])
+        assert worker != proc.pid
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        t0 = time.monotonic()
+        while not gone(worker) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        alive = not gone(worker)
+        assert not alive, f"worker {worker} outlived the warmup (killed with {sig.name})"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, tiny_config):
+    """One damage per entry of the tiny plan (a truncated artifact:
+    tests/store/test_disk_tier.py): verify names each, engine start refuses, warmup
+    quarantines and rebuilds all three."""
+    variants = Bucketer(tiny_config).variants
+    keys = keys_of(tiny_config, variants)
+    tier = DiskTier(cache_copy)
+    art = [tier.artifact_path(k) for k in keys]
+    data = bytearray(art[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    art[0].write_bytes(bytes(data))
+    tier.cache.set("meta/" + keys[1], b'{"key": "garbage')  # metadata that does not parse
+    junk = os.urandom(300_000)  # bytes whose checksum matches, but not a package
+    cpu = {k: tier.get(keys[2]).meta[k] for k in ("cpu_target", "cpu_features")}
+    tier.put(keys[2], junk, make_meta(build_key(tiny_config, variants[2]), "x", junk, 0.0, **cpu))
+    tier.close()
+    reasons = ["sha256", "not JSON", "loader rejected"]
+
+    report = verify_json(tiny_model, cache_copy, expect_rc=1)
+    assert report["loaded"] == 0
+    got = {c["variant"]: c["reason"] for c in report["corrupt"]}
+    for v, reason in zip(variants, reasons, strict=True):
+        assert reason in got[str(v)]
+    with pytest.raises(CorruptEntryError, match="repair with: kernel-cache warmup --model"):
+        load_plan(tiny_config, cache_copy)
+
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "2", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"], report["failed"]) == (N_TINY, 0, [])
+    moved = {q["variant"]: q for q in report["quarantined"]}
+    assert "quarantined cache entry" in proc.stderr  # logged
+    for v, reason in zip(variants, reasons, strict=True):
+        assert reason in moved[str(v)]["reason"]
+    records = list_quarantine(cache_copy)
+    assert sorted(r["key"] for r in records) == sorted(keys)
+    for r in records:
+        assert (Path(r["path"]) / "reason.json").is_file() and r["reason"]
+        assert "artifact.pt2" in r["files"] and "meta.json" in r["files"]
+    assert verify_json(tiny_model, cache_copy)["ok"] is True
+
+
+def test_compile_failure_is_reported_and_the_other_variants_finish(
+    cache_copy, tiny_model, tiny_config
+):
+    bad, good = Bucketer(tiny_config).variants[:2]
+    remove_entries(cache_copy, keys_of(tiny_config, [bad, good]))
+    env = {"KERNEL_CACHE_TEST_BAD_COMPILE": str(bad)}  # a real Inductor error for one variant
+    proc = run_cli(
+        "warmup",
+        *tiny_args(tiny_model),
+        "--cache-dir",
+        cache_copy,
+        "--jobs",
+        "2",
+        "--json",
+        env=env,
+    )
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert (report["compiled"], report["cached"]) == (1, N_TINY - 2)
+    (failure,) = report["failed"]
+    assert failure["variant"] == str(bad)
+    assert f"AOTInductor failed for {bad}" in failure["error"]
+    assert "kernel_cache_test_no_such_option does not exist" in failure["error"]
+    assert f"failed {bad}: AOTInductor failed" in proc.stderr
+    assert DiskTier(cache_copy, read_only=True).get(keys_of(tiny_config, [good])[0]) is not None
+
+
+HOLD_KEYS = r"""
+import sys, time
+from kernel_cache.store.locks import KeyLock
+locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
+for lock in locks:
+    lock.acquire(10)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
+    """Another process holds the compile locks of a 2-variant plan: warmup waits
+    --lock-timeout seconds for each, then reports both (nothing is compiled)."""
+    subset = ["--kv-buckets", "32", "--query-buckets", "32"]
+    cfg = make_config(str(tiny_model), **{**TINY_LIMITS, "query_buckets": (32,)})
+    variants = Bucketer(cfg).variants  # paged_attention:32:2:1, batched_decode:1:2:4
+    keys = keys_of(cfg, variants)
+    cache = tmp_path / "cache"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_KEYS, str(cache), *keys],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = run_cli(
+            "warmup",
+            *tiny_args(tiny_model),
+            *subset,
+            "--cache-dir",
+            cache,
+            "--jobs",
+            "1",
+            "--lock-timeout",
+            "2",
+            "--json",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiled"] == 0
+    errors = {f["variant"]: f["error"] for f in report["failed"]}
+    assert sorted(errors) == sorted(map(str, variants))
+    for v, key in zip(variants, keys, strict=True):
+        msg = errors[str(v)]
+        assert "waited 2 s for the compile lock of key " + key[:16] in msg
+        assert str(cache / "locks" / f"{key}.lock") in msg and f"pid {holder.pid}" in msg
+
+
+def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
+    tmp_path, warm_cache, tiny_model, tiny_config
+):
+    """A real tmpfs sized to hold the cache plus half an artifact where mount is
+    allowed (root); elsewhere an injected ENOSPC at the same point."""
+    v = Bucketer(tiny_config).variants[0]
+    (key,) = keys_of(tiny_config, [v])
+    mnt = tmp_path / "mnt"
+    with tmpfs(mnt, 64 * 2**20) as mounted:
+        cache = (mnt if mounted else tmp_path) / "cache"
+        shutil.copytree(warm_cache[0], cache)
+        art_size = DiskTier(cache, read_only=True).get_meta(key)["size"]
+        remove_entries(cache, [key])
+        env = {}
+        if mounted:
+            st = os.statvfs(mnt)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            assert resize_tmpfs(mnt, used + art_size // 2)
+        else:
+            env = {"KERNEL_CACHE_TEST_FAULT": "enospc@publish-write"}
+
+        def entries():
+            return {
+                k: h
+                for k, h in tree_state(cache).items()
+                if not k.startswith(("cache.db", "locks", "usage.json"))  # index, locks, usage
+            }
+
+        before = entries()
+        proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--json", env=env)
+        assert proc.returncode == 1, proc.stderr
+        (failure,) = json.loads(proc.stdout)["failed"]
+        assert f"no space left in cache directory {cache}" in failure["error"]
+        needed = int(re.search(r"it needed (\d+) bytes", failure["error"]).group(1))
+        assert needed > art_size // 2  # the new artifact plus its metadata
+        assert f"no space left in cache directory {cache}" in proc.stderr
+        assert entries() == before  # no partial artifact file or directory
+        report = verify_json(tiny_model, cache, expect_rc=1)
+        assert report["loaded"] == N_TINY - 1 and report["missing"] == [str(v)]
+        assert report["corrupt"] == []
+
+
+def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, tiny_model):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) after
+    the first variant is published: exit 130, one summary line, no traceback,
+    the published entries kept; a second warmup compiles only the rest. The
+    progress lines (stderr is a pipe, not a terminal) arrive one per variant
+    while the warmup runs."""
+    cache = tmp_path / "cache"
+    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1")
+    # As a terminal starts it: SIGINT at its default, even where this test runs
+    # with SIGINT ignored (a background job of a script inherits that).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    first = proc.stderr.readline()  # blocks until the first variant is done
+    assert re.match(rf"warmup \[1/{N_TINY}\] \S+ compiled [\d.]+ s$", first.strip()), first
+    assert proc.poll() is None  # a line per variant before the end
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
+    assert len(summary) == 1, err
+    tier = DiskTier(cache)
+    kept = len(list(tier.iter_meta()))
+    tier.close()
+    assert kept >= 1
+    assert f"{kept} compiled and kept" in summary[0]
+    proc = run_cli(*args, "--json", "--quiet", check=True)
+    report = json.loads(proc.stdout)
+    assert report["cached"] == kept and report["compiled"] == N_TINY - kept
+    assert report["compiler_runs"] == N_TINY - kept
+
+
+def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
+    cache_copy, tiny_model, tiny_config
+):
+    """Ctrl-C while warmup waits for its workers to exit, every variant done: exit
+    130, the summary line counting the variant compiled, no traceback."""
+    v = Bucketer(tiny_config).variants[-1]
+    remove_entries(cache_copy, keys_of(tiny_config, [v]))
+    marker = cache_copy.parent / "paused"
+    env = {
+        "KERNEL_CACHE_TEST_PAUSE_AT": "pool-shutdown",
+        "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
+    }
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env, terminal=True)
+    try:
+        wait_for_pause(marker, proc, "pool-shutdown")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
+    assert len(summary) == 1 and "1 compiled and kept" in summary[0], err
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing workers (``spawn_main`` in their command line) that
+    process ``pid`` started."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    out = []
+    for kid in kids.read_text().split() if kids.exists() else []:
+        try:
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(int(kid))
+    return out
+
+
+def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, tiny_model):
+    """Ctrl-C in the first second, while the spawned workers import: they start
+    with SIGINT ignored, and the warmup exits 130 with the summary; no worker
+    prints ``Fatal Python error`` or a traceback."""
+    cache = tmp_path / "cache"
+    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2")
+    proc = cli(*args, terminal=True)
+    try:
+        t0 = time.monotonic()  # until the warmup process has spawned a compile worker
+        while time.monotonic() - t0 < 300 and not _spawned_workers(proc.pid):
+            time.sleep(0.005)
+        workers = _spawned_workers(proc.pid)
+        assert workers, "no compile worker started"
+        # From its first instant, long before its initializer runs (its imports
+        # take seconds), the worker ignores SIGINT: a Ctrl-C cannot catch it halfway.
+        status = Path(f"/proc/{workers[0]}/status").read_text()
+        masks = [
+            int(re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+            for field in ("SigIgn", "SigBlk")
+        ]
+        assert any(m & (1 << (signal.SIGINT - 1)) for m in masks), status
+        time.sleep(0.5)  # its spawn data sent, the worker is importing
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Fatal Python error" not in err and "Traceback" not in err, err
+    assert "interrupted by SIGINT" in err
+
+
+def test_sigterm_stops_a_warmup_with_143_and_no_traceback(tmp_path, tiny_model):
+    cache = tmp_path / "cache"
+    marker = tmp_path / "marker"
+    env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
+    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1", env=env)
+    wait_for_pause(marker, proc, "compile")
+    proc.send_signal(signal.SIGTERM)  # the warmup process alone, as `kill` or a pod stop
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert "Traceback" not in err and "interrupted by SIGTERM" in err
+    pid = int(marker.read_text().split()[1])  # the paused compile worker
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), "the compile worker outlived the warmup"
+
+
+def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
+    """SIGKILL one compile worker (as the OOM killer would) in the middle of its
+    compile: the variants in flight are built again in a new pool, the run
+    ends with every variant compiled once and published, exit 0."""
+    cache, log = tmp_path / "cache", tmp_path / "compiles"
+    env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    proc = cli(
+        "warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2", "--json", env=env
+    )
+    t0 = time.monotonic()
+    while not (log.exists() and log.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() - t0 < 600, proc.communicate()
+        time.sleep(0.05)
+    victim_pid, victim = log.read_text().split("\n")[0].split()
+    os.kill(int(victim_pid), signal.SIGKILL)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["compiled"] == N_TINY and report["failed"] == [], report["failed"]
+    lines = log.read_text().split("\n")
+    assert sum(line.endswith(" " + victim) for line in lines) == 2  # killed once, then rebuilt
+    assert verify_json(tiny_model, cache)["ok"] is True

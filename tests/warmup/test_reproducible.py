@@ -1,0 +1,203 @@
+"""Reproducible artifacts: two builders of one key write identical bytes.
+
+Two cold warmups of the tiny plan run as separate processes with every
+builder-specific path different (HOME, cwd, TMPDIR, TORCHINDUCTOR_CACHE_DIR, the
+cache directory and, as root, the user): each key's package bytes must be
+identical, and no builder path may appear in any package member (decompressed).
+Then the two builders alternate warmups against one Redis: only the first
+uploads; Redis's own command counters (``INFO commandstats``) show no write
+after it. Finally ``verify --rebuild`` rebuilds a stored entry and finds it
+identical; its comparison names the member that differs in a tampered one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kernel_cache.store.tier import DiskTier
+
+from ..conftest import N_TINY, ROOT, tiny_args
+from ..kc_helpers import other_user_kwargs, world_readable_dir
+from ..redis_server import RedisServer, redis_server_binary
+
+pytestmark = pytest.mark.compile
+
+
+def _warmup(builder: dict, *extra: str) -> dict:
+    """``kernel-cache warmup`` of the tiny plan as ``builder`` (its env, cwd,
+    user); the JSON report."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(builder["model"])]
+        + ["--cache-dir", str(builder["cache"]), "--jobs", "1", "--json", "-q", *extra],
+        capture_output=True,
+        text=True,
+        env=builder["env"],
+        cwd=builder["cwd"],
+        timeout=1800,
+        **builder["user"],
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Path) -> dict:
+    base = root / name
+    dirs = {d: base / d for d in ("home", "cwd", "tmp", "inductor", "cache-parent")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+        if user_kwargs:
+            os.chown(d, user_kwargs["user"], user_kwargs["group"])
+    env = {
+        **os.environ,
+        **user_env,
+        "HOME": str(dirs["home"]),
+        "TMPDIR": str(dirs["tmp"]),
+        "TORCHINDUCTOR_CACHE_DIR": str(dirs["inductor"]),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(dirs["tmp"] / "compiles.log"),
+        "PYTHONPATH": str(ROOT),  # the checkout, whatever the cwd
+    }
+    model_copy = dirs["cwd"] / "config.json"  # each builder its own model path too
+    model_copy.write_bytes(model.read_bytes())
+    for k in ("KERNEL_CACHE_DIR", "KERNEL_CACHE_REDIS_URL", "KERNEL_CACHE_SIGNING_KEY"):
+        env.pop(k, None)
+    return {
+        "model": model_copy,
+        "cache": dirs["cache-parent"] / "cache",
+        "env": env,
+        "cwd": dirs["cwd"],
+        "user": user_kwargs,
+        "paths": [str(p) for p in dirs.values()],
+        "log": dirs["tmp"] / "compiles.log",
+    }
+
+
+def _entries(cache: Path) -> dict[str, bytes]:
+    tier = DiskTier(cache, read_only=True, allow_shared=True)
+    try:
+        return {m["key"]: tier.get(m["key"]).data for m in tier.iter_meta()}
+    finally:
+        tier.close()
+
+
+@pytest.fixture(scope="module")
+def builders(tiny_model):
+    """Two builders (A: this user; B: uid 65534 as root, else another user
+    name) of the tiny plan, each warmed cold once."""
+    user_kwargs, user_env = other_user_kwargs()
+    with world_readable_dir() as root:
+        a = _builder(root, "builder-a", {}, {}, tiny_model)
+        b = _builder(root, "builder-b", user_kwargs, user_env, tiny_model)
+        for x in (a, b):
+            x["report"] = _warmup(x)
+        yield a, b
+
+
+def test_two_cold_builders_write_identical_bytes_without_builder_paths(builders):
+    a, b = builders
+    for x in (a, b):
+        assert x["report"]["compiled"] == N_TINY
+        assert len(x["log"].read_text().splitlines()) == N_TINY  # the compiler really ran
+    ea, eb = _entries(a["cache"]), _entries(b["cache"])
+    assert sorted(ea) == sorted(eb) and len(ea) == N_TINY
+    differ = [k[:16] for k in ea if ea[k] != eb[k]]
+    assert differ == [], f"keys whose bytes differ between the builders: {differ}"
+    builder_paths = {*a["paths"], *b["paths"], sys.prefix, str(ROOT), os.path.realpath(ROOT)}
+    builder_paths |= {str(Path(p).resolve()) for p in builder_paths}
+    for key, data in ea.items():
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            for name in z.namelist():
+                body = z.read(name)
+                found = [p for p in builder_paths if p.encode() in body]
+                assert not found, f"{key[:16]} {name} holds {found}"
+                assert b"torchinductor_" not in body, f"{key[:16]} {name} names a user"
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server on PATH")
+def test_alternating_builders_upload_nothing_after_the_first(builders):
+    a, b = builders
+    server = RedisServer()
+    try:
+        url = server.url
+
+        def writes() -> dict[str, int]:
+            """Redis's own count of the write commands it ran, by command."""
+            import redis
+
+            stats = redis.Redis.from_url(url).info("commandstats")
+            names = ("hset", "hmset", "set", "del", "unlink", "expire", "pexpire")
+            return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in names}
+
+        hsets, other, uploaded = [], [], []
+        for x in (a, b, a, b):
+            before = writes()
+            r = _warmup(x, "--redis-url", url)
+            after = writes()
+            hsets.append(after["hset"] - before["hset"])
+            other.append(sum(after.values()) - sum(before.values()) - hsets[-1])
+            uploaded.append(r["uploaded"])
+            assert r["compiled"] == 0 and r["cached"] == N_TINY
+        assert hsets == [N_TINY, 0, 0, 0], hsets  # one HSET per entry, by the first builder only
+        assert other[1:] == [0, 0, 0], other  # and no other write after it
+        assert uploaded == [N_TINY, 0, 0, 0]
+    finally:
+        server.stop()
+
+
+def test_verify_rebuild_finds_a_stored_entry_identical(builders):
+    """``verify --rebuild`` compiles the variant again (a real compile in a
+    worker process) and compares with the entry in builder A's cache."""
+    a, _ = builders
+    tier = DiskTier(a["cache"], read_only=True)
+    try:
+        meta = next(m for m in tier.iter_meta() if m["variant"] == "batched_decode:1:2:4")
+    finally:
+        tier.close()
+    log = a["log"].parent / "rebuild.log"
+    args = [sys.executable, "-m", "warmup.cli.main", "verify", *tiny_args(a["model"])]
+    args += ["--cache-dir", str(a["cache"]), "--rebuild", meta["variant"]]
+    env = {**os.environ, "KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    proc = subprocess.run(
+        [*args, "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr
+    compiles = [line.split()[-1] for line in log.read_text().splitlines()]  # "PID VARIANT"
+    assert compiles == [meta["variant"]]  # it really compiled, once
+    (r,) = json.loads(proc.stdout)
+    assert r["key"] == meta["key"] and r["where"] == str(a["cache"])
+    assert r["identical"] and r["differs"] == [] and r["stored_sha256"] == meta["sha256"]
+    assert r["rebuilt_sha256"] == meta["sha256"]
+
+
+def test_compare_packages_names_the_member_that_differs(builders):
+    """The comparison ``verify --rebuild`` reports, on a real package and a
+    copy with one comment byte of the kernel source changed."""
+    from warmup.check.rebuild import compare_packages
+
+    a, _ = builders
+    data = next(iter(_entries(a["cache"]).values()))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(buf, "w") as dst:
+        for info in src.infolist():
+            body = src.read(info)
+            if info.filename.endswith(".kernel.cpp"):
+                body = body.replace(b"// Compile cmd", b"// Compile CMD", 1)
+            dst.writestr(info, body)
+    got = compare_packages(data, buf.getvalue())
+    assert not got["identical"] and got["only_stored"] == got["only_rebuilt"] == []
+    assert [m["member"] for m in got["differs"]] == [
+        "model/data/aotinductor/model/kernel_cache.kernel.cpp"
+    ]
+    assert compare_packages(data, data) == {
+        "identical": True,
+        "differs": [],
+        "only_stored": [],
+        "only_rebuilt": [],
+    }
