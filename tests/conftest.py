@@ -139,6 +139,14 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if id(i) not in ids] + warm
 
 
+@pytest.fixture
+def shared_servers():
+    """Held for the test: no test of another pytest-xdist worker uses the run's
+    shared Redis and S3 servers meanwhile."""
+    with FileLock(_shared_dir() / "servers.lock"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return _shared_model()

@@ -47,9 +47,9 @@ _CLEAN = (
     "KERNEL_CACHE_SIGNING_KEY_FILE",
 )
 
-#: One pytest-xdist worker runs every test that uses the shared Redis and S3 servers
-#: (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.xdist_group("servers")
+#: The tests that use the shared Redis and S3 servers run one at a time across
+#: pytest-xdist workers (they empty the Redis database and count the server's requests).
+pytestmark = pytest.mark.usefixtures("shared_servers")
 
 
 def _needs_weed():

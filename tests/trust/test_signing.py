@@ -45,9 +45,9 @@ from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
 from ..signing_keys import make_keypair, raw_key_id
 
-#: One pytest-xdist worker runs every test that uses the shared Redis and S3 servers
-#: (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.xdist_group("servers")
+#: The tests that use the shared Redis and S3 servers run one at a time across
+#: pytest-xdist workers (they empty the Redis database and count the server's requests).
+pytestmark = pytest.mark.usefixtures("shared_servers")
 
 NO_KEYS = {
     ENV_SIGNING_KEY: "",
