@@ -315,10 +315,21 @@ def load_trusted_keys(
 
     Raises:
         SigningKeyError: see :func:`load_signer`; a trusted-key file cannot be
-            read or is not a PEM Ed25519 public key; none is set while required.
+            read or is not a PEM Ed25519 public key; none is set while required;
+            ``KERNEL_CACHE_TRUSTED_KEYS`` holds only commas and blanks.
     """
     if required is None:
         required = _setting("require_signed", environ)
+    raw = (os.environ if environ is None else environ).get(ENV_TRUSTED_KEYS)
+    if raw is not None and raw.strip() and not raw.replace(",", "").strip():
+        # separators only ("," from a template that did not fill in) would
+        # otherwise turn every signature check off without a word; blank is
+        # unset, as for every variable
+        raise SigningKeyError(
+            f"{ENV_TRUSTED_KEYS}={raw!r} names no public key file, so no signature would be "
+            f"checked; fix: set it to the builders' public keys (DIR/{PUBLIC_NAME}, "
+            "','-separated), or unset it to load entries checked by checksum only"
+        )
     ring = Keyring()
     for path in _setting("trusted_keys", environ):
         data, _ = _read(path, ENV_TRUSTED_KEYS)

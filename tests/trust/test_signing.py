@@ -200,6 +200,10 @@ def test_bad_key_settings_are_clear_config_errors(keys, tmp_path):
         ({ENV_TRUSTED_KEYS: str(ec_pub)}, "not an Ed25519 public key"),
         ({ENV_TRUSTED_KEYS: f"{keys['a'].public},/nonexistent/x.pub"}, "cannot read it"),
         ({ENV_REQUIRE_SIGNED: "ture"}, f"{ENV_REQUIRE_SIGNED}='ture'"),
+        # set to separators only: not "no checks" in silence (blank is unset, as for
+        # every variable; KERNEL_CACHE_REQUIRE_SIGNED=1 makes that an error at start)
+        ({ENV_TRUSTED_KEYS: ","}, "names no public key file"),
+        ({ENV_TRUSTED_KEYS: " , "}, "names no public key file"),
     ]
     for environ, match in cases:
         with pytest.raises(SigningKeyError, match=match) as e:
