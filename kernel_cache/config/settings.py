@@ -274,6 +274,12 @@ class SettingsFields(BaseModel):
         2.0, "connect and read timeout of every S3 call, no retries (--s3-timeout wins)",
         type="float", unit="s", expected=_SECONDS_POS, example="2", gt=0, **_SECONDS,
     )  # fmt: skip
+    s3_max_object: Size = _f(
+        256 << 20, "largest S3 object an engine or builder reads (an entry or a manifest): "
+        "a larger one is refused from its size header, before its body is read",
+        type="size", unit="bytes", expected="bytes or a number with K, M, G or T "
+        "(powers of 1024)", example="512M", shown_default="256M",
+    )  # fmt: skip
     s3_lock_ttl: float = _f(
         30.0, "expiry of an S3 build lease, renewed every third of it while compiling",
         type="float", unit="s", expected=_SECONDS_POS, example="30", gt=0, **_SECONDS,

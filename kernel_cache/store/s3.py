@@ -93,7 +93,8 @@ class S3Settings(RemoteSettings):
     (``s3://BUCKET/PREFIX``); ``timeout_s`` (connect and read timeout of every
     call); ``lock_ttl_s`` (lease expiry, renewed every third of it while
     compiling); ``lock_wait_s`` (longest wait for a live holder); ``retry_s``
-    (how long a failed store is left alone, default 30).
+    (how long a failed store is left alone, default 30); ``max_object_bytes``
+    (the largest object read: a larger one is refused from its size header).
     """
 
     VARIABLES: ClassVar[dict[str, str]] = {
@@ -101,6 +102,7 @@ class S3Settings(RemoteSettings):
         "timeout_s": "s3_timeout",
         "lock_ttl_s": "s3_lock_ttl",
         "lock_wait_s": "s3_lock_wait",
+        "max_object_bytes": "s3_max_object",
     }
     FLAGS: ClassVar[dict[str, str]] = {"url": "--s3-url", "timeout_s": "--s3-timeout"}
     LABEL: ClassVar[str] = "S3"
@@ -109,6 +111,7 @@ class S3Settings(RemoteSettings):
     timeout_s: float = env_settings.default("s3_timeout")
     lock_ttl_s: float = env_settings.default("s3_lock_ttl")
     lock_wait_s: float = env_settings.default("s3_lock_wait")
+    max_object_bytes: int = Field(env_settings.default("s3_max_object"), gt=0)
 
     @field_validator("url")
     @classmethod
@@ -158,6 +161,17 @@ def endpoint_from_env(environ: Mapping[str, str] | None = None) -> str | None:
             )
         return value
     return None
+
+
+class ObjectTooLargeError(Exception):
+    """An object over ``KERNEL_CACHE_S3_MAX_OBJECT``, refused before its body is read."""
+
+    def __init__(self, path: str, size: int, limit: int):
+        super().__init__(
+            f"object {path} is {size} bytes, over the limit of {limit} "
+            f"({env_settings.var('s3_max_object')}); an entry that large is not this "
+            "cache's (fix: raise the limit if your kernels are that large)"
+        )
 
 
 def pack(data: bytes, raw_meta: bytes) -> bytes:
@@ -254,16 +268,30 @@ class S3Tier(RemoteTier):
         return isinstance(e, BaseError)
 
     def _get_bytes(self, path: str) -> bytes | None:
-        """The object's bytes, None if absent (or on a fail-open failure)."""
+        """The object's bytes, None if absent (or on a fail-open failure).
+
+        Raises:
+            ObjectTooLargeError: the object's size (from the response headers,
+                before the body is read) is over ``max_object_bytes``.
+        """
         from obstore.exceptions import NotFoundError
+
+        limit = self.settings.max_object_bytes
 
         def op(ob, store):
             try:
-                return bytes(ob.get(store, path).bytes())
+                got = ob.get(store, path)
             except (NotFoundError, FileNotFoundError):
                 return None
+            size = int(got.meta["size"])
+            if size > limit:
+                return ObjectTooLargeError(path, size, limit)
+            return bytes(got.bytes())
 
-        return self._run(f"GET {path}", op)
+        out = self._run(f"GET {path}", op)
+        if isinstance(out, ObjectTooLargeError):
+            raise out
+        return out
 
     # -- manifest ----------------------------------------------------------
     def expect(self, keys) -> None:
@@ -276,7 +304,11 @@ class S3Tier(RemoteTier):
         if self._manifest_read or not self._expected:
             return
         self._manifest_read = True
-        raw = self._get_bytes(manifest_name(self._expected))
+        try:
+            raw = self._get_bytes(manifest_name(self._expected))
+        except ObjectTooLargeError as e:
+            log.warning("ignored S3 manifest: %s", e)
+            return
         if raw is None:
             return
         try:
@@ -288,8 +320,14 @@ class S3Tier(RemoteTier):
             return
         from concurrent.futures import ThreadPoolExecutor
 
+        def fetch(key: str) -> bytes | None:
+            try:
+                return self._get_bytes(f"entries/{key}")
+            except ObjectTooLargeError:
+                return None  # refused again, with the key, when it is looked up
+
         with ThreadPoolExecutor(max_workers=min(8, len(listed))) as pool:
-            bodies = pool.map(lambda k: self._get_bytes(f"entries/{k}"), listed)
+            bodies = pool.map(fetch, listed)
             self._prefetched = {k: b for k, b in zip(listed, bodies, strict=True) if b is not None}
 
     def publish_manifest(self, keys) -> PutResult:
@@ -309,7 +347,12 @@ class S3Tier(RemoteTier):
     def _body(self, key: str) -> bytes | None:
         self._read_manifest()
         body = self._prefetched.pop(key, None)
-        return body if body is not None else self._get_bytes(f"entries/{key}")
+        if body is not None:
+            return body
+        try:
+            return self._get_bytes(f"entries/{key}")
+        except ObjectTooLargeError as e:
+            raise CorruptEntryError(key, str(e), self.location) from None
 
     def get(self, key: str) -> Entry | None:
         body = self._body(key)

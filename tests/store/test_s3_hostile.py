@@ -90,3 +90,40 @@ def test_a_small_timeout_reaches_the_client_as_a_duration_it_parses(s3):
     assert ok.contains("0" * 64) is False and ok.error is None
     assert json.loads(ok.settings.model_dump_json())["timeout_s"] == 15
     ok.close()
+
+
+def _peak_rss_mib(model, cache, env) -> tuple[subprocess.CompletedProcess, float]:
+    """An engine start in a child, and that child's peak resident size (MiB), read
+    by the child from the kernel at exit (``VmHWM`` of ``/proc/self/status``: its
+    own memory since exec, where ``ru_maxrss`` would count the parent's at fork)."""
+    code = ENGINE + (
+        "\nprint(next(ln.split()[1] for ln in open('/proc/self/status') "
+        "if ln.startswith('VmHWM:')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(cache)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+    )  # fmt: skip
+    return proc, int(proc.stdout.split()[-1]) / 1024
+
+
+@pytest.mark.slow
+def test_an_object_over_the_size_limit_is_refused_before_its_body_is_read(
+    s3, tiny_model, tiny_config, tmp_path
+):
+    """A bucket writer cannot fill an engine's memory: a 200 MiB object under an
+    entry's name is refused from its size header (the engine's peak RSS stays
+    within 50 MiB of a start that finds nothing)."""
+    import obstore
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
+    keys = [build_key(tiny_config, v).hexdigest for v in Bucketer(tiny_config).variants]
+    env = _env(KERNEL_CACHE_S3_URL=s3["url"], KERNEL_CACHE_S3_MAX_OBJECT="1M")
+    control, base = _peak_rss_mib(tiny_model, tmp_path / "c0", env)
+    assert control.stdout.split()[:2] == ["missing", str(len(keys))], control.stderr[-2000:]
+    obstore.put(tier.store, f"entries/{keys[0]}", pack(b"\0" * (200 << 20), b"{}"))
+    proc, peak = _peak_rss_mib(tiny_model, tmp_path / "c1", env)
+    assert proc.stdout.split()[:2] == ["missing", str(len(keys))], proc.stderr[-2000:]
+    assert "over the limit of 1048576 (KERNEL_CACHE_S3_MAX_OBJECT)" in proc.stderr
+    assert peak - base < 50, (peak, base)
+    tier.close()
