@@ -131,7 +131,21 @@ def _split_comma_paths(text: str) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(Path(p.strip()) for p in text.split(",") if p.strip()))
 
 
+def _threads(text: str) -> str | int:
+    t = text.strip().lower()
+    if t in ("auto", "keep"):
+        return t
+    try:
+        n = int(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not auto, keep or an integer") from None
+    if n < 1:
+        raise ValueError(f"{n} threads: must be at least 1")
+    return n
+
+
 Bool = Annotated[bool, _before(parse_bool)]
+Threads = Annotated[str | int, _before(_threads)]
 BucketList = Annotated[tuple[int, ...] | None, _before(parse_int_list)]
 PathList = Annotated[tuple[Path, ...], _before(_split_paths)]
 CommaPathList = Annotated[tuple[Path, ...], _before(_split_comma_paths)]
@@ -209,6 +223,13 @@ class SettingsFields(BaseModel):
         False, "keep warmup's compile scratch directory (Inductor sources, objects) "
         "for debugging; its path is logged",
         type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    num_threads: Threads = _f(
+        "auto", "CPU threads of a serving process, set by load_plan for a CPU plan: auto "
+        "lowers torch's count to the CPUs the process may use (affinity, cgroup CPU quota) "
+        "unless OMP_NUM_THREADS is set; N sets N; keep leaves torch's count alone",
+        type="auto | keep | int", expected="auto, keep or an integer >= 1", example="1",
+        shown_default="auto",
     )  # fmt: skip
     # -- sharded warmup -------------------------------------------------------------------
     shards: int | None = _f(

@@ -272,6 +272,9 @@ def load_plan(
             users or owned by another user (names the path and the fix).
         SigningKeyError: signed entries are required and no trusted key is set, or a
             key setting is wrong (names the variable and the fix).
+        SettingError: a ``KERNEL_CACHE_*`` variable does not validate (e.g.
+            ``KERNEL_CACHE_NUM_THREADS``, which a CPU plan applies here:
+            :mod:`kernel_cache.runtime.threads`).
     """
     from kernel_cache.runtime.dispatch import AttentionRuntime  # imports torch
     from kernel_cache.store.lookup import Lookup
@@ -285,6 +288,10 @@ def load_plan(
         else Lookup(tiers)
     )
     plan = Plan.build(config) if plan is None else plan
+    if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
+        from kernel_cache.runtime import threads
+
+        threads.apply()
     for tier in lookup.tiers:  # a remote may fetch the plan in one go (S3: its manifest)
         tier.expect([item.hexdigest for item in plan])
     found = _find_plan(plan, lookup, cache_dir)
