@@ -245,13 +245,13 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     signing_key_file: Path | None = _f(
         None, "builders only: the Ed25519 private key (PEM PKCS#8, chmod 600, from "
-        "kernel-cache keygen) that signs every entry published to Redis or a bundle",
+        "kernel-cache keygen) that signs every entry published to Redis, S3 or a bundle",
         type="path", expected="a readable file path", example="/etc/kc/signing.key",
         shown_default="none (unsigned)",
     )  # fmt: skip
     trusted_keys: CommaPathList = _f(
         (), "Ed25519 public keys (PEM, from kernel-cache keygen) whose signatures entries "
-        "from Redis and bundles must carry; several let a fleet rotate keys",
+        "from Redis, S3 and bundles must carry; several let a fleet rotate keys",
         type="paths (','-separated)", expected="public key file paths",
         example="/etc/kc/signing.pub,/etc/kc/old.pub", shown_default="none (unchecked)",
     )  # fmt: skip

@@ -177,7 +177,7 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
 
 def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
     """The closure is read from the code: explain.py is not imported by the
-    compile path, so editing it keeps every key (and kernels.py is in it)."""
+    compile path, so editing it keeps every key (and kernels/builtin.py is in it)."""
     from kernel_cache.plan.sources import source_files
 
     files = source_files()

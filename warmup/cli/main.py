@@ -1,4 +1,4 @@
-"""The ``kernel-cache`` command line (plan, warmup, verify, bundles, housekeeping).
+"""The ``kernel-cache`` command line (plan, warmup, verify, tune, bundles, housekeeping, keygen).
 
 Subcommands: plan and warmup in :mod:`warmup.cli.build`; verify in
 :mod:`warmup.cli.verify`; export, import, explain, ls, stats, gc, clear, keygen in
@@ -34,6 +34,12 @@ from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and exa
     trust_option,
 )
 
+#: ``kernel-cache --help``'s first line.
+DESCRIPTION = (
+    "kernel-cache: plan, compile (warmup), check (verify), tune and share compiled "
+    "attention kernels; bundles, housekeeping and signing keys"
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kernel-cache`` parser: top-level ``-v`` and ``--version``, then the
@@ -44,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from warmup.cli.verify import add_verify_command
     from warmup.tune.cli import add_tune_command
 
-    p = argparse.ArgumentParser(prog="kernel-cache", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kernel-cache", description=DESCRIPTION)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
