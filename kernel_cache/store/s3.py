@@ -21,7 +21,7 @@ Objects (under ``PREFIX/``), all immutable once written except the leases:
   it on its first lookup in this tier and fetches the listed entries in
   parallel; without it, one GET per key.
 - ``leases/<key>``: ``{"holder", "expires_at"}`` of the builder compiling the
-  key (:class:`S3Lease`).
+  key (:class:`~kernel_cache.store.s3_lease.S3Lease`).
 
 Entries are untrusted (:attr:`S3Tier.trusted` is False): the lookup checks
 their size, sha256 and, with a signing key, signature before use.
@@ -49,12 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError
-from kernel_cache.store.remote_base import (
-    BuildLease,
-    RemoteSettings,
-    RemoteTier,
-    RemoteUnavailableError,
-)
+from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
+from kernel_cache.store.s3_lease import S3Lease, S3LeaseDoc  # noqa: F401 - S3LeaseDoc re-exported
 from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
@@ -74,15 +70,6 @@ class S3Manifest(BaseModel):
     format: Literal["kc-s3-manifest-1"] = Field(description="the format of this document")
     keys: list[str] = Field(description="the plan's cache keys (64 hex), sorted")
     created: float = Field(description="unix seconds when it was written")
-
-
-class S3LeaseDoc(BaseModel):
-    """``leases/<key>``: who compiles the key, until when."""
-
-    model_config = ConfigDict(frozen=True, extra="allow")
-
-    holder: str = Field("", description="host:pid:token of the builder")
-    expires_at: float = Field(description="unix seconds; 0 once released")
 
 
 class S3Settings(RemoteSettings):
@@ -497,100 +484,6 @@ class S3Tier(RemoteTier):
     def close(self) -> None:
         self._store = None
         self._prefetched = {}
-
-
-class S3Lease(BuildLease):
-    """:class:`~kernel_cache.store.remote_base.BuildLease` on S3.
-
-    The lease object ``leases/<key>`` holds ``{"holder", "expires_at"}`` (unix
-    seconds). Taken with ``If-None-Match: *``; an expired one (its holder died or
-    released it) is taken over by a conditional overwrite ``If-Match: <ETag>``
-    of the lease read, so of two builders racing for it one wins. Renewed with
-    ``If-Match`` on our own ETag (a lease taken over after we stalled is lost,
-    not stolen back) and released by overwriting it as expired (``If-Match``
-    again). Expiry compares wall clocks of builders: their skew must stay well
-    below the TTL.
-    """
-
-    WHAT = "S3 build lease"
-
-    def __init__(self, tier: S3Tier, key: str, ttl_s=None, wait_s=None, poll_s: float = 0.25):
-        super().__init__(tier, key, ttl_s, wait_s, poll_s)
-        self.path = f"leases/{key}"
-        self._etag: str | None = None
-
-    def _body(self, expires_at: float) -> bytes:
-        return S3LeaseDoc(holder=self.token, expires_at=expires_at).model_dump_json().encode()
-
-    def _read(self) -> tuple[dict, str] | None | bool:
-        """``(lease, etag)``, None if there is none, False on a failure."""
-        from obstore.exceptions import NotFoundError
-
-        def op(ob, store):
-            try:
-                r = ob.get(store, self.path)
-            except (NotFoundError, FileNotFoundError):
-                return None
-            try:
-                doc = S3LeaseDoc.model_validate_json(bytes(r.bytes())).model_dump()
-            except ValidationError:  # not a lease: treat as expired, take it over
-                doc = {"expires_at": 0}
-            return doc, r.meta["e_tag"]
-
-        return self.tier._run("lease read", op, False)
-
-    def _put(self, mode, expires_at: float) -> str | None | bool:
-        """PUT the lease with ``mode``; its new ETag, None if the precondition
-        failed, False on a failure."""
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        def op(ob, store):
-            try:
-                r = ob.put(store, self.path, self._body(expires_at), mode=mode, use_multipart=False)
-                return r["e_tag"] or ""
-            except (AlreadyExistsError, PreconditionError):
-                return None
-
-        return self.tier._run("lease write", op, False)
-
-    def holder(self) -> str | None:
-        got = self._read()
-        return got[0].get("holder") if got else None
-
-    def _take(self) -> bool | None:
-        etag = self._put("create", time.time() + self.ttl_s)
-        if etag is None:
-            got = self._read()
-            if got is False:
-                return None
-            if got is not None and float(got[0].get("expires_at", 0)) < time.time():
-                etag = self._put({"e_tag": got[1]}, time.time() + self.ttl_s)
-        if etag is False:
-            return None
-        if etag is None:
-            return False
-        self._etag = etag
-        return True
-
-    def _published(self) -> bool | None:
-        if self.tier.contains(self.key):
-            return True
-        return None if self.tier.is_down() else False
-
-    def _extend(self) -> bool | None:
-        etag = self._put({"e_tag": self._etag}, time.time() + self.ttl_s)
-        if etag is None or etag is False:
-            return None if etag is False else False  # failed (noted) / taken over
-        self._etag = etag
-        return True
-
-    def _drop(self) -> None:
-        if self._etag is not None and not self.lost:
-            try:
-                self._put({"e_tag": self._etag}, 0.0)
-            except Exception:  # releasing must not fail a run; the lease expires anyway
-                pass
-        self._etag = None
 
 
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:

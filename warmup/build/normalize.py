@@ -1,0 +1,152 @@
+"""Reproducible packages (docs/reproducible.md): builder paths kept out of the
+compile commands (:func:`build_paths_mapped`) and out of the ``.pt2`` package,
+whose bytes are made equal across builders of one key (:func:`normalize_package`).
+
+Part of the ``sources`` key component: :mod:`warmup.build.compiler` imports it,
+so it is hashed into every key (:func:`kernel_cache.plan.sources.source_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from kernel_cache.config.recipe import BUILD_PATH_NAMES
+
+#: The time every member of a normalized package carries (the zip format's
+#: earliest; torch's own writer uses it too).
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+#: Member data starts at a multiple of this many bytes, as torch's writer does
+#: (``PyTorchFileWriter``, padding in an ``FB`` extra field).
+ZIP_ALIGN = 64
+#: The package member torch fills with a random id per write.
+SERIALIZATION_ID = ".data/serialization_id"
+
+
+def build_path_map(build_dir: str) -> list[tuple[str, str]]:
+    """``(path on this builder, fixed name)`` for every directory of this
+    builder that reaches a compile command: Inductor's per-compile directory
+    ``build_dir``, the torch install (headers, libraries) and the Python
+    install's include and library directories, each also as its real path when
+    it differs (:data:`kernel_cache.config.recipe.BUILD_PATH_NAMES`). Shortest
+    path first: the compiler takes the last matching ``-ffile-prefix-map``."""
+    import sysconfig
+
+    import torch
+
+    names = BUILD_PATH_NAMES
+    found = [
+        (build_dir, names["build"]),
+        (os.path.dirname(torch.__file__), names["torch"]),
+        (sysconfig.get_path("include"), names["python_include"]),
+        (sysconfig.get_path("include", scheme="posix_prefix"), names["python_include"]),
+        (sysconfig.get_config_var("LIBDIR"), names["python_lib"]),
+    ]
+    pairs: dict[str, str] = {}
+    for path, name in found:
+        if not path or not os.path.isabs(path):
+            continue
+        for p in (os.path.abspath(path), os.path.realpath(path)):
+            if p != os.sep:
+                pairs.setdefault(p, name)
+    return sorted(pairs.items(), key=lambda kv: (len(kv[0]), kv[0]))
+
+
+@contextlib.contextmanager
+def build_paths_mapped(tmp: str):
+    """Run AOTInductor in a fresh directory under ``tmp`` (its
+    ``TORCHINDUCTOR_CACHE_DIR`` for this compile: the generated files carry
+    fixed names, so no two compiles may share one) with every C++ compile
+    given ``-ffile-prefix-map=PATH=NAME`` for :func:`build_path_map`, so that
+    ``__FILE__`` strings in the shared object name no builder path. Yields the
+    map, for :func:`normalize_package`.
+
+    Inductor has no option for extra compiler flags; its one function that runs
+    a compile command (``torch._inductor.cpp_builder._run_compile_cmd``) is
+    wrapped for the duration and restored after.
+    """
+    import shlex
+
+    from torch._inductor import cpp_builder
+
+    build = os.path.join(os.path.abspath(tmp), "inductor")
+    os.makedirs(build, exist_ok=True)
+    pairs = build_path_map(build)
+    flags = " ".join(shlex.quote(f"-ffile-prefix-map={p}={n}") for p, n in pairs)
+    run = cpp_builder._run_compile_cmd
+
+    def mapped(cmd_line: str, cwd: str) -> None:
+        compiler, _, rest = cmd_line.partition(" ")
+        return run(f"{compiler} {flags} {rest}", cwd)
+
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = build
+    cpp_builder._run_compile_cmd = mapped
+    try:
+        yield pairs
+    finally:
+        cpp_builder._run_compile_cmd = run
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
+    """``text`` (C++ source) with each path of ``pairs`` replaced by its name
+    in comment lines (``//``: the compile and link commands Inductor appends,
+    the kernel file's first line); code lines are left as they are."""
+    longest_first = [(p.encode(), n.encode()) for p, n in reversed(pairs)]
+    lines = text.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(b"//"):
+            for p, n in longest_first:
+                line = line.replace(p, n)
+            lines[i] = line
+    return b"\n".join(lines)
+
+
+def normalize_package(data: bytes, pairs: list[tuple[str, str]]) -> bytes:
+    """The ``.pt2`` package ``data`` rewritten so that two builds of one key
+    give the same bytes: the builder paths of ``pairs`` in the C++ sources'
+    comments replaced by their fixed names, the random serialization id
+    replaced by a digest of every other member (names and bytes), the members
+    in torch's order with :data:`ZIP_DATE`, stored, data aligned to
+    :data:`ZIP_ALIGN` bytes as torch aligns it.
+
+    Logs a warning naming the members that still hold a builder path (the
+    package is then correct but not reproducible across builders).
+    """
+    import hashlib
+    import io
+    import logging
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as src:
+        members = [(i.filename, src.read(i)) for i in src.infolist()]
+    members = [(n, _map_comments(b, pairs) if n.endswith(".cpp") else b) for n, b in members]
+    digest = hashlib.sha256()
+    for name, body in members:
+        if not name.endswith(SERIALIZATION_ID):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(body).digest())
+    ident = f"{int(digest.hexdigest(), 16) % 10**40:040d}".encode()
+    members = [(n, ident if n.endswith(SERIALIZATION_ID) else b) for n, b in members]
+    leaks = [n for n, b in members if any(p.encode() in b for p, _ in pairs)]
+    if leaks:
+        logging.getLogger("kernel_cache").warning(
+            "the package still holds a builder path in %s: it is correct, but another "
+            "builder of this key writes other bytes (docs/reproducible.md)",
+            ", ".join(leaks),
+        )
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as out:
+        for name, body in members:
+            info = zipfile.ZipInfo(name, date_time=ZIP_DATE)
+            info.create_system = 3
+            info.external_attr = 0
+            start = buf.tell() + 30 + len(name.encode()) + 4
+            pad = -start % ZIP_ALIGN
+            info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            out.writestr(info, body)
+    return buf.getvalue()
