@@ -226,7 +226,7 @@ from kernel_cache import load_plan, make_config
 from kernel_cache.kernels.reference import reference_attention, reference_decode
 from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], device="cuda", max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, kv_buckets=(32,))  # the plan gpu_cache warmed
 rt = load_plan(cfg, sys.argv[2])
 g = torch.Generator().manual_seed(3)
 P, dev, dt = 11, "cuda", torch.bfloat16
