@@ -39,8 +39,8 @@ from _common import engine_ready, nearest_rank, start_together  # noqa: E402
 def engine_main(spec_json: str) -> int:
     """One engine process (``--engine SPEC``): import, ready, wait for go, start."""
     from kernel_cache import load_plan
+    from kernel_cache.store.disk_tier import DiskTier
     from kernel_cache.store.redis import RedisSettings, RedisTier
-    from kernel_cache.store.tier import DiskTier
     from warmup.build.planner import warmup
 
     ready = engine_ready(spec_json)

@@ -327,7 +327,7 @@ def runner_modes(cfg, cache_dir, kc, vc, bt) -> dict:
     from kernel_cache.plan.buckets import BATCHED_DECODE, KernelVariant
     from kernel_cache.plan.keys import build_key, environment
     from kernel_cache.plan.launch import launch_for
-    from kernel_cache.store.tier import DiskTier
+    from kernel_cache.store.disk_tier import DiskTier
 
     v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=512, num_seqs=32)
     env = environment("cuda")

@@ -59,7 +59,7 @@ from _common import (
 
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 from warmup.build.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from kernel_cache.plan.keys import key_from_components
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 
 from .conftest import ROOT
 

@@ -29,7 +29,7 @@ MODELS: tuple[str, ...] = (
     "warmup.build.report:WarmupReport",
     "warmup.check.verify:VerifyReport",
     "warmup.check.rebuild:RebuildReport",
-    "kernel_cache.store.tier:EntryMeta",
+    "kernel_cache.store.entry:EntryMeta",
     "kernel_cache.store.bundle:BundleManifest",
     "kernel_cache.store.usage:UsageRecord",
     "kernel_cache.store.s3:S3Manifest",

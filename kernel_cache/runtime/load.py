@@ -29,7 +29,7 @@ from kernel_cache.errors import (
 )
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
-from kernel_cache.store.tier import (
+from kernel_cache.store.disk_tier import (
     ENV_CACHE_DIR,
     DiskTier,
     Tier,
@@ -191,7 +191,7 @@ def default_tiers(
 
 def record_lookups(tiers: list[Tier], hits: dict[int, list[str]], misses: int) -> None:
     """Best-effort usage records for the tiers that keep them (the local disk
-    cache: :meth:`~kernel_cache.store.tier.Tier.note_usage`): ``hits`` maps
+    cache: :meth:`~kernel_cache.store.disk_tier.Tier.note_usage`): ``hits`` maps
     ``id(tier)`` to the keys it served; misses go to the first such tier.
     Never raises, never writes to a read-only directory."""
     first = True
@@ -254,7 +254,7 @@ def load_plan(
     Args:
         config: the engine configuration (its bucketer defines the plan).
         cache_dir: the local cache (default
-            :func:`~kernel_cache.store.tier.default_cache_dir`); ignored when ``tiers`` is given.
+            :func:`~kernel_cache.store.base.default_cache_dir`); ignored when ``tiers`` is given.
         bundles: bundle directories searched before the local cache, in
             addition to ``$KERNEL_CACHE_BUNDLE``; ignored when ``tiers`` is given.
         strict: raise on missing variants (default); with False, load what is there.

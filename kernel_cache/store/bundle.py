@@ -24,7 +24,7 @@ copied into an image layer or mounted read-only anywhere::
 ``$KERNEL_CACHE_BUNDLE`` (:func:`bundle_paths`) before the local cache;
 ``kernel-cache import`` copies one into a local cache (:func:`import_bundle`).
 A :class:`BundleTier` writes nothing, anywhere: it reads the manifest and the
-files, and :func:`kernel_cache.store.tier.verify_entry` checks each file's size and
+files, and :func:`kernel_cache.store.disk_tier.verify_entry` checks each file's size and
 sha256 before its code is loaded, and with trusted keys set
 (:mod:`kernel_cache.trust.signing`) the signature over each whole record.
 """
@@ -47,14 +47,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from kernel_cache.config import settings
 from kernel_cache.errors import BundleError, CorruptEntryError, describe_errors
-from kernel_cache.store.locks import remove_dead_process_dirs
-from kernel_cache.store.tier import (
+from kernel_cache.store.disk_tier import (
     Entry,
     EntryMeta,
     PutOutcome,
     PutResult,
     Tier,
 )
+from kernel_cache.store.locks import remove_dead_process_dirs
 
 BUNDLE_FORMAT = "kc-bundle-1"
 MANIFEST = "manifest.json"
@@ -483,7 +483,7 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             trusted keys set) its signature (nothing of it is copied; entries
             copied before it stay, each whole).
     """
-    from kernel_cache.store.tier import verify_entry
+    from kernel_cache.store.disk_tier import verify_entry
     from kernel_cache.trust.signing import check_untrusted
 
     tier = BundleTier(bundle)

@@ -14,7 +14,7 @@ every key component but the build-only ``cxx``) is one of the kept plan's, so
 a kept plan keeps every artifact engine start could load for it.
 
 Entries whose metadata cannot be read (garbage, a link, a missing or truncated
-artifact file: :meth:`kernel_cache.store.tier.DiskTier.iter_records`) are listed
+artifact file: :meth:`kernel_cache.store.disk_tier.DiskTier.iter_records`) are listed
 with ``status`` ``corrupt`` and the reason, never hidden; ``gc`` and ``clear``
 remove them like any other entry (their size is their file's).
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import kernel_cache.store.usage as usage
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.keys import runtime_digest
-from kernel_cache.store.tier import Tier
+from kernel_cache.store.disk_tier import Tier
 
 #: Seconds an unreferenced value file is kept by ``gc`` and ``clear``. A
 #: publish writes its file and commits its index row within one SQLite write
@@ -236,7 +236,7 @@ def remove_orphans(tier: Tier, *, grace_s: float = ORPHAN_GRACE_S, now: float | 
     Returns ``{"removed": <files>, "removed_bytes", "kept_young": <files>}``
     (zeros for a tier that is not a writable local cache).
     """
-    from kernel_cache.store.disk import IndexSnapshot, remove_entry_file
+    from kernel_cache.store.safe_disk import IndexSnapshot, remove_entry_file
 
     out = {"removed": 0, "removed_bytes": 0, "kept_young": 0}
     d = _directory(tier)

@@ -20,11 +20,11 @@ changed files (:attr:`Lookup.changes`) when nothing is stored there.
 A compatible candidate is used only if its recorded key is the hash of its
 recorded components (for a derived entry, through its recorded ``derived``
 states; a record that disagrees with itself is never trusted),
-and, like an exact hit, only after :func:`kernel_cache.store.tier.verify_entry`
+and, like an exact hit, only after :func:`kernel_cache.store.disk_tier.verify_entry`
 has checked its size and sha256.
 
 The policy for each tier is the lookup's, given as a :class:`Source` (a bare
-tier gets its defaults, :attr:`Tier.trusted <kernel_cache.store.tier.Tier.trusted>`
+tier gets its defaults, :attr:`Tier.trusted <kernel_cache.store.disk_tier.Tier.trusted>`
 and ``corrupt_is_miss``). An entry of an untrusted source (bundles, Redis) must
 also pass :func:`kernel_cache.trust.signing.check_untrusted` (its signature, when a
 signing key is set). One that fails is logged as rejected and never returned;
@@ -34,7 +34,7 @@ hit is copied into the lookup's ``promote_into`` tier (warmup: the local disk
 cache), else into its source's ``promote_into`` (engine start: Redis hits into
 the local cache), so the next lookup finds it locally. A copy that is refused
 or fails is logged and the hit is returned all the same
-(:attr:`Found.promoted` holds the :class:`~kernel_cache.store.tier.PutResult`).
+(:attr:`Found.promoted` holds the :class:`~kernel_cache.store.disk_tier.PutResult`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from kernel_cache.plan.keys import (
     source_changes,
 )
 from kernel_cache.plan.traced import Manifest, chain_key, changes, current, derive_key
-from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, verify_entry
+from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, verify_entry
 from kernel_cache.trust.signing import check_untrusted
 
 log = logging.getLogger("kernel_cache")
@@ -112,7 +112,7 @@ def consistent(meta: dict) -> bool:
 
 def traced_of(meta: dict) -> Manifest | None:
     """An entry's recorded ``traced`` manifest; None if it records none or one
-    that does not parse (then :func:`~kernel_cache.store.tier.verify_entry`
+    that does not parse (then :func:`~kernel_cache.store.disk_tier.verify_entry`
     rejects the entry)."""
     raw = meta.get("traced")
     if raw is None:
@@ -130,7 +130,7 @@ class Current:
     ``entry``: the stored entry whose traced files match here, or None;
     ``key``: its key, or where such an artifact is to be stored; ``derived``:
     the states that derive ``key`` from the plan's key (record them in the new
-    entry: :func:`~kernel_cache.store.tier.make_meta`); ``changes``: how the
+    entry: :func:`~kernel_cache.store.disk_tier.make_meta`); ``changes``: how the
     traced files here differ from those the plan key's entry records (one line
     each; empty when they match or nothing is stored).
     """

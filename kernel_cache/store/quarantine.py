@@ -1,6 +1,6 @@
 """Move a corrupt or untrusted cache entry out of the way, keeping it for a post-mortem.
 
-``warmup`` calls :meth:`DiskTier.quarantine <kernel_cache.store.tier.DiskTier.quarantine>`
+``warmup`` calls :meth:`DiskTier.quarantine <kernel_cache.store.disk_tier.DiskTier.quarantine>`
 (which uses :func:`quarantine_files`) while it holds the entry's key lock
 (never on a guess made without the lock: another process may just have
 published a good entry under that key). The entry leaves the index and its
@@ -97,7 +97,7 @@ def _move_artifact(root: Path, filename: str, dfd: int) -> str | None:
 
 def quarantine_entry(tier, key: str, reason: str, variant: str = "") -> Path | None:
     """Move ``key``'s bad entry out of ``tier``'s way (:meth:`Tier.quarantine
-    <kernel_cache.store.tier.Tier.quarantine>`): a disk tier keeps it under
+    <kernel_cache.store.disk_tier.Tier.quarantine>`): a disk tier keeps it under
     ``<cache>/quarantine/``. Returns that folder, or None where the tier keeps
     nothing."""
     where = tier.quarantine(key, reason, variant)

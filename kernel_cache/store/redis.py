@@ -42,6 +42,7 @@ from pydantic import field_validator
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import CorruptEntryError
+from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are imported from here too
     ACQUIRED,
     BUSY,
@@ -53,7 +54,6 @@ from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are im
     RemoteTier,
     RemoteUnavailableError,
 )
-from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.store.tier import Tier
+from kernel_cache.store.disk_tier import Tier
 
 
 def settings_from_json(text: str):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, KernelCacheError
-from kernel_cache.store.tier import Tier
+from kernel_cache.store.disk_tier import Tier
 
 log = logging.getLogger("kernel_cache")
 

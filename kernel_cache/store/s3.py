@@ -49,9 +49,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError
+from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
 from kernel_cache.store.s3_lease import S3Lease, S3LeaseDoc  # noqa: F401 - S3LeaseDoc re-exported
-from kernel_cache.store.tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 
 log = logging.getLogger("kernel_cache")
 
@@ -439,7 +439,7 @@ class S3Tier(RemoteTier):
     def _valid(self, key: str) -> dict | None:
         """The metadata of the stored entry of ``key`` if it passes the lookup's
         checks (or cannot be read now: left alone), else None."""
-        from kernel_cache.store.tier import verify_entry
+        from kernel_cache.store.disk_tier import verify_entry
         from kernel_cache.trust.signing import check_untrusted
 
         try:

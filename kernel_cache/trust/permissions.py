@@ -25,7 +25,7 @@ Symbolic links are never followed inside the cache, opt-out or not: a link
 where the index (``cache.db``, ``-wal``, ``-shm``), ``locks/``,
 ``quarantine/`` or the usage record belongs is refused
 (:func:`check_no_links`), and entry files and their folders are opened
-component by component with ``O_NOFOLLOW`` (:mod:`kernel_cache.store.disk`).
+component by component with ``O_NOFOLLOW`` (:mod:`kernel_cache.store.safe_disk`).
 Writing through such a link (warmup often runs as root) would change files
 elsewhere, and a trust check of the link would judge the wrong file. The
 cache directory itself may be a link: that path is the user's choice, and the

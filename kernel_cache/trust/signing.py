@@ -465,8 +465,8 @@ def check_untrusted(
     """The check every entry from an untrusted tier passes before it is used.
 
     ``keyring`` defaults to :func:`load_trusted_keys` (None: no key set, nothing
-    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.tier.Entry`;
-    ``digest`` the sha256 of its bytes as :func:`~kernel_cache.store.tier.verify_entry`
+    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.disk_tier.Entry`;
+    ``digest`` the sha256 of its bytes as :func:`~kernel_cache.store.disk_tier.verify_entry`
     returned it (else hashed here).
 
     Raises:

@@ -26,7 +26,7 @@ from kernel_cache import MissingVariantsError, load_plan, make_config
 from kernel_cache.kernels.reference import reference_attention, reference_decode
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, device_arch, diff_components
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import N_TINY, ROOT, TINY_LIMITS, TRACE, run_cli, tiny_args
 

@@ -22,7 +22,7 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, diff_components
 from kernel_cache.plan.tables import arch_family, table_filename
 from kernel_cache.runtime.load import check_cpu_features, load_plan
-from kernel_cache.store.tier import DiskTier, Entry, make_meta
+from kernel_cache.store.disk_tier import DiskTier, Entry, make_meta
 
 from ..conftest import ROOT, TINY_LIMITS
 

@@ -34,7 +34,7 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.plan.sources import source_files
 from kernel_cache.runtime.load import load_plan
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 from warmup.check.verify import verify_plan
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args

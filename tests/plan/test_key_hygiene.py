@@ -18,7 +18,7 @@ from kernel_cache import load_plan
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import BUILD_ONLY, RUNTIME_COMPONENTS, build_key
 from kernel_cache.runtime.load import default_tiers
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 from warmup.check.explain import explain, short
 
 from ..conftest import N_TINY, ROOT, TINY_VARIANTS, run_cli, tiny_args

@@ -9,7 +9,7 @@ import pytest
 from kernel_cache.errors import CorruptEntryError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import COMPONENTS, EXCLUDED, build_key, diff_components
-from kernel_cache.store.tier import DiskTier, Entry, make_meta, verify_entry
+from kernel_cache.store.disk_tier import DiskTier, Entry, make_meta, verify_entry
 
 
 def test_key_is_ordered_named_components(tiny_config):

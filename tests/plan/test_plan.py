@@ -14,8 +14,8 @@ from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.launch import ENV_TUNING, variant_defaults
 from kernel_cache.plan.plan import GIVEN, Plan
 from kernel_cache.store.bundle import export_bundle, read_manifest
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.housekeeping import plan_digests
-from kernel_cache.store.tier import DiskTier, make_meta
 from warmup.check.explain import explain
 from warmup.check.verify import verify_plan
 

@@ -32,8 +32,8 @@ from kernel_cache.plan.traced import (
     find_file,
     manifest_of,
 )
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, consistent, current_entry
-from kernel_cache.store.tier import DiskTier, make_meta
 
 from ..conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
 
@@ -275,7 +275,7 @@ def test_an_unreadable_derived_entry_is_rebuilt_under_its_own_key(site, tiny_con
     import userkern2.decode  # noqa: F401
 
     from kernel_cache.errors import CorruptEntryError
-    from kernel_cache.store.tier import Entry
+    from kernel_cache.store.disk_tier import Entry
 
     v = Bucketer(tiny_config).variants[0]
     key = build_key(tiny_config, v)

@@ -16,7 +16,7 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
-from kernel_cache.store.tier import DiskTier, PutOutcome
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir

@@ -22,8 +22,8 @@ from kernel_cache.errors import (
     LockTimeoutError,
     UntrustedCacheError,
 )
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.locks import KeyLock, LockBusy
-from kernel_cache.store.tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
 from ..conftest import ROOT
@@ -171,7 +171,7 @@ def test_many_processes_opening_and_publishing_at_once_never_fail(tmp_path):
     script = (
         "import os, sys, time\n"
         "from tests.store.test_disk_tier import entry\n"
-        "from kernel_cache.store.tier import DiskTier\n"
+        "from kernel_cache.store.disk_tier import DiskTier\n"
         "print('ready', flush=True)\n"
         "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
         "for j in range(4):\n"

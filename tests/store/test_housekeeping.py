@@ -12,6 +12,7 @@ from kernel_cache.config.settings import parse_size
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.housekeeping import (
     ORPHAN_GRACE_S,
     cache_stats,
@@ -19,7 +20,6 @@ from kernel_cache.store.housekeeping import (
     list_entries,
     plan_digests,
 )
-from kernel_cache.store.tier import DiskTier, make_meta
 
 from ..conftest import N_TINY, run_cli, tiny_args
 

@@ -24,6 +24,7 @@ from kernel_cache import MissingVariantsError, load_plan
 from kernel_cache.errors import ConfigError, CorruptEntryError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.redis import (
     ACQUIRED,
     BUSY,
@@ -31,7 +32,6 @@ from kernel_cache.store.redis import (
     RedisSettings,
     RedisTier,
 )
-from kernel_cache.store.tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.trust.signing import (
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,

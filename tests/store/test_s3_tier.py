@@ -23,10 +23,10 @@ import pytest
 from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name, pack
-from kernel_cache.store.tier import DiskTier, PutOutcome, make_meta, verify_entry
 
 from ..conftest import ROOT, run_cli, tiny_args
 from ..kc_helpers import engine_start

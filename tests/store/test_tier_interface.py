@@ -14,9 +14,7 @@ import pytest
 from kernel_cache.errors import BundleError, CorruptEntryError
 from kernel_cache.store import usage
 from kernel_cache.store.bundle import MANIFEST, BundleManifest, BundleTier, read_manifest
-from kernel_cache.store.lookup import Lookup, Source
-from kernel_cache.store.redis import RedisSettings, RedisTier
-from kernel_cache.store.tier import (
+from kernel_cache.store.disk_tier import (
     DiskTier,
     Entry,
     EntryMeta,
@@ -25,6 +23,8 @@ from kernel_cache.store.tier import (
     parse_meta,
     verify_entry,
 )
+from kernel_cache.store.lookup import Lookup, Source
+from kernel_cache.store.redis import RedisSettings, RedisTier
 
 from ..conftest import ROOT
 from ..redis_server import free_port

@@ -19,7 +19,7 @@ from kernel_cache import load_plan
 from kernel_cache.errors import UntrustedCacheError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 from kernel_cache.trust.permissions import ENV_ALLOW_SHARED
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args

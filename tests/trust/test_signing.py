@@ -25,9 +25,9 @@ from kernel_cache.errors import ConfigError, CorruptEntryError, MissingVariantsE
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.bundle import MANIFEST, export_bundle, import_bundle
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.redis import ENV_REDIS_URL, RedisSettings, RedisTier
-from kernel_cache.store.tier import DiskTier, make_meta
 from kernel_cache.trust.signing import (
     ENV_REQUIRE_SIGNED,
     ENV_SIGNING_KEY,

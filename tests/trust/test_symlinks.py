@@ -16,9 +16,9 @@ import pytest
 from kernel_cache.errors import CorruptEntryError, UntrustedCacheError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.locks import KeyLock
 from kernel_cache.store.quarantine import quarantine_entry
-from kernel_cache.store.tier import DiskTier, make_meta
 
 from ..conftest import N_TINY, run_cli, tiny_args
 from ..fsutil import tree_state

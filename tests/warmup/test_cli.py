@@ -117,7 +117,7 @@ def test_cache_dir_that_is_a_file_is_named_with_the_fix(
 
 
 def test_default_cache_dir_honours_xdg_cache_home(tmp_path, monkeypatch):
-    from kernel_cache.store.tier import default_cache_dir
+    from kernel_cache.store.disk_tier import default_cache_dir
 
     monkeypatch.delenv("KERNEL_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -23,8 +23,8 @@ from kernel_cache import CorruptEntryError, load_plan
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.quarantine import list_quarantine
-from kernel_cache.store.tier import DiskTier, make_meta
 
 from ..conftest import N_TINY, ROOT, TINY_LIMITS, run_cli, tiny_args
 from ..fsutil import resize_tmpfs, tmpfs, tree_state

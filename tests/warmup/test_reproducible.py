@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import N_TINY, ROOT, tiny_args
 from ..kc_helpers import other_user_kwargs, world_readable_dir

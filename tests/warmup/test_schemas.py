@@ -42,7 +42,7 @@ def test_store_formats_describe_the_files_the_store_writes(tmp_path):
     from kernel_cache.plan.buckets import Bucketer
     from kernel_cache.plan.keys import build_key
     from kernel_cache.store import usage
-    from kernel_cache.store.tier import DiskTier, make_meta
+    from kernel_cache.store.disk_tier import DiskTier, make_meta
 
     cfg = make_config("llama-3.2-1b")
     v = Bucketer(cfg).variants[0]
@@ -55,7 +55,7 @@ def test_store_formats_describe_the_files_the_store_writes(tmp_path):
     finally:
         tier.close()
     (tmp_path / "meta.json").write_text(json.dumps(stored))
-    doc = schemas.validate_file("kernel_cache.store.tier:EntryMeta", tmp_path / "meta.json")
+    doc = schemas.validate_file("kernel_cache.store.entry:EntryMeta", tmp_path / "meta.json")
     assert doc.key == key.hexdigest and doc.variant == str(v)
     assert usage.record(tmp_path / "c", hits=[key.hexdigest]) is True
     rec = schemas.validate_file("kernel_cache.store.usage:UsageRecord", tmp_path / "c/usage.json")

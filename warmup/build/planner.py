@@ -32,9 +32,9 @@ from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import CacheWriteError, KernelCacheError
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import Plan, PlanItem
+from kernel_cache.store.disk_tier import DiskTier, Tier
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import RedisSettings
-from kernel_cache.store.tier import DiskTier, Tier
 from kernel_cache.trust.permissions import resolve_allow_shared
 from kernel_cache.trust.signing import (
     ENV_SIGNING_KEY_FILE,

@@ -43,11 +43,11 @@ from kernel_cache.errors import (
 )
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.keys import key_from_components
+from kernel_cache.store.disk_tier import DiskTier, Tier, make_meta, verify_entry
 from kernel_cache.store.locks import KeyLock, LockBusy
 from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.remote import settings_from_json
-from kernel_cache.store.tier import DiskTier, Tier, make_meta, verify_entry
 from kernel_cache.trust.signing import load_signer, may_publish, sign_meta
 from warmup.build.loadcheck import LoadChecker, die_with_parent
 from warmup.build.report import Status, VariantResult

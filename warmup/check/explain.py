@@ -21,8 +21,8 @@ from kernel_cache.errors import CorruptEntryError, ShapeError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
+from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.tier import Tier
 
 #: Stored entries listed per missing variant.
 NEAREST = 3

@@ -26,8 +26,8 @@ from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.load import default_lookup
+from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.tier import Tier
 
 
 class MemberRow(BaseModel):

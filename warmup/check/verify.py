@@ -25,8 +25,8 @@ from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.runtime.compiles import CompileCounter, compile_stack_loaded
 from kernel_cache.runtime.inputs import make_inputs
 from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
+from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup, merge_accepted
-from kernel_cache.store.tier import Tier
 
 #: Max abs difference accepted between a compiled kernel and eager on the same
 #: padded inputs (fp32 measured here within 2e-7; bf16/fp16 round differently).

@@ -30,7 +30,7 @@ def _when(ts) -> str:
 def _existing_disk(args, *, read_only: bool = False):
     """The local cache tier, or a clear error if the directory does not exist
     (housekeeping never creates a cache)."""
-    from kernel_cache.store.tier import DiskTier
+    from kernel_cache.store.disk_tier import DiskTier
 
     d = Path(_cache_dir(args))
     if not d.is_dir():
@@ -75,8 +75,8 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from kernel_cache.store.bundle import import_bundle
+    from kernel_cache.store.disk_tier import DiskTier
     from kernel_cache.store.housekeeping import format_size
-    from kernel_cache.store.tier import DiskTier
 
     disk = DiskTier(_cache_dir(args))
     try:

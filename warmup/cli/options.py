@@ -28,7 +28,7 @@ from kernel_cache.config.engine import (
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.kernels.slots import parse_kernel_option
 from kernel_cache.plan.buckets import Bucketer, parse_bucket_list
-from kernel_cache.store.tier import ENV_CACHE_DIR, check_cache_dir_path, default_cache_dir
+from kernel_cache.store.disk_tier import ENV_CACHE_DIR, check_cache_dir_path, default_cache_dir
 
 
 def engine_options(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import time
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import CompileError
 from kernel_cache.plan.plan import PlanItem
-from kernel_cache.store.tier import DiskTier, Tier, verify_entry
+from kernel_cache.store.disk_tier import DiskTier, Tier, verify_entry
 from warmup.tune.candidates import TuneSettings
 
 

@@ -15,7 +15,7 @@ from kernel_cache.errors import CompileError, ConfigError
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey
 from kernel_cache.plan.plan import Plan, PlanItem
-from kernel_cache.store.tier import DiskTier
+from kernel_cache.store.disk_tier import DiskTier
 from warmup.tune.candidates import TUNE_FORMAT, TuneSettings, candidates, result_key
 from warmup.tune.measure import measure_variant
 from warmup.tune.table import _fmt_cfg, make_table

@@ -50,12 +50,12 @@ class DiskTier(Tier):
     of 32 KiB and more as ``xx/yy/*.val`` files) and the JSON metadata under
     ``meta/<key>``; both are written inside one ``Cache.transact()``, so a
     reader sees both or neither, and the artifact file is fsynced before the
-    transaction commits (:mod:`kernel_cache.store.disk`). Eviction is off: nothing
+    transaction commits (:mod:`kernel_cache.store.safe_disk`). Eviction is off: nothing
     disappears behind the user's back.
 
     Args:
         directory: default :func:`default_cache_dir`.
-        read_only: read through :class:`~kernel_cache.store.disk.IndexSnapshot` and
+        read_only: read through :class:`~kernel_cache.store.safe_disk.IndexSnapshot` and
             never write, lock or create anything in the directory (engine
             start, verify); :meth:`put` and :meth:`delete` raise.
         allow_shared: skip the trust checks of :mod:`kernel_cache.trust.permissions`
@@ -116,7 +116,7 @@ class DiskTier(Tier):
             CacheBusyError: the index stayed locked for ``timeout`` seconds.
         """
         if self._cache is None:
-            from kernel_cache.store.disk import as_write_error, damaged_index, open_cache
+            from kernel_cache.store.safe_disk import as_write_error, damaged_index, open_cache
 
             if self.read_only:
                 raise CacheWriteError(f"cache {self.directory} was opened read-only")
@@ -136,14 +136,14 @@ class DiskTier(Tier):
 
     def _snap(self):
         if self._snapshot is None:
-            from kernel_cache.store.disk import IndexSnapshot
+            from kernel_cache.store.safe_disk import IndexSnapshot
 
             self.check_trust()
             self._snapshot = IndexSnapshot(self.directory, timeout=self.timeout)
         return self._snapshot
 
     def _retry(self, fn, what: str):
-        from kernel_cache.store.disk import retry_busy
+        from kernel_cache.store.safe_disk import retry_busy
 
         return retry_busy(fn, directory=self.directory, timeout=self.timeout, what=what)
 
@@ -151,7 +151,7 @@ class DiskTier(Tier):
     def _value(self, k: str, *, as_file: bool = False):
         """Raw stored bytes of index key ``k`` (None if absent); entry files go
         through the trust check first."""
-        from kernel_cache.store.disk import UnsafeValueError
+        from kernel_cache.store.safe_disk import UnsafeValueError
 
         try:
             if self.read_only:
@@ -191,7 +191,7 @@ class DiskTier(Tier):
     def artifact_filename(self, key: str) -> str | None:
         """The index's file name (relative to the cache directory) of ``key``'s
         artifact bytes, or None if they are not stored as a file. Opens nothing."""
-        from kernel_cache.store.disk import IndexSnapshot
+        from kernel_cache.store.safe_disk import IndexSnapshot
 
         if self.read_only:
             row = self._snap().rows.get("art/" + key)
@@ -215,7 +215,7 @@ class DiskTier(Tier):
         return raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
 
     def iter_meta(self) -> Iterator[dict]:
-        from kernel_cache.store.disk import IndexSnapshot
+        from kernel_cache.store.safe_disk import IndexSnapshot
 
         # The key list comes from a read-only snapshot in both modes: it skips
         # rows whose key is not a plain string (never unpickled).
@@ -240,7 +240,7 @@ class DiskTier(Tier):
         missing, a link, not a regular file or not the recorded size. Checks
         use ``lstat``; no artifact is read.
         """
-        from kernel_cache.store.disk import IndexSnapshot
+        from kernel_cache.store.safe_disk import IndexSnapshot
 
         if self.read_only:
             rows = self._snap().rows
@@ -293,7 +293,7 @@ class DiskTier(Tier):
     def record_size(self, key: str) -> int:
         """Bytes of ``key``'s artifact file on disk (``lstat``; 0 if none or not a
         regular file), for an entry whose metadata cannot say."""
-        from kernel_cache.store.disk import IndexSnapshot
+        from kernel_cache.store.safe_disk import IndexSnapshot
 
         rows = (
             self._snap().rows
@@ -324,7 +324,7 @@ class DiskTier(Tier):
             CacheBusyError: the index stayed locked for ``timeout`` seconds.
         """
         from kernel_cache import _testhooks
-        from kernel_cache.store.disk import as_write_error
+        from kernel_cache.store.safe_disk import as_write_error
 
         if self.read_only:
             why = f"cache {self.directory} was opened read-only; nothing is written there"
