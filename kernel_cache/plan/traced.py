@@ -14,10 +14,12 @@ Each file is classified (:func:`classify`):
 
 - the standard library: ignored (the ``python`` component pins it);
 - torch's own package: ignored (the ``torch`` component pins it);
-- a file listed in an installed distribution's ``RECORD``: recorded as the
-  distribution's name, version and a digest of its ``RECORD`` (which holds the
-  sha256 of every file installed: :func:`dist_version`); hashing every file
-  of a large library on every engine start would cost more;
+- a file listed with its sha256 in an installed distribution's ``RECORD``:
+  recorded as the distribution's name, version and a digest of its ``RECORD``
+  (which holds the sha256 of every file installed: :func:`dist_version`);
+  hashing every file of a large library on every engine start would cost more.
+  A file a distribution lists without a sha256 (an ``.egg-info``) is hashed
+  as below: the version alone would not see a reinstall with other code;
 - anything else (the engine's source trees, top-level modules, editable
   installs, kernel_cache and warmup themselves): its sha256, under its path
   relative to the folder its top-level module was imported from
@@ -160,13 +162,21 @@ def is_outside_module(name: str) -> bool:
 
 @functools.cache
 def _dist_files(name: str) -> frozenset[str]:
-    """Normalized paths of the files distribution ``name`` lists in its RECORD."""
+    """Normalized paths of the files distribution ``name`` lists in its RECORD
+    with a sha256. A file listed without one (an ``.egg-info``'s
+    ``SOURCES.txt`` or ``installed-files.txt``, which a distro package or a
+    ``setup.py install`` writes; a RECORD line ``path,,``) is not covered by
+    :func:`dist_version`, so it is not the distribution's: it is hashed itself."""
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return frozenset()
     loc = _norm(str(dist.locate_file("")))
-    return frozenset(os.path.normpath(os.path.join(loc, str(f))) for f in dist.files or ())
+    return frozenset(
+        os.path.normpath(os.path.join(loc, str(f)))
+        for f in dist.files or ()
+        if f.hash is not None and f.hash.value
+    )
 
 
 @functools.cache

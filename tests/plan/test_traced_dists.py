@@ -74,6 +74,32 @@ def test_a_reinstall_with_other_code_under_the_same_version_is_a_change(tmp_path
     assert _run(site, "check", json.dumps(stored)) == []
 
 
+def _install_egg_info(site: Path, code: str) -> None:
+    """Write ``kchelp_dist`` as a distro package or ``setup.py install`` does: the
+    module and an ``.egg-info`` whose ``SOURCES.txt`` lists it with no sha256."""
+    (site / "kchelp_dist").mkdir(parents=True, exist_ok=True)
+    (site / "kchelp_dist" / "__init__.py").write_text(code)
+    info = site / "kchelp_dist-0.1.0.egg-info"
+    info.mkdir(exist_ok=True)
+    (info / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: kchelp-dist\nVersion: 0.1.0\n")
+    (info / "SOURCES.txt").write_text("setup.py\nkchelp_dist/__init__.py\n")
+    (info / "top_level.txt").write_text("kchelp_dist\n")
+
+
+def test_a_file_a_distribution_lists_without_a_sha256_is_hashed_itself(tmp_path):
+    """An ``.egg-info`` has no RECORD: its version alone would hide a reinstall
+    with other code, so its files are recorded by their own sha256."""
+    site = tmp_path / "site-packages"
+    _install_egg_info(site, "def gain():\n    return 1.0\n")
+    stored = _run(site, "record")
+    assert stored["dists"] == {} and list(stored["files"]) == ["kchelp_dist/__init__.py"]
+    assert _run(site, "check", json.dumps(stored)) == []
+
+    _install_egg_info(site, "def gain():\n    return 2.0\n")  # same version, other code
+    lines = _run(site, "check", json.dumps(stored))
+    assert len(lines) == 1 and lines[0].startswith("kchelp_dist/__init__.py changed"), lines
+
+
 SOURCELESS = r"""
 import json, sys
 from kernel_cache.errors import CompileError
@@ -101,7 +127,11 @@ def _sourceless(site: Path, with_dist: bool) -> dict:
         info = site / "kcpyc-0.1.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kcpyc\nVersion: 0.1.0\n")
-        (info / "RECORD").write_text(f"kcpyc/__init__.pyc,,\n{info.name}/METADATA,,\n")
+        pyc = (pkg / "__init__.pyc").read_bytes()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(pyc).digest()).rstrip(b"=").decode()
+        (info / "RECORD").write_text(
+            f"kcpyc/__init__.pyc,sha256={digest},{len(pyc)}\n{info.name}/METADATA,,\n"
+        )
     env = {**os.environ, "PYTHONPATH": str(site)}
     proc = subprocess.run(
         [sys.executable, "-c", SOURCELESS], capture_output=True, text=True, cwd=ROOT, env=env
