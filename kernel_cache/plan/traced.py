@@ -281,7 +281,9 @@ def manifest_of(filenames) -> Manifest:
 
     Raises:
         CompileError: code ran from a file outside the standard library, torch and
-            the distributions that is not on disk (a ``.pyc``-only module): its
+            the distributions that is not on disk (a ``.pyc``-only module), or
+            whose recorded path engine start would find as another file (a
+            package that adds a folder to its ``__path__`` at import): its
             identity cannot be recorded, so no entry is built from it.
     """
     modules = _module_files()
@@ -316,6 +318,18 @@ def manifest_of(filenames) -> Manifest:
         if rel is None:
             log.warning("traced file %s is outside every import root: not recorded", filename)
             continue
+        found = _find(rel)
+        if found is None or _norm(found) != path:
+            # engine start would hash another file (or none) for this record: a
+            # package that edits its __path__ in __init__, which find_spec does not run
+            raise CompileError(
+                f"code from {filename} ran while the kernel was built, but its recorded "
+                f"path {rel} names {found or 'no file'} when found as engine start finds "
+                "it (the top-level module along sys.path, then its package folders, "
+                "without running __init__): its code cannot be part of the entry's "
+                "identity; put the module in its package's own folder or on sys.path "
+                "rather than adding folders to __path__ at import"
+            )
         files[rel] = file_sha256(path)
     return Manifest(files=files, dists=dists)
 
@@ -323,11 +337,25 @@ def manifest_of(filenames) -> Manifest:
 # -- the check at engine start ----------------------------------------------------
 
 
+def _fresh_spec(name: str):
+    """The spec of top-level module ``name`` as a process that has not imported
+    it finds it (:data:`sys.meta_path`, ignoring :data:`sys.modules`: a package
+    imported here may have edited its ``__path__``); None if not found."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        spec = find(name, None)
+        if spec is not None:
+            return spec
+    return None
+
+
 def _search(rel: str) -> str | None:
     top, _, rest = rel.partition("/")
     name = top[:-3] if not rest and top.endswith(".py") else top
     try:
-        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        spec = _fresh_spec(name) if name.isidentifier() else None
     except (ImportError, ValueError):
         spec = None
     if spec is not None:

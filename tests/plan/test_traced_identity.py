@@ -490,3 +490,31 @@ def test_code_from_a_pyc_only_module_is_refused_not_left_out(tmp_path, monkeypat
     assert helper.gain() == 2.0 and helper.__file__.endswith(".pyc")
     with pytest.raises(CompileError, match=r"pyconly/helper\.py .*not on disk.*ship the \.py"):
         manifest_of([helper.gain.__code__.co_filename])
+
+
+def test_code_from_a_folder_a_package_adds_to_its_path_is_refused(tmp_path, monkeypatch):
+    """A package whose ``__init__`` puts another folder first on its ``__path__``
+    imports ``pkg.helper`` from there, while engine start, which runs no
+    ``__init__``, would find ``pkg/helper.py`` in the package's own folder: with
+    a copy there, an edit to the file that ran would hit the old entry. Building
+    from it is refused, naming both files."""
+    import importlib
+
+    from kernel_cache.errors import CompileError
+
+    over = tmp_path / "override"
+    over.mkdir()
+    pkg = tmp_path / "site" / "pathedit"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__path__.insert(0, {str(over)!r})\n")
+    for folder in (pkg, over):  # the same helper in both folders
+        (folder / "helper.py").write_text("def gain():\n    return 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        helper = importlib.import_module("pathedit." + "helper")
+        assert helper.__file__ == str(over / "helper.py")
+        with pytest.raises(CompileError, match=r"override/helper\.py ran.*pathedit/helper\.py"):
+            manifest_of([helper.gain.__code__.co_filename])
+    finally:
+        for name in [m for m in sys.modules if m.startswith("pathedit")]:
+            del sys.modules[name]
