@@ -172,11 +172,20 @@ def read_manifest(directory: str | os.PathLike) -> BundleManifest:
             f"{BUNDLE_FORMAT!r}; export the bundle again with this version"
         )
     try:
-        return BundleManifest.model_validate(doc)
+        manifest = BundleManifest.model_validate(doc)
     except ValidationError as e:
         raise BundleError(
             f"bundle manifest {str(path)!r}: {describe_errors(e)}; export the bundle again"
         ) from None
+    for n, e in enumerate(manifest.entries):
+        try:  # pydantic writes back at most 255 levels: a deeper extra field raises here
+            e.record()
+        except ValueError as err:
+            raise BundleError(
+                f"bundle manifest {str(path)!r}: entries.{n} cannot be read back ({err}: "
+                "nested too deep); export the bundle again"
+            ) from None
+    return manifest
 
 
 class BundleTier(Tier):

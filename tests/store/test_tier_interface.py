@@ -278,3 +278,20 @@ def test_no_tier_has_a_promote_into_attribute():
     """Where a hit is copied is the lookup's policy (Source.promote_into)."""
     assert not hasattr(DiskTier, "promote_into") and not hasattr(RedisTier, "promote_into")
     assert not hasattr(BundleTier, "promote_into")
+
+
+def test_an_entry_nested_too_deep_to_write_back_is_a_bundle_error(tmp_path):
+    """An extra field nested 300 deep parses (json allows about 1000 levels) and
+    validates, but pydantic writes back at most 255: the bundle is refused with
+    a BundleError naming the entry, not a ValueError out of engine start."""
+    b = tmp_path / "b"
+    (b / "artifacts").mkdir(parents=True)
+    entry = {"key": "k" * 64, "sha256": "0" * 64, "size": 1, "variant": "batched_decode:1:2:4"}
+    entry.update(components={}, file=f"artifacts/{'0' * 64}.pt2")
+    doc = {"bundle_format": "kc-bundle-1", "entries": [entry]}
+    (b / MANIFEST).write_text(json.dumps(doc))
+    assert next(BundleTier(b).iter_meta())["key"] == "k" * 64  # well formed: read
+    deep = "[" * 300 + "]" * 300
+    (b / MANIFEST).write_text(json.dumps(doc)[: -len("}]}")] + f', "zz": {deep}}}]}}')
+    with pytest.raises(BundleError, match=r"entries\.0 cannot be read back.*nested too deep"):
+        BundleTier(b)
