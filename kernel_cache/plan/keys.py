@@ -392,10 +392,12 @@ def build_key(
 def source_changes(here: str, stored: str) -> str | None:
     """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
     ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
-    side is not such a mapping or none differs."""
+    side is not such a mapping or none differs. ``stored`` may come from an
+    unchecked record of a shared tier: anything unreadable (nested too deep for
+    the parser too) is None."""
     try:
         a, b = json.loads(here), json.loads(stored)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
     if not isinstance(a, dict) or not isinstance(b, dict):
         return None

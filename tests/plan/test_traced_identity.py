@@ -315,6 +315,28 @@ def test_a_changed_static_source_is_named_by_the_lookup(site, tiny_model, tmp_pa
         tier.close()
 
 
+def test_a_record_whose_sources_nest_too_deep_leaves_the_miss_unexplained(
+    site, tiny_model, tmp_path
+):
+    """``why_missing`` reads every record of a tier, unsigned ones of a shared
+    tier too: a ``sources`` of 200000 ``[`` (json.loads raises RecursionError)
+    is no explanation, not an exception out of engine start."""
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={BATCHED_DECODE: KERNEL})
+    v = next(v for v in Bucketer(cfg).variants if v.kernel == BATCHED_DECODE)
+    key = build_key(cfg, v)
+    meta = make_meta(key, str(v), b"x", 1.0)
+    meta["key"] = "f" * 64
+    meta["components"] = {**meta["components"], "sources": "[" * 200_000}
+    tier = DiskTier(tmp_path / "cache")
+    try:
+        tier.put(meta["key"], b"x", meta)
+        lookup = Lookup([tier])
+        assert lookup.find(key) is None
+        assert lookup.why_missing(key) is None
+    finally:
+        tier.close()
+
+
 # -- warm, edit, refuse, re-warm, restore (compiles) ------------------------------------
 
 ENGINE = r"""
