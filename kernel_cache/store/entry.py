@@ -19,7 +19,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from kernel_cache.errors import CorruptEntryError, describe_errors
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
@@ -65,6 +65,18 @@ class EntryMeta(BaseModel):
     format: str | None = None
     traced: Manifest | None = None
     derived: list[Manifest] | None = None
+
+    @field_validator("compile_seconds", "created")
+    @classmethod
+    def _a_float(cls, v):
+        """Seconds are compared as floats (newest entry first): an integer past
+        the float range (``1`` and 400 zeros) would raise OverflowError there."""
+        if v is not None:
+            try:
+                float(v)
+            except OverflowError:
+                raise ValueError(f"{str(v)[:16]}... is beyond the float range") from None
+        return v
 
     def record(self) -> dict:
         """The JSON record: the fields it was made or read with, extra ones included."""

@@ -135,6 +135,7 @@ def test_lookup_policy_decides_trust_not_the_tier(tmp_path, tiny_config, caplog)
         (lambda m: m.update(size="12"), "size", "valid integer"),
         (lambda m: m.update(size=-1), "size", "greater than or equal to 0"),
         (lambda m: m.update(components=["x"]), "components", "valid dictionary"),
+        (lambda m: m.update(created=10**400), "created", "beyond the float range"),
     ],
 )
 def test_malformed_metadata_names_the_entry_the_field_and_what_was_wrong(
