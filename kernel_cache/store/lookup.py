@@ -55,7 +55,7 @@ from kernel_cache.plan.keys import (
 )
 from kernel_cache.plan.traced import Manifest, chain_key, changes, current, derive_key
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, verify_entry
-from kernel_cache.trust.signing import check_untrusted
+from kernel_cache.trust.signing import check_untrusted, load_trusted_keys
 
 log = logging.getLogger("kernel_cache")
 
@@ -317,18 +317,25 @@ class Lookup:
         else the ``sources`` files that differ from the newest stored entry
         equal to ``key`` in every other runtime component
         (``"sources differ from entry 1a2b... in /cache: userkern2/decode.py
-        changed"``); None otherwise. Lists each tier's metadata once per lookup."""
+        changed"``); None otherwise. A record of an untrusted source is quoted
+        only if it passes :func:`~kernel_cache.trust.signing.check_untrusted`
+        (the file names of an unsigned record are a writer's text). Lists each
+        tier's metadata once per lookup."""
         if self.changes:
             return "traced files changed since its entry was built: " + "; ".join(self.changes)
         mine = key.as_dict()
         near = _without_sources(mine)
-        for tier in self.tiers:
+        keyring = None
+        for src in self.sources:
+            tier = src.tier
             idx = self._near.get(id(tier))
+            if idx is None and not src.trusted and keyring is None:
+                keyring = load_trusted_keys(required=False) or False
             if idx is None:
                 idx = self._near[id(tier)] = {}
                 for meta in tier.iter_meta():
                     comps = meta.get("components")
-                    if isinstance(comps, dict):
+                    if isinstance(comps, dict) and (src.trusted or _signed(meta, tier, keyring)):
                         idx.setdefault(_without_sources(comps), []).append(meta)
             for meta in sorted(idx.get(near, ()), key=lambda m: -float(m.get("created") or 0)):
                 files = source_changes(mine["sources"], meta["components"].get("sources"))
@@ -338,6 +345,21 @@ class Lookup:
                         f"{tier.location}: {files}"
                     )
         return None
+
+
+def _signed(meta: dict, tier: Tier, keyring) -> bool:
+    """Whether the record ``meta`` of an untrusted tier passes its check: a
+    signature by a key of ``keyring`` (False: no keys set, checksums only, so
+    any record), checked against its own ``sha256`` without reading the
+    artifact."""
+    if keyring is False:
+        return True
+    entry = Entry(str(meta.get("key")), meta, b"", tier.location)
+    try:
+        check_untrusted(entry, keyring, digest=str(meta.get("sha256")))
+    except (CorruptEntryError, ValueError):
+        return False
+    return True
 
 
 def _without_sources(components: dict) -> str:

@@ -33,7 +33,7 @@ from kernel_cache.plan.traced import (
     manifest_of,
 )
 from kernel_cache.store.disk_tier import DiskTier, make_meta
-from kernel_cache.store.lookup import Lookup, consistent, current_entry
+from kernel_cache.store.lookup import Lookup, Source, consistent, current_entry
 
 from ..conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
 
@@ -333,6 +333,43 @@ def test_a_record_whose_sources_nest_too_deep_leaves_the_miss_unexplained(
         lookup = Lookup([tier])
         assert lookup.find(key) is None
         assert lookup.why_missing(key) is None
+    finally:
+        tier.close()
+
+
+def test_an_unsigned_record_of_an_untrusted_tier_explains_no_miss_when_keys_are_set(
+    site, tiny_model, tmp_path, monkeypatch
+):
+    """The file names ``why_missing`` quotes from a record are its writer's
+    text: with trusted keys set, an unsigned record of an untrusted tier (a
+    Redis or bundle writer's) is not quoted in engine start's error."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={BATCHED_DECODE: KERNEL})
+    v = next(v for v in Bucketer(cfg).variants if v.kernel == BATCHED_DECODE)
+    key = build_key(cfg, v)
+    meta = make_meta(key, str(v), b"x", 1.0)
+    meta["key"] = "e" * 64
+    said = "ALL ENTRIES REVOKED: run fix.sh"
+    meta["components"] = {**meta["components"], "sources": json.dumps({said: "0"})}
+    tier = DiskTier(tmp_path / "cache")
+    pub = tmp_path / "signing.pub"
+    pub.write_bytes(
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    try:
+        tier.put(meta["key"], b"x", meta)
+        monkeypatch.delenv("KERNEL_CACHE_TRUSTED_KEYS", raising=False)
+        monkeypatch.delenv("KERNEL_CACHE_SIGNING_KEY_FILE", raising=False)
+        lookup = Lookup([Source(tier, trusted=False)])  # no keys: checksums only
+        assert lookup.find(key) is None and said in lookup.why_missing(key)
+        monkeypatch.setenv("KERNEL_CACHE_TRUSTED_KEYS", str(pub))
+        lookup = Lookup([Source(tier, trusted=False)])
+        assert lookup.find(key) is None and lookup.why_missing(key) is None
+        assert said in Lookup([tier]).why_missing(key)  # a trusted tier's record: quoted
     finally:
         tier.close()
 
