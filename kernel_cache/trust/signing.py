@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,15 +231,28 @@ def _warn_if_shared(path: str, mode: int) -> None:
         )
 
 
+#: The largest key file read (bytes): a PEM Ed25519 key is about 120.
+KEY_FILE_LIMIT = 64 * 1024
+
+
 def _read(path: Path, variable: str) -> tuple[bytes, os.stat_result]:
+    """The bytes and status of key file ``path``: a regular file of at most
+    :data:`KEY_FILE_LIMIT` bytes, opened non-blocking, so a FIFO or a device
+    (``/dev/zero``) is refused at once instead of hanging engine start or
+    filling memory."""
     try:
-        with open(path, "rb") as f:
-            return f.read(), os.fstat(f.fileno())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                why = "not a regular file (a FIFO, device or directory is never read)"
+            elif st.st_size > KEY_FILE_LIMIT:
+                why = f"{st.st_size} bytes, above the {KEY_FILE_LIMIT}-byte limit for a key"
+            else:
+                return f.read(KEY_FILE_LIMIT + 1), st
     except OSError as e:
-        raise SigningKeyError(
-            f"{variable}={path}: cannot read it ({e.strerror or e}); point it at the "
-            f"file {_KEYGEN} wrote"
-        ) from None
+        why = f"cannot read it ({e.strerror or e})"
+    raise SigningKeyError(f"{variable}={path}: {why}; point it at the file {_KEYGEN} wrote")
 
 
 @functools.lru_cache(maxsize=64)

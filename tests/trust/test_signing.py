@@ -191,6 +191,10 @@ def test_bad_key_settings_are_clear_config_errors(keys, tmp_path):
             serialization.BestAvailableEncryption(b"pw"),
         )
     )
+    big = tmp_path / "big.pub"
+    big.write_bytes(keys["a"].public.read_bytes() * 1000)
+    fifo = tmp_path / "fifo.pub"
+    os.mkfifo(fifo)
     cases = [
         ({ENV_SIGNING_KEY: "0123456789abcdef-old-secret"}, "HMAC signing is retired"),
         ({ENV_SIGNING_KEY_FILE: str(hmac_file)}, "not a PEM Ed25519 private key"),
@@ -199,6 +203,12 @@ def test_bad_key_settings_are_clear_config_errors(keys, tmp_path):
         ({ENV_TRUSTED_KEYS: str(keys["a"].private)}, "holds a private key"),
         ({ENV_TRUSTED_KEYS: str(ec_pub)}, "not an Ed25519 public key"),
         ({ENV_TRUSTED_KEYS: f"{keys['a'].public},/nonexistent/x.pub"}, "cannot read it"),
+        # a key file that is not one: refused before reading (a FIFO would block
+        # engine start for ever, /dev/zero fill its memory)
+        ({ENV_TRUSTED_KEYS: str(big)}, "above the 65536-byte limit"),
+        ({ENV_TRUSTED_KEYS: str(fifo)}, "not a regular file"),
+        ({ENV_TRUSTED_KEYS: "/dev/zero"}, "not a regular file"),
+        ({ENV_SIGNING_KEY_FILE: str(fifo)}, "not a regular file"),
         ({ENV_REQUIRE_SIGNED: "ture"}, f"{ENV_REQUIRE_SIGNED}='ture'"),
         # set to separators only: not "no checks" in silence (blank is unset, as for
         # every variable; KERNEL_CACHE_REQUIRE_SIGNED=1 makes that an error at start)
