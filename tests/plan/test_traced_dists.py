@@ -149,3 +149,33 @@ def test_a_sourceless_module_of_a_distribution_is_recorded_by_the_distribution(t
 def test_a_sourceless_module_in_site_packages_outside_a_distribution_is_refused(tmp_path):
     m = _sourceless(tmp_path / "site-packages", with_dist=False)
     assert "kcpyc/__init__.py" in m["error"] and "not on disk" in m["error"]
+
+
+IMPORTED_IN_A_WINDOW = r"""
+import importlib, json
+from warmup.build.compiler import TraceWindow
+window = TraceWindow("kcstray_kernel:Decode")
+with window:
+    importlib.import_module("kcstray").GAIN  # a module-level value, no function runs
+    importlib.import_module("kchelp_dist")  # a distribution's: its version stands for it
+print(json.dumps(window.manifest().record()))
+"""
+
+
+def test_a_module_copied_into_site_packages_counts_when_only_imported(tmp_path):
+    """A kernel reads a value of ``kcstray``, a module copied into
+    ``site-packages`` that no distribution lists: only its body ran, inside the
+    import. Its file is recorded (no version stands for it), while a
+    distribution's module imported the same way is not."""
+    site = tmp_path / "site-packages"
+    _install(site, "GAIN = 1.0\n")
+    (site / "kcstray.py").write_text("GAIN = 2.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTED_IN_A_WINDOW],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "kcstray.py" in m["files"] and m["dists"] == {}
+    assert not any(f.startswith("kchelp_dist") for f in m["files"])

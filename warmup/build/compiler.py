@@ -361,6 +361,17 @@ def _find_and_load_code():
     return importlib._bootstrap._find_and_load.__code__
 
 
+def _own_source(filename: str) -> bool:
+    """Whether code that ran inside an import from ``filename`` counts: a file
+    classified :data:`~kernel_cache.plan.traced.OTHER`, or one in a site folder
+    that no distribution lists with its sha256 (a module copied there, an
+    ``.egg-info``'s), which no version stands for either."""
+    kind = traced_files.classify(filename)
+    if kind == traced_files.OTHER:
+        return True
+    return kind == traced_files.SITE and traced_files.dist_of(traced_files._norm(filename)) is None
+
+
 class TraceWindow:
     """A context in which every Python function called (the factory's import,
     the factory, ``torch.export``), in this thread and in threads started
@@ -368,8 +379,9 @@ class TraceWindow:
 
     Code run by an import (finders, module and class bodies) is told apart by
     the import system's ``_find_and_load`` frame: of it only files classified
-    :data:`~kernel_cache.plan.traced.OTHER` are kept (the engine's modules,
-    whose module-level values a trace may read), also for every later window
+    :data:`~kernel_cache.plan.traced.OTHER` and site files no distribution
+    lists are kept (the engine's modules, whose module-level values a trace
+    may read: :func:`_own_source`), also for every later window
     of the same kernel import path ``kernel`` and, for an engine kernel, of
     every engine kernel (:data:`_IMPORTED`); a distribution counts only where its
     code ran outside an import (so the setuptools and editable-install import
@@ -415,7 +427,7 @@ class TraceWindow:
 
         sys.setprofile(self._saved[0])
         threading.setprofile(self._saved[1])
-        own = {f for f in self.imported if traced_files.classify(f) == traced_files.OTHER}
+        own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
 
     def manifest(self) -> Manifest:
