@@ -45,9 +45,9 @@ else:
 """
 
 
-def _engine(model, cache, env) -> subprocess.CompletedProcess:
+def _engine(model, cache, env, code: str = ENGINE) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model), str(cache)],
+        [sys.executable, "-c", code, str(model), str(cache)],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
 
@@ -100,10 +100,7 @@ def _peak_rss_mib(model, cache, env) -> tuple[subprocess.CompletedProcess, float
         "\nprint(next(ln.split()[1] for ln in open('/proc/self/status') "
         "if ln.startswith('VmHWM:')))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(model), str(cache)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
-    )  # fmt: skip
+    proc = _engine(model, cache, env, code)
     return proc, int(proc.stdout.split()[-1]) / 1024
 
 
