@@ -147,6 +147,38 @@ def test_triton_prefill_at_max_model_len_matches_reference():
         assert rel_err(out[:real_q], ref) < REL_TOL[torch.bfloat16], (seq_len, real_q)
 
 
+def test_triton_prefill_one_page_tiles_through_aotinductor_and_a_cuda_graph(tmp_path):
+    """block_size 128 (the engine's default) with 128-token KV tiles, the path that
+    reads one block-table entry per tile: through torch.export + AOTInductor, and
+    the op captured in a CUDA graph and replayed on new lengths."""
+    from kernel_cache.kernels.triton_prefill import TritonPagedAttention
+
+    q, kc, vc, bt = _prefill_inputs(32, 8, 128, 128, 8, 256, torch.bfloat16, seed=3)
+    mod = TritonPagedAttention(32, 8, 128, query_len=256)
+    assert (mod.block_n, kc.shape[1] % mod.block_n) == (128, 0)
+    lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (1024, 256)]
+    ep = torch.export.export(mod, (q, kc, vc, bt, *lens))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "p.pt2"))
+    out = torch._inductor.aoti_load_package(path)(q, kc, vc, bt, *lens)
+    ref = reference_attention(q, kc, vc, bt, 1024)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mod(q, kc, vc, bt, *lens)  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = mod(q, kc, vc, bt, *lens)
+    for seq_len, real_q in [(700, 200), (129, 1), (1024, 256)]:
+        lens[0].fill_(seq_len)
+        lens[1].fill_(real_q)
+        graph.replay()
+        ref = reference_attention(q[:real_q], kc, vc, bt, seq_len)
+        assert rel_err(g_out[:real_q], ref) < REL_TOL[torch.bfloat16], (seq_len, real_q)
+        assert real_q == 256 or g_out[real_q:].abs().max() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_eager_paged_attention_on_cuda_matches_reference(dtype):
     from kernel_cache.kernels.builtin import PagedAttention
