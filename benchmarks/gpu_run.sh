@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
+#   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX.
@@ -100,6 +101,11 @@ case "${1:-probe}" in
     timeout "${ENGINE_TIMEOUT:-400}" python3 benchmarks/gpu_engine.py --sweep --out "$OUT" 2>&1 \
       | tee "$OUT/engine.log"
     ;;
+  prefill)
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout "${PREFILL_TIMEOUT:-330}" python3 benchmarks/gpu_prefill_variants.py --ir --out "$OUT" \
+      2>&1 | tee "$OUT/variants.log"
+    ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
       2>&1 | tee "$OUT/env.txt"
@@ -120,7 +126,7 @@ case "${1:-probe}" in
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|tune|engine" >&2
+    echo "usage: $0 probe|bench|suite|tune|engine|prefill" >&2
     exit 2
     ;;
 esac

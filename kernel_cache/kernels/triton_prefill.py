@@ -27,7 +27,7 @@ Gimelshein, 2018), grid ``(ceil(query_len / block_q), num_kv_heads)``:
   its physical block. Where ``block_size`` is a multiple of ``block_n`` (the
   engine's default 128 with 128-token tiles) a tile lies inside one page and
   takes one block-table entry, a scalar, instead of one per token: fewer
-  address registers, 14% less time at 2048 query over 8192 KV tokens on an H200
+  address registers, 11-14% less time at 512 @ 4096 and 2048 @ 8192 on an H200
   (docs/benchmarks.md, "Prefill kernel"). Tiles entirely below the program's
   causal diagonal run without masks (the softmax scale folded into one
   multiply-add per score); the remaining tiles up to the last visible position
