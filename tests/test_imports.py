@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,23 @@ def test_housekeeping_and_explain_import_no_torch(argv, tmp_path):
 def test_keygen_imports_no_torch(tmp_path):
     rc, heavy, _ = cli_imports(["keygen", str(tmp_path / "k")])
     assert rc == 0 and heavy == []
+
+
+def test_engine_start_without_remote_urls_imports_no_remote_tier(tmp_path):
+    # load_plan on an empty cache, no KERNEL_CACHE_REDIS_URL / _S3_URL: the remote
+    # tiers' modules (and their pydantic models) are not imported
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    code = (
+        "import sys\nfrom kernel_cache import load_plan, make_config\n"
+        f"load_plan(make_config('llama-3.2-1b'), cache_dir={str(cache)!r}, strict=False)\n"
+        "mods = ('kernel_cache.store.redis', 'kernel_cache.store.s3', "
+        "'kernel_cache.store.remote_base', 'redis', 'boto3')\n"
+        "print([m for m in mods if m in sys.modules])"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNEL_CACHE_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

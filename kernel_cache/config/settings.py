@@ -163,7 +163,7 @@ class SettingsFields(BaseModel):
     validates with them without importing pydantic-settings (about 20-40 ms of
     imports an engine start need not pay)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
 
     # -- where things are -----------------------------------------------------------
     dir: Path | None = _f(

@@ -165,7 +165,7 @@ def variant_lookup_key(config: EngineConfig, variant: KernelVariant) -> tuple:
 class LaunchChoice(BaseModel):
     """A report's record of one variant a launch table sets (:func:`describe_plan`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     config: dict[str, int] = Field(description="the resolved launch config")
     source: Literal["env", "bundled", "default"] = Field(

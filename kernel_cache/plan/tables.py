@@ -176,7 +176,7 @@ class LaunchEntry(BaseModel):
     a ``paged_attention`` entry with ``num_seqs`` other than 1, a config that
     :func:`check_launch` refuses."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     kernel: Literal["paged_attention", "batched_decode"] = Field(description="the kernel")
     head_dim: PositiveInt = Field(description="head dimension")
@@ -222,7 +222,7 @@ class LaunchTableDoc(BaseModel):
     """A launch table file (``kernel-cache tune --out``, the bundled tables,
     ``KERNEL_CACHE_TUNING``); see the module docstring."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     format: Literal["kernel-cache-launch/1"] = Field(TABLE_FORMAT, description="table format")
     device_arch: str | None = Field(

@@ -69,7 +69,7 @@ class Manifest(BaseModel):
     :data:`MISSING`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     files: dict[str, str] = Field(default_factory=dict)
     dists: dict[str, str] = Field(default_factory=dict)

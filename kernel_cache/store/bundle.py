@@ -117,7 +117,7 @@ class BundleManifest(BaseModel):
     ``plan``, ``tools`` and ``created`` are informational and kept as written.
     """
 
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(frozen=True, extra="allow", defer_build=True)
 
     bundle_format: Literal["kc-bundle-1"]
     created: int | float | None = None

@@ -52,7 +52,7 @@ class EntryMeta(BaseModel):
     so that ``key`` is ``chain_key(hash of components, derived)`` (docs/keys.md).
     """
 
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(frozen=True, extra="allow", defer_build=True)
 
     key: str
     sha256: str

@@ -31,9 +31,11 @@ def settings_from_json(text: str):
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
     """The remote tiers set in the environment, in lookup order: Redis
     (``KERNEL_CACHE_REDIS_URL``), then S3 (``KERNEL_CACHE_S3_URL``)."""
-    from kernel_cache.store import redis
+    out: list[Tier] = []
+    if env_settings.is_set("redis_url", environ):  # else the client module is not imported
+        from kernel_cache.store import redis
 
-    out = redis.tiers_from_env(environ)
+        out += redis.tiers_from_env(environ)
     if env_settings.is_set("s3_url", environ):
         from kernel_cache.store import s3
 

@@ -47,7 +47,7 @@ class UsageRecord(BaseModel):
     ``since`` (unix seconds of the first record, None before), ``hits`` and
     ``misses`` (counts), ``last_used`` (``{key: unix seconds}``)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
 
     since: int | float | None = None
     hits: int = Field(default=0, ge=0)

@@ -100,7 +100,7 @@ class EntrySignature(BaseModel):
     metadata record (all but ``signature``, ``file`` and ``imported_from``, as
     canonical JSON) and the artifact's sha256 (kernel_cache.trust.signing)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     alg: Literal["ed25519"] = Field(description="signature algorithm (RFC 8032 Ed25519)")
     key_id: str = Field(
