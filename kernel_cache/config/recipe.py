@@ -410,6 +410,12 @@ ENV_RULES: tuple[EnvRule, ...] = (
     EnvRule("C_INCLUDE_PATH", PINNED, "gcc include directories"),
     EnvRule("CPLUS_INCLUDE_PATH", PINNED, "g++ include directories"),
     EnvRule("LIBRARY_PATH", PINNED, "gcc link directories"),
+    EnvRule(
+        "LD_RUN_PATH",
+        PINNED,
+        "GNU ld writes it into the package's .so as its RUNPATH when the link names no "
+        "-rpath, as Inductor's does not",
+    ),
     EnvRule("GCC_EXEC_PREFIX", PINNED, "selects gcc's own programs"),
     EnvRule("COMPILER_PATH", PINNED, "selects gcc's own programs"),
     EnvRule("CFLAGS", PINNED, "compiler flags some builds read"),

@@ -61,6 +61,15 @@ class InputChecks:
                     "read the contiguous [num_pool_blocks, block_size, num_kv_heads, "
                     "head_dim] layout: pass the pool tensor itself or .contiguous()"
                 )
+        if key_cache.shape[0] != value_cache.shape[0]:
+            # One dynamic num_pool_blocks for both in every artifact, and block ids
+            # are checked against key_cache only: a smaller value_cache is read
+            # past its end.
+            raise ShapeError(
+                f"key_cache has {key_cache.shape[0]} pool blocks and value_cache "
+                f"{value_cache.shape[0]}; the two caches must be one pool "
+                "(equal num_pool_blocks)"
+            )
         self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
 
     @staticmethod

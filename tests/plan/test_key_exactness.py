@@ -160,6 +160,14 @@ def test_every_inductor_environment_variable_is_pinned():
     assert env["ATEN_CPU_CAPABILITY"] == "avx2"
 
 
+def test_linker_variables_that_reach_the_package_are_pinned():
+    """GNU ld writes ``LD_RUN_PATH`` into a link without ``-rpath`` (Inductor's) as
+    the .so's RUNPATH: a build with it set wrote other bytes under the same key."""
+    assert classify("LD_RUN_PATH").action == PINNED
+    env = compile_environment({"LD_RUN_PATH": "/opt/x", "PATH": "/usr/bin"}, "cpu", "x86-64-v3")
+    assert "LD_RUN_PATH" not in env
+
+
 @pytest.mark.slow
 # -- the sources closure --------------------------------------------------------
 def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_config):

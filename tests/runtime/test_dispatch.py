@@ -66,7 +66,8 @@ def test_bad_inputs_that_used_to_pass_are_refused_and_the_runtime_still_works(
     warm_cache, tiny_config
 ):
     """Strided KV caches (once read with the wrong strides), block ids outside the
-    pool (once aborted the process inside the kernel), and seq_lens of 0, negative
+    pool (once aborted the process inside the kernel), a value_cache of fewer pool
+    blocks than key_cache (once read past its end), and seq_lens of 0, negative
     or non-integer (once accepted) are refused with ShapeError; the next good call
     still matches the reference."""
     from kernel_cache import ShapeError
@@ -88,12 +89,16 @@ def test_bad_inputs_that_used_to_pass_are_refused_and_the_runtime_still_works(
         ((q, kc, vc, bt, [32, 5.5, 17]), "seq_lens holds 5.5"),
         ((q, kc, vc, bt, torch.tensor([32.0, 5.0, 17.0])), "seq_lens is torch.float32"),
         ((q, kc, vc, bt, torch.tensor([32, 0, 17])), "seq_lens holds 0"),
+        ((q, kc, vc[:2].clone(), bt, lens), "value_cache 2"),  # once read past its end
+        ((q, kc[:2].clone(), vc, bt.clamp(max=1), lens), "key_cache has 2 pool blocks"),
     ]  # fmt: skip
     for args, match in cases:
         with pytest.raises(ShapeError, match=match):
             rt.decode(*args)
     with pytest.raises(ShapeError, match="block id 9"):
         rt.prefill(q[:1], kc, vc, torch.tensor([3, 9], dtype=torch.int32), 20)
+    with pytest.raises(ShapeError, match="value_cache 2"):
+        rt.prefill(q[:1], kc, vc[:2].clone(), torch.tensor([7, 8], dtype=torch.int32), 20)
     with pytest.raises(ShapeError, match="seq_len 20.0 must be an integer"):
         rt.prefill(q[:1], kc, vc, torch.tensor([3, 4], dtype=torch.int32), 20.0)
     out = rt.decode(q, kc, vc, bt, lens)
