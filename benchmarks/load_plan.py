@@ -9,10 +9,11 @@ cache_dir)`` of the whole plan: wall seconds (``time.perf_counter``) and this
 thread's CPU seconds (``time.thread_time``; less sensitive than wall time to
 other processes on a loaded machine). ``--baseline DIR`` (another checkout,
 e.g. a ``git archive`` of main) loads the same cache directory with its own
-``kernel_cache`` (``PYTHONPATH=DIR``), interleaved round by round; it needs
-the same keys, so it suits changes that leave the keys alone. The cache must
-hold the whole plan (``kernel-cache warmup`` first): a start that misses a
-variant fails. Reports median (min-max) per way and per variant; the machine's
+``kernel_cache`` (first on ``sys.path``, ahead of an editable install),
+interleaved round by round; it needs the same keys, so it suits changes
+that leave the keys alone. The cache must hold the whole plan
+(``kernel-cache warmup`` first): a start that misses a variant fails.
+Reports median (min-max) per way and per variant; the machine's
 load average is recorded before and after.
 """
 
@@ -40,6 +41,9 @@ from warmup.cli.main import config_from_args, engine_options
 
 CHILD = r"""
 import json, sys, time
+# The checkout's own kernel_cache: ahead of an editable install's import finder.
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+sys.path.insert(0, sys.argv[3])
 import torch
 from kernel_cache.config.engine import EngineConfig
 cfg = EngineConfig.model_validate_json(sys.argv[1])
@@ -53,9 +57,8 @@ print(json.dumps({"wall_s": w, "cpu_s": c, "loads": rt.stats()["loads"],
 """
 
 
-def start(cfg_json: str, cache: str, pythonpath: str | None) -> dict:
-    env = {"PYTHONPATH": pythonpath} if pythonpath else {}
-    return run_json_child([sys.executable, "-c", CHILD, cfg_json, cache], env=env)
+def start(cfg_json: str, cache: str, checkout: str) -> dict:
+    return run_json_child([sys.executable, "-c", CHILD, cfg_json, cache, checkout])
 
 
 def main(argv=None) -> int:
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
     cfg = config_from_args(args)
     cfg_json = cfg.model_dump_json()
-    ways = {"now": None}
+    ways = {"now": str(ROOT)}
     if args.baseline:
         base = Path(args.baseline).resolve()
         if not (base / "kernel_cache" / "runtime" / "load.py").is_file():
@@ -84,16 +87,17 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{args.repeats}: {' '.join(order)}", file=sys.stderr, flush=True)
         for k in order:
             x = start(cfg_json, args.cache_dir, ways[k])
-            want = ways[k] or str(ROOT)
-            if not x["kernel_cache"].startswith(want):
-                raise SystemExit(f"{k}: loaded kernel_cache from {x['kernel_cache']}, not {want}")
+            if not x["kernel_cache"].startswith(ways[k] + os.sep):
+                raise SystemExit(
+                    f"{k}: loaded kernel_cache from {x['kernel_cache']}, not {ways[k]}"
+                )
             runs[k].append(x)
     doc["machine"]["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
     n = runs["now"][0]["loads"]
     results = {}
     for k, rs in runs.items():
         results[k] = {
-            "checkout": ways[k] or str(ROOT),
+            "checkout": ways[k],
             "variants": rs[0]["loads"],
             "wall_s": summary([x["wall_s"] for x in rs]),
             "cpu_s": summary([x["cpu_s"] for x in rs]),

@@ -60,15 +60,36 @@ def _rel(name: str, path: Path) -> str:
     return f"{name.split('.')[0]}/{path.relative_to(top.parent).as_posix()}"
 
 
-def _imports(path: Path, module: str) -> set[str]:
+#: :func:`_imports` already read in this process, by file, module and ``stat``
+#: (inode, size, modification time): a file changed since is read again.
+_IMPORTS_READ: dict[tuple, frozenset[str]] = {}
+
+
+def _imports(path: Path, module: str) -> frozenset[str]:
     """Module names ``path`` (module ``module``) imports anywhere in its body,
     relative imports resolved; ``from X import Y`` yields X and X.Y."""
+    st = path.stat()
+    memo = (str(path), module, st.st_ino, st.st_size, st.st_mtime_ns)
+    if memo not in _IMPORTS_READ:
+        _IMPORTS_READ[memo] = frozenset(_read_imports(path, module))
+    return _IMPORTS_READ[memo]
+
+
+def _read_imports(path: Path, module: str) -> set[str]:
     import ast
 
     tree = ast.parse(path.read_bytes(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(tree):
+    # Imports are statements: only statement lists are walked, not expressions
+    # (an ast.walk of every node cost most of engine start's key computation).
+    todo: list = list(tree.body)
+    while todo:
+        node = todo.pop()
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list):
+                todo.extend(stmts)
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
