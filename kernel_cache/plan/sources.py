@@ -27,17 +27,21 @@ COMPILE_ROOTS = ("warmup.build.compiler",)
 HASHED_PACKAGES = ("kernel_cache", "warmup")
 
 
-def _module_file(name: str) -> Path | None:
+def _module_file(name: str, specs: dict | None = None) -> Path | None:
     """The source file of module ``name`` (a package's ``__init__.py``, or a
     top-level single-file module), found without importing it (nor its
-    package); None if there is none."""
+    package); None if there is none. ``specs`` keeps the top-level lookups
+    of one search (a name's top-level package is looked up once)."""
     import importlib.util
 
     top, *rest = name.split(".")
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level lookup executes nothing
-    except (ImportError, ValueError):
-        return None
+    specs = {} if specs is None else specs
+    if top not in specs:
+        try:
+            specs[top] = importlib.util.find_spec(top)  # a top-level lookup executes nothing
+        except (ImportError, ValueError):
+            specs[top] = None
+    spec = specs[top]
     if spec is None:
         return None
     if not spec.submodule_search_locations:  # a single-file top-level module
@@ -51,24 +55,45 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-def _rel(name: str, path: Path) -> str:
+def _rel(name: str, path: Path, specs: dict | None = None) -> str:
     """``path`` as recorded in the key: relative to the folder above its
     top-level package (``mykernels/helpers.py``)."""
-    top = _module_file(name.split(".")[0])
+    top = _module_file(name.split(".")[0], specs)
     if top is None or top.name != "__init__.py":
         return path.name
     return f"{name.split('.')[0]}/{path.relative_to(top.parent).as_posix()}"
 
 
-def _imports(path: Path, module: str) -> set[str]:
+#: :func:`_imports` already read in this process, by file, module and ``stat``
+#: (inode, size, modification time): a file changed since is read again.
+_IMPORTS_READ: dict[tuple, frozenset[str]] = {}
+
+
+def _imports(path: Path, module: str) -> frozenset[str]:
     """Module names ``path`` (module ``module``) imports anywhere in its body,
     relative imports resolved; ``from X import Y`` yields X and X.Y."""
+    st = path.stat()
+    memo = (str(path), module, st.st_ino, st.st_size, st.st_mtime_ns)
+    if memo not in _IMPORTS_READ:
+        _IMPORTS_READ[memo] = frozenset(_read_imports(path, module))
+    return _IMPORTS_READ[memo]
+
+
+def _read_imports(path: Path, module: str) -> set[str]:
     import ast
 
     tree = ast.parse(path.read_bytes(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(tree):
+    # Imports are statements: only statement lists are walked, not expressions
+    # (an ast.walk of every node cost most of engine start's key computation).
+    todo: list = list(tree.body)
+    while todo:
+        node = todo.pop()
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list):
+                todo.extend(stmts)
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -108,13 +133,14 @@ def source_files(
     found: dict[str, str] = {}
     todo = list(roots)
     seen: set[str] = set()
+    specs: dict = {}
     while todo:
         name = todo.pop()
         top = name.split(".")[0]
         if name in seen or (top not in packages and not (outside and is_outside_module(top))):
             continue
         seen.add(name)
-        path = _module_file(name)
+        path = _module_file(name, specs)
         if path is None:
             if name in roots:
                 raise ConfigError(
@@ -126,15 +152,17 @@ def source_files(
                     )
                 )
             continue  # "from pkg import name" where name is not a module
-        found[_rel(name, path)] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        found[_rel(name, path, specs)] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         parents = name.split(".")
         # A package's __init__ runs before its modules: its bytes count, but its
         # imports are re-exports, followed only where a module of the compile
         # path imports them itself.
         for i in range(1, len(parents)):
-            init = _module_file(".".join(parents[:i]))
+            init = _module_file(".".join(parents[:i]), specs)
             if init is not None:
-                found[_rel(parents[0], init)] = hashlib.sha256(init.read_bytes()).hexdigest()[:16]
+                found[_rel(parents[0], init, specs)] = hashlib.sha256(
+                    init.read_bytes()
+                ).hexdigest()[:16]
         if path.name != "__init__.py" or name in roots:
             todo.extend(_imports(path, name))
     return dict(sorted(found.items()))

@@ -31,8 +31,7 @@ import os
 import socket
 import time
 from pathlib import Path
-
-import filelock
+from typing import TYPE_CHECKING
 
 from kernel_cache.config import settings
 from kernel_cache.errors import LockTimeoutError
@@ -43,6 +42,9 @@ from kernel_cache.store.nofollow import (
     makedirs,
     open_dir_nofollow,
 )
+
+if TYPE_CHECKING:
+    import filelock
 
 LOCKS_DIR = "locks"
 
@@ -174,6 +176,8 @@ class KeyLock:
                 file and the holder's pid if known.
             UntrustedCacheError: ``locks/`` or the lock file is a symbolic link.
         """
+        import filelock  # here: engine start imports this module, never a KeyLock
+
         t0 = time.monotonic()
         dfd = self._open_dir()  # refuses a linked locks/ before filelock opens a file in it
         try:

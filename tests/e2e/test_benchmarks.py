@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ..conftest import ROOT, tiny_args
+from ..conftest import N_TINY, ROOT, tiny_args
 
 BENCH = ROOT / "benchmarks"
 
@@ -114,6 +114,21 @@ def test_dispatch_smoke(tmp_path, warm_cache, tiny_model):
     assert target["host_only_under_target"] == all(
         r["host_only_us"]["median"] < us for r in results
     )
+
+
+@pytest.mark.compile
+def test_load_plan_smoke(tmp_path, warm_cache, tiny_model):
+    out = tmp_path / "load_plan.json"
+    args = ["--cache-dir", warm_cache[0], "--baseline", ROOT, "--repeats", "2", "--out", out]
+    doc = run_bench("load_plan", *tiny_args(tiny_model), *args, timeout=300)
+    for way in ("now", "baseline"):
+        r = doc["results"][way]
+        assert r["variants"] == N_TINY and len(r["runs"]) == 2
+        for k in ("wall_s", "cpu_s", "wall_ms_per_variant", "cpu_ms_per_variant"):
+            summary_fields(r[k], n=2)
+        assert all(x["kernel_cache"].startswith(str(ROOT)) for x in r["runs"])
+    per = doc["results"]["now"]["wall_ms_per_variant"]["median"]
+    assert doc["target"]["wall_ms_per_variant_median_at_most_5"] == (per <= 5)
 
 
 @pytest.mark.compile
