@@ -86,6 +86,7 @@ class PagedAttention(nn.Module):
         visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
         scores = scores.masked_fill(~visible, _NEG)
         probs = torch.softmax(scores, dim=-1)
+        v = torch.where((t < seq_len)[:, None, None], v, 0.0)  # 0 * NaN past seq_len is NaN
         out = torch.einsum("kgqt,tkd->qkgd", probs, v)
         return out.reshape(q_len, kvh * g, d).to(query.dtype)
 
@@ -181,6 +182,7 @@ class BatchedDecode(nn.Module):
         visible = t[None, :] < seq_lens[:, None]  # [s, t]
         scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
         probs = torch.softmax(scores, dim=-1)
+        v = torch.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN past seq_len is NaN
         out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
         return _zero_padded_rows(out, seq_lens).to(query.dtype)
 
@@ -210,6 +212,7 @@ class BatchedDecode(nn.Module):
             pos = first[:, None] + (c * span) + t[None, :]  # [splits, span]
             visible = pos[None] < lens  # [s, splits, span]
             scores = scores.masked_fill(~visible[:, :, None, None, :], _NEG)
+            v = torch.where(visible[:, :, :, None, None], v, 0.0)  # NaN past seq_len stays out
             m_new = torch.maximum(m, scores.amax(dim=-1))
             alpha = torch.exp(m - m_new)
             p = torch.exp(scores - m_new[..., None])
@@ -262,9 +265,14 @@ class RealKVPagedAttention(PagedAttention):
         torch._check(n >= 1)
         torch._check(n <= nb)
         idx = block_table[:n].long()
-        k = key_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
-        v = value_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
         t = torch.arange(n * bs, device=query.device, dtype=torch.int32)
+        # The last block's slots at and past seq_len are zeroed in the copy: a masked
+        # score of NaN stays NaN, and so does a weight of 0 times a NaN value.
+        real = (t < seq_len)[:, None, None]
+        k = torch.where(real, key_cache[idx].reshape(n * bs, kvh, d), 0)
+        v = torch.where(real, value_cache[idx].reshape(n * bs, kvh, d), 0)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
         pos = (seq_len - real_query_len) + torch.arange(
             q_len, device=query.device, dtype=torch.int32
         )
@@ -394,8 +402,25 @@ class RealKVBatchedDecode(BatchedDecode):
         )
         out = flex_attention(
             q, k, v, score_mod=score_mod, block_mask=mask, scale=self.scale, enable_gqa=split > 1
-        )
-        return out.reshape(s, kvh * g, d).to(query.dtype)
+        ).reshape(s, kvh * g, d)
+        # The template weighs the masked tail of a last block by 0, and 0 * NaN (or an
+        # inf there) is NaN although vLLM's reference never reads those slots: a
+        # non-finite result is recomputed by the plain kernel, which zeroes them first.
+        args = (query, key_cache, value_cache, block_tables, seq_lens, out)
+        out = torch.cond(~out.isfinite().all(), self._recompute, _keep_last, args)
+        return out.to(query.dtype)
+
+    def _recompute(self, query, key_cache, value_cache, block_tables, seq_lens, out):
+        """:meth:`BatchedDecode._single_pass` (the whole bucket, unread slots zeroed)
+        in a tensor of ``out``'s sizes (``torch.cond`` traces its branches with
+        symbolic sizes and wants both outputs alike)."""
+        res = self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
+        return torch.zeros_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+
+
+def _keep_last(*args):
+    """``torch.cond``'s other branch: the last operand, unchanged."""
+    return args[-1].clone()
 
 
 def build_module(

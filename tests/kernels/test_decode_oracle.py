@@ -16,7 +16,9 @@ artifacts of a real warmup called through the engine API (``decode`` and
   ``kernel_cache/kernels/builtin.py``): 5 more compiles.
 
 Pools are small (1 to 5 blocks, and 40), so repeats within a row and block 0
-both real and padding are common.
+both real and padding are common. In half the batches every KV slot the
+reference does not read (the tail of a last block, padding columns, unlisted
+blocks) holds NaN, inf or -inf.
 
 Also here: the compiled decode does no work in proportion to the pool. Its
 exported graph holds no pool-sized tensor but views of the caches and one
@@ -71,6 +73,24 @@ def _table(rng: random.Random, blocks: int, width: int) -> list[int]:
     return [rng.randrange(blocks) for _ in range(width)]  # with replacement
 
 
+def _poison(rng: random.Random, kc, vc, reads: list[tuple[list[int], int]]) -> None:
+    """In half the trials, fill every KV slot that no ``(table, seq_len)`` of
+    ``reads`` reaches with NaN, inf or -inf (in place): the tail of a last block,
+    padding columns, blocks no row lists. vLLM's reference never reads them (a
+    reused block's leftovers, a pool from ``torch.empty``), so they must not
+    change the result."""
+    if rng.random() < 0.5:
+        return
+    bs = kc.shape[1]
+    used = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for table, seq_len in reads:
+        for j in range(seq_len):
+            used[table[j // bs], j % bs] = True
+    garbage = rng.choice([float("nan"), float("inf"), float("-inf")])
+    kc[~used] = garbage
+    vc[~used] = garbage
+
+
 def check_decode(rt, cfg, seed: int, min_longest: int = 1) -> int:
     """Random decode batches through ``rt.decode``; returns the rows checked.
     ``min_longest``: the longest sequence of a batch is at least this (picks
@@ -85,6 +105,7 @@ def check_decode(rt, cfg, seed: int, min_longest: int = 1) -> int:
         lens[rng.randrange(s)] = rng.randint(min_longest, cfg.max_model_len)
         width = rng.randint(-(-max(lens) // bs), max_blocks)  # engines pass wider tables too
         tables = [_table(rng, blocks, width) for _ in range(s)]
+        _poison(rng, kc, vc, list(zip(tables, lens, strict=True)))
         query = torch.randn(s, cfg.num_heads, cfg.head_dim, generator=g)
         out = rt.decode(query, kc, vc, torch.tensor(tables, dtype=torch.int32), lens)
         for i in range(s):
@@ -108,6 +129,7 @@ def check_prefill(rt, cfg, seed: int, min_seq: int = 1, min_query: int = 1) -> i
         seq_len = rng.randint(min_seq, cfg.max_model_len)
         q_len = rng.randint(min(min_query, seq_len), min(seq_len, cfg.max_num_batched_tokens))
         table = _table(rng, blocks, rng.randint(-(-seq_len // bs), max_blocks))
+        _poison(rng, kc, vc, [(table, seq_len)])
         query = torch.randn(q_len, cfg.num_heads, cfg.head_dim, generator=g)
         out = rt.prefill(query, kc, vc, torch.tensor(table, dtype=torch.int32), seq_len)
         ref = vllm_reference(query, kc, vc, table, seq_len)
