@@ -329,7 +329,11 @@ class RealKVBatchedDecode(BatchedDecode):
     whole and its tail masked: at most ``block_size - 1`` positions per
     sequence) and copies nothing of the pool; its graph allocates nothing
     pool-sized except an uninitialized ``[num_seqs, 1, 1, num_pool_blocks]``
-    int32 placeholder that is never written or read (see below).
+    int32 placeholder that is never written or read (see below). The tail's
+    weight is 0, but 0 times a NaN or inf held there is NaN: a result that is
+    not finite everywhere is recomputed (``torch.cond``) by the plain kernel over
+    the bucket, which zeroes every slot at or past ``seq_len`` first (a NaN
+    inside the real KV stays NaN, as in the reference).
 
     The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
     the plain path; the compiled flex kernel parallelizes over
