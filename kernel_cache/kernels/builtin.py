@@ -252,31 +252,44 @@ class RealKVPagedAttention(PagedAttention):
         return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
 
     def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
-        """The gather of the real blocks and SDPA (what is compiled for the CPU);
-        callable eagerly. Same inputs and output as :meth:`forward`."""
+        """The gather of the real blocks and the two flash calls (what is compiled
+        for the CPU); callable eagerly. Same inputs and output as :meth:`forward`."""
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
         kvh, d = self.num_kv_heads, self.head_dim
-        n = ((seq_len[0] + (bs - 1)) // bs).clamp(1, nb).item()
-        torch._check(n >= 1)
-        torch._check(n <= nb)
+        kv_t = seq_len[0].clamp(1, nb * bs)  # seq_len 0 reads position 0
+        rows_t = torch.minimum(real_query_len[0], kv_t).clamp(1, q_len)
+        # start (the absolute position of query row 0) is its own unbacked size,
+        # so that Inductor knows the slices below start at or after 0.
+        start, rows = (kv_t - rows_t).item(), rows_t.item()
+        torch._check(start >= 0)
+        torch._check(rows >= 1)
+        torch._check(rows <= q_len)
+        kv_len = start + rows
+        torch._check(kv_len <= nb * bs)
+        n = (kv_len + (bs - 1)) // bs
         idx = block_table[:n].long()
-        k = key_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
-        v = value_cache[idx].reshape(n * bs, kvh, d).transpose(0, 1).unsqueeze(0)
-        t = torch.arange(n * bs, device=query.device, dtype=torch.int32)
-        pos = (seq_len - real_query_len) + torch.arange(
-            q_len, device=query.device, dtype=torch.int32
-        )
-        visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
-        # A row that sees nothing (only possible for seq_len 0) sees position 0:
-        # SDPA gives NaN for a fully masked row.
-        visible[:, 0] = True
-        q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
-        )
-        return out[0].transpose(0, 1).to(query.dtype)
+        # One copy into [1, kvh, n * block_size, d]: each head's tokens contiguous,
+        # which the CPU flash kernel reads faster than a token-major view.
+        k = key_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d)
+        v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d)
+        q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # Diagonal: row i sees positions start .. start + i (top-left causal over
+        # the square [rows, rows] at start). Prefix: every row sees the positions
+        # before start, unmasked; with start 0 it reads position 0, weighted 0.
+        diag, lse_d = flash(
+            q, k[:, :, start:kv_len], v[:, :, start:kv_len], is_causal=True, scale=self.scale
+        )[:2]
+        p_end = torch.sym_max(start, 1)
+        pre, lse_p = flash(q, k[:, :, :p_end], v[:, :, :p_end], scale=self.scale)[:2]
+        lse_p = torch.where(kv_t > rows_t, lse_p, float("-inf"))  # [1, H, rows] float32
+        m = torch.maximum(lse_p, lse_d)
+        w_p, w_d = torch.exp(lse_p - m)[..., None], torch.exp(lse_d - m)[..., None]
+        out = (pre.float() * w_p + diag.float() * w_d) / (w_p + w_d)  # [1, H, rows, D]
+        out = out[0].transpose(0, 1).to(query.dtype)
+        return F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
 
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
