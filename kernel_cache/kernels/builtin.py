@@ -12,9 +12,10 @@ Two kinds of kernel live here:
   ``verify`` and the kernels compiled for CUDA prefill.
 * :class:`RealKVPagedAttention` and :class:`RealKVBatchedDecode`: what
   :func:`build_module` returns. On the CPU, when traced for export, they read
-  only the KV a sequence really has: prefill gathers the sequence's
-  ``ceil(seq_len / block_size)`` blocks (a data-dependent length) and calls
-  ``scaled_dot_product_attention``; decode runs
+  only the KV a sequence really has: prefill copies the sequence's positions
+  below ``seq_len`` (a data-dependent length) and runs SDPA's CPU flash kernel
+  on the real query rows (a causal diagonal and an unmasked prefix, merged by
+  log-sum-exp); decode runs
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
