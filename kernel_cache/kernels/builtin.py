@@ -12,9 +12,10 @@ Two kinds of kernel live here:
   ``verify`` and the kernels compiled for CUDA prefill.
 * :class:`RealKVPagedAttention` and :class:`RealKVBatchedDecode`: what
   :func:`build_module` returns. On the CPU, when traced for export, they read
-  only the KV a sequence really has: prefill gathers the sequence's
-  ``ceil(seq_len / block_size)`` blocks (a data-dependent length) and calls
-  ``scaled_dot_product_attention``; decode runs
+  only the KV a sequence really has: prefill copies the sequence's positions
+  below ``seq_len`` (a data-dependent length) and runs SDPA's CPU flash kernel
+  on the real query rows (a causal diagonal and an unmasked prefix, merged by
+  log-sum-exp); decode runs
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
@@ -230,21 +231,28 @@ class RealKVPagedAttention(PagedAttention):
     """:class:`PagedAttention` that reads only the sequence's real KV blocks (CPU).
 
     Same inputs, outputs and semantics as :class:`PagedAttention`. Traced on the
-    CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it
-    gathers the first ``n = clamp(ceil(seq_len / block_size), 1, num_blocks)``
-    blocks of ``block_table`` (``n`` is data-dependent: an unbacked size under
-    ``torch.export``, bounded by ``torch._check``) into ``[n * block_size,
-    num_kv_heads, head_dim]`` in the cache's dtype, and calls
-    ``scaled_dot_product_attention`` (GQA through ``enable_gqa``, a boolean
-    causal mask ending at ``seq_len``). Blocks past ``seq_len`` are not read;
-    the copy is of the real blocks only, not of the bucket. Run eagerly
-    (``verify``'s oracle) or on another device it is the plain
+    CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it reads
+    the first ``ceil(seq_len / block_size)`` blocks of ``block_table`` (a
+    data-dependent count: unbacked sizes under ``torch.export``, bounded by
+    ``torch._check``) and only the real query rows ``r = min(real_query_len,
+    seq_len)``, with ``start = seq_len - r`` the position of row 0, in two calls
+    of the CPU flash kernel (GQA native), merged by their log-sum-exp:
+
+    * diagonal: the rows over positions ``start .. seq_len - 1``, ``is_causal``
+      (top-left on that ``[r, r]`` square: row ``i`` sees up to ``start + i``);
+    * prefix: the rows over positions ``< start``, unmasked. For a fresh prompt
+      (``start == 0``) it is one row over position 0, weighted 0.
+
+    No boolean mask is built. K and V of each call are copied from the pool
+    straight into a head-major ``[1, num_kv_heads, length, head_dim]`` buffer
+    in the cache's dtype (the CPU flash kernel reads a token-major view about
+    15 % slower; ``docs/benchmarks.md``). Blocks past ``seq_len`` are not read.
+    Run eagerly (``verify``'s oracle) or on another device it is the plain
     :class:`PagedAttention`, so that ``verify`` compares the artifact with an
     independent formulation.
 
-    Padded query rows (``>= real_query_len``) see KV positions ``< seq_len`` and
-    are finite. ``seq_len`` 0 (not produced by dispatch) still reads one block
-    and sees its position 0 only, so it stays finite.
+    Padded query rows (``>= real_query_len``) are zeros. ``seq_len`` 0 (not
+    produced by dispatch) reads position 0 only and stays finite.
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
@@ -255,36 +263,55 @@ class RealKVPagedAttention(PagedAttention):
         return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
 
     def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
-        """The gather of the real blocks and SDPA (what is compiled for the CPU);
-        callable eagerly. Same inputs and output as :meth:`forward`."""
+        """The gather of the real blocks and the two flash calls (what is compiled
+        for the CPU); callable eagerly. Same inputs and output as :meth:`forward`."""
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
         kvh, d = self.num_kv_heads, self.head_dim
-        n = ((seq_len[0] + (bs - 1)) // bs).clamp(1, nb).item()
-        torch._check(n >= 1)
-        torch._check(n <= nb)
+        kv_t = seq_len[0].clamp(1, nb * bs)  # seq_len 0 reads position 0
+        rows_t = torch.minimum(real_query_len[0], kv_t).clamp(1, q_len)
+        # start (the absolute position of query row 0) is its own unbacked size,
+        # so that Inductor knows the slices below start at or after 0.
+        start, rows = (kv_t - rows_t).item(), rows_t.item()
+        torch._check(start >= 0)
+        torch._check(rows >= 1)
+        torch._check(rows <= q_len)
+        kv_len = start + rows
+        torch._check(kv_len <= nb * bs)
+        n = (kv_len + (bs - 1)) // bs
         idx = block_table[:n].long()
-        t = torch.arange(n * bs, device=query.device, dtype=torch.int32)
-        # The last block's slots at and past seq_len are zeroed in the copy: a masked
-        # score of NaN stays NaN, and so does a weight of 0 times a NaN value.
-        real = (t < seq_len)[:, None, None]
-        k = torch.where(real, key_cache[idx].reshape(n * bs, kvh, d), 0)
-        v = torch.where(real, value_cache[idx].reshape(n * bs, kvh, d), 0)
-        k = k.transpose(0, 1).unsqueeze(0)
-        v = v.transpose(0, 1).unsqueeze(0)
-        pos = (seq_len - real_query_len) + torch.arange(
-            q_len, device=query.device, dtype=torch.int32
-        )
-        visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
-        # A row that sees nothing (only possible for seq_len 0) sees position 0:
-        # SDPA gives NaN for a fully masked row.
-        visible[:, 0] = True
-        q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
-        )
-        return out[0].transpose(0, 1).to(query.dtype)
+        # Head-major [1, kvh, n * block_size, d] (the reshape alone is a token-major
+        # view): the CPU flash kernel reads it faster. Inductor copies only the
+        # sliced positions below, straight from the pool.
+        k = key_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
+        v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
+        q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # Diagonal: row i sees positions start .. start + i (top-left causal over
+        # the square [rows, rows] at start). Prefix: every row sees the positions
+        # before start, unmasked; with start 0 row 0 reads position 0, weighted 0.
+        diag, lse_d = flash(
+            q, k[:, :, start:kv_len], v[:, :, start:kv_len], is_causal=True, scale=self.scale
+        )[:2]
+        # The prefix's rows: all, or one for a fresh prompt, whose prefix call is
+        # then nearly free (all rows over one position cost ~12 % of the diagonal).
+        fresh = kv_t == rows_t
+        pre_rows = torch.where(fresh, 1, rows_t).item()
+        torch._check(pre_rows >= 1)
+        torch._check(pre_rows <= rows)
+        p_end = torch.sym_max(start, 1)
+        pre, lse_p = flash(q[:, :, :pre_rows], k[:, :, :p_end], v[:, :, :p_end], scale=self.scale)[
+            :2
+        ]
+        lse_p = torch.where(fresh, float("-inf"), lse_p)  # [1, H, pre_rows] float32
+        lse_h = lse_d[:, :, :pre_rows]
+        m = torch.maximum(lse_p, lse_h)
+        w_p, w_d = torch.exp(lse_p - m)[..., None], torch.exp(lse_h - m)[..., None]
+        head = (pre.float() * w_p + diag[:, :, :pre_rows].float() * w_d) / (w_p + w_d)
+        out = torch.cat([head.to(diag.dtype), diag[:, :, pre_rows:]], dim=2)  # [1, H, rows, D]
+        out = out[0].transpose(0, 1).to(query.dtype)
+        return F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
 
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
