@@ -360,7 +360,10 @@ class RealKVBatchedDecode(BatchedDecode):
     weight is 0, but 0 times a NaN or inf held there is NaN: a result that is
     not finite everywhere is recomputed (``torch.cond``) by the plain kernel over
     the bucket, which zeroes every slot at or past ``seq_len`` first (a NaN
-    inside the real KV stays NaN, as in the reference).
+    inside the real KV stays NaN, as in the reference). The template returns
+    zeros, not NaN, for a row with a NaN score (a NaN key), so the
+    ``score_mod`` makes a NaN score ``+inf``, which makes the row NaN and so
+    recomputed.
 
     The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
     the plain path; the compiled flex kernel parallelizes over
@@ -418,9 +421,12 @@ class RealKVBatchedDecode(BatchedDecode):
 
         def score_mod(score, b, h, q_idx, kv_idx):
             tail = (kv_idx >= side[b]) & (kv_idx < side[b + s])
-            return torch.where(
+            score = torch.where(
                 tail, score + side[b + 2 * s].to(torch.int32).view(torch.float32), score
             )
+            # The CPU template returns 0 for a row with a NaN score (a NaN key): +inf
+            # makes the row NaN, so that the plain kernel recomputes it (NaN, as vLLM).
+            return torch.where(score != score, float("inf"), score)
 
         mask = BlockMask.from_kv_blocks(
             torch.zeros((s, 1, 1), dtype=torch.int32, device=query.device),

@@ -136,8 +136,10 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
     ``<name>_metadata.json`` saying ``AOTI_DEVICE_KEY`` ``cpu``, and otherwise
     only ``.cpp`` and ``.json`` files (generated source, flags: the loader
     reads the source only to compile a package that has no ``.so``, which an
-    engine never does). Weights stored beside the ``.so`` or anything else
-    unknown sends the package to the loader. ``data`` are the verified bytes:
+    engine never does). Weights stored beside the ``.so``, anything else
+    unknown, more than one top folder or a member name used twice (where this
+    reading and the loader's could pick different ``.so`` files; the loader
+    refuses two) send the package to the loader. ``data`` are the verified bytes:
     the ``.so`` returned is read from them, not from a file.
 
     Raises:
@@ -149,6 +151,9 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
 
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = z.namelist()
+            if len(set(names)) != len(names) or len({n.partition("/")[0] for n in names}) != 1:
+                return None
             files = {}
             for info in z.infolist():
                 _, _, rest = info.filename.partition("/")

@@ -154,6 +154,29 @@ def test_tiny_plan_decode_and_prefill_match_vllm_reference(tiny_config, warm_cac
     assert len(calls) == N_TINY and all(n > 0 for n in calls.values()), calls
 
 
+@pytest.mark.compile
+def test_a_nan_key_in_the_real_kv_is_nan_as_in_the_reference(tiny_config, warm_cache):
+    """A NaN in a key the sequence really has (one position, one KV head; or the
+    tail of a last block that the row also lists earlier, which the reference
+    reads there) makes that KV head's query heads NaN, as in vLLM's reference:
+    torch 2.13's CPU flex template returns zeros for a row with a NaN score."""
+    from kernel_cache.runtime.load import load_plan
+
+    rt = load_plan(tiny_config, warm_cache[0])
+    g = torch.Generator().manual_seed(5)
+    cases = [([0, 1], 21, (1, 2, 0)), ([1, 0], 5, (1, 4, 1)), ([1, 1], 20, (1, slice(10, 16)))]
+    for table, seq_len, at in cases:
+        kc, vc = (torch.randn(2, 16, 2, 8, generator=g) for _ in "kv")
+        kc[at] = float("nan")
+        query = torch.randn(1, 4, 8, generator=g)
+        out = rt.decode(query, kc, vc, torch.tensor([table], dtype=torch.int32), [seq_len])
+        ref = vllm_reference(query, kc, vc, table, seq_len)
+        assert ref.isnan().any()
+        assert torch.equal(out.isnan(), ref.isnan()), (table, seq_len, out[0, :, 0])
+        finite = ~ref.isnan()
+        torch.testing.assert_close(out.double()[finite], ref[finite], **TOL)
+
+
 # --- other GQA ratios: a few variants each ---------------------------------------------
 
 #: (num_heads, num_kv_heads) -> slots compiled (bucket of 2 blocks: 17-32 tokens)

@@ -148,3 +148,28 @@ def test_a_tampered_library_is_never_loaded(cache_copy, tiny_config, calls):
         load_plan(tiny_config, cache_copy)
     assert calls["runner"] == [hashlib.sha256(so_member(good[0])).hexdigest()]
     assert tampered not in calls["runner"] and calls["loader"] == 0
+
+
+def fake_package(members: list[tuple[str, bytes]]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, data in members:
+            z.writestr(name, data)
+    return out.getvalue()
+
+
+MODEL = "model/data/aotinductor/model/"
+META = (MODEL + "w_metadata.json", json.dumps({"AOTI_DEVICE_KEY": "cpu"}).encode())
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name")
+def test_ambiguous_packages_go_to_the_loader():
+    """A ``.so`` name used twice, or a second top folder holding another ``.so``
+    of the same name: the direct load would take one of them and the loader
+    another (or refuse), so the loader decides."""
+    one = fake_package([META, (MODEL + "w.so", b"first")])
+    assert load_mod._cpu_library(one, "", "") == b"first"
+    twice = fake_package([META, (MODEL + "w.so", b"first"), (MODEL + "w.so", b"second")])
+    assert load_mod._cpu_library(twice, "", "") is None
+    other_top = [META, (MODEL + "w.so", b"first"), ("zzz/" + MODEL[6:] + "w.so", b"second")]
+    assert load_mod._cpu_library(fake_package(other_top), "", "") is None
