@@ -252,7 +252,10 @@ class RealKVPagedAttention(PagedAttention):
     independent formulation.
 
     Padded query rows (``>= real_query_len``) are zeros. ``seq_len`` 0 (not
-    produced by dispatch) reads position 0 only and stays finite.
+    produced by dispatch) reads position 0 only and stays finite. A NaN or inf
+    among the real K/V (positions below ``seq_len``) sends the chunk to the plain
+    kernel (``torch.cond``): the flash kernel returns 0 for a row whose visible
+    scores are all NaN or ``-inf``, the reference NaN.
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
@@ -311,7 +314,25 @@ class RealKVPagedAttention(PagedAttention):
         head = (pre.float() * w_p + diag[:, :, :pre_rows].float() * w_d) / (w_p + w_d)
         out = torch.cat([head.to(diag.dtype), diag[:, :, pre_rows:]], dim=2)  # [1, H, rows, D]
         out = out[0].transpose(0, 1).to(query.dtype)
-        return F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
+        out = F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
+        # The CPU flash kernel returns 0 (and a log-sum-exp of 0) for a row whose
+        # visible scores are all NaN or -inf, where the reference is NaN, and the
+        # merge then weighs the other call wrongly: with a NaN or inf among the real
+        # K/V the plain kernel recomputes the chunk.
+        finite = k[:, :, :kv_len].isfinite().all() & v[:, :, :kv_len].isfinite().all()
+        args = (query, key_cache, value_cache, block_table, seq_len, real_query_len, out)
+        return torch.cond(~finite, self._recompute, _keep_last, args)
+
+    def _recompute(self, query, key_cache, value_cache, block_table, seq_len, real_query_len, out):
+        """:meth:`PagedAttention.forward` with its padded rows zeroed, in a tensor of
+        ``out``'s sizes (``torch.cond`` traces its branches with symbolic sizes and
+        wants both outputs alike)."""
+        res = PagedAttention.forward(
+            self, query, key_cache, value_cache, block_table, seq_len, real_query_len
+        )
+        real = torch.arange(res.shape[0], device=res.device) < real_query_len
+        res = torch.where(real[:, None, None], res, 0)
+        return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
 
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
@@ -452,12 +473,14 @@ class RealKVBatchedDecode(BatchedDecode):
         in a tensor of ``out``'s sizes (``torch.cond`` traces its branches with
         symbolic sizes and wants both outputs alike)."""
         res = self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
-        return torch.zeros_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+        return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
 
 
 def _keep_last(*args):
-    """``torch.cond``'s other branch: the last operand, unchanged."""
-    return args[-1].clone()
+    """``torch.cond``'s other branch: a copy of the last operand, made as the
+    recomputing branches make theirs (``empty_like``: the same strides, also
+    for a dimension of size 1)."""
+    return torch.empty_like(args[-1]).copy_(args[-1])
 
 
 def build_module(

@@ -177,6 +177,39 @@ def test_a_nan_key_in_the_real_kv_is_nan_as_in_the_reference(tiny_config, warm_c
         torch.testing.assert_close(out.double()[finite], ref[finite], **TOL)
 
 
+@pytest.mark.compile
+def test_a_nan_or_inf_in_the_real_kv_of_a_prefill_is_as_in_the_reference(tiny_config, warm_cache):
+    """A NaN or inf among the positions a chunk really sees gives vLLM's reference,
+    NaN where it is NaN and the finite values elsewhere: torch 2.13's CPU flash
+    kernel returns 0 (and a log-sum-exp of 0) for a row whose visible scores are
+    all NaN or -inf, which the two-call merge would weigh as a real result."""
+    from kernel_cache.runtime.load import load_plan
+
+    rt = load_plan(tiny_config, warm_cache[0])
+    g = torch.Generator().manual_seed(7)
+    nan, inf = float("nan"), float("inf")
+    # (table, seq_len, chunk, which cache, where, value, query made positive)
+    cases = [
+        ([1, 0], 2, 1, "k", (1, 0), nan, False),  # the prefix is position 0 alone
+        ([1, 0], 5, 2, "k", (1, 3), nan, False),  # diagonal row 0 sees position 3 alone
+        ([1, 0], 5, 2, "k", (1, 3), -inf, True),  # its score -inf: the reference is finite
+        ([1, 0], 3, 3, "v", (1, 0, 0, 0), inf, False),  # a fresh prompt, an inf value
+        ([0, 0], 20, 4, "k", (0, 2), nan, False),  # a block listed twice
+    ]
+    for table, seq_len, chunk, which, at, value, positive in cases:
+        kc, vc = (torch.randn(2, 16, 2, 8, generator=g) for _ in "kv")
+        (kc if which == "k" else vc)[at] = value
+        query = torch.randn(chunk, 4, 8, generator=g)
+        query = query.abs() if positive else query
+        out = rt.prefill(query, kc, vc, torch.tensor(table, dtype=torch.int32), seq_len)
+        ref = vllm_reference(query, kc, vc, table, seq_len)
+        case = (table, seq_len, chunk, which, at, value)
+        assert torch.equal(out.isnan(), ref.isnan()), case
+        assert torch.equal(out.isinf(), ref.isinf()), case
+        finite = ref.isfinite()
+        torch.testing.assert_close(out.double()[finite], ref[finite], **TOL, msg=str(case))
+
+
 # --- other GQA ratios: a few variants each ---------------------------------------------
 
 #: (num_heads, num_kv_heads) -> slots compiled (bucket of 2 blocks: 17-32 tokens)
