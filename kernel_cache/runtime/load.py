@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import (
+    ConfigError,
     CorruptEntryError,
     CpuTargetError,
     MissingVariantsError,
@@ -62,12 +63,25 @@ def load_dir() -> str:
     into ``$TMPDIR/kernel_cache-load-<pid>-*``, removed when the process exits;
     directories of processes that died without exiting (SIGKILL) are removed by
     the next process that loads.
+
+    Raises:
+        ConfigError: the directory is on a ``noexec`` mount, from which no
+            compiled kernel can be mapped (every load would fail as if the
+            entries were corrupt).
     """
     global _load_dir
     if _load_dir is None:
         from kernel_cache.store.locks import private_temp_dir
 
-        _load_dir = private_temp_dir(_LOAD_PREFIX)
+        made = private_temp_dir(_LOAD_PREFIX)
+        if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
+            shutil.rmtree(made, ignore_errors=True)
+            raise ConfigError(
+                f"the load directory {made} is on a noexec mount (TMPDIR="
+                f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped from "
+                "it; set TMPDIR to a folder on a mount that allows executables"
+            )
+        _load_dir = made
         atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
     return _load_dir
 

@@ -21,12 +21,14 @@ if sys.argv[4] == "hang":
 """
 
 
-def start(tmpdir, tiny_model, cache, mode="exit"):
+def start(tmpdir, tiny_model, cache, mode="exit", stderr=None):
     from ..conftest import TINY_LIMITS
 
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     args = [sys.executable, "-c", START, str(tiny_model), repr(TINY_LIMITS), str(cache), mode]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
 
 
 def test_no_unpacked_packages_left_after_exit_or_sigkill(warm_cache, tiny_model, tmp_path):
@@ -84,3 +86,25 @@ def test_tmpdir_is_pointed_at_the_load_dir_for_one_loader_call_at_a_time(monkeyp
     tb.join(10)
     assert seen == [("a", "/load-a"), ("b", "/load-b")]
     assert os.environ["TMPDIR"] == "/original"
+
+
+def test_a_noexec_tmpdir_is_named_not_reported_as_corrupt_entries(warm_cache, tiny_model, tmp_path):
+    """$TMPDIR on a noexec mount: no kernel can be mapped from it. Engine start says
+    so, names the directory and the fix, and removes what it made there; the
+    entries are not called corrupt (nothing to warm again)."""
+    mnt = tmp_path / "noexec"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "noexec,size=16m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        p = start(mnt, tiny_model, warm_cache[0], stderr=subprocess.PIPE)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode != 0, out
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert "ConfigError" in err and "noexec" in err and "set TMPDIR" in err, err
+    assert "corrupt" not in err.lower(), err
