@@ -85,7 +85,10 @@ class PagedAttention(nn.Module):
         start = seq_len - real_query_len
         pos = start + torch.arange(q_len, device=query.device, dtype=torch.int32)
         visible = (t[None, :] <= pos[:, None]) & (t[None, :] < seq_len)  # [q, t]
-        scores = scores.masked_fill(~visible, _NEG)
+        visible = visible | ((t == 0) & (seq_len == 0))[None, :]  # seq_len 0: position 0
+        # -inf, not the lowest float: a row whose visible scores are all -inf is NaN,
+        # as in the reference, instead of a mean over the masked positions.
+        scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         v = torch.where((t < seq_len)[:, None, None], v, 0.0)  # 0 * NaN past seq_len is NaN
         out = torch.einsum("kgqt,tkd->qkgd", probs, v)
@@ -181,7 +184,9 @@ class BatchedDecode(nn.Module):
         scores = torch.einsum("skgd,stkd->skgt", q, k) * self.scale  # [s, kvh, g, t]
         t = torch.arange(nb * bs, device=query.device, dtype=torch.int32)
         visible = t[None, :] < seq_lens[:, None]  # [s, t]
-        scores = scores.masked_fill(~visible[:, None, None, :], _NEG)
+        # -inf, not the lowest float: see PagedAttention.forward (padded rows, all
+        # masked, are NaN here and zeroed below).
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         v = torch.where(visible[:, :, None, None], v, 0.0)  # 0 * NaN past seq_len is NaN
         out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
@@ -253,9 +258,10 @@ class RealKVPagedAttention(PagedAttention):
 
     Padded query rows (``>= real_query_len``) are zeros. ``seq_len`` 0 (not
     produced by dispatch) reads position 0 only and stays finite. A NaN or inf
-    among the real K/V (positions below ``seq_len``) sends the chunk to the plain
-    kernel (``torch.cond``): the flash kernel returns 0 for a row whose visible
-    scores are all NaN or ``-inf``, the reference NaN.
+    among the real K/V (positions below ``seq_len``) or the query rows, or a
+    result that is not finite (a sum past the float range), sends the chunk to
+    the plain kernel (``torch.cond``): the flash kernel returns 0 for a row
+    whose visible scores are all NaN or ``-inf``, the reference NaN.
     """
 
     def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
@@ -320,6 +326,7 @@ class RealKVPagedAttention(PagedAttention):
         # merge then weighs the other call wrongly: with a NaN or inf among the real
         # K/V the plain kernel recomputes the chunk.
         finite = k[:, :, :kv_len].isfinite().all() & v[:, :, :kv_len].isfinite().all()
+        finite = finite & q.isfinite().all() & out.isfinite().all()  # NaN query; overflow
         args = (query, key_cache, value_cache, block_table, seq_len, real_query_len, out)
         return torch.cond(~finite, self._recompute, _keep_last, args)
 
@@ -382,9 +389,9 @@ class RealKVBatchedDecode(BatchedDecode):
     not finite everywhere is recomputed (``torch.cond``) by the plain kernel over
     the bucket, which zeroes every slot at or past ``seq_len`` first (a NaN
     inside the real KV stays NaN, as in the reference). The template returns
-    zeros, not NaN, for a row with a NaN score (a NaN key), so the
-    ``score_mod`` makes a NaN score ``+inf``, which makes the row NaN and so
-    recomputed.
+    zeros, not NaN, for a row whose scores are NaN or all ``-inf``, so the
+    ``score_mod`` makes every non-finite score ``+inf`` (before the tail's
+    bias), which makes the row NaN and so recomputed.
 
     The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
     the plain path; the compiled flex kernel parallelizes over
@@ -441,13 +448,15 @@ class RealKVBatchedDecode(BatchedDecode):
         side = (vals - torch.cat([vals.new_zeros(1), vals[:-1]])).cumsum(0)  # == vals
 
         def score_mod(score, b, h, q_idx, kv_idx):
+            # The CPU template returns 0 for a row whose scores are NaN or all -inf,
+            # where the reference is NaN: a non-finite score (a NaN or inf key) is
+            # made +inf, which makes the row NaN, so that the plain kernel
+            # recomputes it (the reference's result).
+            score = torch.where(score.isfinite(), score, float("inf"))
             tail = (kv_idx >= side[b]) & (kv_idx < side[b + s])
-            score = torch.where(
+            return torch.where(
                 tail, score + side[b + 2 * s].to(torch.int32).view(torch.float32), score
             )
-            # The CPU template returns 0 for a row with a NaN score (a NaN key): +inf
-            # makes the row NaN, so that the plain kernel recomputes it (NaN, as vLLM).
-            return torch.where(score != score, float("inf"), score)
 
         mask = BlockMask.from_kv_blocks(
             torch.zeros((s, 1, 1), dtype=torch.int32, device=query.device),

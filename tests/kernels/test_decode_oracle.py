@@ -158,17 +158,24 @@ def test_tiny_plan_decode_and_prefill_match_vllm_reference(tiny_config, warm_cac
 def test_a_nan_key_in_the_real_kv_is_nan_as_in_the_reference(tiny_config, warm_cache):
     """A NaN in a key the sequence really has (one position, one KV head; or the
     tail of a last block that the row also lists earlier, which the reference
-    reads there) makes that KV head's query heads NaN, as in vLLM's reference:
-    torch 2.13's CPU flex template returns zeros for a row with a NaN score."""
+    reads there) makes that KV head's query heads NaN, as in vLLM's reference,
+    and so does a row whose only score is -inf: torch 2.13's CPU flex template
+    returns zeros for a row with a NaN score or only -inf ones."""
     from kernel_cache.runtime.load import load_plan
 
     rt = load_plan(tiny_config, warm_cache[0])
     g = torch.Generator().manual_seed(5)
-    cases = [([0, 1], 21, (1, 2, 0)), ([1, 0], 5, (1, 4, 1)), ([1, 1], 20, (1, slice(10, 16)))]
-    for table, seq_len, at in cases:
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        ([0, 1], 21, (1, 2, 0), nan),
+        ([1, 0], 5, (1, 4, 1), nan),
+        ([1, 1], 20, (1, slice(10, 16)), nan),
+        ([1, 0], 1, (1, 0), -inf),  # the row's only score -inf (query > 0): NaN
+    ]
+    for table, seq_len, at, value in cases:
         kc, vc = (torch.randn(2, 16, 2, 8, generator=g) for _ in "kv")
-        kc[at] = float("nan")
-        query = torch.randn(1, 4, 8, generator=g)
+        kc[at] = value
+        query = torch.randn(1, 4, 8, generator=g).abs()
         out = rt.decode(query, kc, vc, torch.tensor([table], dtype=torch.int32), [seq_len])
         ref = vllm_reference(query, kc, vc, table, seq_len)
         assert ref.isnan().any()
@@ -179,10 +186,12 @@ def test_a_nan_key_in_the_real_kv_is_nan_as_in_the_reference(tiny_config, warm_c
 
 @pytest.mark.compile
 def test_a_nan_or_inf_in_the_real_kv_of_a_prefill_is_as_in_the_reference(tiny_config, warm_cache):
-    """A NaN or inf among the positions a chunk really sees gives vLLM's reference,
-    NaN where it is NaN and the finite values elsewhere: torch 2.13's CPU flash
-    kernel returns 0 (and a log-sum-exp of 0) for a row whose visible scores are
-    all NaN or -inf, which the two-call merge would weigh as a real result."""
+    """A NaN or inf among the positions a chunk really sees or in its query, or
+    values whose weighted sum passes the float range before it is normalized,
+    give vLLM's reference, NaN where it is NaN and the finite values elsewhere:
+    torch 2.13's CPU flash kernel returns 0 (and a log-sum-exp of 0) for a row
+    whose visible scores are all NaN or -inf, which the two-call merge would
+    weigh as a real result."""
     from kernel_cache.runtime.load import load_plan
 
     rt = load_plan(tiny_config, warm_cache[0])
@@ -195,12 +204,15 @@ def test_a_nan_or_inf_in_the_real_kv_of_a_prefill_is_as_in_the_reference(tiny_co
         ([1, 0], 5, 2, "k", (1, 3), -inf, True),  # its score -inf: the reference is finite
         ([1, 0], 3, 3, "v", (1, 0, 0, 0), inf, False),  # a fresh prompt, an inf value
         ([0, 0], 20, 4, "k", (0, 2), nan, False),  # a block listed twice
+        ([1, 0], 5, 5, "k", (1, 0), -inf, True),  # row 0's only score -inf: NaN
+        ([1, 0], 5, 5, "q", (2, 1, 3), nan, False),  # a NaN query row of a fresh prompt
+        ([1, 0], 5, 5, "v", slice(None), 1e38, False),  # sums past the float range
     ]
     for table, seq_len, chunk, which, at, value, positive in cases:
         kc, vc = (torch.randn(2, 16, 2, 8, generator=g) for _ in "kv")
-        (kc if which == "k" else vc)[at] = value
         query = torch.randn(chunk, 4, 8, generator=g)
         query = query.abs() if positive else query
+        {"k": kc, "v": vc, "q": query}[which][at] = value
         out = rt.prefill(query, kc, vc, torch.tensor(table, dtype=torch.int32), seq_len)
         ref = vllm_reference(query, kc, vc, table, seq_len)
         case = (table, seq_len, chunk, which, at, value)
