@@ -328,7 +328,7 @@ class RealKVPagedAttention(PagedAttention):
         finite = k[:, :, :kv_len].isfinite().all() & v[:, :, :kv_len].isfinite().all()
         finite = finite & q.isfinite().all() & out.isfinite().all()  # NaN query; overflow
         args = (query, key_cache, value_cache, block_table, seq_len, real_query_len, out)
-        return torch.cond(~finite, self._recompute, _keep_last, args)
+        return _cond(~finite, self._recompute, _keep_last, args)
 
     def _recompute(self, query, key_cache, value_cache, block_table, seq_len, real_query_len, out):
         """:meth:`PagedAttention.forward` with its padded rows zeroed, in a tensor of
@@ -474,7 +474,7 @@ class RealKVBatchedDecode(BatchedDecode):
         # inf there) is NaN although vLLM's reference never reads those slots: a
         # non-finite result is recomputed by the plain kernel, which zeroes them first.
         args = (query, key_cache, value_cache, block_tables, seq_lens, out)
-        out = torch.cond(~out.isfinite().all(), self._recompute, _keep_last, args)
+        out = _cond(~out.isfinite().all(), self._recompute, _keep_last, args)
         return out.to(query.dtype)
 
     def _recompute(self, query, key_cache, value_cache, block_tables, seq_lens, out):
@@ -483,6 +483,14 @@ class RealKVBatchedDecode(BatchedDecode):
         symbolic sizes and wants both outputs alike)."""
         res = self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
         return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+
+
+def _cond(pred, true_fn, false_fn, args):
+    """``torch.cond`` while tracing; the plain ``if`` when called eagerly
+    (``torch.cond`` outside a trace compiles its branches)."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, args)
+    return true_fn(*args) if bool(pred) else false_fn(*args)
 
 
 def _keep_last(*args):
