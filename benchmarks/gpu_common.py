@@ -132,6 +132,25 @@ def decode_inputs(
     return q, kc, vc, bt, lens
 
 
+def prefill_inputs(q: int, kv: int, block_size: int, geometry=GRANITE, seed: int = 0):
+    """Random bfloat16 inputs on the GPU for one prefill chunk of ``q`` tokens at
+    ``kv`` tokens of KV: a pool of the sequence's blocks plus 64, a block table
+    drawn at random from it, lengths ``([kv], [q])`` int32 on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, kvh, d = geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"]
+    nb = kv // block_size
+    pool = nb + 64
+    kc = torch.randn(pool, block_size, kvh, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(pool, block_size, kvh, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(pool, generator=g, device="cuda")[:nb].to(torch.int32)
+    query = torch.randn(q, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    lens = (
+        torch.tensor([kv], dtype=torch.int32, device="cuda"),
+        torch.tensor([q], dtype=torch.int32, device="cuda"),
+    )
+    return query, kc, vc, bt, lens
+
+
 def kv_bytes(seq_lens, geometry=GRANITE, itemsize: int = 2) -> int:
     """The fewest bytes a decode step must read: K and V of every real token."""
     return 2 * sum(seq_lens) * geometry["num_kv_heads"] * geometry["head_dim"] * itemsize

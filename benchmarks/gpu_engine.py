@@ -57,6 +57,7 @@ from gpu_common import (
     copy_bandwidth,
     device_info,
     kv_bytes,
+    prefill_inputs,
     time_cuda,
     write_json,
 )
@@ -97,21 +98,6 @@ def causal_pairs(q: int, kv: int) -> int:
     """Query-key pairs a causal chunk of ``q`` tokens ending at ``kv`` sees."""
     start = kv - q
     return sum(start + i + 1 for i in range(q))
-
-
-def prefill_inputs(q: int, kv: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nb = kv // BS
-    pool = nb + 64
-    kc = torch.randn(pool, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(pool, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    bt = torch.randperm(pool, generator=g, device="cuda")[:nb].to(torch.int32)
-    query = torch.randn(q, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    lens = (
-        torch.tensor([kv], dtype=torch.int32, device="cuda"),
-        torch.tensor([q], dtype=torch.int32, device="cuda"),
-    )
-    return query, kc, vc, bt, lens
 
 
 def sdpa_calls(query, kc, vc, bt, kv: int):
@@ -160,7 +146,7 @@ def sdpa_calls(query, kc, vc, bt, kv: int):
 def prefill_kernel(sweep: bool) -> dict:
     doc = {"rows": [], "sweep": []}
     for q, kv in SHAPES:
-        args = prefill_inputs(q, kv)
+        args = prefill_inputs(q, kv, BS)
         query, kc, vc, bt, lens = args
         flops = 4 * causal_pairs(q, kv) * H * D
         ref = reference_attention(query, kc, vc, bt, kv)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, device_info, time_cuda  # noqa: E402
+from gpu_common import ROOT, device_info, prefill_inputs, time_cuda  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from kernel_cache.kernels.reference import reference_attention  # noqa: E402
@@ -214,21 +214,6 @@ def launch_v(query, kc, vc, bt, seq_len, real_q, *, block_m, block_n, num_warps,
     return out
 
 
-def inputs(q, kv, bs, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nb = kv // bs
-    pool = nb + 64
-    kc = torch.randn(pool, bs, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(pool, bs, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    bt = torch.randperm(pool, generator=g, device="cuda")[:nb].to(torch.int32)
-    query = torch.randn(q, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
-    lens = (
-        torch.tensor([kv], dtype=torch.int32, device="cuda"),
-        torch.tensor([q], dtype=torch.int32, device="cuda"),
-    )
-    return query, kc, vc, bt, lens
-
-
 def flops(q, kv):
     start = kv - q
     return 4 * sum(start + i + 1 for i in range(q)) * H * D
@@ -286,7 +271,7 @@ QUICK = {"fma", "page", "page_s2", "tma", "tma_s2"}
 
 def bench_shape(bs: int, q: int, kv: int, cands, reps: int) -> dict:
     """Flash, cuDNN, the shipped kernel and ``cands`` at one shape, graph-timed."""
-    args = inputs(q, kv, bs)
+    args = prefill_inputs(q, kv, bs)
     query, kc, vc, bt, lens = args
     fl = flops(q, kv)
     ref = reference_attention(query, kc, vc, bt, kv)
@@ -383,7 +368,7 @@ def ir_dump(out: Path):
     """TTGIR/PTX of the shipped kernel (bs 16 and 128) and of the TMA variants; counts."""
     counts = {}
     for bs in (16, 128):
-        args = inputs(2048, 8192, bs)
+        args = prefill_inputs(2048, 8192, bs)
         query, kc, vc, bt, lens = args
         launch_prefill(*args[:4], *lens, SCALE, block_m=128, block_n=128, num_warps=8,
                        num_stages=3, wrap=_Grab)  # fmt: skip
@@ -419,7 +404,7 @@ def ir_dump(out: Path):
 def ncu_target():
     """One launch each, for ncu: shipped at bs 16 and 128, the TMA variant at bs 128."""
     for bs in (16, 128):
-        args = inputs(2048, 8192, bs)
+        args = prefill_inputs(2048, 8192, bs)
         query, kc, vc, bt, lens = args
         launch_prefill(*args[:4], *lens, SCALE, block_m=128, block_n=128, num_warps=8,
                        num_stages=3, wrap=_identity)  # fmt: skip
