@@ -339,7 +339,7 @@ class RealKVPagedAttention(PagedAttention):
         )
         real = torch.arange(res.shape[0], device=res.device) < real_query_len
         res = torch.where(real[:, None, None], res, 0)
-        return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+        return _shaped_like(out, res)
 
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
@@ -482,7 +482,7 @@ class RealKVBatchedDecode(BatchedDecode):
         in a tensor of ``out``'s sizes (``torch.cond`` traces its branches with
         symbolic sizes and wants both outputs alike)."""
         res = self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
-        return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+        return _shaped_like(out, res)
 
 
 def _cond(pred, true_fn, false_fn, args):
@@ -493,10 +493,16 @@ def _cond(pred, true_fn, false_fn, args):
     return true_fn(*args) if bool(pred) else false_fn(*args)
 
 
+def _shaped_like(out, res):
+    """``res`` in a new tensor made like ``out`` (``empty_like``): ``torch.cond``
+    traces its branches with symbolic sizes and wants both outputs alike, strides
+    included, also for a dimension of size 1."""
+    return torch.empty_like(out).copy_(res.reshape(-1, out.shape[1], out.shape[2]))
+
+
 def _keep_last(*args):
     """``torch.cond``'s other branch: a copy of the last operand, made as the
-    recomputing branches make theirs (``empty_like``: the same strides, also
-    for a dimension of size 1)."""
+    recomputing branches make theirs (:func:`_shaped_like`)."""
     return torch.empty_like(args[-1]).copy_(args[-1])
 
 
