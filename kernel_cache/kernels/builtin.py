@@ -486,9 +486,11 @@ class RealKVBatchedDecode(BatchedDecode):
 
 
 def _cond(pred, true_fn, false_fn, args):
-    """``torch.cond`` while tracing; the plain ``if`` when called eagerly
-    (``torch.cond`` outside a trace compiles its branches)."""
-    if torch.compiler.is_compiling():
+    """``torch.cond`` under ``torch.export`` (warmup's compile); the plain ``if``
+    otherwise: eagerly (``torch.cond`` outside a trace compiles its branches)
+    and under ``torch.compile``, where the ``if`` is a graph break (Dynamo's
+    ``torch.cond`` refuses these branches as aliasing their operands)."""
+    if torch.compiler.is_exporting():
         return torch.cond(pred, true_fn, false_fn, args)
     return true_fn(*args) if bool(pred) else false_fn(*args)
 
