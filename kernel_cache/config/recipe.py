@@ -350,6 +350,11 @@ class EnvRule:
 
 COUNTS, PINNED, IGNORED = "counts", "pinned", "ignored"
 
+#: ``PYTHONHASHSEED`` of every compile worker. Python reads it at start, so warmup
+#: spawns its workers with it (:func:`compile_environment` alone, applied inside a
+#: running worker, is too late for that worker's own hashing).
+HASH_SEED = "0"
+
 #: What counts, what is pinned and what is ignored, first match wins. Warmup
 #: applies it to each compile worker's environment (:func:`compile_environment`)
 #: before torch is imported there; ``docs/keys.md`` prints it.
@@ -398,6 +403,13 @@ ENV_RULES: tuple[EnvRule, ...] = (
     EnvRule("CUTLASS_*", PINNED, "Inductor's CUTLASS template switches"),
     EnvRule("CUTEDSL_*", PINNED, "Inductor's CuTe DSL switches"),
     EnvRule("ENABLE_*TMA*", PINNED, "Inductor's TMA template switches"),
+    EnvRule(
+        "PYTHONHASHSEED",
+        PINNED,
+        "Python's string-hash seed orders sets of sympy symbols, and Inductor names one "
+        "picked from such a set in a runtime assert's message; warmup starts its compile "
+        f"workers with {HASH_SEED}",
+    ),
     EnvRule("OMP_PREFIX", PINNED, "Inductor adds its include and library paths to the compile"),
     EnvRule(
         "OMP_NUM_THREADS",
@@ -455,7 +467,8 @@ def compile_environment(
     """The environment a compile worker runs with: ``environ`` less every
     pinned variable, plus the recipe's own values (``ATEN_CPU_CAPABILITY`` from
     the CPU target; ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR`` set to
-    ``scratch``, warmup's private directory for everything a compile writes).
+    ``scratch``, warmup's private directory for everything a compile writes;
+    ``PYTHONHASHSEED`` :data:`HASH_SEED`, for the processes the worker starts).
     ``ATEN_CPU_CAPABILITY`` is set on CUDA too: it picks the vector ISA of the
     package's C++ wrapper (recorded as ``AOTI_CPU_ISA`` in the package).
 
@@ -466,6 +479,7 @@ def compile_environment(
     target = resolve_cpu_target(cpu_target)
     if target.capability is not None:
         env["ATEN_CPU_CAPABILITY"] = target.capability
+    env["PYTHONHASHSEED"] = HASH_SEED
     if scratch is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = scratch
         env["TMPDIR"] = scratch

@@ -2,8 +2,9 @@
 
 Two cold warmups of the tiny plan run as separate processes with every
 builder-specific path different (HOME, cwd, TMPDIR, TORCHINDUCTOR_CACHE_DIR, the
-cache directory and, as root, the user): each key's package bytes must be
-identical, and no builder path may appear in any package member (decompressed).
+cache directory and, as root, the user) and each its own PYTHONHASHSEED: each
+key's package bytes must be identical, and no builder path may appear in any
+package member (decompressed).
 Then the two builders alternate warmups against one Redis: only the first
 uploads; Redis's own command counters (``INFO commandstats``) show no write
 after it. Finally ``verify --rebuild`` rebuilds a stored entry and finds it
@@ -93,8 +94,11 @@ def builders(tiny_model):
     name) of the tiny plan, each warmed cold once."""
     user_kwargs, user_env = other_user_kwargs()
     with world_readable_dir() as root:
-        a = _builder(root, "builder-a", {}, {}, tiny_model)
-        b = _builder(root, "builder-b", user_kwargs, user_env, tiny_model)
+        # Each its own string-hash seed too: the recipe pins the compile workers'.
+        a = _builder(root, "builder-a", {}, {"PYTHONHASHSEED": "1"}, tiny_model)
+        b = _builder(
+            root, "builder-b", user_kwargs, {**user_env, "PYTHONHASHSEED": "2"}, tiny_model
+        )
         for x in (a, b):
             x["report"] = _warmup(x)
         yield a, b

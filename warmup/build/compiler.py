@@ -48,6 +48,9 @@ _READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
 #: Pinned variables Inductor reads when it uses them, not at import: setting
 #: them later takes effect.
 _READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
+#: Pinned variables Python reads once, at interpreter start: no import of the
+#: compile stack reads them, and setting them later only reaches child processes.
+_READ_AT_START = ("PYTHONHASHSEED",)
 
 
 #: The environment :func:`pin_environment` last installed in this process.
@@ -82,7 +85,9 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
     dirty = sorted(
         k
         for k in set(before) | set(env)
-        if classify(k).action == PINNED and k not in _READ_AT_CALL and env.get(k) != before.get(k)
+        if classify(k).action == PINNED
+        and k not in _READ_AT_CALL + _READ_AT_START
+        and env.get(k) != before.get(k)
     )
     if stale and dirty:
         raise ConfigError(

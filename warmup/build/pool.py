@@ -14,12 +14,14 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 from kernel_cache._testhooks import hook
 from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig
+from kernel_cache.config.recipe import HASH_SEED
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import PlanItem
 from kernel_cache.store.locks import private_temp_dir
@@ -47,6 +49,14 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     """``jobs=0``: a pass that never waits, then one that does, in this process."""
     from warmup.build.compiler import pin_environment
 
+    if sys.flags.hash_randomization:
+        log.warning(
+            "--jobs 0 compiles in this process, whose string hashing is randomized "
+            "(PYTHONHASHSEED is not %s): two builders of one key may write different "
+            "bytes; use --jobs 1 or more, or set PYTHONHASHSEED=%s",
+            HASH_SEED,
+            HASH_SEED,
+        )
     scratch = _new_scratch()
     saved = dict(os.environ)
     results, busy = [], []
@@ -130,7 +140,7 @@ class _Pool:
     def submit(self, item: PlanItem, blocking: bool):
         opts = _item_options(item, self.options, blocking)
         v_json = item.variant.model_dump_json()
-        with _sigint_ignored():  # the submit may spawn a worker
+        with _sigint_ignored(), _hash_seed_pinned():  # the submit may spawn a worker
             f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
         self.futs[f], self.pool_of[f] = item, len(self.pools) - 1
         return f
@@ -225,6 +235,23 @@ def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) 
     seen = {r.variant for r in results}
     left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
     return _Interrupt(signum, results + [r for r in left if r.variant not in seen])
+
+
+@contextlib.contextmanager
+def _hash_seed_pinned():
+    """``PYTHONHASHSEED`` set to the recipe's for the block: a worker spawned
+    meanwhile starts with that string-hash seed (Python reads it only at start;
+    with a random one, Inductor's runtime-assert messages name their symbols in
+    an order that varies between builders, and so do the package's bytes)."""
+    saved = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = saved
 
 
 @contextlib.contextmanager
