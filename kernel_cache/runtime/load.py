@@ -62,7 +62,10 @@ def load_dir() -> str:
     of a 26-variant plan left 26 such directories behind. Loads therefore unpack
     into ``$TMPDIR/kernel_cache-load-<pid>-*``, removed when the process exits;
     directories of processes that died without exiting (SIGKILL) are removed by
-    the next process that loads.
+    the next process that loads. A process holds an ``flock`` in its directory
+    while it lives (:func:`kernel_cache.store.locks.private_temp_dir`), so
+    processes in other PID namespaces (containers sharing ``$TMPDIR``) never
+    remove each other's.
 
     Raises:
         ConfigError: the directory is on a ``noexec`` mount, from which no
@@ -71,11 +74,11 @@ def load_dir() -> str:
     """
     global _load_dir
     if _load_dir is None:
-        from kernel_cache.store.locks import private_temp_dir
+        from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
 
         made = private_temp_dir(_LOAD_PREFIX)
         if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
-            shutil.rmtree(made, ignore_errors=True)
+            remove_private_temp_dir(made)
             raise ConfigError(
                 f"the load directory {made} is on a noexec mount (TMPDIR="
                 f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped from "

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -24,7 +23,7 @@ from kernel_cache.config.engine import EngineConfig
 from kernel_cache.config.recipe import HASH_SEED
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import PlanItem
-from kernel_cache.store.locks import private_temp_dir
+from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
 from warmup.build.report import Status, VariantResult, _Reporter
 from warmup.build.worker import _init_worker, build_variant
 
@@ -94,7 +93,7 @@ def _drop_scratch(scratch: str) -> None:
     if settings.get("keep_scratch"):
         log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
         return
-    shutil.rmtree(scratch, ignore_errors=True)
+    remove_private_temp_dir(scratch)
 
 
 def _worker_failure(v: KernelVariant, e: BaseException) -> VariantResult:
