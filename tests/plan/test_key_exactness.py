@@ -23,6 +23,7 @@ import pytest
 
 from kernel_cache.config.recipe import (
     COUNTS,
+    HASH_SEED,
     ISA_FLAGS,
     PINNED,
     classify,
@@ -156,8 +157,9 @@ def test_every_inductor_environment_variable_is_pinned():
         "cpu",
         "x86-64-v3",
     )
-    assert set(env) == {"PATH", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CXX"}
+    assert set(env) == {"PATH", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CXX", "PYTHONHASHSEED"}
     assert env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["PYTHONHASHSEED"] == HASH_SEED
 
 
 def test_linker_variables_that_reach_the_package_are_pinned():
