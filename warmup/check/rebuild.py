@@ -106,7 +106,7 @@ def rebuild_variant(
         ConfigError: ``variant`` is not in the plan (names the plan's variants).
         CompileError: the rebuild failed.
     """
-    from warmup.build.pool import _drop_scratch, _new_scratch
+    from warmup.build.pool import _drop_scratch, _hash_seed_pinned, _new_scratch
     from warmup.build.worker import _init_worker
 
     plan = Plan.build(config)
@@ -138,7 +138,9 @@ def rebuild_variant(
             initargs=(os.getpid(), config.device, config.cpu_target, scratch),
         ) as pool:
             args = (config.model_dump_json(), item.variant.model_dump_json(), item.launch)
-            rebuilt = pool.submit(_rebuild_worker, *args).result()
+            with _hash_seed_pinned():  # the submit spawns the worker
+                fut = pool.submit(_rebuild_worker, *args)
+            rebuilt = fut.result()
     finally:
         _drop_scratch(scratch)
     out.update(
