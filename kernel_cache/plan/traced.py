@@ -330,8 +330,73 @@ def manifest_of(filenames) -> Manifest:
                 "identity; put the module in its package's own folder or on sys.path "
                 "rather than adding folders to __path__ at import"
             )
+        pyc = stale_bytecode(path)
+        if pyc is not None:
+            raise CompileError(
+                f"code from {filename} ran from {pyc}, bytecode Python cached for an "
+                "earlier version of that file: Python reuses a .pyc whose source has the "
+                "same modification time and size, and the file was changed keeping both. "
+                f"The entry would not hold this file's code; remove {pyc} (or touch "
+                f"{path}) and warm again"
+            )
         files[rel] = file_sha256(path)
     return Manifest(files=files, dists=dists)
+
+
+def stale_bytecode(path: str) -> str | None:
+    """The ``.pyc`` Python loads for source file ``path`` without compiling it
+    (a timestamp ``.pyc`` whose recorded modification time and size are the
+    source's, or a hash ``.pyc`` it does not check) when that bytecode is not
+    the compiled current source; None when the import compiles the source, or
+    the cached bytecode is the source's. Compares code objects
+    (``marshal`` of the ``.pyc`` against :func:`compile` of the source, as the
+    import system compiles it), memoized per process by the two files' stats.
+    """
+    import importlib.util
+
+    try:
+        pyc = importlib.util.cache_from_source(path)
+        st, pst = os.stat(path), os.stat(pyc)
+    except (OSError, NotImplementedError, ValueError):
+        return None
+    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, pst.st_mtime_ns, pst.st_size, pst.st_ino)
+    return _stale_bytecode(key, pyc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stale_bytecode(key: tuple, pyc: str) -> str | None:
+    import _imp
+    import importlib.util
+    import marshal
+
+    path, mtime_ns, size = key[0], key[1], key[2]
+    try:
+        with open(pyc, "rb") as f:
+            data = f.read()
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError:
+        return None
+    if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER:
+        return None  # not loadable: the import compiles the source
+    flags = int.from_bytes(data[4:8], "little")
+    if flags & ~0b11:
+        return None
+    if flags & 0b1:  # hash-based: checked against the source unless told not to
+        mode = _imp.check_hash_based_pycs
+        if mode != "never" and (flags & 0b10 or mode == "always"):
+            return None
+    elif (
+        int.from_bytes(data[8:12], "little") != (mtime_ns // 10**9) & 0xFFFFFFFF
+        or int.from_bytes(data[12:16], "little") != size & 0xFFFFFFFF
+    ):
+        return None  # its stamp is not the source's: the import compiles the source
+    try:
+        cached = marshal.loads(data[16:])
+        fresh = compile(source, path, "exec", dont_inherit=True)
+    except Exception:  # noqa: BLE001 - unreadable either way: the import fails, not us
+        return None
+    return None if cached == fresh else pyc
 
 
 # -- the check at engine start ----------------------------------------------------

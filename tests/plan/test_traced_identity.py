@@ -577,3 +577,40 @@ def test_code_from_a_folder_a_package_adds_to_its_path_is_refused(tmp_path, monk
     finally:
         for name in [m for m in sys.modules if m.startswith("pathedit")]:
             del sys.modules[name]
+
+
+def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_path, monkeypatch):
+    """A helper edited keeping its size and modification time (an unpacked
+    archive, a copy that keeps times): Python reuses the ``.pyc`` of the old
+    text, so the code that ran is not the file the manifest would hash. Building
+    from it is refused, naming the ``.pyc``; once the file is touched, the import
+    compiles the source and the manifest takes it."""
+    import importlib
+    import py_compile
+
+    from kernel_cache.errors import CompileError
+
+    pkg = tmp_path / "site" / "stalepyc"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "helper.py"
+    src.write_text("def gain():\n    return 2.0\n")
+    pyc = py_compile.compile(str(src), doraise=True)  # __pycache__/helper.*.pyc
+    st = os.stat(src)
+    src.write_text("def gain():\n    return 1.0\n")  # same size
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        helper = importlib.import_module("stalepyc.helper")
+        assert helper.gain() == 2.0  # Python ran the old bytecode
+        with pytest.raises(CompileError, match=r"stalepyc/helper\.py ran from .*helper\..*\.pyc"):
+            manifest_of([helper.gain.__code__.co_filename])
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+        del sys.modules["stalepyc.helper"]
+        helper = importlib.import_module("stalepyc.helper")
+        assert helper.gain() == 1.0
+        assert list(manifest_of([helper.gain.__code__.co_filename]).files) == ["stalepyc/helper.py"]
+        assert os.path.isfile(pyc)
+    finally:
+        for name in [m for m in sys.modules if m.startswith("stalepyc")]:
+            del sys.modules[name]
