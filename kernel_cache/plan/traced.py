@@ -332,15 +332,36 @@ def manifest_of(filenames) -> Manifest:
             )
         pyc = stale_bytecode(path)
         if pyc is not None:
-            raise CompileError(
-                f"code from {filename} ran from {pyc}, bytecode Python cached for an "
-                "earlier version of that file: Python reuses a .pyc whose source has the "
-                "same modification time and size, and the file was changed keeping both. "
-                f"The entry would not hold this file's code; remove {pyc} (or touch "
-                f"{path}) and warm again"
-            )
+            raise stale_bytecode_error(path, pyc)
         files[rel] = file_sha256(path)
     return Manifest(files=files, dists=dists)
+
+
+def stale_bytecode_error(path: str, pyc: str) -> CompileError:
+    """The error for code of source file ``path`` that ran from ``pyc``, bytecode
+    of an earlier version of it (:func:`stale_bytecode`)."""
+    return CompileError(
+        f"code from {path} ran from {pyc}, bytecode Python cached for an earlier "
+        "version of that file: Python reuses a .pyc whose source has the same "
+        "modification time and size, and the file was changed keeping both. The entry "
+        f"would not hold this file's code; remove {pyc} (or touch {path}) and warm again"
+    )
+
+
+def stale_loaded_modules() -> list[tuple[str, str]]:
+    """``(source file, .pyc)`` of each module loaded in this process from a file
+    hashed on its own (:data:`OTHER`: the project, the engine's source trees)
+    whose code came from bytecode of an earlier version of it
+    (:func:`stale_bytecode`): also those imported before a trace whose
+    module-level values it read."""
+    out = []
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if isinstance(f, str) and f.endswith(".py") and classify(f) == OTHER:
+            pyc = stale_bytecode(_norm(f))
+            if pyc is not None:
+                out.append((_norm(f), pyc))
+    return out
 
 
 def stale_bytecode(path: str) -> str | None:

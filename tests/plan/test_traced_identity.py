@@ -31,6 +31,7 @@ from kernel_cache.plan.traced import (
     dist_version,
     find_file,
     manifest_of,
+    stale_loaded_modules,
 )
 from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source, consistent, current_entry
@@ -605,6 +606,8 @@ def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_pat
         assert helper.gain() == 2.0  # Python ran the old bytecode
         with pytest.raises(CompileError, match=r"stalepyc/helper\.py ran from .*helper\..*\.pyc"):
             manifest_of([helper.gain.__code__.co_filename])
+        # a module imported before the trace window is found among the loaded ones
+        assert (str(src), pyc) in stale_loaded_modules()
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
         del sys.modules["stalepyc.helper"]
         helper = importlib.import_module("stalepyc.helper")

@@ -223,7 +223,9 @@ def compile_variant(
 
     Raises:
         CompileError: export or AOTInductor failed (the message names the variant
-            and carries the compiler's error text).
+            and carries the compiler's error text); or code of the project or
+            the engine ran from a ``.pyc`` of an earlier version of its file
+            (:func:`kernel_cache.plan.traced.stale_bytecode`).
         ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
     """
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
@@ -233,7 +235,11 @@ def compile_variant(
         opts["kernel_cache_test_no_such_option"] = True
     window = TraceWindow(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(config, variant, opts, launch, window=window)
-    return data, timings, window.manifest()
+    manifest = window.manifest()  # refuses traced code from stale bytecode
+    stale = traced_files.stale_loaded_modules()
+    if stale:
+        raise traced_files.stale_bytecode_error(*stale[0])
+    return data, timings, manifest
 
 
 @contextlib.contextmanager
