@@ -272,6 +272,53 @@ def _module_files() -> dict[str, str]:
     return out
 
 
+#: sha256 of the bytes each source file held when this process imported it, by
+#: path, for files hashed on their own (:data:`OTHER`); None where the code the
+#: import ran was not those bytes compiled (a stale ``.pyc``, or the file changed
+#: while it was read). Filled by :func:`record_imports` (the compile worker), and
+#: preferred by :func:`manifest_of` to hashing the file again: an edit while the
+#: kernel compiles then misses at engine start, instead of naming code that did
+#: not run.
+LOADED_SOURCES: dict[str, str | None] = {}
+
+
+def record_imports() -> None:
+    """From now on, record in :data:`LOADED_SOURCES` every import of a source
+    file hashed on its own (:data:`OTHER`): the sha256 of its bytes, checked by
+    compiling them and comparing with the code the import runs. Idempotent."""
+    from importlib.machinery import SourceFileLoader
+
+    original = SourceFileLoader.get_code
+    if getattr(original, "_kernel_cache_records", False):
+        return
+
+    def get_code(self, fullname):
+        code = original(self, fullname)
+        path = self.get_filename(fullname)
+        if code is not None and path.endswith(".py") and classify(path) == OTHER:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                same = compile(data, path, "exec", dont_inherit=True) == code
+            except (OSError, SyntaxError, ValueError):
+                data, same = b"", False
+            LOADED_SOURCES[_norm(path)] = hashlib.sha256(data).hexdigest() if same else None
+        return code
+
+    get_code._kernel_cache_records = True
+    SourceFileLoader.get_code = get_code
+
+
+def changed_source_error(path: str) -> CompileError:
+    """The error for code of ``path`` that is not the compiled bytes this process
+    read from it when importing it (:data:`LOADED_SOURCES` holds None)."""
+    return CompileError(
+        f"the code this compile ran from {path} is not that file's contents: it changed "
+        "while it was imported, or Python ran a stale .pyc of it (one whose recorded "
+        "modification time and size match the edited file); touch the file and warm again"
+    )
+
+
 def manifest_of(filenames) -> Manifest:
     """The manifest of the code files ``filenames`` (``co_filename`` of code
     that ran): each classified (:func:`classify`; the module docstring says
@@ -330,6 +377,11 @@ def manifest_of(filenames) -> Manifest:
                 "identity; put the module in its package's own folder or on sys.path "
                 "rather than adding folders to __path__ at import"
             )
+        if path in LOADED_SOURCES:  # the bytes imported, whatever the file holds now
+            if LOADED_SOURCES[path] is None:
+                raise changed_source_error(path)
+            files[rel] = LOADED_SOURCES[path]
+            continue
         pyc = stale_bytecode(path)
         if pyc is not None:
             raise stale_bytecode_error(path, pyc)

@@ -617,3 +617,47 @@ def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_pat
     finally:
         for name in [m for m in sys.modules if m.startswith("stalepyc")]:
             del sys.modules[name]
+
+
+def test_the_manifest_names_the_bytes_imported_not_an_edit_made_since(tmp_path, monkeypatch):
+    """With imports recorded (as in a compile worker), a helper edited after it
+    was imported, while the kernel compiles, is recorded with the sha256 of the
+    bytes that ran, so engine start misses on the edited file; a stale ``.pyc``
+    (edit keeping size and modification time) is refused."""
+    import hashlib
+    import importlib
+    import py_compile
+    from importlib.machinery import SourceFileLoader
+
+    from kernel_cache.errors import CompileError
+    from kernel_cache.plan import traced
+
+    monkeypatch.setattr(SourceFileLoader, "get_code", SourceFileLoader.get_code)
+    monkeypatch.setattr(traced, "LOADED_SOURCES", {})
+    traced.record_imports()
+    pkg = tmp_path / "site" / "racehelp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "helper.py"
+    old = b"GAIN = 3.0\n\ndef gain():\n    return GAIN\n"
+    src.write_bytes(old)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        helper = importlib.import_module("racehelp.helper")
+        src.write_bytes(b"GAIN = 1.0\n\ndef gain():\n    return GAIN\n")  # mid-compile fix
+        files = manifest_of([helper.gain.__code__.co_filename]).files
+        assert files == {"racehelp/helper.py": hashlib.sha256(old).hexdigest()}
+
+        src.write_bytes(old)
+        py_compile.compile(str(src), doraise=True)
+        st = os.stat(src)
+        src.write_bytes(b"GAIN = 2.0\n\ndef gain():\n    return GAIN\n")  # same size
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+        del sys.modules["racehelp.helper"]
+        helper = importlib.import_module("racehelp.helper")
+        assert helper.gain() == 3.0  # the stale .pyc ran
+        with pytest.raises(CompileError, match=r"racehelp/helper\.py is not that file's"):
+            manifest_of([helper.gain.__code__.co_filename])
+    finally:
+        for name in [m for m in sys.modules if m.startswith("racehelp")]:
+            del sys.modules[name]

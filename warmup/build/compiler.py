@@ -228,6 +228,7 @@ def compile_variant(
             (:func:`kernel_cache.plan.traced.stale_bytecode`).
         ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
     """
+    traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = compile_options(config.device, config.cpu_target)
     _check_vec_isa(config, opts)

@@ -129,8 +129,10 @@ def _checker(device: str) -> LoadChecker:
 def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
     """Compile worker initializer: die with the warmup process, leave Ctrl-C to
     it, and pin the compile environment before torch's compile stack is imported."""
+    from kernel_cache.plan.traced import record_imports
     from warmup.build.compiler import pin_environment
 
+    record_imports()  # before the engine's modules are imported
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
     pin_environment(device, cpu_target, scratch)
