@@ -91,7 +91,21 @@ class PagedAttention(nn.Module):
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         v = torch.where((t < seq_len)[:, None, None], v, 0.0)  # 0 * NaN past seq_len is NaN
-        out = torch.einsum("kgqt,tkd->qkgd", probs, v)
+        # A row reads only the positions it sees, and 0 * NaN (or inf) of a value
+        # that only later rows see would be NaN: the sum runs over the finite
+        # values, and where a row sees a non-finite one the reference's sum is
+        # put back (NaN, or the inf whose weight is not 0).
+        finite = v.isfinite()
+        out = torch.einsum("kgqt,tkd->qkgd", probs, torch.where(finite, v, 0.0))
+        seen = probs > 0  # False where masked, and for a NaN row (NaN already)
+        nan_v = torch.einsum("qt,tkd->qkd", visible.float(), v.isnan().float())[:, :, None]
+        inf_0 = torch.einsum("kgqt,tkd->qkgd", (visible & ~seen).float(), v.isinf().float())
+        pinf = torch.einsum("kgqt,tkd->qkgd", seen.float(), (v == float("inf")).float())
+        ninf = torch.einsum("kgqt,tkd->qkgd", seen.float(), (v == float("-inf")).float())
+        out = torch.where(pinf > 0, float("inf"), out)
+        out = torch.where(ninf > 0, float("-inf"), out)
+        nan = (nan_v > 0) | (inf_0 > 0) | ((pinf > 0) & (ninf > 0))
+        out = torch.where(nan, float("nan"), out)
         return out.reshape(q_len, kvh * g, d).to(query.dtype)
 
 

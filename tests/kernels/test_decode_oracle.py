@@ -207,6 +207,10 @@ def test_a_nan_or_inf_in_the_real_kv_of_a_prefill_is_as_in_the_reference(tiny_co
         ([1, 0], 5, 5, "k", (1, 0), -inf, True),  # row 0's only score -inf: NaN
         ([1, 0], 5, 5, "q", (2, 1, 3), nan, False),  # a NaN query row of a fresh prompt
         ([1, 0], 5, 5, "v", slice(None), 1e38, False),  # sums past the float range
+        # a value only the chunk's later rows see: the rows before it stay finite
+        ([1, 0], 8, 8, "v", (1, 6, 0, 3), nan, False),
+        ([1, 0], 8, 8, "v", (1, 6, 1, 3), -inf, False),
+        ([1, 0], 20, 6, "v", (0, 2, 0, 3), inf, False),  # a later chunk
     ]
     for table, seq_len, chunk, which, at, value, positive in cases:
         kc, vc = (torch.randn(2, 16, 2, 8, generator=g) for _ in "kv")
