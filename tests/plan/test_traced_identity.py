@@ -661,3 +661,34 @@ def test_the_manifest_names_the_bytes_imported_not_an_edit_made_since(tmp_path, 
     finally:
         for name in [m for m in sys.modules if m.startswith("racehelp")]:
             del sys.modules[name]
+
+
+def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_path, monkeypatch):
+    """A helper behind ``functools.cache`` runs in the first trace of a worker
+    only; the second trace of the same kernel reuses its result, so the helper
+    is recorded for both entries (else an edit to it would rebuild only the
+    first)."""
+    import importlib
+
+    from warmup.build import compiler
+
+    monkeypatch.setattr(compiler, "_RAN", {})
+    monkeypatch.setattr(compiler, "_IMPORTED", {})
+    pkg = tmp_path / "site" / "memohelp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "lib.py").write_text(
+        "import functools\n\n@functools.cache\ndef gain():\n    return 2.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        lib = importlib.import_module("memohelp.lib")
+        manifests = []
+        for _ in range(2):
+            with compiler.TraceWindow("memohelp.kern:K") as w:
+                assert lib.gain() == 2.0
+            manifests.append(w.manifest())
+        assert ["memohelp/lib.py" in m.files for m in manifests] == [True, True]
+    finally:
+        for name in [m for m in sys.modules if m.startswith("memohelp")]:
+            del sys.modules[name]

@@ -363,6 +363,12 @@ def compile_with_options(
 #: window sees no code of it run. The cost is over-invalidation: an edit to such
 #: a file rebuilds the other engine kernel's variants too.
 _IMPORTED: dict[str, set[str]] = {}
+#: Files whose code ran outside imports in a window of this process, by kernel
+#: import path, added to later windows as :data:`_IMPORTED` is: a trace may
+#: reuse what an earlier one computed without running its code again (a
+#: ``functools.cache`` of a library function, a module-level memo), and the
+#: later entry depends on that code as much as the first.
+_RAN: dict[str, set[str]] = {}
 
 
 def _find_and_load_code():
@@ -441,6 +447,7 @@ class TraceWindow:
         threading.setprofile(self._saved[1])
         own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
+        _RAN.setdefault(self.kernel, set()).update(self.files)
 
     def manifest(self) -> Manifest:
         """The recorded files, with the source files imported in this or an
@@ -450,7 +457,8 @@ class TraceWindow:
 
         builtins = builtin_paths()
         if self.kernel in builtins:
-            imported = _IMPORTED.get(self.kernel, set())
+            imported = _IMPORTED.get(self.kernel, set()) | _RAN.get(self.kernel, set())
         else:
-            imported = set().union(*(f for k, f in _IMPORTED.items() if k not in builtins))
+            earlier = [f for d in (_IMPORTED, _RAN) for k, f in d.items() if k not in builtins]
+            imported = set().union(*earlier)
         return manifest_of(self.files | imported)
