@@ -285,12 +285,24 @@ LOADED_SOURCES: dict[str, str | None] = {}
 def record_imports() -> None:
     """From now on, record in :data:`LOADED_SOURCES` every import of a source
     file hashed on its own (:data:`OTHER`): the sha256 of its bytes, checked by
-    compiling them and comparing with the code the import runs. Idempotent."""
+    compiling them and comparing with the code the import runs. Modules loaded
+    already (a compile worker's own, imported as it started) are recorded as
+    their files are now, None for one whose bytecode is stale
+    (:func:`stale_bytecode`). Idempotent."""
     from importlib.machinery import SourceFileLoader
 
     original = SourceFileLoader.get_code
     if getattr(original, "_kernel_cache_records", False):
         return
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if isinstance(f, str) and f.endswith(".py") and classify(f) == OTHER:
+            path = _norm(f)
+            try:
+                digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            except OSError:
+                continue
+            LOADED_SOURCES[path] = None if stale_bytecode(path) else digest
 
     def get_code(self, fullname):
         code = original(self, fullname)
