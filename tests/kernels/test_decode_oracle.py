@@ -49,7 +49,10 @@ TRIALS = 120  # random batches per slot and geometry
 
 def vllm_reference(query, key_cache, value_cache, table: list[int], seq_len: int):
     """``query [q, H, D]`` (the chunk ending at ``seq_len``; decode: q = 1) over the
-    sequence's KV, token by token as vLLM's reference gathers it; causal.
+    sequence's KV, token by token as vLLM's reference gathers it; causal, each
+    row over its own positions only (vLLM's ``ref_paged_attn`` multiplies the
+    masked weights, 0, by every value, so a NaN that only later rows see would
+    reach the earlier ones, which decoding the tokens one by one never does).
     Returns ``[q, H, D]`` float64."""
     q_len, h, d = query.shape
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
@@ -57,10 +60,12 @@ def vllm_reference(query, key_cache, value_cache, table: list[int], seq_len: int
     values = torch.stack([value_cache[table[j // bs], j % bs] for j in range(seq_len)])
     keys = keys.double().repeat_interleave(h // kvh, dim=1)  # [T, H, D]
     values = values.double().repeat_interleave(h // kvh, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.double(), keys) / d**0.5
-    pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    rows = []
+    for i in range(q_len):
+        end = seq_len - q_len + i + 1  # positions 0 .. the row's own
+        scores = torch.einsum("hd,khd->hk", query[i].double(), keys[:end]) / d**0.5
+        rows.append(torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), values[:end]))
+    return torch.stack(rows)
 
 
 def _pool(cfg, rng: random.Random, g: torch.Generator):
