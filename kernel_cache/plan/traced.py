@@ -331,12 +331,43 @@ def changed_source_error(path: str) -> CompileError:
     )
 
 
-def manifest_of(filenames) -> Manifest:
+def _code_objects(code, out: set) -> set:
+    """``code`` and every code object nested in its constants, into ``out``."""
+    out.add(code)
+    for c in code.co_consts:
+        if isinstance(c, type(code)):
+            _code_objects(c, out)
+    return out
+
+
+def _hash_checked(path: str, ran) -> str:
+    """sha256 of file ``path``'s bytes, which must compile to every code object
+    in ``ran`` (code of it that ran: read by ``runpy``, ``exec`` or a loader the
+    import recording does not see, or imported before it started).
+
+    Raises:
+        CompileError: a code object that ran is not the file's: the file changed
+            since (while the kernel compiled), or the code came from elsewhere
+            (a ``.pyc`` beside it).
+    """
+    data = Path(path).read_bytes()
+    try:
+        fresh = _code_objects(compile(data, path, "exec", dont_inherit=True), set())
+    except (SyntaxError, ValueError):
+        fresh = set()
+    if any(c not in fresh for c in ran):
+        raise changed_source_error(path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_of(filenames, ran: dict | None = None) -> Manifest:
     """The manifest of the code files ``filenames`` (``co_filename`` of code
     that ran): each classified (:func:`classify`; the module docstring says
     what is recorded how). A file outside every import root (a script run by
     its path) cannot be found by another process and is left out, with a
-    warning.
+    warning. ``ran``: the code objects that ran, by file; a file hashed on its
+    own must compile to them (:func:`_hash_checked`), unless its bytes were
+    recorded when imported (:data:`LOADED_SOURCES`).
 
     Raises:
         CompileError: code ran from a file outside the standard library, torch and
@@ -397,7 +428,8 @@ def manifest_of(filenames) -> Manifest:
         pyc = stale_bytecode(path)
         if pyc is not None:
             raise stale_bytecode_error(path, pyc)
-        files[rel] = file_sha256(path)
+        codes = (ran or {}).get(filename)
+        files[rel] = _hash_checked(path, codes) if codes else file_sha256(path)
     return Manifest(files=files, dists=dists)
 
 

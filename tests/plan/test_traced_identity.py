@@ -692,3 +692,40 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
     finally:
         for name in [m for m in sys.modules if m.startswith("memohelp")]:
             del sys.modules[name]
+
+
+@pytest.mark.parametrize("how", ["runpy", "sourceless"])
+def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path, monkeypatch, how):
+    """A helper run with ``runpy`` and edited before the manifest is made (while
+    the kernel compiles), or loaded from a ``.pyc`` beside a ``.py`` that says
+    something else: the code that ran is not the file's, and the build is
+    refused naming it, rather than recording the file's hash for other code."""
+    import importlib.machinery
+    import py_compile
+    import runpy
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    pkg = tmp_path / "site" / "knobpkg"
+    pkg.mkdir(parents=True)
+    knob = pkg / "knob.py"
+    knob.write_text("GAIN = 3.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    if how == "sourceless":
+        py_compile.compile(str(knob), cfile=str(pkg / "knob.pyc"), doraise=True)
+        knob.write_text("GAIN = 1.0\n")
+    with compiler.TraceWindow("knobpkg.kern:K") as w:
+        if how == "runpy":
+            gain = runpy.run_path(str(knob))["GAIN"]
+        else:
+            loader = importlib.machinery.SourcelessFileLoader("knobpkg_knob", str(pkg / "knob.pyc"))
+            gain = loader.load_module().GAIN
+    assert gain == 3.0
+    if how == "runpy":
+        knob.write_text("GAIN = 1.0\n")  # fixed while the kernel compiles
+    with pytest.raises(CompileError, match=r"knobpkg/knob\.py is not that file's contents"):
+        w.manifest()
+    sys.modules.pop("knobpkg_knob", None)

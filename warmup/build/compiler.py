@@ -369,6 +369,11 @@ _IMPORTED: dict[str, set[str]] = {}
 #: ``functools.cache`` of a library function, a module-level memo), and the
 #: later entry depends on that code as much as the first.
 _RAN: dict[str, set[str]] = {}
+#: The code objects of the engine's and the project's source files
+#: (:func:`_own_source`) that ran in a window of this process, by file: the
+#: manifest checks them against the file it hashes
+#: (:func:`kernel_cache.plan.traced.manifest_of`).
+_CODES: dict[str, dict[int, object]] = {}
 
 
 def _find_and_load_code():
@@ -415,12 +420,14 @@ class TraceWindow:
         self.kernel = kernel
         self.files: set[str] = set()  # code that ran outside imports
         self.imported: set[str] = set()  # code that ran inside imports
+        self.codes: dict[int, object] = {}  # every code object that ran, by id
         self._depth = 0
         self._import = _find_and_load_code()
 
     def _profile(self, frame, event, arg):
         if event == "call":
             code = frame.f_code
+            self.codes[id(code)] = code
             if code is self._import:
                 self._depth += 1
             elif self._depth:
@@ -448,6 +455,11 @@ class TraceWindow:
         own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
         _RAN.setdefault(self.kernel, set()).update(self.files)
+        mine = {f for f in {c.co_filename for c in self.codes.values()} if _own_source(f)}
+        for code in self.codes.values():
+            if code.co_filename in mine:
+                _CODES.setdefault(code.co_filename, {})[id(code)] = code
+        self.codes = {}
 
     def manifest(self) -> Manifest:
         """The recorded files, with the source files imported in this or an
@@ -461,4 +473,5 @@ class TraceWindow:
         else:
             earlier = [f for d in (_IMPORTED, _RAN) for k, f in d.items() if k not in builtins]
             imported = set().union(*earlier)
-        return manifest_of(self.files | imported)
+        files = self.files | imported
+        return manifest_of(files, ran={f: list(_CODES[f].values()) for f in files if f in _CODES})
