@@ -729,3 +729,24 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     with pytest.raises(CompileError, match=r"knobpkg/knob\.py is not that file's contents"):
         w.manifest()
     sys.modules.pop("knobpkg_knob", None)
+
+
+def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
+    """A kernel factory that sets ``torch._inductor.config`` (a graph pass, an
+    option) would build code its key does not describe, in its own compile and
+    every later one of the worker: the compile names the setting and puts it
+    back (``compile_with_options`` then refuses the variant)."""
+    import torch._inductor.config as inductor_config
+
+    from warmup.build import compiler
+
+    before = compiler._global_configs()
+    assert compiler._config_changes(before) == []
+    old = inductor_config.post_grad_custom_post_pass
+    inductor_config.post_grad_custom_post_pass = lambda graph: None
+    try:
+        changed = compiler._config_changes(before)
+        assert inductor_config.post_grad_custom_post_pass is old  # put back
+    finally:
+        inductor_config.post_grad_custom_post_pass = old
+    assert changed == ["torch._inductor.config.post_grad_custom_post_pass"]

@@ -300,11 +300,10 @@ def compile_with_options(
     kernel is built and exported in.
 
     Raises:
-        CompileError: as :func:`compile_variant`.
+        CompileError: as :func:`compile_variant`, or the kernel's code changed
+            one of torch's global compiler settings (:data:`_CONFIG_MODULES`;
+            put back before raising).
     """
-    import torch
-    import torch._inductor
-
     # torch 2.13's pytree emits a FutureWarning per export; it is not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
     opts = dict(options)
@@ -321,7 +320,47 @@ def compile_with_options(
         march = opts.pop("cpp.march")  # torch < 2.13: set through the builder's flags
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
+    return _export_and_compile(config, variant, opts, launch, march, window)
+
+
+#: torch's process-global settings a compile reads (``torch._inductor.config``
+#: holds graph passes too): a kernel's code that changes one builds code its key
+#: does not describe, and would build it for every later variant of the worker.
+#: Compared around the factory and the export only: AOTInductor itself adds to
+#: ``aot_inductor.metadata`` in place.
+_CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+
+
+def _global_configs() -> dict:
+    import importlib
+
+    return {n: importlib.import_module(n).get_config_copy() for n in _CONFIG_MODULES}
+
+
+def _config_changes(before: dict) -> list[str]:
+    """The settings that differ from ``before`` (:func:`_global_configs`), each
+    put back to its value there."""
+    import importlib
+
+    changed = []
+    for name, old in before.items():
+        module = importlib.import_module(name)
+        now = module.get_config_copy()
+        keys = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
+        if keys:
+            module.load_config({k: old[k] for k in keys if k in old})
+            changed += [f"{name}.{k}" for k in keys]
+    return changed
+
+
+def _export_and_compile(config, variant, opts, launch, march, window) -> tuple[bytes, dict]:
+    """The export (in ``window``) and the AOTInductor compile of
+    :func:`compile_with_options`."""
+    import torch
+    import torch._inductor
+
     t0 = time.perf_counter()
+    before = _global_configs()
     try:
         with window or contextlib.nullcontext():
             ep = export_variant(config, variant, launch)
@@ -332,6 +371,16 @@ def compile_with_options(
             f"torch.export failed for {variant}{_impl(config, variant)}: "
             f"{type(e).__name__}: {_first_lines(e)}"
         ) from None
+    finally:
+        changed = _config_changes(before)  # the kernel's code ran; export itself sets none
+    if changed:
+        raise CompileError(
+            f"{variant}{_impl(config, variant)}: torch's global compiler settings changed while "
+            f"the kernel was built ({', '.join(changed[:5])}): the key does not cover them, and "
+            "they would reach every later compile of this worker (put back now). Set no torch "
+            "config in a kernel's code; the compile options are the recipe's "
+            "(kernel_cache.config.recipe)"
+        )
     t1 = time.perf_counter()
     _testhooks.record_compile(str(variant))  # TEST-ONLY count (inert unless a test sets it)
     _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
