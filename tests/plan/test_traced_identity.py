@@ -115,8 +115,11 @@ def write_kernels(site: Path) -> None:
     (site / "nc_outside_helper.py").write_text(OUTSIDE_HELPER)
 
 
-def _forget_modules() -> None:
-    for name in [m for m in sys.modules if m.startswith(("userkern2", "nc_outside_helper"))]:
+def _forget_modules(*prefixes: str) -> None:
+    """Drop the modules whose names start with one of ``prefixes`` (default: the
+    kernel package and its outside helper) from ``sys.modules``."""
+    prefixes = prefixes or ("userkern2", "nc_outside_helper")
+    for name in [m for m in sys.modules if m.startswith(prefixes)]:
         del sys.modules[name]
 
 
@@ -524,8 +527,7 @@ def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
                 export_variant(cfg, v)
             assert "userkern5/consts.py" in window.manifest().files, slot
     finally:
-        for name in [m for m in sys.modules if m.startswith("userkern5")]:
-            del sys.modules[name]
+        _forget_modules("userkern5")
 
 
 def test_code_from_a_pyc_only_module_is_refused_not_left_out(tmp_path, monkeypatch):
@@ -576,8 +578,7 @@ def test_code_from_a_folder_a_package_adds_to_its_path_is_refused(tmp_path, monk
         with pytest.raises(CompileError, match=r"override/helper\.py ran.*pathedit/helper\.py"):
             manifest_of([helper.gain.__code__.co_filename])
     finally:
-        for name in [m for m in sys.modules if m.startswith("pathedit")]:
-            del sys.modules[name]
+        _forget_modules("pathedit")
 
 
 def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_path, monkeypatch):
@@ -615,8 +616,7 @@ def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_pat
         assert list(manifest_of([helper.gain.__code__.co_filename]).files) == ["stalepyc/helper.py"]
         assert os.path.isfile(pyc)
     finally:
-        for name in [m for m in sys.modules if m.startswith("stalepyc")]:
-            del sys.modules[name]
+        _forget_modules("stalepyc")
 
 
 def test_the_manifest_names_the_bytes_imported_not_an_edit_made_since(tmp_path, monkeypatch):
@@ -659,8 +659,7 @@ def test_the_manifest_names_the_bytes_imported_not_an_edit_made_since(tmp_path, 
         with pytest.raises(CompileError, match=r"racehelp/helper\.py is not that file's"):
             manifest_of([helper.gain.__code__.co_filename])
     finally:
-        for name in [m for m in sys.modules if m.startswith("racehelp")]:
-            del sys.modules[name]
+        _forget_modules("racehelp")
 
 
 def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_path, monkeypatch):
@@ -690,8 +689,7 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
             manifests.append(w.manifest())
         assert ["memohelp/lib.py" in m.files for m in manifests] == [True, True]
     finally:
-        for name in [m for m in sys.modules if m.startswith("memohelp")]:
-            del sys.modules[name]
+        _forget_modules("memohelp")
 
 
 @pytest.mark.parametrize("how", ["runpy", "sourceless"])
