@@ -265,8 +265,25 @@ CANDIDATES = [
     ("ws", (128, 128, 8, 3), dict(ws=True)),
     ("tma_256", (256, 64, 16, 2), dict(tma=True)),
     ("fma_256", (256, 64, 16, 2), dict()),
+    # Smaller shared-memory and register footprints, so that two programs share an SM
+    # and one's softmax can overlap the other's tensor-core work.
+    ("page_64s2", (128, 64, 8, 2), dict(page=True)),
+    ("page_64s2_w4", (128, 64, 4, 2), dict(page=True)),
+    ("page_64s3_w4", (128, 64, 4, 3), dict(page=True)),
+    ("page_m64", (64, 64, 4, 2), dict(page=True)),
+    ("page_m64_n128", (64, 128, 4, 2), dict(page=True)),
+    ("page_w4", (128, 128, 4, 2), dict(page=True)),
 ]
 QUICK = {"fma", "page", "page_s2", "tma", "tma_s2"}
+SMALL = {
+    "page",
+    "page_64s2",
+    "page_64s2_w4",
+    "page_64s3_w4",
+    "page_m64",
+    "page_m64_n128",
+    "page_w4",
+}
 
 
 def bench_shape(bs: int, q: int, kv: int, cands, reps: int) -> dict:
@@ -308,6 +325,15 @@ def bench_shape(bs: int, q: int, kv: int, cands, reps: int) -> dict:
         tiles = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
         add(name, lambda t=tiles, sw=sw: launch_v(*args[:4], *lens, **t, **sw),
             {"tiles": tiles, **sw})  # fmt: skip
+        k = getattr(launch_v, "last", None)
+        if k is not None and "median_ms" in res.get(name, {}):
+            # What bounds programs per SM: registers per thread and shared memory per program.
+            res[name].update(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                             shared=k.metadata.shared)  # fmt: skip
+            print(
+                f"    regs {res[name]['regs']} spills {res[name]['spills']} "
+                f"shared {res[name]['shared']}"
+            )
     flash = res.get("flash", {})
     for r in res.values():
         if "median_ms" in r and "median_ms" in flash:
@@ -319,6 +345,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--small", action="store_true", help="the small-footprint candidates")
     ap.add_argument("--ir", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated candidate names")
     ap.add_argument("--shapes", default="512@4096,2048@8192")
@@ -336,6 +363,8 @@ def main():
         return
     doc = {"device": device_info(), "rows": []}
     cands = [c for c in CANDIDATES if (not a.quick or c[0] in QUICK)]
+    if a.small:
+        cands = [c for c in CANDIDATES if c[0] in SMALL]
     if a.only:
         keep = set(a.only.split(","))
         cands = [c for c in CANDIDATES if c[0] in keep]

@@ -26,12 +26,13 @@ Gimelshein, 2018), grid ``(ceil(query_len / block_q), num_kv_heads)``:
 * KV is read ``block_n`` tokens per step; the block table maps each token to
   its physical block. Where ``block_size`` is a multiple of ``block_n`` (the
   engine's default 128 with 128-token tiles) a tile lies inside one page and
-  takes one block-table entry, a scalar, instead of one per token: fewer
-  address registers, 11-14% less time at 512 @ 4096 and 2048 @ 8192 on an H200
-  (docs/benchmarks.md, "Prefill kernel"). Tiles entirely below the program's
-  causal diagonal run without masks (the softmax scale folded into one
-  multiply-add per score); the remaining tiles up to the last visible position
-  are masked.
+  takes one block-table entry, a scalar, instead of one per token, and its rows
+  are 32-bit offsets from one 64-bit page pointer: fewer address registers,
+  15-17% less time at 512 @ 4096 and 2048 @ 8192 on an H200 than one entry
+  and one 64-bit address per token (docs/benchmarks.md, "Prefill kernel").
+  Tiles entirely below the program's causal diagonal run without masks (the
+  softmax scale folded into one multiply-add per score); the remaining tiles up
+  to the last visible position are masked.
 * Programs are issued from the last query tile to the first (the last tiles see
   the most KV), so that the longest programs start first.
 
@@ -104,20 +105,26 @@ def _attend_tile(
     offs_t = n0 + offs_n
     tmask = offs_t < seq_len
     if BLOCK_SIZE % BLOCK_N == 0:
-        # The tile lies inside one page: one block-table entry (n0 < seq_len always).
+        # The tile lies inside one page: one block-table entry (n0 < seq_len always), a
+        # 64-bit page pointer and 32-bit row offsets inside the page (block_size x
+        # stride_kt is far below 2**31).
         blk = tl.load(bt_ptr + n0 // BLOCK_SIZE).to(tl.int64)
-        rows = (n0 % BLOCK_SIZE + offs_n).to(tl.int64)
-        k_rows = blk * stride_kb + rows * stride_kt + kv_off
-        v_rows = blk * stride_vb + rows * stride_vt + kv_off
+        rows = n0 % BLOCK_SIZE + offs_n
+        k_base = K + (blk * stride_kb + kv_off)
+        v_base = V + (blk * stride_vb + kv_off)
+        k_rows = rows * stride_kt
+        v_rows = rows * stride_vt
     else:
         if MASKED:
             blk = tl.load(bt_ptr + offs_t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_ptr + offs_t // BLOCK_SIZE).to(tl.int64)
         tok = offs_t % BLOCK_SIZE
+        k_base = K
+        v_base = V
         k_rows = blk * stride_kb + tok * stride_kt + kv_off
         v_rows = blk * stride_vb + tok * stride_vt + kv_off
-    k = _load_tile(K + k_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
+    k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # raw logits
     if MASKED:
         visible = (offs_t[None, :] <= pos[:, None]) & tmask[None, :]
@@ -130,7 +137,7 @@ def _attend_tile(
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(V + v_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
+    v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
     return acc, m_new, l_i
 
