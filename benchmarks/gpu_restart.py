@@ -76,9 +76,12 @@ for v in variants:
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 calls = {}
+t_lib = t_loaded = None
 if mode == "aoti":
     from kernel_cache import load_plan
+    t_lib = time.perf_counter()
     rt = load_plan(cfg, cache_dir)
+    t_loaded = time.perf_counter()
     for v in variants:
         q, bt, lens = inputs[v]
         if v.kernel == PAGED_ATTENTION:
@@ -103,6 +106,9 @@ torch.cuda.synchronize()
 t_ready = time.perf_counter()
 doc = {"mode": mode, "import_s": t_import - t_start, "ready_s": t_ready - t0,
        "variants": len(variants),
+       # The split of (a)'s ready time: importing load_plan, load_plan, the first calls.
+       "split_s": None if t_lib is None else {"import_load_plan": t_lib - t0,
+                  "load_plan": t_loaded - t_lib, "first_calls": t_ready - t_loaded},
        "dynamo_imported": "torch._dynamo" in sys.modules,
        "inductor_imported": "torch._inductor.compile_fx" in sys.modules}
 if mode != "aoti":
@@ -239,6 +245,8 @@ def main(argv=None) -> int:
             f"{s['with_import_s_median']:8.3f} {s['process_wall_s_median']:8.2f} "
             f"{s['ratio_to_load_plan']:11.1f} {s['dynamo_imported']}"
         )
+    for r in runs["aoti"]:
+        print("  (a) split, s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["split_s"].items()))
     print("kernel speed at the bucket edge, ms median (cached artifact via dispatch | eager "
           "plain torch | SDPA dense):")  # fmt: skip
     for r in runs["aoti"][0]["speed"]:
