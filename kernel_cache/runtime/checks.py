@@ -18,6 +18,12 @@ from kernel_cache.errors import ShapeError
 from kernel_cache.runtime.buffers import VariantSlot
 
 
+def _layout(t) -> tuple:
+    """What the pool checks depend on and an in-place change can alter: storage
+    address, sizes, strides, dtype (host-side metadata; no device access)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
 class InputChecks:
     """The checks :class:`~kernel_cache.runtime.dispatch.AttentionRuntime` runs
     per call (see the module docstring)."""
@@ -38,8 +44,17 @@ class InputChecks:
                 f"query is {query.dtype} on {query.device}; the plan is "
                 f"{self._dtype} on {self._device.type}"
             )
+        # The pool tensors are checked once; later calls with the same objects skip
+        # the checks unless the tensors' layout changed in place since (a ``.data``
+        # swap, as ``nn.Module.to`` does to a parameter, ``resize_``,
+        # ``as_strided_``): storage address, sizes, strides and dtype are compared.
         ok = self._kv_ok
-        if ok[0]() is key_cache and ok[1]() is value_cache:
+        if (
+            ok[0]() is key_cache
+            and ok[1]() is value_cache
+            and ok[2] == _layout(key_cache)
+            and ok[3] == _layout(value_cache)
+        ):
             return
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
             if t.dim() != 4 or t.shape[1:] != self._kvshape:
@@ -70,7 +85,12 @@ class InputChecks:
                 f"{value_cache.shape[0]}; the two caches must be one pool "
                 "(equal num_pool_blocks)"
             )
-        self._kv_ok = (weakref.ref(key_cache), weakref.ref(value_cache))
+        self._kv_ok = (
+            weakref.ref(key_cache),
+            weakref.ref(value_cache),
+            _layout(key_cache),
+            _layout(value_cache),
+        )
 
     @staticmethod
     def _check_block_ids(name: str, slot: VariantSlot, key_cache) -> None:

@@ -83,9 +83,10 @@ class AttentionRuntime(InputChecks):
         # The config is frozen: its limits read once (attribute lookups on the
         # pydantic model cost more than on the runtime).
         self._max_len, self._block, self._max_seqs = c.max_model_len, c.block_size, c.max_num_seqs
-        # The KV pool passed last and found good, as weak references: an engine
-        # passes the same two tensors on every call, so they are checked once.
-        self._kv_ok: tuple = (_dead_ref, _dead_ref)
+        # The KV pool passed last and found good, as weak references and their
+        # layout: an engine passes the same two tensors on every call, so they are
+        # checked once (again if their layout changes in place).
+        self._kv_ok: tuple = (_dead_ref, _dead_ref, None, None)
         #: CPU only: check every block id against the pool before a kernel reads
         #: it (an id outside the pool aborts the process inside the kernel). One
         #: reduction over the padded table: about 2 us of a decode call's host

@@ -46,3 +46,37 @@ def test_over_length_messages_say_how_to_warm_a_larger_plan():
         ShapeError, match="num_seqs 5 is above max_num_seqs 4; raise --max-num-seqs and warm"
     ):
         rt.decode(torch.zeros(5, 32, 64), KC, KC, torch.zeros(5, 1, dtype=torch.int32), [1] * 5)
+
+
+def _layout_changes():
+    """In-place changes of a pool tensor the engine keeps passing: each must be
+    checked again, not skipped as "the same objects as last call"."""
+
+    def to_half(t):
+        t.data = t.data.half()  # what nn.Module.to does to a parameter
+
+    def strided(t):
+        t.data = torch.zeros(6, 64, 8, 64)[::2]
+
+    def shrink(t):
+        t.resize_(1, 64, 8, 64)
+
+    return [
+        (to_half, "is torch.float16"),
+        (strided, "is not contiguous"),
+        (shrink, "key_cache has 3 pool blocks and value_cache 1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change,message", _layout_changes(), ids=["data-to-half", "data-strided", "resize"]
+)
+def test_a_pool_changed_in_place_since_the_last_call_is_checked_again(change, message):
+    rt = runtime()
+    q = torch.zeros(1, 32, 64)
+    kc, vc = torch.zeros(3, 64, 8, 64), torch.zeros(3, 64, 8, 64)
+    rt._check(q, kc, vc)
+    rt._check(q, kc, vc)  # the same objects, unchanged: passes again
+    change(vc)
+    with pytest.raises(ShapeError, match=message):
+        rt._check(q, kc, vc)
