@@ -15,9 +15,13 @@ What is counted (torch 2.13):
   per graph it compiles (two for a training graph: forward and backward),
   AOTInductor (``aoti_compile_and_package``, what warmup runs) one per package,
   an FX-graph-cache hit one too (the compile stack ran, no C++ compiler did).
+  Plus the graphs served whole from AOTAutograd's cache
+  (``counters["aot_autograd"]["autograd_cache_hit"]``), which skip
+  ``compile_fx_inner``: a second process's ``torch.compile`` with a warm
+  ``TORCHINDUCTOR_CACHE_DIR`` counts one per graph, as the first did.
   ``torch._dynamo.reset()`` empties that dict; :class:`CompileCounter` keeps
-  every list it has seen, so a reset between two reads loses nothing (two
-  resets between two reads lose the compiles between them).
+  every list (and counter) it has seen, so a reset between two reads loses
+  nothing (two resets between two reads lose the compiles between them).
 - ``dynamo_graphs``: graphs Dynamo captured (``counters["stats"]["unique_graphs"]``),
   whatever the backend (``torch.compile(backend="eager")`` included);
   ``torch.export`` does not count here.
@@ -55,6 +59,15 @@ def _inductor_runs() -> list | None:
     return getattr(utils, "compilation_time_metrics", {}).get(_INDUCTOR_COMPILE)
 
 
+def _autograd_cache() -> dict | None:
+    """Torch's ``counters["aot_autograd"]`` (it holds ``autograd_cache_hit``), or None
+    where it does not exist yet (never creates it)."""
+    utils = _torch_counters()
+    if utils is None:
+        return None
+    return getattr(utils, "counters", {}).get("aot_autograd")
+
+
 def _dynamo_graphs() -> int:
     """Graphs Dynamo captured in this process (0 where Dynamo was never imported)."""
     utils = _torch_counters()
@@ -74,20 +87,31 @@ class CompileCounter:
     reads (two resets between them) goes uncounted.
     """
 
-    __slots__ = ("_seen", "_graphs")
+    __slots__ = ("_seen", "_hits", "_graphs")
 
     def __init__(self):
         runs = _inductor_runs()
         #: ``[(list, its length at the baseline)]``: Inductor's lists seen so far.
         self._seen: list[tuple[list, int]] = [] if runs is None else [(runs, len(runs))]
+        hits = _autograd_cache()
+        #: ``[(counter, its cache hits at the baseline)]``: AOTAutograd's counters seen.
+        self._hits: list[tuple[dict, int]] = (
+            [] if hits is None else [(hits, hits.get("autograd_cache_hit", 0))]
+        )
         self._graphs = _dynamo_graphs()
 
     def compiles(self) -> int:
-        """Inductor graph compiles since the baseline (module docstring)."""
+        """Inductor graph compiles and AOTAutograd cache hits since the baseline
+        (module docstring)."""
         now = _inductor_runs()
         if now is not None and not any(now is runs for runs, _ in self._seen):
             self._seen.append((now, 0))  # made since: by the first compile, or a reset
-        return sum(len(runs) - base for runs, base in self._seen)
+        hits = _autograd_cache()
+        if hits is not None and not any(hits is c for c, _ in self._hits):
+            self._hits.append((hits, 0))  # made since (torch's counters.clear())
+        return sum(len(runs) - base for runs, base in self._seen) + sum(
+            max(0, c.get("autograd_cache_hit", 0) - base) for c, base in self._hits
+        )
 
     def read(self) -> dict:
         """``{"compiles": int, "dynamo_graphs": int, "compile_stack_imported": [module]}``:

@@ -172,7 +172,6 @@ class AttentionRuntime(InputChecks):
             slot = self._slots[key] = VariantSlot(
                 v, r, self.config, self._dtype, self._device, self.map_pinned_lengths
             )
-        slot.calls += 1
         return slot
 
     # -- dispatch ----------------------------------------------------------
@@ -248,6 +247,7 @@ class AttentionRuntime(InputChecks):
             row[0] = seq_len
             row[4] = q
             lq, lq2 = self._staged_lens(slot, i)
+        slot.calls += 1  # counted when the kernel runs, not for a refused call
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
         if i is not None:
             self._staged_done(slot, i)
@@ -337,6 +337,7 @@ class AttentionRuntime(InputChecks):
             lens = self._decode_device_lens(slot, device_seq_lens, s)
         else:
             lens, i = self._decode_host_lens(slot, seq_lens, lens_arr, s)
+        slot.calls += 1
         out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
         if i is not None:
             self._staged_done(slot, i)

@@ -101,6 +101,8 @@ def test_bad_inputs_that_used_to_pass_are_refused_and_the_runtime_still_works(
         rt.prefill(q[:1], kc, vc[:2].clone(), torch.tensor([7, 8], dtype=torch.int32), 20)
     with pytest.raises(ShapeError, match="seq_len 20.0 must be an integer"):
         rt.prefill(q[:1], kc, vc, torch.tensor([3, 4], dtype=torch.int32), 20.0)
+    assert rt.stats()["calls"] == {}  # a refused call never ran a kernel
     out = rt.decode(q, kc, vc, bt, lens)
     assert float((out - reference_decode(q, kc, vc, bt, lens)).abs().max()) < 1e-5
     assert rt.stats()["compiles"] == 0
+    assert rt.stats()["calls"] == {"batched_decode:1:2:4": 1}
