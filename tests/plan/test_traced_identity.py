@@ -729,6 +729,78 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     sys.modules.pop("knobpkg_knob", None)
 
 
+def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch):
+    """``exec`` of a helper file's text (its code then names ``<string>``, no file):
+    nothing records the file, so the build is refused naming the exec's place.
+    Code the standard library generates from text (a dataclass's methods) is not."""
+    import dataclasses
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    with compiler.TraceWindow("textpkg.kern:K"):
+        dataclasses.make_dataclass("Point", ["x", "y"])(1, 2)  # stdlib exec: fine
+    ns: dict = {}
+    line = sys._getframe().f_lineno + 3
+    with pytest.raises(CompileError, match=rf"exec or eval of a string, at .*{__file__}:{line}"):
+        with compiler.TraceWindow("textpkg.kern:K"):
+            exec("GAIN = 3.0", ns)  # the text of a helper file, read by the kernel
+    assert ns["GAIN"] == 3.0
+
+
+def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
+    """cProfile (or torch.profiler with_stack) inside the kernel's code replaces the
+    profile hook: what ran after it would go unrecorded, so the build is refused."""
+    import cProfile
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    before = sys.getprofile()
+    with pytest.raises(CompileError, match="profile hook .* was replaced while it was traced"):
+        with compiler.TraceWindow("profpkg.kern:K"):
+            prof = cProfile.Profile()
+            prof.enable()
+            sum(range(10))
+            prof.disable()
+    assert sys.getprofile() is before  # the previous hook is back
+
+
+def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeypatch):
+    """A worker thread a kernel's first trace started (a thread pool it keeps)
+    runs a helper during the second trace: the helper is in the second manifest."""
+    import concurrent.futures
+    import importlib
+
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    pkg = tmp_path / "site" / "poolpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "first.py").write_text("def gain():\n    return 1.0\n")
+    (pkg / "second.py").write_text("def gain():\n    return 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        first = importlib.import_module("poolpkg.first")
+        second = importlib.import_module("poolpkg.second")
+        with compiler.TraceWindow("poolpkg.kern:K") as w1:
+            assert pool.submit(first.gain).result() == 1.0  # starts the pool's thread
+        with compiler.TraceWindow("poolpkg.kern:K") as w2:
+            assert pool.submit(second.gain).result() == 2.0  # runs in that thread
+        assert str(pkg / "first.py") in w1.files
+        assert str(pkg / "second.py") in w2.files
+    finally:
+        pool.shutdown()
+        _forget_modules("poolpkg")
+
+
 def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
     """A kernel factory that sets ``torch._inductor.config`` (a graph pass, an
     option) would build code its key does not describe, in its own compile and

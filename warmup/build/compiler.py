@@ -444,6 +444,17 @@ def _own_source(filename: str) -> bool:
     return kind == traced_files.SITE and traced_files.dist_of(traced_files._norm(filename)) is None
 
 
+#: The open :class:`TraceWindow` (at most one at a time), which :func:`_dispatch` records into.
+_OPEN: list = []
+
+
+def _dispatch(frame, event, arg) -> None:
+    """The profile function of every :class:`TraceWindow` (``sys.setprofile``):
+    records into the window open now; outside one it does nothing."""
+    if _OPEN:
+        _OPEN[-1]._profile(frame, event, arg)
+
+
 class TraceWindow:
     """A context in which every Python function called (the factory's import,
     the factory, ``torch.export``), in this thread and in threads started
@@ -459,10 +470,22 @@ class TraceWindow:
     code ran outside an import (so the setuptools and editable-install import
     hooks, and the libraries torch's export stack imports on first use, do not).
 
-    Uses ``sys.setprofile``/``threading.setprofile`` (a previous profile
-    function is restored on exit). Measured on the tiny plan (2-core CPU): an
-    export of 0.95-1.05 s takes 1.1-1.5 s traced; compiling the variant (about
-    10 s) dominates either way.
+    Uses ``sys.setprofile``/``threading.setprofile`` with one module-level
+    function (:func:`_dispatch`) that records into the open window: a thread
+    started in an earlier window keeps that function, so its code is recorded
+    in the window open when it runs. A previous profile function is restored
+    on exit. Measured on the tiny plan (2-core CPU): an export of 0.95-1.05 s
+    takes 1.1-1.5 s traced; compiling the variant (about 10 s) dominates either
+    way.
+
+    Refused with :class:`~kernel_cache.errors.CompileError` on exit, since the
+    record would be incomplete: the profile hook was replaced during the window
+    (cProfile, ``torch.profiler`` with ``with_stack``, a tool that sets
+    ``sys.setprofile``), or the engine's code ran code compiled from a string
+    (``exec``/``eval`` of text with no file name), whose source no file holds.
+    Not seen: a thread started before the process's first window (Python
+    before 3.12 cannot hook a running thread), and a replacement that put the
+    hook back before the window closed.
     """
 
     def __init__(self, kernel: str):
@@ -470,6 +493,7 @@ class TraceWindow:
         self.files: set[str] = set()  # code that ran outside imports
         self.imported: set[str] = set()  # code that ran inside imports
         self.codes: dict[int, object] = {}  # every code object that ran, by id
+        self.from_text: list[str] = []  # "file:line" of the engine's exec/eval of text
         self._depth = 0
         self._import = _find_and_load_code()
 
@@ -483,24 +507,53 @@ class TraceWindow:
                 self.imported.add(code.co_filename)
             else:
                 self.files.add(code.co_filename)
+            if code.co_name == "<module>" and code.co_filename.startswith("<"):
+                self._text_run(frame.f_back)
         elif event == "return" and frame.f_code is self._import:
             self._depth -= 1
+
+    def _text_run(self, caller) -> None:
+        """Code compiled from text with no file name started (``exec``/``eval``):
+        kept when the engine's own code ran it (the standard library's and torch's
+        generated code, dataclass methods say, is theirs)."""
+        if caller is not None and _own_source(caller.f_code.co_filename):
+            self.from_text.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
 
     def __enter__(self) -> TraceWindow:
         import sys
         import threading
 
         self._saved = (sys.getprofile(), threading.getprofile())
-        threading.setprofile(self._profile)
-        sys.setprofile(self._profile)
+        _OPEN.append(self)
+        threading.setprofile(_dispatch)
+        sys.setprofile(_dispatch)
         return self
 
     def __exit__(self, *exc) -> None:
         import sys
         import threading
 
+        hook = sys.getprofile()
+        intact = hook is _dispatch and threading.getprofile() is _dispatch
         sys.setprofile(self._saved[0])
         threading.setprofile(self._saved[1])
+        _OPEN.remove(self)
+        if exc[0] is None and not intact:
+            raise CompileError(
+                f"kernel {self.kernel}: the profile hook that records the files the "
+                f"kernel's code runs was replaced while it was traced (now {hook!r}: a "
+                "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
+                "that calls sys.setprofile), so the record of the files it ran is "
+                "incomplete and the build is refused; build the kernel without it"
+            )
+        if exc[0] is None and self.from_text:
+            raise CompileError(
+                f"kernel {self.kernel}: its code ran code compiled from text with no file "
+                f"name (exec or eval of a string, at {', '.join(sorted(set(self.from_text)))}),"
+                " whose source no file holds, so the cache key cannot cover it; run it from "
+                "its file (import it, or exec(compile(text, path, 'exec')) with the path it "
+                "was read from, which is hashed)"
+            )
         own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
         _RAN.setdefault(self.kernel, set()).update(self.files)
