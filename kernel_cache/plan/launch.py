@@ -358,12 +358,14 @@ def _cached_resolver(value: str | None, stamp, bundled_dir: str) -> Resolver:
 
 def current_resolver() -> Resolver:
     """A process-wide :class:`Resolver` for the current ``KERNEL_CACHE_TUNING``
-    (rebuilt when its value or the file's modification time changes)."""
+    (rebuilt when its value or the file changes: its modification or change time,
+    size or inode)."""
     value = settings.get("tuning")
     stamp = None
     if value and not value.lstrip().startswith("{"):
         try:
-            stamp = os.stat(value).st_mtime_ns
+            st = os.stat(value)
+            stamp = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
         except OSError:
             stamp = "missing"
     return _cached_resolver(value, stamp, str(BUNDLED_DIR))

@@ -65,7 +65,7 @@ def _rel(name: str, path: Path, specs: dict | None = None) -> str:
 
 
 #: :func:`_imports` already read in this process, by file, module and ``stat``
-#: (inode, size, modification time): a file changed since is read again.
+#: (inode, size, modification and change time): a file changed since is read again.
 _IMPORTS_READ: dict[tuple, frozenset[str]] = {}
 
 
@@ -73,7 +73,7 @@ def _imports(path: Path, module: str) -> frozenset[str]:
     """Module names ``path`` (module ``module``) imports anywhere in its body,
     relative imports resolved; ``from X import Y`` yields X and X.Y."""
     st = path.stat()
-    memo = (str(path), module, st.st_ino, st.st_size, st.st_mtime_ns)
+    memo = (str(path), module, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if memo not in _IMPORTS_READ:
         _IMPORTS_READ[memo] = frozenset(_read_imports(path, module))
     return _IMPORTS_READ[memo]

@@ -232,9 +232,11 @@ _HASHES: dict[tuple, str] = {}
 
 def file_sha256(path: str | Path) -> str:
     """sha256 (hex) of a file's bytes, computed once per process per version of
-    the file (cached by path, inode, size and modification time)."""
+    the file (cached by path, inode, size, modification and change time: an
+    edit that puts the modification time back, ``os.utime``, still moves the
+    change time, which no user can set)."""
     st = os.stat(path)
-    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     digest = _HASHES.get(key)
     if digest is None:
         digest = _HASHES[key] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -476,7 +478,10 @@ def stale_bytecode(path: str) -> str | None:
         st, pst = os.stat(path), os.stat(pyc)
     except (OSError, NotImplementedError, ValueError):
         return None
-    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, pst.st_mtime_ns, pst.st_size, pst.st_ino)
+    key = (
+        (path, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino),
+        (pst.st_mtime_ns, pst.st_ctime_ns, pst.st_size, pst.st_ino),
+    )
     return _stale_bytecode(key, pyc)
 
 
@@ -486,7 +491,7 @@ def _stale_bytecode(key: tuple, pyc: str) -> str | None:
     import importlib.util
     import marshal
 
-    path, mtime_ns, size = key[0], key[1], key[2]
+    path, mtime_ns, _, size = key[0][:4]
     try:
         with open(pyc, "rb") as f:
             data = f.read()
