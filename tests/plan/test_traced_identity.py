@@ -820,3 +820,22 @@ def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
     finally:
         inductor_config.post_grad_custom_post_pass = old
     assert changed == ["torch._inductor.config.post_grad_custom_post_pass"]
+
+
+def test_a_same_size_edit_that_puts_the_modification_time_back_is_hashed_again(tmp_path):
+    """A long-lived process hashes a file once per version: an edit of the same size
+    whose modification time is put back (``os.utime``) still moves the change time."""
+    import os
+    import time
+
+    from kernel_cache.plan.traced import file_sha256
+
+    f = tmp_path / "helper.py"
+    f.write_text("GAIN = 1.0\n")
+    before = file_sha256(str(f))
+    st = os.stat(f)
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    f.write_text("GAIN = 3.0\n")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(f).st_size, os.stat(f).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert file_sha256(str(f)) != before
