@@ -282,6 +282,11 @@ def _module_files() -> dict[str, str]:
 #: kernel compiles then misses at engine start, instead of naming code that did
 #: not run.
 LOADED_SOURCES: dict[str, str | None] = {}
+#: The bytes behind each hash of :data:`LOADED_SOURCES`, by path: code that ran
+#: under such a file's name must compile from them (:func:`_hash_checked`), which
+#: refuses code compiled from other text under that name (``compile(text,
+#: __file__, ...)``, a loader that names one file and reads another).
+_LOADED_BYTES: dict[str, bytes] = {}
 
 
 def record_imports() -> None:
@@ -301,10 +306,12 @@ def record_imports() -> None:
         if isinstance(f, str) and f.endswith(".py") and classify(f) == OTHER:
             path = _norm(f)
             try:
-                digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                data = Path(path).read_bytes()
             except OSError:
                 continue
+            digest = hashlib.sha256(data).hexdigest()
             LOADED_SOURCES[path] = None if stale_bytecode(path) else digest
+            _LOADED_BYTES[path] = data
 
     def get_code(self, fullname):
         code = original(self, fullname)
@@ -317,6 +324,7 @@ def record_imports() -> None:
             except (OSError, SyntaxError, ValueError):
                 data, same = b"", False
             LOADED_SOURCES[_norm(path)] = hashlib.sha256(data).hexdigest() if same else None
+            _LOADED_BYTES[_norm(path)] = data
         return code
 
     get_code._kernel_cache_records = True
@@ -342,24 +350,35 @@ def _code_objects(code, out: set) -> set:
     return out
 
 
-def _hash_checked(path: str, ran) -> str:
-    """sha256 of file ``path``'s bytes, which must compile to every code object
-    in ``ran`` (code of it that ran: read by ``runpy``, ``exec`` or a loader the
-    import recording does not see, or imported before it started).
+def _hash_checked(path: str, ran, data: bytes | None = None) -> str:
+    """sha256 of file ``path``'s bytes (``data`` if given: the bytes imported),
+    which must compile to every code object in ``ran`` (code of it that ran:
+    read by ``runpy``, ``exec`` or a loader the import recording does not see,
+    or imported before it started).
 
     Raises:
         CompileError: a code object that ran is not the file's: the file changed
             since (while the kernel compiled), or the code came from elsewhere
-            (a ``.pyc`` beside it).
+            (a ``.pyc`` beside it, other text compiled under the file's name).
     """
-    data = Path(path).read_bytes()
-    try:
-        fresh = _code_objects(compile(data, path, "exec", dont_inherit=True), set())
-    except (SyntaxError, ValueError):
-        fresh = set()
+    if data is None:
+        data = Path(path).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    fresh = _compiled(path, digest, data)
     if any(c not in fresh for c in ran):
         raise changed_source_error(path)
-    return hashlib.sha256(data).hexdigest()
+    return digest
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(path: str, digest: str, data: bytes) -> frozenset:
+    """Every code object of ``data`` (file ``path``, sha256 ``digest``) compiled as
+    the import system compiles it; cached per version (a worker builds many
+    manifests of the same files)."""
+    try:
+        return frozenset(_code_objects(compile(data, path, "exec", dont_inherit=True), set()))
+    except (SyntaxError, ValueError):
+        return frozenset()
 
 
 def manifest_of(filenames, ran: dict | None = None) -> Manifest:
@@ -422,15 +441,17 @@ def manifest_of(filenames, ran: dict | None = None) -> Manifest:
                 "identity; put the module in its package's own folder or on sys.path "
                 "rather than adding folders to __path__ at import"
             )
+        codes = (ran or {}).get(filename)
         if path in LOADED_SOURCES:  # the bytes imported, whatever the file holds now
             if LOADED_SOURCES[path] is None:
                 raise changed_source_error(path)
+            if codes:  # and every code that ran under its name is theirs
+                _hash_checked(path, codes, _LOADED_BYTES[path])
             files[rel] = LOADED_SOURCES[path]
             continue
         pyc = stale_bytecode(path)
         if pyc is not None:
             raise stale_bytecode_error(path, pyc)
-        codes = (ran or {}).get(filename)
         files[rel] = _hash_checked(path, codes) if codes else file_sha256(path)
     return Manifest(files=files, dists=dists)
 

@@ -750,6 +750,52 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
     assert ns["GAIN"] == 3.0
 
 
+def test_code_compiled_from_text_with_an_empty_file_name_is_refused(monkeypatch):
+    """``compile(text, "", "exec")``: no file name either."""
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    with pytest.raises(CompileError, match="exec or eval of a string"):
+        with compiler.TraceWindow("textpkg.kern:K"):
+            exec(compile("GAIN = 3.0", "", "exec"), {})
+
+
+def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, monkeypatch):
+    """Code that ran under the name of a file whose imported bytes are recorded
+    must be those bytes' code: a helper's text compiled under the kernel file's
+    name (``compile(text, __file__, "exec")``, or a loader that names one file
+    and reads another) is refused, naming the file, not recorded as that file."""
+    from kernel_cache.errors import CompileError
+    from kernel_cache.plan import traced
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    pkg = tmp_path / "site" / "namepkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    kern = pkg / "kern.py"
+    kern.write_text("def gain():\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    data = kern.read_bytes()
+    path = str(kern)
+    monkeypatch.setitem(traced.LOADED_SOURCES, path, traced.hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(traced._LOADED_BYTES, path, data)
+    ns: dict = {}
+    exec(compile(data, path, "exec"), ns)  # the file's own code: fine
+    with compiler.TraceWindow("namepkg.kern:K") as w:
+        assert ns["gain"]() == 1.0
+    assert "namepkg/kern.py" in w.manifest().files
+    exec(compile("def gain():\n    return 3.0\n", path, "exec"), ns)  # other text
+    with compiler.TraceWindow("namepkg.kern:K") as w:
+        assert ns["gain"]() == 3.0
+    with pytest.raises(CompileError, match=r"namepkg/kern\.py is not that file's contents"):
+        w.manifest()
+    _forget_modules("namepkg")
+
+
 def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     """cProfile (or torch.profiler with_stack) inside the kernel's code replaces the
     profile hook: what ran after it would go unrecorded, so the build is refused."""

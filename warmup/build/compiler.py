@@ -507,7 +507,8 @@ class TraceWindow:
                 self.imported.add(code.co_filename)
             else:
                 self.files.add(code.co_filename)
-            if code.co_name == "<module>" and code.co_filename.startswith("<"):
+            name = code.co_filename
+            if code.co_name == "<module>" and (not name or name.startswith("<")):
                 self._text_run(frame.f_back)
         elif event == "return" and frame.f_code is self._import:
             self._depth -= 1
