@@ -67,6 +67,15 @@ class InputChecks:
                     f"{name} is {t.dtype} on {t.device}; the plan is "
                     f"{self._dtype} on {self._device.type}"
                 )
+            need = (t.storage_offset() + t.numel()) * t.element_size()
+            have = t.untyped_storage().nbytes()
+            if have < need:
+                # A storage shrunk under the tensor (untyped_storage().resize_): the
+                # kernels would read past its end.
+                raise ShapeError(
+                    f"{name}'s storage holds {have} bytes, fewer than its sizes "
+                    f"{tuple(t.shape)} need ({need}): pass a pool tensor that owns its memory"
+                )
             if not t.is_contiguous():
                 # The artifacts were compiled for the contiguous paged layout; a
                 # strided view (a slice of a larger pool, a permuted tensor) would be

@@ -61,15 +61,21 @@ def _layout_changes():
     def shrink(t):
         t.resize_(1, 64, 8, 64)
 
+    def shrink_storage(t):
+        t.untyped_storage().resize_(16)
+
     return [
         (to_half, "is torch.float16"),
         (strided, "is not contiguous"),
         (shrink, "key_cache has 3 pool blocks and value_cache 1"),
+        (shrink_storage, "value_cache's storage holds 16 bytes, fewer than its sizes"),
     ]
 
 
 @pytest.mark.parametrize(
-    "change,message", _layout_changes(), ids=["data-to-half", "data-strided", "resize"]
+    "change,message",
+    _layout_changes(),
+    ids=["data-to-half", "data-strided", "resize", "storage-shrunk"],
 )
 def test_a_pool_changed_in_place_since_the_last_call_is_checked_again(change, message):
     rt = runtime()
@@ -80,3 +86,12 @@ def test_a_pool_changed_in_place_since_the_last_call_is_checked_again(change, me
     change(vc)
     with pytest.raises(ShapeError, match=message):
         rt._check(q, kc, vc)
+
+
+def test_a_pool_whose_storage_is_smaller_than_its_sizes_is_refused():
+    """A tensor whose storage was shrunk under it: the kernels would read past the
+    end of its memory (torch's own ops refuse it too)."""
+    kc = torch.zeros(3, 64, 8, 64)
+    kc.untyped_storage().resize_(16)
+    with pytest.raises(ShapeError, match="key_cache's storage holds 16 bytes"):
+        runtime()._check(torch.zeros(1, 32, 64), kc, torch.zeros(3, 64, 8, 64))
