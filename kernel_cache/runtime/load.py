@@ -151,10 +151,11 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
 
     That is: the package's model folder holds one ``.so``, its
     ``<name>_metadata.json`` saying ``AOTI_DEVICE_KEY`` ``cpu``, and otherwise
-    only ``.cpp`` and ``.json`` files (generated source, flags: the loader
-    reads the source only to compile a package that has no ``.so``, which an
-    engine never does). Weights stored beside the ``.so``, anything else
-    unknown, more than one top folder or a member name used twice (where this
+    only ``.cpp`` and ``_metadata.json`` files (generated source, flags: the
+    loader reads the source only to compile a package that has no ``.so``,
+    which an engine never does). Weights stored beside the ``.so``, the
+    ``<name>.json`` of a graph that calls custom ops (the loader hands it to
+    the proxy executor that runs them), anything else unknown, more than one top folder or a member name used twice (where this
     reading and the loader's could pick different ``.so`` files; the loader
     refuses two) send the package to the loader. ``data`` are the verified bytes:
     the ``.so`` returned is read from them, not from a file.
@@ -178,7 +179,7 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
                     files[rest[len(_MODEL_DIR) :]] = info
             libs = [n for n in files if n.endswith(".so")]
             if len(libs) != 1 or any(
-                "/" in n or not n.endswith((".so", ".cpp", ".json")) for n in files
+                "/" in n or not n.endswith((".so", ".cpp", "_metadata.json")) for n in files
             ):
                 return None
             meta = files.get(libs[0][: -len(".so")] + "_metadata.json")

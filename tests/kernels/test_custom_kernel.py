@@ -615,3 +615,44 @@ def test_verify_names_the_padded_rows_and_the_contract_of_an_engine_kernel_that_
     assert "real rows: 0 of 3 differ" in out
     assert "must hold zeros" in out and "returns zeros" in out
     assert "kernel-cache warmup" not in out and "repair:" not in out
+
+
+CUSTOM_OP_DECODE = '''"""The example decode, its output through a custom op (torch.library)."""
+import torch
+
+from kc_example_kernels.decode import SdpaDecode
+
+
+@torch.library.custom_op("kc_test_ops::scaled", mutates_args=())
+def scaled(x: torch.Tensor, g: float) -> torch.Tensor:
+    return x * g
+
+
+@scaled.register_fake
+def _(x, g):
+    return torch.empty_like(x)
+
+
+class OpDecode(SdpaDecode):
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+        out = super().forward(query, key_cache, value_cache, block_tables, seq_lens)
+        return scaled(out, 1.0)
+'''
+
+
+@pytest.mark.compile
+def test_a_kernel_that_calls_a_python_custom_op_is_not_published(example, tiny_model, cache_copy):
+    """A graph that calls a Python ``torch.library`` custom op runs it through
+    AOTInductor's proxy executor, which needs the op registered in the loading
+    process: warmup's load check (a fresh process) loads the package whole, as
+    engine start does, and refuses it naming the op, rather than publishing an
+    artifact whose first call fails; engine start then reports it missing."""
+    (example / "kc_example_kernels" / "opdecode.py").write_text(CUSTOM_OP_DECODE)
+    path = "kc_example_kernels.opdecode:OpDecode"
+    args = [*tiny_args(tiny_model), "--kernel", f"batched_decode={path}", "--cache-dir"]
+    proc = run_cli("warmup", *args, cache_copy, "--jobs", "1")
+    assert proc.returncode == 1
+    assert "failed batched_decode:1:2:4: not published" in proc.stderr, proc.stderr
+    assert "kc_test_ops::scaled" in proc.stderr
+    doc = engine_start(tiny_model, cache_copy, {"batched_decode": path})
+    assert doc["missing"] == ["batched_decode:1:2:4"], doc

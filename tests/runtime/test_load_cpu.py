@@ -173,3 +173,13 @@ def test_ambiguous_packages_go_to_the_loader():
     assert load_mod._cpu_library(twice, "", "") is None
     other_top = [META, (MODEL + "w.so", b"first"), ("zzz/" + MODEL[6:] + "w.so", b"second")]
     assert load_mod._cpu_library(fake_package(other_top), "", "") is None
+
+
+def test_a_package_whose_graph_calls_custom_ops_goes_to_the_loader():
+    """A graph that calls a custom op (``torch.library.custom_op``) runs it through
+    AOTInductor's proxy executor, which the loader sets up from the package's
+    ``<name>.json``: the ``.so`` alone would fail at the first call."""
+    plain = fake_package([META, (MODEL + "w.so", b"lib"), (MODEL + "w.cpp", b"")])
+    assert load_mod._cpu_library(plain, "", "") == b"lib"
+    extern = fake_package([META, (MODEL + "w.so", b"lib"), (MODEL + "w.json", b"{}")])
+    assert load_mod._cpu_library(extern, "", "") is None
