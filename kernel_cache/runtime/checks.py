@@ -20,8 +20,9 @@ from kernel_cache.runtime.buffers import VariantSlot
 
 def _layout(t) -> tuple:
     """What the pool checks depend on and an in-place change can alter: storage
-    address, sizes, strides, dtype (host-side metadata; no device access)."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    address and size, sizes, strides, dtype (host-side metadata; no device
+    access)."""
+    return (t.data_ptr(), t.untyped_storage().nbytes(), t.shape, t.stride(), t.dtype)
 
 
 class InputChecks:
@@ -47,7 +48,8 @@ class InputChecks:
         # The pool tensors are checked once; later calls with the same objects skip
         # the checks unless the tensors' layout changed in place since (a ``.data``
         # swap, as ``nn.Module.to`` does to a parameter, ``resize_``,
-        # ``as_strided_``): storage address, sizes, strides and dtype are compared.
+        # ``as_strided_``, a storage resized under the tensor): storage address
+        # and size, sizes, strides and dtype are compared.
         ok = self._kv_ok
         if (
             ok[0]() is key_cache
@@ -75,6 +77,14 @@ class InputChecks:
                 raise ShapeError(
                     f"{name}'s storage holds {have} bytes, fewer than its sizes "
                     f"{tuple(t.shape)} need ({need}): pass a pool tensor that owns its memory"
+                )
+            if t.is_neg() or t.is_conj():
+                # A lazy negation or conjugation view: the kernels read the memory
+                # as it is, without the pending operation.
+                raise ShapeError(
+                    f"{name} is a negated or conjugated view (torch._neg_view / conj): "
+                    "the kernels read its memory as stored; pass .resolve_neg() / "
+                    ".resolve_conj() of it"
                 )
             if not t.is_contiguous():
                 # The artifacts were compiled for the contiguous paged layout; a

@@ -155,9 +155,10 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
     loader reads the source only to compile a package that has no ``.so``,
     which an engine never does). Weights stored beside the ``.so``, the
     ``<name>.json`` of a graph that calls custom ops (the loader hands it to
-    the proxy executor that runs them), anything else unknown, more than one top folder or a member name used twice (where this
-    reading and the loader's could pick different ``.so`` files; the loader
-    refuses two) send the package to the loader. ``data`` are the verified bytes:
+    the proxy executor that runs them), anything else unknown, more than one
+    top folder or a member name used twice (where this reading and the
+    loader's could pick different ``.so`` files; the loader refuses two) send
+    the package to the loader. ``data`` are the verified bytes:
     the ``.so`` returned is read from them, not from a file.
 
     Raises:

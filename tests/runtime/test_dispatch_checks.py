@@ -95,3 +95,25 @@ def test_a_pool_whose_storage_is_smaller_than_its_sizes_is_refused():
     kc.untyped_storage().resize_(16)
     with pytest.raises(ShapeError, match="key_cache's storage holds 16 bytes"):
         runtime()._check(torch.zeros(1, 32, 64), kc, torch.zeros(3, 64, 8, 64))
+
+
+def test_a_storage_shrunk_in_place_at_the_same_address_is_checked_again():
+    """The storage of a pool already checked is resized under it: even where the
+    allocator hands back the same address, the size differs and the checks run."""
+    rt = runtime()
+    q = torch.zeros(1, 32, 64)
+    kc, vc = torch.zeros(3, 64, 8, 64), torch.zeros(3, 64, 8, 64)
+    rt._check(q, kc, vc)
+    ok = rt._kv_ok
+    kc.untyped_storage().resize_(16)
+    # What the checked layout would be had the allocator returned the same address
+    # (it does at times): only the storage's size tells the two apart.
+    rt._kv_ok = (ok[0], ok[1], (kc.data_ptr(), *ok[2][1:]), ok[3])
+    with pytest.raises(ShapeError, match="key_cache's storage holds 16 bytes"):
+        rt._check(q, kc, vc)
+
+
+def test_a_negated_view_of_the_pool_is_refused():
+    with pytest.raises(ShapeError, match="key_cache is a negated or conjugated view"):
+        runtime()._check(torch.zeros(1, 32, 64), torch._neg_view(torch.zeros(3, 64, 8, 64)),
+                         torch.zeros(3, 64, 8, 64))  # fmt: skip
