@@ -373,12 +373,19 @@ def _hash_checked(path: str, ran, data: bytes | None = None) -> str:
 @functools.lru_cache(maxsize=256)
 def _compiled(path: str, digest: str, data: bytes) -> frozenset:
     """Every code object of ``data`` (file ``path``, sha256 ``digest``) compiled as
-    the import system compiles it; cached per version (a worker builds many
-    manifests of the same files)."""
-    try:
-        return frozenset(_code_objects(compile(data, path, "exec", dont_inherit=True), set()))
-    except (SyntaxError, ValueError):
-        return frozenset()
+    the import system compiles it, and as ``compile(data, path, "exec")`` does in
+    a module with ``from __future__ import annotations`` (it inherits that flag,
+    and code objects compare their flags); cached per version (a worker builds
+    many manifests of the same files)."""
+    import __future__
+
+    out: set = set()
+    for flags in (0, __future__.annotations.compiler_flag):
+        try:
+            _code_objects(compile(data, path, "exec", flags=flags, dont_inherit=True), out)
+        except (SyntaxError, ValueError):
+            pass
+    return frozenset(out)
 
 
 def manifest_of(filenames, ran: dict | None = None) -> Manifest:

@@ -796,6 +796,34 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     _forget_modules("namepkg")
 
 
+@pytest.mark.parametrize("where", ["stdlib", "torch", "missing"])
+def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypatch, where):
+    """A helper's text compiled under the name of a standard-library or torch file
+    (recorded by version, never hashed) or of a file that does not exist: the
+    build is refused naming the file; a file's own text under its own name runs."""
+    import os as os_module
+
+    import torch
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    own = tmp_path / "own_helper.py"
+    own.write_text("GAIN = 1.0\n")
+    with compiler.TraceWindow("namepkg.kern:K"):
+        exec(compile(own.read_bytes(), str(own), "exec"), {})
+    name = {
+        "stdlib": os_module.__file__,
+        "torch": torch.__file__,
+        "missing": str(tmp_path / "no_such_helper.py"),
+    }[where]
+    with pytest.raises(CompileError, match=f"module code under the name {name} .* not that"):
+        with compiler.TraceWindow("namepkg.kern:K"):
+            exec(compile("GAIN = 3.0\n", name, "exec"), {})
+
+
 def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     """cProfile (or torch.profiler with_stack) inside the kernel's code replaces the
     profile hook: what ran after it would go unrecorded, so the build is refused."""

@@ -14,6 +14,7 @@ process that calls :func:`compile_variant` has already applied
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 import time
@@ -482,7 +483,9 @@ class TraceWindow:
     record would be incomplete: the profile hook was replaced during the window
     (cProfile, ``torch.profiler`` with ``with_stack``, a tool that sets
     ``sys.setprofile``), or the engine's code ran code compiled from a string
-    (``exec``/``eval`` of text with no file name), whose source no file holds.
+    (``exec``/``eval`` of text with no file name), whose source no file holds,
+    or module code under a file's name that is not that file's (checked for
+    every file, the standard library's, torch's and distributions' included).
     Not seen: a thread started before the process's first window (Python
     before 3.12 cannot hook a running thread), and a replacement that put the
     hook back before the window closed.
@@ -494,6 +497,7 @@ class TraceWindow:
         self.imported: set[str] = set()  # code that ran inside imports
         self.codes: dict[int, object] = {}  # every code object that ran, by id
         self.from_text: list[str] = []  # "file:line" of the engine's exec/eval of text
+        self.module_runs: list[tuple] = []  # (file name, code, "file:line") exec'd by it
         self._depth = 0
         self._import = _find_and_load_code()
 
@@ -507,18 +511,46 @@ class TraceWindow:
                 self.imported.add(code.co_filename)
             else:
                 self.files.add(code.co_filename)
-            name = code.co_filename
-            if code.co_name == "<module>" and (not name or name.startswith("<")):
-                self._text_run(frame.f_back)
+            if code.co_name == "<module>":
+                self._module_run(code, frame.f_back)
         elif event == "return" and frame.f_code is self._import:
             self._depth -= 1
 
-    def _text_run(self, caller) -> None:
-        """Code compiled from text with no file name started (``exec``/``eval``):
-        kept when the engine's own code ran it (the standard library's and torch's
-        generated code, dataclass methods say, is theirs)."""
-        if caller is not None and _own_source(caller.f_code.co_filename):
-            self.from_text.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+    def _module_run(self, code, caller) -> None:
+        """Module-level code started by the engine's own code (``exec``/``eval``;
+        the import system runs a module's code from its own frames, and the
+        standard library's and torch's generated code, dataclass methods say, is
+        theirs): text with no file name is kept in :attr:`from_text`, code under
+        a file's name in :attr:`module_runs`, to be checked against that file."""
+        if caller is None or not _own_source(caller.f_code.co_filename):
+            return
+        where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        name = code.co_filename
+        if not name or name.startswith("<"):
+            self.from_text.append(where)
+        else:
+            self.module_runs.append((name, code, where))
+
+    def _check_module_runs(self) -> None:
+        """Module code the engine ran under a file's name must be that file's (the
+        bytes imported, else those on disk), whatever the file is: a standard
+        library, torch or distribution file is recorded by its version, not
+        hashed, so code compiled from other text under its name would go unseen."""
+        for name, code, where in self.module_runs:
+            path = traced_files._norm(name)
+            data = traced_files._LOADED_BYTES.get(path)
+            try:
+                data = Path(path).read_bytes() if data is None else data
+            except OSError:
+                data = None
+            digest = hashlib.sha256(data or b"").hexdigest()
+            if data is None or code not in traced_files._compiled(path, digest, data):
+                raise CompileError(
+                    f"kernel {self.kernel}: its code ran module code under the name {name} "
+                    f"(at {where}) that is not that file's contents: the entry would "
+                    "record that file, not the code that ran; compile a file's text "
+                    "under its own path"
+                )
 
     def __enter__(self) -> TraceWindow:
         import sys
@@ -547,6 +579,8 @@ class TraceWindow:
                 "that calls sys.setprofile), so the record of the files it ran is "
                 "incomplete and the build is refused; build the kernel without it"
             )
+        if exc[0] is None:
+            self._check_module_runs()
         if exc[0] is None and self.from_text:
             raise CompileError(
                 f"kernel {self.kernel}: its code ran code compiled from text with no file "
