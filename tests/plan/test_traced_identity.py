@@ -824,6 +824,46 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
             exec(compile("GAIN = 3.0\n", name, "exec"), {})
 
 
+@pytest.mark.parametrize("how", ["renamed", "runpy", "interpreter"])
+def test_module_code_under_another_name_is_refused_however_it_is_started(monkeypatch, how):
+    """The same text under ``os.py``'s name: with its code object renamed
+    (``co_name``), or run for the engine by ``runpy`` or ``code``'s interpreter
+    (the engine's frame is found above the library's): refused."""
+    import code as code_module
+    import os as os_module
+    import runpy
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    text, name = "GAIN = 3.0\n", os_module.__file__
+    with pytest.raises(CompileError, match="module code under the name .*os.py"):
+        with compiler.TraceWindow("namepkg.kern:K"):
+            if how == "renamed":
+                exec(compile(text, name, "exec").replace(co_name="x"), {})
+            elif how == "runpy":
+                runpy._run_code(compile(text, name, "exec"), {})
+            else:
+                code_module.InteractiveInterpreter({}).runsource(text, name, "exec")
+    with pytest.raises(CompileError, match="code compiled from text with no file name"):
+        with compiler.TraceWindow("namepkg.kern:K"):
+            exec(compile(text, "<string>", "exec").replace(co_name="x"), {})
+
+
+def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, monkeypatch):
+    """``eval(compile(text, path, "eval"))`` of a file holding an expression."""
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    f = tmp_path / "gain.py"
+    f.write_text("1.0 * 2\n")
+    with compiler.TraceWindow("namepkg.kern:K"):
+        assert eval(compile(f.read_text(), str(f), "eval")) == 2.0
+
+
 def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     """cProfile (or torch.profiler with_stack) inside the kernel's code replaces the
     profile hook: what ran after it would go unrecorded, so the build is refused."""

@@ -434,6 +434,27 @@ def _find_and_load_code():
     return importlib._bootstrap._find_and_load.__code__
 
 
+#: ``co_flags`` a function's code has (CO_OPTIMIZED, CO_NEWLOCALS) and a module's,
+#: a class body's or exec'd code has not.
+_FUNCTION_FLAGS = 0x1 | 0x2
+#: Frames looked through for the engine's own above code run under a file's name.
+_CALLER_DEPTH = 64
+
+
+def _compiled_eval(path: str, data: bytes) -> set:
+    """``data`` compiled as an expression (``eval(compile(text, path, "eval"))``),
+    with and without ``from __future__ import annotations``; empty if it is not one."""
+    import __future__
+
+    out = set()
+    for flags in (0, __future__.annotations.compiler_flag):
+        try:
+            out.add(compile(data, path, "eval", flags=flags, dont_inherit=True))
+        except (SyntaxError, ValueError):
+            pass
+    return out
+
+
 def _own_source(filename: str) -> bool:
     """Whether code that ran inside an import from ``filename`` counts: a file
     classified :data:`~kernel_cache.plan.traced.OTHER`, or one in a site folder
@@ -498,6 +519,7 @@ class TraceWindow:
         self.codes: dict[int, object] = {}  # every code object that ran, by id
         self.from_text: list[str] = []  # "file:line" of the engine's exec/eval of text
         self.module_runs: list[tuple] = []  # (file name, code, "file:line") exec'd by it
+        self._own: dict[str, bool] = {}  # _own_source by file name, for this window
         self._depth = 0
         self._import = _find_and_load_code()
 
@@ -511,25 +533,40 @@ class TraceWindow:
                 self.imported.add(code.co_filename)
             else:
                 self.files.add(code.co_filename)
-            if code.co_name == "<module>":
+            if not code.co_flags & _FUNCTION_FLAGS:  # module or class body: exec'd code
                 self._module_run(code, frame.f_back)
         elif event == "return" and frame.f_code is self._import:
             self._depth -= 1
 
     def _module_run(self, code, caller) -> None:
-        """Module-level code started by the engine's own code (``exec``/``eval``;
-        the import system runs a module's code from its own frames, and the
-        standard library's and torch's generated code, dataclass methods say, is
-        theirs): text with no file name is kept in :attr:`from_text`, code under
-        a file's name in :attr:`module_runs`, to be checked against that file."""
-        if caller is None or not _own_source(caller.f_code.co_filename):
-            return
-        where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        """Code that is not a function's (a module's or a class body: what
+        ``exec``/``eval`` run, whatever its ``co_name``) started. Text with no file
+        name is kept in :attr:`from_text` when the engine's own code started it
+        directly (the standard library's and torch's generated code, dataclass
+        methods say, is theirs). Code under a file's name is kept in
+        :attr:`module_runs`, to be checked against that file, when an engine
+        frame is found above it before the import system's (``runpy``,
+        ``code.InteractiveInterpreter`` and the like run it for the engine; the
+        import system runs modules' own code)."""
         name = code.co_filename
         if not name or name.startswith("<"):
-            self.from_text.append(where)
-        else:
-            self.module_runs.append((name, code, where))
+            if caller is not None and _own_source(caller.f_code.co_filename):
+                self.from_text.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+            return
+        frame = caller
+        for _ in range(_CALLER_DEPTH):
+            if frame is None:
+                return
+            filename = frame.f_code.co_filename
+            if filename.startswith("<frozen importlib"):
+                return
+            own = self._own.get(filename)
+            if own is None:
+                own = self._own[filename] = _own_source(filename)
+            if own:
+                self.module_runs.append((name, code, f"{filename}:{frame.f_lineno}"))
+                return
+            frame = frame.f_back
 
     def _check_module_runs(self) -> None:
         """Module code the engine ran under a file's name must be that file's (the
@@ -544,7 +581,10 @@ class TraceWindow:
             except OSError:
                 data = None
             digest = hashlib.sha256(data or b"").hexdigest()
-            if data is None or code not in traced_files._compiled(path, digest, data):
+            if data is None or not (
+                code in traced_files._compiled(path, digest, data)
+                or code in _compiled_eval(path, data)
+            ):
                 raise CompileError(
                     f"kernel {self.kernel}: its code ran module code under the name {name} "
                     f"(at {where}) that is not that file's contents: the entry would "
