@@ -375,16 +375,18 @@ def _compiled(path: str, digest: str, data: bytes) -> frozenset:
     """Every code object of ``data`` (file ``path``, sha256 ``digest``) compiled as
     the import system compiles it, and as ``compile(data, path, "exec")`` does in
     a module with ``from __future__ import annotations`` (it inherits that flag,
-    and code objects compare their flags); cached per version (a worker builds
+    and code objects compare their flags); for a file that holds one expression,
+    also as ``compile(data, path, "eval")``. Cached per version (a worker builds
     many manifests of the same files)."""
     import __future__
 
     out: set = set()
-    for flags in (0, __future__.annotations.compiler_flag):
-        try:
-            _code_objects(compile(data, path, "exec", flags=flags, dont_inherit=True), out)
-        except (SyntaxError, ValueError):
-            pass
+    for mode in ("exec", "eval"):
+        for flags in (0, __future__.annotations.compiler_flag):
+            try:
+                _code_objects(compile(data, path, mode, flags=flags, dont_inherit=True), out)
+            except (SyntaxError, ValueError):
+                pass
     return frozenset(out)
 
 

@@ -858,10 +858,13 @@ def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, mon
 
     for name in ("_RAN", "_IMPORTED", "_CODES"):
         monkeypatch.setattr(compiler, name, {})
-    f = tmp_path / "gain.py"
+    f = tmp_path / "site" / "kc_eval_gain.py"
+    f.parent.mkdir()
     f.write_text("1.0 * 2\n")
-    with compiler.TraceWindow("namepkg.kern:K"):
+    monkeypatch.syspath_prepend(str(f.parent))
+    with compiler.TraceWindow("namepkg.kern:K") as w:
         assert eval(compile(f.read_text(), str(f), "eval")) == 2.0
+    assert "kc_eval_gain.py" in w.manifest().files
 
 
 def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):

@@ -441,20 +441,6 @@ _FUNCTION_FLAGS = 0x1 | 0x2
 _CALLER_DEPTH = 64
 
 
-def _compiled_eval(path: str, data: bytes) -> set:
-    """``data`` compiled as an expression (``eval(compile(text, path, "eval"))``),
-    with and without ``from __future__ import annotations``; empty if it is not one."""
-    import __future__
-
-    out = set()
-    for flags in (0, __future__.annotations.compiler_flag):
-        try:
-            out.add(compile(data, path, "eval", flags=flags, dont_inherit=True))
-        except (SyntaxError, ValueError):
-            pass
-    return out
-
-
 def _own_source(filename: str) -> bool:
     """Whether code that ran inside an import from ``filename`` counts: a file
     classified :data:`~kernel_cache.plan.traced.OTHER`, or one in a site folder
@@ -581,10 +567,7 @@ class TraceWindow:
             except OSError:
                 data = None
             digest = hashlib.sha256(data or b"").hexdigest()
-            if data is None or not (
-                code in traced_files._compiled(path, digest, data)
-                or code in _compiled_eval(path, data)
-            ):
+            if data is None or code not in traced_files._compiled(path, digest, data):
                 raise CompileError(
                     f"kernel {self.kernel}: its code ran module code under the name {name} "
                     f"(at {where}) that is not that file's contents: the entry would "
