@@ -575,6 +575,28 @@ class TraceWindow:
                     "under its own path"
                 )
 
+    def _refuse_incomplete(self, intact: bool, hook) -> None:
+        """Raise :class:`CompileError` where the window's record cannot be trusted
+        (class docstring): the hook replaced, module code that is not its file's,
+        code compiled from text with no file name."""
+        if not intact:
+            raise CompileError(
+                f"kernel {self.kernel}: the profile hook that records the files the "
+                f"kernel's code runs was replaced while it was traced (now {hook!r}: a "
+                "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
+                "that calls sys.setprofile), so the record of the files it ran is "
+                "incomplete and the build is refused; build the kernel without it"
+            )
+        self._check_module_runs()
+        if self.from_text:
+            raise CompileError(
+                f"kernel {self.kernel}: its code ran code compiled from text with no file "
+                f"name (exec or eval of a string, at {', '.join(sorted(set(self.from_text)))}),"
+                " whose source no file holds, so the cache key cannot cover it; run it from "
+                "its file (import it, or exec(compile(text, path, 'exec')) with the path it "
+                "was read from, which is hashed)"
+            )
+
     def __enter__(self) -> TraceWindow:
         import sys
         import threading
@@ -594,24 +616,8 @@ class TraceWindow:
         sys.setprofile(self._saved[0])
         threading.setprofile(self._saved[1])
         _OPEN.remove(self)
-        if exc[0] is None and not intact:
-            raise CompileError(
-                f"kernel {self.kernel}: the profile hook that records the files the "
-                f"kernel's code runs was replaced while it was traced (now {hook!r}: a "
-                "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
-                "that calls sys.setprofile), so the record of the files it ran is "
-                "incomplete and the build is refused; build the kernel without it"
-            )
         if exc[0] is None:
-            self._check_module_runs()
-        if exc[0] is None and self.from_text:
-            raise CompileError(
-                f"kernel {self.kernel}: its code ran code compiled from text with no file "
-                f"name (exec or eval of a string, at {', '.join(sorted(set(self.from_text)))}),"
-                " whose source no file holds, so the cache key cannot cover it; run it from "
-                "its file (import it, or exec(compile(text, path, 'exec')) with the path it "
-                "was read from, which is hashed)"
-            )
+            self._refuse_incomplete(intact, hook)
         own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
         _RAN.setdefault(self.kernel, set()).update(self.files)
