@@ -30,12 +30,19 @@ HASHED_PACKAGES = ("kernel_cache", "warmup")
 def _module_file(name: str, specs: dict | None = None) -> Path | None:
     """The source file of module ``name`` (a package's ``__init__.py``, or a
     top-level single-file module), found without importing it (nor its
-    package); None if there is none. ``specs`` keeps the top-level lookups
-    of one search (a name's top-level package is looked up once)."""
+    package); None if there is none. ``specs`` keeps the lookups of one
+    search (each name, and each top-level package, is looked up once)."""
+    specs = {} if specs is None else specs
+    memo = ("file", name)
+    if memo not in specs:
+        specs[memo] = _find_module_file(name, specs)
+    return specs[memo]
+
+
+def _find_module_file(name: str, specs: dict) -> Path | None:
     import importlib.util
 
     top, *rest = name.split(".")
-    specs = {} if specs is None else specs
     if top not in specs:
         try:
             specs[top] = importlib.util.find_spec(top)  # a top-level lookup executes nothing
@@ -64,25 +71,67 @@ def _rel(name: str, path: Path, specs: dict | None = None) -> str:
     return f"{name.split('.')[0]}/{path.relative_to(top.parent).as_posix()}"
 
 
-#: :func:`_imports` already read in this process, by file, module and ``stat``
-#: (inode, size, modification and change time): a file changed since is read again.
-_IMPORTS_READ: dict[tuple, frozenset[str]] = {}
+#: What :func:`_read_imports` found, by :func:`scan_key` (the file's bytes and
+#: module): parsed in this process, or taken from a local cache's memo
+#: (:mod:`kernel_cache.store.imports_memo`, through :func:`remember_imports`).
+_SCANNED: dict[str, frozenset[str]] = {}
+#: The keys of :data:`_SCANNED` parsed in this process, and those used by it.
+_PARSED: set[str] = set()
+_USED: set[str] = set()
 
 
-def _imports(path: Path, module: str) -> frozenset[str]:
-    """Module names ``path`` (module ``module``) imports anywhere in its body,
-    relative imports resolved; ``from X import Y`` yields X and X.Y."""
-    st = path.stat()
-    memo = (str(path), module, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if memo not in _IMPORTS_READ:
-        _IMPORTS_READ[memo] = frozenset(_read_imports(path, module))
-    return _IMPORTS_READ[memo]
+@functools.cache
+def scanner() -> str:
+    """sha256 (hex, 16 chars) of this module's source: a memo of import scans is
+    valid only for the code that made it (and the Python that parsed it)."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-def _read_imports(path: Path, module: str) -> set[str]:
+def scan_key(digest: str, module: str, path: Path) -> str:
+    """``"<sha256 hex of the file's bytes>:<module>:<m|p>"``: what an import scan
+    depends on (``p``: a package's ``__init__.py``, whose relative imports
+    resolve against the package itself)."""
+    return f"{digest}:{module}:{'p' if path.name == '__init__.py' else 'm'}"
+
+
+def remember_imports(entries: dict[str, list[str]]) -> int:
+    """Take import scans made by another process (a memo read by
+    :func:`kernel_cache.store.imports_memo.load`, already checked to come from
+    this :func:`scanner` and Python version): ``{scan_key: [module, ...]}``.
+    Returns how many were new here."""
+    new = 0
+    for k, names in entries.items():
+        if k not in _SCANNED:
+            _SCANNED[k] = frozenset(names)
+            new += 1
+    return new
+
+
+def scans_to_keep() -> tuple[dict[str, list[str]], set[str]]:
+    """``(scans, parsed)``: every import scan this process used, parsed or
+    remembered (``{scan_key: sorted module names}``), and the keys of those it
+    parsed itself (what a memo does not hold yet)."""
+    scans = {k: sorted(_SCANNED[k]) for k in _USED}
+    return scans, set(_PARSED & _USED)
+
+
+def _imports(path: Path, module: str, data: bytes, digest: str) -> frozenset[str]:
+    """Module names ``path`` (module ``module``, whose bytes are ``data`` with
+    sha256 ``digest``) imports anywhere in its body, relative imports resolved;
+    ``from X import Y`` yields X and X.Y. Parsed once per content
+    (:data:`_SCANNED`)."""
+    k = scan_key(digest, module, path)
+    if k not in _SCANNED:
+        _SCANNED[k] = frozenset(_read_imports(path, module, data))
+        _PARSED.add(k)
+    _USED.add(k)
+    return _SCANNED[k]
+
+
+def _read_imports(path: Path, module: str, data: bytes) -> set[str]:
     import ast
 
-    tree = ast.parse(path.read_bytes(), str(path))
+    tree = ast.parse(data, str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: set[str] = set()
     # Imports are statements: only statement lists are walked, not expressions
@@ -152,7 +201,9 @@ def source_files(
                     )
                 )
             continue  # "from pkg import name" where name is not a module
-        found[_rel(name, path, specs)] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        found[_rel(name, path, specs)] = digest[:16]
         parents = name.split(".")
         # A package's __init__ runs before its modules: its bytes count, but its
         # imports are re-exports, followed only where a module of the compile
@@ -164,7 +215,7 @@ def source_files(
                     init.read_bytes()
                 ).hexdigest()[:16]
         if path.name != "__init__.py" or name in roots:
-            todo.extend(_imports(path, name))
+            todo.extend(_imports(path, name, data, digest))
     return dict(sorted(found.items()))
 
 

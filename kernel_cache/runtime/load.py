@@ -295,6 +295,16 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     return Lookup(sources)
 
 
+def _take_import_memo(cache_dir, allow_shared: bool | None) -> None:
+    """Read the local cache's memo of import scans, if any, before the keys are
+    computed (:mod:`kernel_cache.store.imports_memo`; engine start only reads it)."""
+    from kernel_cache.store import imports_memo
+    from kernel_cache.trust.permissions import resolve_allow_shared
+
+    directory = Path(cache_dir) if cache_dir else default_cache_dir()
+    imports_memo.load(directory, allow_shared=resolve_allow_shared(allow_shared))
+
+
 def default_tiers(
     cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None
 ) -> list[Tier]:
@@ -400,7 +410,10 @@ def load_plan(
         if tiers is None
         else Lookup(tiers)
     )
-    plan = Plan.build(config) if plan is None else plan
+    if plan is None:
+        if tiers is None:  # the import scans warmup kept in the local cache
+            _take_import_memo(cache_dir, allow_shared_dir)
+        plan = Plan.build(config)
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 

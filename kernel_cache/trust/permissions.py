@@ -122,6 +122,7 @@ CACHE_PATHS: dict[str, tuple[str, str]] = {
     "quarantine": ("quarantine folder", "rm {p} (the link only; warmup creates a real folder)"),
     "usage.json": ("usage record", "rm {p} (the link only; usage counts start again)"),
     "usage.json.lock": ("usage record lock", "rm {p} (the link only)"),
+    "imports.json": ("import memo", "rm {p} (the link only; warmup writes a real one)"),
 }
 
 

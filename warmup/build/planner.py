@@ -185,15 +185,19 @@ def warmup(
     """
     import kernel_cache.store.housekeeping as housekeeping
     import kernel_cache.store.usage as usage
+    from kernel_cache.store import imports_memo
 
     t0 = time.perf_counter()
+    allow_shared = resolve_allow_shared(allow_shared_dir)
+    imports_memo.load(cache_dir, allow_shared=allow_shared)
     plan = Plan.build(config)
     items = list(plan) if variants is None else plan.items_for(variants)
-    allow_shared = resolve_allow_shared(allow_shared_dir)
     lock_timeout = settings.get("lock_timeout") if lock_timeout is None else float(lock_timeout)
     secret = load_signer()
     keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
+    if writable:  # for the engine starts that read this cache
+        imports_memo.save(cache_dir, allow_shared=allow_shared)
     rtier = remote.tier() if remote is not None else None
     if rtier is not None and secret is None and keyring is not None:
         log.warning(

@@ -1,0 +1,144 @@
+"""A local cache's memo of import scans, so engine start parses no source file.
+
+The ``sources`` key component follows the imports of the compile path's files
+(:func:`kernel_cache.plan.sources.source_files`), which takes an
+``ast.parse`` of each file: about half of ``load_plan``'s time on a 2-core
+CPU (docs/benchmarks.md). What a scan finds depends only on the file's bytes,
+its module name, the scanning code and the Python version, so warmup and
+engine start keep the scans in ``<cache>/imports.json``::
+
+    {"python": "3.11", "scanner": "<sha256 of sources.py, 16 hex>",
+     "files": {"<sha256 of the file>:<module>:<m|p>": ["kernel_cache.errors", ...]}}
+
+A later process still reads and hashes every file (the key needs the
+hashes); only the parse of a file whose bytes it has seen is skipped.
+
+The memo is read only from the local cache directory, which engine start
+already trusts for the code it loads, and only as a regular file owned by
+this user and writable by no one else (:func:`kernel_cache.trust.permissions.problem`);
+never from a bundle or a remote tier. A memo that is missing, unreadable,
+malformed, untrusted or made by another scanner or Python is ignored: every
+file is parsed, as without one. Writing is best effort, as for ``usage.json``:
+only where the directory is writable, atomically (``os.replace``), never
+through a symbolic link, and only when this process parsed a file the memo
+lacked. Two writers at once may drop each other's additions, which costs a
+later parse, not a wrong key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kernel_cache.plan import sources
+
+log = logging.getLogger("kernel_cache.store.imports_memo")
+
+MEMO_FILE = "imports.json"
+#: Most scans a memo keeps: beyond it, a write keeps only this process's.
+MAX_SCANS = 4096
+#: Largest memo read, in bytes (a few hundred scans take about 100 KB).
+MAX_BYTES = 8 << 20
+
+
+class ImportsMemo(BaseModel):
+    """A local cache's ``imports.json`` (see the module docstring): ``python``
+    (major.minor), ``scanner`` (:func:`kernel_cache.plan.sources.scanner`) and
+    ``files`` (``{scan key: module names}``, :func:`kernel_cache.plan.sources.scan_key`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
+
+    python: str
+    scanner: str
+    files: dict[str, list[str]] = {}
+
+
+def _python() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _read(directory: Path, allow_shared: bool) -> ImportsMemo | None:
+    from kernel_cache.trust.permissions import problem
+
+    path = directory / MEMO_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # none, or a symbolic link (ELOOP)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+            log.debug("import memo %s ignored: not a regular file of at most %d B", path, MAX_BYTES)
+            return None
+        why = None if allow_shared else problem(st)
+        if why:
+            log.debug("import memo %s ignored: %s", path, why)
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        memo = ImportsMemo.model_validate_json(raw)
+    except ValidationError as e:
+        log.debug("import memo %s ignored: %s", path, e.errors()[:1])
+        return None
+    if memo.python != _python() or memo.scanner != sources.scanner():
+        return None
+    return memo
+
+
+def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
+    """Take the scans of ``<directory>/imports.json`` for this process's key
+    computations (:func:`kernel_cache.plan.sources.remember_imports`).
+    Returns how many were taken; 0 where there is no usable memo. Never raises."""
+    memo = _read(Path(directory), allow_shared)
+    return 0 if memo is None else sources.remember_imports(memo.files)
+
+
+def save(directory: str | os.PathLike, *, allow_shared: bool = False) -> bool:
+    """Write the scans this process used into ``<directory>/imports.json`` if it
+    parsed one the memo lacks, merged with the memo's (up to
+    :data:`MAX_SCANS`). Returns True if the file was written; False if nothing
+    was new, the directory is missing or read-only, or writing failed (logged
+    at debug level). Never raises."""
+    from kernel_cache.store.usage import writable
+
+    scans, parsed = sources.scans_to_keep()
+    d = Path(directory)
+    if not parsed or not writable(d) or os.path.islink(d / MEMO_FILE):
+        return False
+    old = _read(d, allow_shared)
+    if old is not None:
+        if all(k in old.files for k in parsed):
+            return False
+        if len(old.files) + len(parsed) <= MAX_SCANS:
+            scans = {**old.files, **scans}
+    files = dict(sorted(scans.items()))
+    doc = ImportsMemo(python=_python(), scanner=sources.scanner(), files=files)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".imports-", suffix=".tmp", dir=d)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc.model_dump(), separators=(",", ":")))
+        os.replace(tmp, d / MEMO_FILE)
+        tmp = None
+        return True
+    except OSError as e:
+        log.debug("import memo in %s not written: %s", d, e)
+        return False
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
