@@ -311,28 +311,46 @@ class RealKVPagedAttention(PagedAttention):
         v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
         q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        # Diagonal: row i sees positions start .. start + i (top-left causal over
-        # the square [rows, rows] at start). Prefix: every row sees the positions
-        # before start, unmasked; with start 0 row 0 reads position 0, weighted 0.
-        diag, lse_d = flash(
-            q, k[:, :, start:kv_len], v[:, :, start:kv_len], is_causal=True, scale=self.scale
-        )[:2]
-        # The prefix's rows: all, or one for a fresh prompt, whose prefix call is
-        # then nearly free (all rows over one position cost ~12 % of the diagonal).
-        fresh = kv_t == rows_t
-        pre_rows = torch.where(fresh, 1, rows_t).item()
-        torch._check(pre_rows >= 1)
-        torch._check(pre_rows <= rows)
-        p_end = torch.sym_max(start, 1)
-        pre, lse_p = flash(q[:, :, :pre_rows], k[:, :, :p_end], v[:, :, :p_end], scale=self.scale)[
-            :2
-        ]
-        lse_p = torch.where(fresh, float("-inf"), lse_p)  # [1, H, pre_rows] float32
-        lse_h = lse_d[:, :, :pre_rows]
-        m = torch.maximum(lse_p, lse_h)
-        w_p, w_d = torch.exp(lse_p - m)[..., None], torch.exp(lse_h - m)[..., None]
-        head = (pre.float() * w_p + diag[:, :, :pre_rows].float() * w_d) / (w_p + w_d)
-        out = torch.cat([head.to(diag.dtype), diag[:, :, pre_rows:]], dim=2)  # [1, H, rows, D]
+        fresh = kv_t == rows_t  # a fresh prompt: nothing before row 0
+        # The rows in n_chunks chunks (a fixed count per query bucket, about
+        # _PREFILL_CHUNK_ROWS rows each): chunk [b0, b1) sees, unmasked, every
+        # position before start + b0 and, causally, the square of its own positions.
+        # The flash kernel computes whole 512-position KV tiles under is_causal, so
+        # one causal call over the whole diagonal does twice the work it needs;
+        # chunks leave C^2 / 2 per chunk. A chunk with no real row (fewer rows than
+        # chunks) computes the last row again (the flash kernel cannot take 0 rows)
+        # and keeps none. The bounds j * rows // n_chunks add up to rows exactly.
+        n_chunks = -(-q_len // _PREFILL_CHUNK_ROWS)
+        parts = []
+        for j in range(n_chunks):
+            b0, b1 = (j * rows) // n_chunks, ((j + 1) * rows) // n_chunks
+            a = torch.sym_min(b0, rows - 1)
+            e = torch.sym_max(b1, a + 1)
+            keep = b1 - b0
+            torch._check(a >= 0)
+            torch._check(e > a)
+            torch._check(e <= rows)
+            torch._check(keep >= 0)
+            torch._check(keep <= e - a)
+            qa = q[:, :, a:e]
+            diag, lse_d = flash(
+                qa,
+                k[:, :, start + a : start + e],
+                v[:, :, start + a : start + e],
+                is_causal=True,
+                scale=self.scale,
+            )[:2]
+            # Before the chunk: with nothing there (a fresh prompt's first chunk)
+            # the call reads position 0, weighted 0.
+            p_end = torch.sym_max(start + a, 1)
+            pre, lse_p = flash(qa, k[:, :, :p_end], v[:, :, :p_end], scale=self.scale)[:2]
+            if j == 0:
+                lse_p = torch.where(fresh, float("-inf"), lse_p)  # [1, H, e - a] float32
+            m = torch.maximum(lse_p, lse_d)
+            w_p, w_d = torch.exp(lse_p - m)[..., None], torch.exp(lse_d - m)[..., None]
+            merged = (pre.float() * w_p + diag.float() * w_d) / (w_p + w_d)
+            parts.append(merged[:, :, :keep].to(diag.dtype))
+        out = torch.cat(parts, dim=2)  # [1, H, rows, D]
         out = out[0].transpose(0, 1).to(query.dtype)
         out = F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
         # The CPU flash kernel returns 0 (and a log-sum-exp of 0) for a row whose
@@ -355,6 +373,13 @@ class RealKVPagedAttention(PagedAttention):
         res = torch.where(real[:, None, None], res, 0)
         return _shaped_like(out, res)
 
+
+#: Query rows per chunk of the CPU prefill's causal part
+#: (:meth:`RealKVPagedAttention.real_blocks`): at granite geometry, one thread,
+#: eager, 128-256 rows took 0.85-0.87x SDPA's time at 500 @ 500 and 0.93-0.99x
+#: at 512 @ 2048 against 1.32x and 1.11x for one causal call over all rows
+#: (docs/benchmarks.md).
+_PREFILL_CHUNK_ROWS = 192
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template
 #: packs the whole K/V (the entire pool here) for bfloat16/float16 once a head has

@@ -56,6 +56,31 @@ def test_real_kv_prefill_eager_matches_reference(h, kvh, d, bs, max_len, dtype):
         torch.testing.assert_close(out[:q_real].float(), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("q_real", [1, 5, 191, 192, 193, 384, 450])
+@pytest.mark.parametrize("before", [0, 1, 300])
+def test_real_kv_prefill_chunks_of_a_large_query_bucket(q_real, before):
+    """A 450-row query bucket cuts its real rows in three chunks (450 / 192 rows,
+    rounded up): one real row (two chunks keep none and recompute the last row),
+    a few, about a chunk, and all, for a fresh prompt and after 1 or 300 earlier
+    positions."""
+    from kernel_cache.kernels.builtin import _PREFILL_CHUNK_ROWS
+
+    assert _PREFILL_CHUNK_ROWS == 192
+    g = torch.Generator().manual_seed(q_real * 7 + before)
+    h, kvh, d, bs = 4, 2, 8, 16
+    seq_len = before + q_real
+    nb = -(-seq_len // bs) + 1
+    kc = torch.randn(2 * nb, bs, kvh, d, generator=g)
+    vc = torch.randn(2 * nb, bs, kvh, d, generator=g)
+    bt = torch.randperm(2 * nb, generator=g)[:nb].to(torch.int32)
+    query = torch.randn(450, h, d, generator=g)
+    lens = torch.tensor([seq_len, q_real], dtype=torch.int32)
+    out = RealKVPagedAttention(h, kvh, d).real_blocks(query, kc, vc, bt, lens[:1], lens[1:])
+    ref = reference_attention(query[:q_real], kc, vc, bt, seq_len)
+    torch.testing.assert_close(out[:q_real], ref, **TOL[torch.float32])
+    assert (out[q_real:] == 0).all()
+
+
 def test_real_kv_prefill_seq_len_zero_is_finite():
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(3, 16, 2, 8, generator=g), torch.randn(3, 16, 2, 8, generator=g)
