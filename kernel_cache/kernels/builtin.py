@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernel_cache.errors import ConfigError
@@ -313,25 +312,23 @@ class RealKVPagedAttention(PagedAttention):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         fresh = kv_t == rows_t  # a fresh prompt: nothing before row 0
         # The rows in n_chunks chunks (a fixed count per query bucket, about
-        # _PREFILL_CHUNK_ROWS rows each): chunk [b0, b1) sees, unmasked, every
-        # position before start + b0 and, causally, the square of its own positions.
+        # _PREFILL_CHUNK_ROWS rows each): chunk [a, e) sees, unmasked, every
+        # position before start + a and, causally, the square of its own positions.
         # The flash kernel computes whole 512-position KV tiles under is_causal, so
         # one causal call over the whole diagonal does twice the work it needs;
-        # chunks leave C^2 / 2 per chunk. A chunk with no real row (fewer rows than
-        # chunks) computes the last row again (the flash kernel cannot take 0 rows)
-        # and keeps none. The bounds j * rows // n_chunks add up to rows exactly.
+        # chunks leave C^2 / 2 per chunk. Each chunk's rows are written into a
+        # zeroed [1, H, q_len, D] output (padded rows stay zeros). A chunk with no
+        # real row of its own (fewer rows than chunks) computes the last row again
+        # (the flash kernel cannot take 0 rows), which it writes with the same value.
         n_chunks = -(-q_len // _PREFILL_CHUNK_ROWS)
-        parts = []
+        out = q.new_zeros(1, q.shape[1], q_len, d)
         for j in range(n_chunks):
             b0, b1 = (j * rows) // n_chunks, ((j + 1) * rows) // n_chunks
             a = torch.sym_min(b0, rows - 1)
             e = torch.sym_max(b1, a + 1)
-            keep = b1 - b0
             torch._check(a >= 0)
             torch._check(e > a)
             torch._check(e <= rows)
-            torch._check(keep >= 0)
-            torch._check(keep <= e - a)
             qa = q[:, :, a:e]
             diag, lse_d = flash(
                 qa,
@@ -349,10 +346,8 @@ class RealKVPagedAttention(PagedAttention):
             m = torch.maximum(lse_p, lse_d)
             w_p, w_d = torch.exp(lse_p - m)[..., None], torch.exp(lse_d - m)[..., None]
             merged = (pre.float() * w_p + diag.float() * w_d) / (w_p + w_d)
-            parts.append(merged[:, :, :keep].to(diag.dtype))
-        out = torch.cat(parts, dim=2)  # [1, H, rows, D]
-        out = out[0].transpose(0, 1).to(query.dtype)
-        out = F.pad(out, (0, 0, 0, 0, 0, q_len - rows))  # padded rows: zeros
+            out = out.slice_scatter(merged.to(out.dtype), dim=2, start=a, end=e)
+        out = out[0].transpose(0, 1).to(query.dtype)  # [q_len, H, D]
         # The CPU flash kernel returns 0 (and a log-sum-exp of 0) for a row whose
         # visible scores are all NaN or -inf, where the reference is NaN, and the
         # merge then weighs the other call wrongly: with a NaN or inf among the real

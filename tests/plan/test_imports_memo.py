@@ -21,12 +21,21 @@ import ast, json, sys
 calls = []
 _parse = ast.parse
 def counting(source, filename="<unknown>", *a, **k):
-    calls.append(str(filename))
+    if str(filename).endswith(".py"):  # a file's scan; torch parses snippets too
+        calls.append(str(filename))
     return _parse(source, filename, *a, **k)
 ast.parse = counting
 from kernel_cache import make_config
 from kernel_cache.plan.plan import Plan
 from kernel_cache.store import imports_memo
+if sys.argv[2] == "engine":  # engine start on a cache without entries
+    from kernel_cache import load_plan
+    from kernel_cache.errors import MissingVariantsError
+    try:
+        load_plan(make_config("llama-3.2-1b"), sys.argv[1])
+    except MissingVariantsError as e:
+        print(json.dumps({"parsed": calls, "missing": len(e.missing)}))
+    raise SystemExit
 taken = imports_memo.load(sys.argv[1])
 plan = Plan.build(make_config("llama-3.2-1b"))
 saved = imports_memo.save(sys.argv[1]) if sys.argv[2] == "save" else None
@@ -128,14 +137,15 @@ def test_a_read_only_or_missing_directory_gets_no_memo(tmp_path):
         ro.chmod(0o700)
 
 
-def test_engine_start_reads_the_memo_but_never_writes_it(tmp_path):
-    """``load_plan`` takes the memo before computing keys, and writes nothing
-    (an empty cache: the start fails as missing, having created no file)."""
-    from kernel_cache import load_plan, make_config
-    from kernel_cache.errors import MissingVariantsError
-
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    with pytest.raises(MissingVariantsError):
-        load_plan(make_config("llama-3.2-1b"), cache)
-    assert not (cache / MEMO_FILE).exists()
+def test_engine_start_reads_the_memo_but_never_writes_it(tmp_path, memo_cache):
+    """``load_plan`` in a fresh process takes the memo before computing keys and
+    parses nothing; without a memo it parses and writes none (a cache without
+    entries: the start fails as missing)."""
+    cache, first = memo_cache
+    doc = child(cache, "engine")
+    assert doc["parsed"] == [] and doc["missing"] == len(first["keys"])
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    doc = child(empty, "engine")
+    assert sorted(doc["parsed"]) == sorted(first["parsed"])
+    assert not (empty / MEMO_FILE).exists()  # only usage.json records the misses
