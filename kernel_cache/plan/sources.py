@@ -115,11 +115,16 @@ def scans_to_keep() -> tuple[dict[str, list[str]], set[str]]:
     return scans, set(_PARSED & _USED)
 
 
-def _imports(path: Path, module: str, data: bytes, digest: str) -> frozenset[str]:
+def _imports(
+    path: Path, module: str, data: bytes | None = None, digest: str | None = None
+) -> frozenset[str]:
     """Module names ``path`` (module ``module``, whose bytes are ``data`` with
     sha256 ``digest``) imports anywhere in its body, relative imports resolved;
     ``from X import Y`` yields X and X.Y. Parsed once per content
-    (:data:`_SCANNED`)."""
+    (:data:`_SCANNED`); without ``data`` the file is read here."""
+    if data is None:
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
     k = scan_key(digest, module, path)
     if k not in _SCANNED:
         _SCANNED[k] = frozenset(_read_imports(path, module, data))
