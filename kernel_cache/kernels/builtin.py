@@ -311,8 +311,9 @@ class RealKVPagedAttention(PagedAttention):
         q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         fresh = kv_t == rows_t  # a fresh prompt: nothing before row 0
-        # The rows in n_chunks chunks (a fixed count per query bucket, about
-        # _PREFILL_CHUNK_ROWS rows each): chunk [a, e) sees, unmasked, every
+        # The rows in n_chunks chunks (a fixed count per query bucket: a full
+        # bucket's chunks have at least _PREFILL_CHUNK_ROWS rows, from which the
+        # flash kernel takes 64-row query tiles, not 32): chunk [a, e) sees, unmasked, every
         # position before start + a and, causally, the square of its own positions.
         # The flash kernel computes whole 512-position KV tiles under is_causal, so
         # one causal call over the whole diagonal does twice the work it needs;
@@ -320,7 +321,7 @@ class RealKVPagedAttention(PagedAttention):
         # zeroed [1, H, q_len, D] output (padded rows stay zeros). A chunk with no
         # real row of its own (fewer rows than chunks) computes the last row again
         # (the flash kernel cannot take 0 rows), which it writes with the same value.
-        n_chunks = -(-q_len // _PREFILL_CHUNK_ROWS)
+        n_chunks = max(1, q_len // _PREFILL_CHUNK_ROWS)
         out = q.new_zeros(1, q.shape[1], q_len, d)
         for j in range(n_chunks):
             b0, b1 = (j * rows) // n_chunks, ((j + 1) * rows) // n_chunks
@@ -369,11 +370,10 @@ class RealKVPagedAttention(PagedAttention):
         return _shaped_like(out, res)
 
 
-#: Query rows per chunk of the CPU prefill's causal part
-#: (:meth:`RealKVPagedAttention.real_blocks`): at granite geometry, one thread,
-#: eager, 128-256 rows took 0.85-0.87x SDPA's time at 500 @ 500 and 0.93-0.99x
-#: at 512 @ 2048 against 1.32x and 1.11x for one causal call over all rows
-#: (docs/benchmarks.md).
+#: Fewest query rows per chunk of a full bucket in the CPU prefill's causal part
+#: (:meth:`RealKVPagedAttention.real_blocks`): ATen's CPU flash kernel takes
+#: 64-row query tiles from 192 rows on and 32-row tiles below. Measured at
+#: granite geometry, one thread: docs/benchmarks.md ("Kernel speed").
 _PREFILL_CHUNK_ROWS = 192
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template

@@ -59,9 +59,9 @@ def test_real_kv_prefill_eager_matches_reference(h, kvh, d, bs, max_len, dtype):
 @pytest.mark.parametrize("q_real", [1, 5, 191, 192, 193, 384, 450])
 @pytest.mark.parametrize("before", [0, 1, 300])
 def test_real_kv_prefill_chunks_of_a_large_query_bucket(q_real, before):
-    """A 450-row query bucket cuts its real rows in three chunks (450 / 192 rows,
-    rounded up): one real row (two chunks keep none and recompute the last row),
-    a few, about a chunk, and all, for a fresh prompt and after 1 or 300 earlier
+    """A 450-row query bucket cuts its real rows in two chunks (450 // 192): one
+    real row (the second chunk has none and recomputes the last row), a few,
+    about a chunk, and all, for a fresh prompt and after 1 or 300 earlier
     positions."""
     from kernel_cache.kernels.builtin import _PREFILL_CHUNK_ROWS
 
