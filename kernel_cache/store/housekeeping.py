@@ -325,7 +325,7 @@ def gc(
 
 def clear(tier: Tier, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> dict:
     """Remove every entry of the cache (corrupt ones included), its usage
-    record, ``quarantine/`` and the orphan value files older than
+    record and import memo, ``quarantine/`` and the orphan value files older than
     ``orphan_grace_s`` seconds. The directory and ``locks/`` stay (a running
     warmup may hold a lock).
 
@@ -336,6 +336,7 @@ def clear(tier: Tier, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> dict:
         UntrustedCacheError: ``quarantine/`` (or another path of the cache) is
             a symbolic link (refused when the cache is opened; never followed).
     """
+    from kernel_cache.store import imports_memo
     from kernel_cache.store.quarantine import QUARANTINE_DIR
 
     rows = list_entries(tier)
@@ -345,6 +346,7 @@ def clear(tier: Tier, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> dict:
     quarantined = 0
     if d is not None:
         usage.reset(d)
+        imports_memo.remove(d)
         q = d / QUARANTINE_DIR
         if q.is_dir() and not q.is_symlink():
             quarantined = sum(1 for p in q.iterdir() if not p.name.startswith("."))

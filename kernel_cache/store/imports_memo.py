@@ -69,7 +69,9 @@ def _read(directory: Path, allow_shared: bool) -> ImportsMemo | None:
 
     path = directory / MEMO_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags)
     except OSError:  # none, or a symbolic link (ELOOP)
         return None
     try:
@@ -100,9 +102,29 @@ def _read(directory: Path, allow_shared: bool) -> ImportsMemo | None:
 def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
     """Take the scans of ``<directory>/imports.json`` for this process's key
     computations (:func:`kernel_cache.plan.sources.remember_imports`).
-    Returns how many were taken; 0 where there is no usable memo. Never raises."""
+    Returns how many were taken; 0 where there is no usable memo, or the
+    directory fails the cache's trust checks
+    (:func:`kernel_cache.trust.permissions.check_cache_dir`, which the caller's
+    own reads then report). Never raises."""
+    from kernel_cache.errors import KernelCacheError
+    from kernel_cache.trust.permissions import check_cache_dir
+
+    try:
+        check_cache_dir(directory, allow_shared=allow_shared)
+    except (KernelCacheError, OSError):
+        return 0
     memo = _read(Path(directory), allow_shared)
     return 0 if memo is None else sources.remember_imports(memo.files)
+
+
+def remove(directory: str | os.PathLike) -> bool:
+    """Remove ``<directory>/imports.json`` (``kernel-cache clear``; a link is
+    removed, never followed). Returns True if there was one."""
+    try:
+        os.unlink(Path(directory) / MEMO_FILE)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def save(directory: str | os.PathLike, *, allow_shared: bool = False) -> bool:

@@ -47,7 +47,7 @@ print(json.dumps({"taken": taken, "parsed": calls, "saved": saved,
 def child(cache, mode="read") -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(cache), mode],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -122,6 +122,35 @@ def test_an_untrusted_memo_is_ignored(memo_cache, tmp_path):
     path.symlink_to(real)  # a link is never followed
     doc = child(cache)
     assert doc["taken"] == 0 and doc["keys"] == first["keys"]
+
+
+def test_a_fifo_or_an_untrusted_directory_neither_blocks_nor_is_read(memo_cache, tmp_path):
+    """A FIFO at the memo's path is not opened for a blocking read (a process
+    would wait for a writer forever), and a directory others can write is not
+    read at all: the load that follows refuses it."""
+    import os
+
+    cache, first = memo_cache
+    (cache / MEMO_FILE).unlink()
+    os.mkfifo(cache / MEMO_FILE, 0o600)
+    doc = child(cache)  # subprocess.run's timeout fails the test if it blocks
+    assert doc["taken"] == 0 and doc["keys"] == first["keys"]
+    (cache / MEMO_FILE).unlink()
+    assert child(cache, "save")["saved"] is True
+    cache.chmod(0o770)  # writable by the group
+    try:
+        assert child(cache)["taken"] == 0
+    finally:
+        cache.chmod(0o700)
+
+
+def test_clear_removes_the_memo(memo_cache):
+    from kernel_cache.store.disk_tier import DiskTier
+    from kernel_cache.store.housekeeping import clear
+
+    cache, _ = memo_cache
+    clear(DiskTier(cache))
+    assert not (cache / MEMO_FILE).exists()
 
 
 def test_a_read_only_or_missing_directory_gets_no_memo(tmp_path):
