@@ -4,8 +4,8 @@ The ``sources`` key component follows the imports of the compile path's files
 (:func:`kernel_cache.plan.sources.source_files`), which takes an
 ``ast.parse`` of each file: about half of ``load_plan``'s time on a 2-core
 CPU (docs/benchmarks.md). What a scan finds depends only on the file's bytes,
-its module name, the scanning code and the Python version, so warmup and
-engine start keep the scans in ``<cache>/imports.json``::
+its module name, the scanning code and the Python version, so warmup keeps
+the scans in ``<cache>/imports.json`` and engine start reads them::
 
     {"python": "3.11", "scanner": "<sha256 of sources.py, 16 hex>",
      "files": {"<sha256 of the file>:<module>:<m|p>": ["kernel_cache.errors", ...]}}
@@ -119,11 +119,12 @@ def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
 
 def remove(directory: str | os.PathLike) -> bool:
     """Remove ``<directory>/imports.json`` (``kernel-cache clear``; a link is
-    removed, never followed). Returns True if there was one."""
+    removed, never followed). Returns True if it was removed; False if there
+    was none or it could not be removed (a directory of that name, say)."""
     try:
         os.unlink(Path(directory) / MEMO_FILE)
         return True
-    except FileNotFoundError:
+    except OSError:
         return False
 
 
