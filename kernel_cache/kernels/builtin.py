@@ -14,8 +14,8 @@ Two kinds of kernel live here:
   :func:`build_module` returns. On the CPU, when traced for export, they read
   only the KV a sequence really has: prefill copies the sequence's positions
   below ``seq_len`` (a data-dependent length) and runs SDPA's CPU flash kernel
-  on the real query rows (a causal diagonal and an unmasked prefix, merged by
-  log-sum-exp); decode runs
+  on the real query rows, in chunks (each causal over its own positions and
+  unmasked over those before, merged by log-sum-exp); decode runs
   ``torch.nn.attention.flex_attention`` over the whole paged pool with a block
   mask built in the graph from ``seq_lens`` and the block tables, so a sequence
   reads its own blocks up to ``seq_len`` and a padded row (``seq_len == 0``)
@@ -253,13 +253,15 @@ class RealKVPagedAttention(PagedAttention):
     the first ``ceil(seq_len / block_size)`` blocks of ``block_table`` (a
     data-dependent count: unbacked sizes under ``torch.export``, bounded by
     ``torch._check``) and only the real query rows ``r = min(real_query_len,
-    seq_len)``, with ``start = seq_len - r`` the position of row 0, in two calls
-    of the CPU flash kernel (GQA native), merged by their log-sum-exp:
+    seq_len)``, with ``start = seq_len - r`` the position of row 0. The rows
+    are cut in ``max(1, q_len // 192)`` chunks (``_PREFILL_CHUNK_ROWS``); each
+    chunk ``[a, e)`` takes two calls of the CPU flash kernel (GQA native),
+    merged by their log-sum-exp:
 
-    * diagonal: the rows over positions ``start .. seq_len - 1``, ``is_causal``
-      (top-left on that ``[r, r]`` square: row ``i`` sees up to ``start + i``);
-    * prefix: the rows over positions ``< start``, unmasked. For a fresh prompt
-      (``start == 0``) it is one row over position 0, weighted 0.
+    * its own square, positions ``start + a .. start + e - 1``, ``is_causal``
+      (top-left: row ``i`` sees up to ``start + i``);
+    * the positions before it, ``< start + a``, unmasked. For a fresh prompt's
+      first chunk (nothing before it) the call reads position 0, weighted 0.
 
     No boolean mask is built. K and V of each call are copied from the pool
     straight into a head-major ``[1, num_kv_heads, length, head_dim]`` buffer
@@ -285,8 +287,9 @@ class RealKVPagedAttention(PagedAttention):
         return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
 
     def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
-        """The gather of the real blocks and the two flash calls (what is compiled
-        for the CPU); callable eagerly. Same inputs and output as :meth:`forward`."""
+        """The gather of the real blocks and the chunked flash calls (what is
+        compiled for the CPU); callable eagerly. Same inputs and output as
+        :meth:`forward`."""
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
