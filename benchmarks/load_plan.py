@@ -1,18 +1,18 @@
 """``load_plan`` alone: milliseconds per variant in a fresh process, before/after.
 
-    python benchmarks/load_plan.py [ENGINE OPTIONS] --cache-dir DIR [--baseline DIR]
-        [--repeats R] [--out FILE]
+    python benchmarks/load_plan.py [ENGINE OPTIONS] --cache-dir DIR [--baseline DIR
+        [--baseline-cache-dir DIR]] [--repeats R] [--out FILE]
 
 Each start is a fresh Python process that imports torch and the engine config
 (as an engine has before it loads), then times one ``load_plan(config,
 cache_dir)`` of the whole plan: wall seconds (``time.perf_counter``) and this
 thread's CPU seconds (``time.thread_time``; less sensitive than wall time to
 other processes on a loaded machine). ``--baseline DIR`` (another checkout,
-e.g. a ``git archive`` of main) loads the same cache directory with its own
-``kernel_cache`` (first on ``sys.path``, ahead of an editable install),
-interleaved round by round; it needs the same keys, so it suits changes
-that leave the keys alone. The cache must hold the whole plan
-(``kernel-cache warmup`` first): a start that misses a variant fails.
+e.g. a ``git archive`` of main) runs its own ``kernel_cache`` (first on
+``sys.path``, ahead of an editable install), interleaved round by round, on
+the same cache directory or, where its keys differ, on its own
+(``--baseline-cache-dir``, warmed by that checkout). Each cache must hold the
+whole plan (``kernel-cache warmup`` first): a start that misses a variant fails.
 Reports median (min-max) per way and per variant; the machine's
 load average is recorded before and after.
 """
@@ -66,6 +66,11 @@ def main(argv=None) -> int:
     engine_options(p)
     p.add_argument("--cache-dir", required=True, help="a cache holding the whole plan")
     p.add_argument("--baseline", default=None, help="another checkout: its load_plan, interleaved")
+    p.add_argument(
+        "--baseline-cache-dir",
+        default=None,
+        help="the baseline's cache, where its keys differ (default: --cache-dir)",
+    )
     p.add_argument("--repeats", type=int, default=7, help="starts per way")
     p.add_argument("--out", default=str(OUT_DIR / "load_plan.json"))
     args = p.parse_args(argv)
@@ -86,7 +91,8 @@ def main(argv=None) -> int:
         order = list(ways) if r % 2 == 0 else list(reversed(ways))
         print(f"round {r + 1}/{args.repeats}: {' '.join(order)}", file=sys.stderr, flush=True)
         for k in order:
-            x = start(cfg_json, args.cache_dir, ways[k])
+            cache = args.baseline_cache_dir if k == "baseline" and args.baseline_cache_dir else None
+            x = start(cfg_json, cache or args.cache_dir, ways[k])
             if not x["kernel_cache"].startswith(ways[k] + os.sep):
                 raise SystemExit(
                     f"{k}: loaded kernel_cache from {x['kernel_cache']}, not {ways[k]}"

@@ -120,6 +120,7 @@ def test_dispatch_smoke(tmp_path, warm_cache, tiny_model):
 def test_load_plan_smoke(tmp_path, warm_cache, tiny_model):
     out = tmp_path / "load_plan.json"
     args = ["--cache-dir", warm_cache[0], "--baseline", ROOT, "--repeats", "2", "--out", out]
+    args += ["--baseline-cache-dir", warm_cache[0]]  # the baseline's own cache (here the same)
     doc = run_bench("load_plan", *tiny_args(tiny_model), *args, timeout=300)
     for way in ("now", "baseline"):
         r = doc["results"][way]
