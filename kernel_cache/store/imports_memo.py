@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -65,30 +64,27 @@ def _python() -> str:
 
 
 def _read(directory: Path, allow_shared: bool) -> ImportsMemo | None:
+    from kernel_cache.store.nofollow import UnsafeValueError, open_entry_file
     from kernel_cache.trust.permissions import problem
 
     path = directory / MEMO_FILE
-    try:
-        # O_NONBLOCK: opening a FIFO for reading would wait for a writer.
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags)
-    except OSError:  # none, or a symbolic link (ELOOP)
+    try:  # no link followed, a FIFO not waited on, only a regular file
+        f = open_entry_file(directory, MEMO_FILE)
+    except (OSError, UnsafeValueError):
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
-            log.debug("import memo %s ignored: not a regular file of at most %d B", path, MAX_BYTES)
-            return None
-        why = None if allow_shared else problem(st)
-        if why:
-            log.debug("import memo %s ignored: %s", path, why)
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
+    with f:
+        try:
+            st = os.fstat(f.fileno())
+            if st.st_size > MAX_BYTES:
+                log.debug("import memo %s ignored: over %d B", path, MAX_BYTES)
+                return None
+            why = None if allow_shared else problem(st)
+            if why:
+                log.debug("import memo %s ignored: %s", path, why)
+                return None
             raw = f.read(MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        except OSError:
+            return None
     try:
         memo = ImportsMemo.model_validate_json(raw)
     except ValidationError as e:
