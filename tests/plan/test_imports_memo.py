@@ -14,8 +14,9 @@ from kernel_cache.store.imports_memo import MEMO_FILE
 
 from ..conftest import ROOT
 
-#: In a fresh process: read the memo of argv[1], build the default plan's keys
-#: (and a tiny plan's), count ast.parse calls, optionally save; print JSON.
+#: In a fresh process: read the memo of argv[1], build the default plan's keys,
+#: count ast.parse calls of .py files, optionally save; print JSON. Mode
+#: "engine" runs load_plan on argv[1] instead.
 CHILD = r"""
 import ast, json, sys
 calls = []
