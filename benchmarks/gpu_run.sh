@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 #   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
+#   bash benchmarks/gpu_run.sh pipeline # software-pipelined and longest-first prefill variants, block_size 128
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX.
@@ -114,6 +115,10 @@ case "${1:-probe}" in
     timeout "${PREFILL_TIMEOUT:-330}" python3 benchmarks/gpu_prefill_variants.py --ir --out "$OUT" \
       2>&1 | tee "$OUT/variants.log"
     ;;
+  pipeline)
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout 300 python3 benchmarks/gpu_prefill_pipeline.py --out "$OUT" 2>&1 | tee "$OUT/pipeline.log"
+    ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
       2>&1 | tee "$OUT/env.txt"
@@ -134,7 +139,7 @@ case "${1:-probe}" in
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|tune|engine|prefill" >&2
+    echo "usage: $0 probe|bench|suite|tune|engine|prefill|pipeline" >&2
     exit 2
     ;;
 esac
