@@ -918,6 +918,43 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
         _forget_modules("poolpkg")
 
 
+def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
+    tmp_path, monkeypatch
+):
+    """The profile function skips a function it has seen, separately inside and
+    outside imports: a helper that an import ran first (at module level) and
+    the trace then calls is in ``files``, in this window and in a later one; a
+    file only an import ran is in ``imported`` only."""
+    import importlib
+
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    pkg = tmp_path / "site" / "seenpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("def gain():\n    return 3.0\n")
+    (pkg / "user.py").write_text(
+        "from seenpkg.helper import gain\nAT_IMPORT = gain()\n\ndef run():\n    return gain()\n"
+    )
+    (pkg / "only.py").write_text("def once():\n    return 1\n\nONCE = once()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        with compiler.TraceWindow("seenpkg.kern:K") as w1:
+            user = importlib.import_module("seenpkg.user")  # runs gain() inside an import
+            importlib.import_module("seenpkg.only")
+            assert user.run() == 3.0  # and again outside one
+        helper, only = str(pkg / "helper.py"), str(pkg / "only.py")
+        assert helper in w1.imported and helper in w1.files
+        assert only in w1.imported and only not in w1.files
+        with compiler.TraceWindow("seenpkg.kern:K") as w2:
+            assert user.run() == 3.0
+        assert helper in w2.files and str(pkg / "user.py") in w2.files
+    finally:
+        _forget_modules("seenpkg")
+
+
 def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
     """A kernel factory that sets ``torch._inductor.config`` (a graph pass, an
     option) would build code its key does not describe, in its own compile and

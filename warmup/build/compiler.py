@@ -467,12 +467,14 @@ def _dispatch(frame, event, arg, _id=id) -> None:
 
     Python calls it for every call and return, C calls included (about 15
     million events in the export of one variant of the tiny plan), so the common
-    case, a function already seen outside an import, costs one set lookup here
-    and no further call (``_id``: ``id`` bound once, not looked up per call)."""
+    cases cost one or two set lookups here and no further call: a function
+    already seen outside an import, and, inside an import, one already seen
+    inside an import (``_id``: ``id`` bound once, not looked up per call)."""
     if event == "call":
-        if _id(frame.f_code) not in _SEEN:
+        cid = _id(frame.f_code)
+        if cid not in _SEEN:
             window = _WINDOW
-            if window is not None:
+            if window is not None and not (window._depth and cid in window.seen_in_import):
                 window._call(frame.f_code, frame)
     elif event == "return" and frame.f_code is _FIND_AND_LOAD[0]:
         window = _WINDOW
@@ -523,6 +525,7 @@ class TraceWindow:
         self.imported: set[str] = set()  # code that ran inside imports
         self.codes: dict[int, object] = {}  # every code object that ran, by id
         self.seen: set[int] = set()  # ids of functions that ran outside imports
+        self.seen_in_import: set[int] = set()  # ids of functions that ran inside imports
         self.from_text: list[str] = []  # "file:line" of the engine's exec/eval of text
         self.module_runs: list[tuple] = []  # (file name, code, "file:line") exec'd by it
         self._own: dict[str, bool] = {}  # _own_source by file name, for this window
@@ -531,8 +534,9 @@ class TraceWindow:
 
     def _call(self, code, frame) -> None:
         """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
-        of a function outside imports, any call inside an import, and every run
-        of module or class-body code (checked by :meth:`_module_run` each time)."""
+        of a function outside imports and the first inside imports, every call
+        of the import system's ``_find_and_load``, and every run of module or
+        class-body code (checked by :meth:`_module_run` each time)."""
         self.codes[id(code)] = code
         if code is self._import:
             self._depth += 1
@@ -543,7 +547,9 @@ class TraceWindow:
             self.files.add(code.co_filename)
         if not code.co_flags & _FUNCTION_FLAGS:  # module or class body: exec'd code
             self._module_run(code, frame.f_back)
-        elif not self._depth:  # recorded in files: later calls change nothing
+        elif self._depth:  # recorded in imported: later calls inside imports change nothing
+            self.seen_in_import.add(id(code))
+        else:  # recorded in files: later calls change nothing
             self.seen.add(id(code))
 
     def _module_run(self, code, caller) -> None:
@@ -651,7 +657,7 @@ class TraceWindow:
         for code in self.codes.values():
             if code.co_filename in mine:
                 _CODES.setdefault(code.co_filename, {})[id(code)] = code
-        self.codes, self.seen = {}, set()
+        self.codes, self.seen, self.seen_in_import = {}, set(), set()
 
     def manifest(self) -> Manifest:
         """The recorded files, with the source files imported in this or an
