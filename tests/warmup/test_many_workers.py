@@ -373,7 +373,11 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     progress lines (stderr is a pipe, not a terminal) arrive one per variant
     while the warmup runs."""
     cache = tmp_path / "cache"
-    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1")
+    # Two of the tiny plan's variants (query bucket 32, the decode batch): one to
+    # publish before the SIGINT, one for the second warmup.
+    n = 2
+    args = ("warmup", *tiny_args(tiny_model), "--query-buckets", "32")
+    args += ("--cache-dir", cache, "--jobs", "1")
     # As a terminal starts it: SIGINT at its default, even where this test runs
     # with SIGINT ignored (a background job of a script inherits that).
     proc = subprocess.Popen(
@@ -386,7 +390,7 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = proc.stderr.readline()  # blocks until the first variant is done
-    assert re.match(rf"warmup \[1/{N_TINY}\] \S+ compiled [\d.]+ s$", first.strip()), first
+    assert re.match(rf"warmup \[1/{n}\] \S+ compiled [\d.]+ s$", first.strip()), first
     assert proc.poll() is None  # a line per variant before the end
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=300)
@@ -401,8 +405,8 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     assert f"{kept} compiled and kept" in summary[0]
     proc = run_cli(*args, "--json", "--quiet", check=True)
     report = json.loads(proc.stdout)
-    assert report["cached"] == kept and report["compiled"] == N_TINY - kept
-    assert report["compiler_runs"] == N_TINY - kept
+    assert report["cached"] == kept and report["compiled"] == n - kept
+    assert report["compiler_runs"] == n - kept
 
 
 def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
@@ -504,9 +508,11 @@ def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
     ends with every variant compiled once and published, exit 0."""
     cache, log = tmp_path / "cache", tmp_path / "compiles"
     env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
+    n = 2  # two of the tiny plan's variants (query bucket 32, the decode batch): both in flight
     proc = cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2", "--json", env=env
-    )
+        "warmup", *tiny_args(tiny_model), "--query-buckets", "32", "--cache-dir", cache,
+        "--jobs", "2", "--json", env=env,
+    )  # fmt: skip
     t0 = time.monotonic()
     while not (log.exists() and log.read_text().strip()):
         assert proc.poll() is None and time.monotonic() - t0 < 600, proc.communicate()
@@ -516,7 +522,7 @@ def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err
     report = json.loads(out)
-    assert report["compiled"] == N_TINY and report["failed"] == [], report["failed"]
+    assert report["compiled"] == n and report["failed"] == [], report["failed"]
     lines = log.read_text().split("\n")
     assert sum(line.endswith(" " + victim) for line in lines) == 2  # killed once, then rebuilt
-    assert verify_json(tiny_model, cache)["ok"] is True
+    assert verify_json(tiny_model, cache, "--query-buckets", "32")["ok"] is True
