@@ -955,6 +955,41 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
         _forget_modules("seenpkg")
 
 
+def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch):
+    """Two windows closed in the order they opened (not nested): once both are
+    closed, a call records into neither (the outer one is not put back)."""
+    import importlib
+
+    from kernel_cache.errors import CompileError
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+    pkg = tmp_path / "site" / "orderpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "late.py").write_text("def late():\n    return 5\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    before = sys.getprofile()
+    a, b = compiler.TraceWindow("orderpkg.kern:K"), compiler.TraceWindow("orderpkg.kern:K")
+    try:
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)
+        with pytest.raises(CompileError, match="was replaced"):  # a put its saved hook back
+            b.__exit__(None, None, None)
+        assert sys.getprofile() is compiler._dispatch  # b put back the hook it found
+        assert compiler._WINDOW is None and not compiler._OPEN
+        late = importlib.import_module("orderpkg.late")
+        assert late.late() == 5
+        assert not any("orderpkg" in f for f in a.files | a.imported | b.files | b.imported)
+    finally:
+        sys.setprofile(before)
+        compiler._OPEN.clear()
+        compiler._set_window()
+        _forget_modules("orderpkg")
+
+
 def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
     """A kernel factory that sets ``torch._inductor.config`` (a graph pass, an
     option) would build code its key does not describe, in its own compile and

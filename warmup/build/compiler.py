@@ -452,13 +452,19 @@ def _own_source(filename: str) -> bool:
     return kind == traced_files.SITE and traced_files.dist_of(traced_files._norm(filename)) is None
 
 
-#: The open :class:`TraceWindow` (at most one at a time), which :func:`_dispatch`
-#: records into; None outside one.
+#: The open :class:`TraceWindow` s, innermost last (one at a time in a compile).
+_OPEN: list = []
+#: The innermost open window, which :func:`_dispatch` records into; None outside one.
 _WINDOW = None
-#: The open window's :attr:`TraceWindow.seen` (empty outside one).
+#: That window's :attr:`TraceWindow.seen` (empty outside one).
 _SEEN: set[int] = set()
-#: The import system's ``_find_and_load`` code (:func:`_find_and_load_code`), once known.
-_FIND_AND_LOAD: list = [None]
+
+
+def _set_window() -> None:
+    """Point :data:`_WINDOW` and :data:`_SEEN` at the innermost open window."""
+    global _WINDOW, _SEEN
+    _WINDOW = _OPEN[-1] if _OPEN else None
+    _SEEN = _WINDOW.seen if _WINDOW is not None else set()
 
 
 def _dispatch(frame, event, arg, _id=id) -> None:
@@ -476,9 +482,9 @@ def _dispatch(frame, event, arg, _id=id) -> None:
             window = _WINDOW
             if window is not None and not (window._depth and cid in window.seen_in_import):
                 window._call(frame.f_code, frame)
-    elif event == "return" and frame.f_code is _FIND_AND_LOAD[0]:
+    elif event == "return":
         window = _WINDOW
-        if window is not None:
+        if window is not None and frame.f_code is window._import:
             window._depth -= 1
 
 
@@ -549,7 +555,8 @@ class TraceWindow:
             self._module_run(code, frame.f_back)
         elif self._depth:  # recorded in imported: later calls inside imports change nothing
             self.seen_in_import.add(id(code))
-        else:  # recorded in files: later calls change nothing
+        else:  # recorded in files: later calls change nothing (an import's call of it
+            # is not added to imported, which the manifest only adds to files)
             self.seen.add(id(code))
 
     def _module_run(self, code, caller) -> None:
@@ -629,10 +636,9 @@ class TraceWindow:
         import sys
         import threading
 
-        global _WINDOW, _SEEN
-        self._saved = (sys.getprofile(), threading.getprofile(), _WINDOW)
-        _FIND_AND_LOAD[0] = self._import
-        _WINDOW, _SEEN = self, self.seen
+        self._saved = (sys.getprofile(), threading.getprofile())
+        _OPEN.append(self)
+        _set_window()
         threading.setprofile(_dispatch)
         sys.setprofile(_dispatch)
         return self
@@ -643,11 +649,10 @@ class TraceWindow:
 
         hook = sys.getprofile()
         intact = hook is _dispatch and threading.getprofile() is _dispatch
-        global _WINDOW, _SEEN
         sys.setprofile(self._saved[0])
         threading.setprofile(self._saved[1])
-        _WINDOW = self._saved[2]
-        _SEEN = _WINDOW.seen if _WINDOW is not None else set()
+        _OPEN.remove(self)
+        _set_window()
         if exc[0] is None:
             self._refuse_incomplete(intact, hook)
         own = {f for f in self.imported if _own_source(f)}
