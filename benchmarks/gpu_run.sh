@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_run.sh pipeline # software-pipelined and longest-first prefill variants, block_size 128
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
-# KERNEL_CACHE_TEST_OTHER_CXX.
+# KERNEL_CACHE_TEST_OTHER_CXX (the image's CXX, /opt/gcc/bin/g++ if that is g++ already, or
+# OTHER_CXX when set).
 set -uo pipefail
 OUT=${OUT:-/tmp/kc-gpu-out}
 mkdir -p "$OUT"
@@ -26,7 +27,14 @@ export CACHE=${CACHE:-/tmp/kc-gpu-engine}
 export KERNEL_CACHE_TEST_GPU_CACHE=$CACHE
 IMAGE_CXX=${CXX:-}
 export CXX=/usr/bin/g++
-OTHER_CXX=${IMAGE_CXX:-/opt/gcc/bin/g++}
+OTHER_CXX=${OTHER_CXX:-${IMAGE_CXX:-/opt/gcc/bin/g++}}
+# A caller that already exported CXX=/usr/bin/g++ would make the other-compiler test
+# compare a compiler with itself: take the image's own compiler then.
+if [ "$(readlink -f "$OTHER_CXX")" = "$(readlink -f "$CXX")" ] && [ -x /opt/gcc/bin/g++ ]; then
+  OTHER_CXX=/opt/gcc/bin/g++
+fi
+[ "$(readlink -f "$OTHER_CXX")" = "$(readlink -f "$CXX")" ] \
+  && echo "warning: the other compiler ($OTHER_CXX) is CXX itself; set OTHER_CXX" >&2
 
 env_report() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
