@@ -4,9 +4,9 @@ Eager: :meth:`RealKVPagedAttention.real_blocks` (the gather of the real blocks
 and SDPA that is compiled for prefill) runs eagerly, so it is checked here
 without compiling; the modules themselves are the plain kernels when eager.
 Compiled (marked ``compile``): small plans (bfloat16 at block_size 16, float32
-at 192; float32 at 16 is the tiny plan, whose artifacts ``verify`` checks
-against the eager reference in the other compiling tests) go through the real
-warmup path (``torch.export`` + AOTInductor,
+at 192; float32 at 16 is the tiny plan, head_dim 8, whose compiled variants
+``tests/kernels/test_decode_oracle.py`` checks against vLLM's reference
+procedure) go through the real warmup path (``torch.export`` + AOTInductor,
 ``num_pool_blocks`` dynamic), each artifact is checked against the SDPA
 reference on chosen lengths (1, a bucket edge, the plan's max_model_len, padded
 rows) at two pool sizes, and ``verify_plan`` passes.

@@ -85,6 +85,14 @@ def _builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Pa
     }
 
 
+def _variants(cache: Path) -> list[str]:
+    tier = DiskTier(cache, read_only=True, allow_shared=True)
+    try:
+        return [m["variant"] for m in tier.iter_meta()]
+    finally:
+        tier.close()
+
+
 def _entries(cache: Path) -> dict[str, bytes]:
     tier = DiskTier(cache, read_only=True, allow_shared=True)
     try:
@@ -116,6 +124,7 @@ def test_two_cold_builders_write_identical_bytes_without_builder_paths(builders)
         assert len(x["log"].read_text().splitlines()) == N  # the compiler really ran
     ea, eb = _entries(a["cache"]), _entries(b["cache"])
     assert sorted(ea) == sorted(eb) and len(ea) == N
+    assert sorted(_variants(a["cache"])) == ["batched_decode:1:2:4", "paged_attention:32:2:1"]
     differ = [k[:16] for k in ea if ea[k] != eb[k]]
     assert differ == [], f"keys whose bytes differ between the builders: {differ}"
     builder_paths = {*a["paths"], *b["paths"], sys.prefix, str(ROOT), os.path.realpath(ROOT)}
