@@ -1,10 +1,10 @@
 """Reproducible artifacts: two builders of one key write identical bytes.
 
-Two cold warmups of the tiny plan (one variant of each kernel) run as separate processes with every
-builder-specific path different (HOME, cwd, TMPDIR, TORCHINDUCTOR_CACHE_DIR, the
-cache directory and, as root, the user) and each its own PYTHONHASHSEED: each
-key's package bytes must be identical, and no builder path may appear in any
-package member (decompressed).
+Two cold warmups of the tiny plan (one variant of each kernel) run as separate
+processes with every builder-specific path different (HOME, cwd, TMPDIR,
+TORCHINDUCTOR_CACHE_DIR, the cache directory and, as root, the user) and each
+its own PYTHONHASHSEED: each key's package bytes must be identical, and no
+builder path may appear in any package member (decompressed).
 Then the two builders alternate warmups against one Redis: only the first
 uploads; Redis's own command counters (``INFO commandstats``) show no write
 after it. Finally ``verify --rebuild`` rebuilds a stored entry and finds it
