@@ -115,6 +115,16 @@ def write_kernels(site: Path) -> None:
     (site / "nc_outside_helper.py").write_text(OUTSIDE_HELPER)
 
 
+def _fresh_memos(monkeypatch) -> None:
+    """Empty the compiler's per-process memos for one test (the files earlier
+    windows ran and imported, which later windows add, and the code objects
+    the manifest checks), so its windows record only what they see."""
+    from warmup.build import compiler
+
+    for name in ("_RAN", "_IMPORTED", "_CODES"):
+        monkeypatch.setattr(compiler, name, {})
+
+
 def _forget_modules(*prefixes: str) -> None:
     """Drop the modules whose names start with one of ``prefixes`` (default: the
     kernel package and its outside helper) from ``sys.modules``."""
@@ -705,8 +715,7 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "knobpkg"
     pkg.mkdir(parents=True)
     knob = pkg / "knob.py"
@@ -738,8 +747,7 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     with compiler.TraceWindow("textpkg.kern:K"):
         dataclasses.make_dataclass("Point", ["x", "y"])(1, 2)  # stdlib exec: fine
     ns: dict = {}
@@ -755,8 +763,7 @@ def test_code_compiled_from_text_with_an_empty_file_name_is_refused(monkeypatch)
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     with pytest.raises(CompileError, match="exec or eval of a string"):
         with compiler.TraceWindow("textpkg.kern:K"):
             exec(compile("GAIN = 3.0", "", "exec"), {})
@@ -771,8 +778,7 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     from kernel_cache.plan import traced
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "namepkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -808,8 +814,7 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     own = tmp_path / "own_helper.py"
     own.write_text("GAIN = 1.0\n")
     with compiler.TraceWindow("namepkg.kern:K"):
@@ -836,8 +841,7 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     text, name = "GAIN = 3.0\n", os_module.__file__
     with pytest.raises(CompileError, match="module code under the name .*os.py"):
         with compiler.TraceWindow("namepkg.kern:K"):
@@ -856,8 +860,7 @@ def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, mon
     """``eval(compile(text, path, "eval"))`` of a file holding an expression."""
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     f = tmp_path / "site" / "kc_eval_gain.py"
     f.parent.mkdir()
     f.write_text("1.0 * 2\n")
@@ -875,8 +878,7 @@ def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     before = sys.getprofile()
     with pytest.raises(CompileError, match="profile hook .* was replaced while it was traced"):
         with compiler.TraceWindow("profpkg.kern:K"):
@@ -895,8 +897,7 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
 
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "poolpkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -929,8 +930,7 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
 
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "seenpkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -963,8 +963,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     from kernel_cache.errors import CompileError
     from warmup.build import compiler
 
-    for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+    _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "orderpkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
