@@ -1,13 +1,16 @@
 """Shared fixtures: a tiny geometry and one warmed cache per test run.
 
-Compiling is the slow part (10-20 s a variant on a 2-core CPU), so the tiny
-plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a decode
-batch of 4) is warmed once per run, and tests that change a cache work on a
-copy of it. The warmup starts in the background as soon as a collected test
-needs it, and those tests run last, so the compile overlaps the other tests.
-One warm cache serves every pytest-xdist worker of the run: the main process
-makes its folder (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers)
-and removes it at the end; the first worker to need it starts the build.
+Compiling is the slow part (about 30 s of CPU a variant on a 2-core CPU), so
+the tiny plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a
+decode batch of 4) is warmed once per run, and tests that change a cache work
+on a copy of it. The warmup starts in the background as soon as a collected
+test needs it, and those tests run last, so the compile overlaps the other
+tests. One warm cache serves every pytest-xdist worker of the run: the main
+process makes its folder (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the
+workers) and removes it at the end; the first worker to need it starts the
+build. A caller that runs pytest several times (``.ci/run``: both tiers) can
+give them one folder, ``$KERNEL_CACHE_TEST_SHARED_WARM_DIR``, so the plan is
+compiled once for all of them.
 """
 
 from __future__ import annotations
@@ -106,27 +109,50 @@ def _start_warm_build() -> None:
         (d / "pid").write_text(str(proc.pid))
 
 
-_OWN_DIR = pytest.StashKey[str]()
+_OWN_DIR = pytest.StashKey[tuple[str, bool]]()
+
+
+#: Set by a caller that runs pytest more than once (``.ci/run``: the fast tier,
+#: then the full one): the folder the runs share (the caller makes it empty and
+#: removes it), so the tiny plan is compiled once for all of them.
+ENV_SHARED_WARM_DIR = "KERNEL_CACHE_TEST_SHARED_WARM_DIR"
 
 
 def pytest_configure(config):
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the run's main process
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return  # a worker: the main process has set $KERNEL_CACHE_TEST_WARM_DIR
+    shared = os.environ.get(ENV_SHARED_WARM_DIR)
+    if shared:
+        Path(shared).mkdir(parents=True, exist_ok=True)
+        os.environ[ENV_WARM_DIR] = shared
+        config.stash[_OWN_DIR] = (shared, False)
+    else:
         d = tempfile.mkdtemp(prefix="kernel_cache-tests-")
         os.environ[ENV_WARM_DIR] = d
-        config.stash[_OWN_DIR] = d
+        config.stash[_OWN_DIR] = (d, True)
+
+
+def _stop_warm_build(d: str) -> None:
+    """Stop the tiny plan's build if it still runs, and forget it, so that a
+    later run sharing ``d`` starts it again (warmup resumes what was published)."""
+    pid = Path(d, "pid")
+    if not pid.exists() or Path(d, "rc").exists():
+        return
+    try:
+        os.killpg(int(pid.read_text()), signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    pid.unlink(missing_ok=True)
 
 
 def pytest_unconfigure(config):
-    d = config.stash.get(_OWN_DIR, None)
-    if d is None:
+    own = config.stash.get(_OWN_DIR, None)
+    if own is None:
         return
-    pid = Path(d, "pid")
-    if pid.exists():
-        try:
-            os.killpg(int(pid.read_text()), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(d, ignore_errors=True)
+    d, remove = own
+    _stop_warm_build(d)
+    if remove:
+        shutil.rmtree(d, ignore_errors=True)
     os.environ.pop(ENV_WARM_DIR, None)
 
 

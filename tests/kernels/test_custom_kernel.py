@@ -373,16 +373,6 @@ def _warm_verify_load(tiny_model, cache, slot, path, tmp_path) -> dict:
 
 
 @pytest.mark.compile
-def test_warm_verify_and_load_an_engines_batched_decode(example, tiny_model, cache_copy, tmp_path):
-    _warm_verify_load(tiny_model, cache_copy, BATCHED_DECODE, DECODE, tmp_path)
-    doc = engine_start(tiny_model, cache_copy, {"batched_decode": DECODE})
-    assert doc["imported"] == [] and "missing" not in doc, doc  # engine start imports none
-    assert doc["err"] < 1e-4
-    # the built-in plan is still there, and the engine's kernel is not taken for it
-    assert "missing" not in engine_start(tiny_model, cache_copy, {})
-
-
-@pytest.mark.compile
 def test_warm_verify_and_load_an_engines_paged_attention(example, tiny_model, cache_copy, tmp_path):
     out = _warm_verify_load(tiny_model, cache_copy, PAGED_ATTENTION, PREFILL, tmp_path)
     assert len(out["compiled"]) == 2
@@ -391,11 +381,21 @@ def test_warm_verify_and_load_an_engines_paged_attention(example, tiny_model, ca
 
 
 @pytest.mark.compile
-def test_editing_the_kernels_helper_misses_explains_and_recompiles(
+def test_warm_verify_and_load_an_engines_batched_decode_then_edit_its_helper(
     example, tiny_model, cache_copy, tmp_path
 ):
+    """An engine's ``batched_decode`` is warmed, verified and loaded (engine
+    start imports none of its modules); then an edit to the kernel's helper
+    misses, ``explain`` names the file, and warmup recompiles exactly its
+    variants. (One test: the edit needs the warmed entries.)"""
     kernels = {"batched_decode": DECODE}
     first = _warm_verify_load(tiny_model, cache_copy, BATCHED_DECODE, DECODE, tmp_path)
+    doc = engine_start(tiny_model, cache_copy, kernels)
+    assert doc["imported"] == [] and "missing" not in doc, doc  # engine start imports none
+    assert doc["err"] < 1e-4
+    # the built-in plan is still there, and the engine's kernel is not taken for it
+    assert "missing" not in engine_start(tiny_model, cache_copy, {})
+
     helper = example / "kc_example_kernels" / "paging.py"
     helper.write_text(helper.read_text() + "\nEDITED = True\n")
     doc = engine_start(tiny_model, cache_copy, kernels)

@@ -10,10 +10,12 @@ artifacts of a real warmup called through the engine API (``decode`` and
 ``prefill``: bucket padding, padded rows and block-0 padding columns included):
 
 * the tiny plan (4 heads / 2 KV heads, the session's warmed cache, all its variants);
-* 4/4 (MHA) and 8/2, one decode and one prefill variant each, and 64/1, one
-  decode variant (64 query heads per KV head: the compiled decode splits them
-  into flex heads of 32 rows; see ``_FLEX_MAX_ROWS`` in
-  ``kernel_cache/kernels/builtin.py``): 5 more compiles.
+* 4/4 (MHA), one decode and one prefill variant, and 64/1, one decode
+  variant (64 query heads per KV head: the compiled decode splits them into
+  flex heads of 32 rows; see ``_FLEX_MAX_ROWS`` in
+  ``kernel_cache/kernels/builtin.py``): 3 more compiles. Other ratios below
+  64 take the tiny plan's code path (decode: one flex head per KV head;
+  prefill: the CPU flash kernel's own GQA), so none is compiled here.
 
 Pools are small (1 to 5 blocks, and 40), so repeats within a row and block 0
 both real and padding are common. In half the batches every KV slot the
@@ -234,7 +236,7 @@ def test_a_nan_or_inf_in_the_real_kv_of_a_prefill_is_as_in_the_reference(tiny_co
 # --- other GQA ratios: a few variants each ---------------------------------------------
 
 #: (num_heads, num_kv_heads) -> slots compiled (bucket of 2 blocks: 17-32 tokens)
-RATIOS = {(4, 4): ("decode", "prefill"), (8, 2): ("decode", "prefill"), (64, 1): ("decode",)}
+RATIOS = {(4, 4): ("decode", "prefill"), (64, 1): ("decode",)}
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +264,7 @@ def ratio_runtimes(tmp_path_factory):
             variants.append(
                 KernelVariant(kernel=PAGED_ATTENTION, query_len=32, num_blocks=2, num_seqs=1)
             )
-        rep = warmup(cfg, d / "cache", jobs=2, progress=False, variants=variants)
+        rep = warmup(cfg, d / "cache", jobs=1, progress=False, variants=variants)
         assert rep["failed"] == [] and rep["compiled"] == len(variants), rep
         out[(h, kvh)] = (cfg, load_plan(cfg, d / "cache", strict=False))
     return out
