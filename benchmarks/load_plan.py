@@ -1,7 +1,7 @@
 """``load_plan`` alone: milliseconds per variant in a fresh process, before/after.
 
     python benchmarks/load_plan.py [ENGINE OPTIONS] --cache-dir DIR [--baseline DIR
-        [--baseline-cache-dir DIR]] [--repeats R] [--out FILE]
+        [--baseline-cache-dir DIR]] [--repeats R] [--out FILE] [--profile FILE]
 
 Each start is a fresh Python process that imports torch and the engine config
 (as an engine has before it loads), then times one ``load_plan(config,
@@ -14,7 +14,8 @@ the same cache directory or, where its keys differ, on its own
 (``--baseline-cache-dir``, warmed by that checkout). Each cache must hold the
 whole plan (``kernel-cache warmup`` first): a start that misses a variant fails.
 Reports median (min-max) per way and per variant; the machine's
-load average is recorded before and after.
+load average is recorded before and after. ``--profile FILE``: one more start
+of this checkout, after the timed ones, under cProfile (its stats to FILE).
 """
 
 from __future__ import annotations
@@ -49,16 +50,30 @@ from kernel_cache.config.engine import EngineConfig
 cfg = EngineConfig.model_validate_json(sys.argv[1])
 import kernel_cache
 from kernel_cache import load_plan
+prof = None
+if len(sys.argv) > 4:  # --profile: this start under cProfile, its stats to that file
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
 w0, c0 = time.perf_counter(), time.thread_time()
 rt = load_plan(cfg, sys.argv[2])
 w, c = time.perf_counter() - w0, time.thread_time() - c0
+if prof is not None:
+    prof.disable()
+    import io, pstats
+    text = io.StringIO()
+    print(f"load_plan {w:.4f} s wall, {rt.stats()['loads']} variants (under cProfile)", file=text)
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
+    open(sys.argv[4], "w").write(text.getvalue())
 print(json.dumps({"wall_s": w, "cpu_s": c, "loads": rt.stats()["loads"],
                   "compiles": rt.stats().get("compiles"), "kernel_cache": kernel_cache.__file__}))
 """
 
 
-def start(cfg_json: str, cache: str, checkout: str) -> dict:
-    return run_json_child([sys.executable, "-c", CHILD, cfg_json, cache, checkout])
+def start(cfg_json: str, cache: str, checkout: str, profile: str | None = None) -> dict:
+    extra = [profile] if profile else []
+    return run_json_child([sys.executable, "-c", CHILD, cfg_json, cache, checkout, *extra])
 
 
 def main(argv=None) -> int:
@@ -73,6 +88,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--repeats", type=int, default=7, help="starts per way")
     p.add_argument("--out", default=str(OUT_DIR / "load_plan.json"))
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="after the timed starts, one more of this checkout under cProfile; "
+        "its stats (by own time and by cumulative time) to this text file",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
@@ -99,6 +120,8 @@ def main(argv=None) -> int:
                 )
             runs[k].append(x)
     doc["machine"]["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    if args.profile:  # untimed above: cProfile slows every call it sees
+        start(cfg_json, args.cache_dir, ways["now"], str(Path(args.profile).resolve()))
     n = runs["now"][0]["loads"]
     results = {}
     for k, rs in runs.items():
