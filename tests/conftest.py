@@ -90,7 +90,7 @@ def _start_warm_build() -> None:
     and, when it exits, ``rc``."""
     d = _shared_dir()
     with FileLock(d / "build.lock"):
-        if (d / "pid").exists():
+        if (d / "pid").exists() or (d / "rc").exists():
             return
         cmd = [
             sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(_shared_model()),
@@ -123,7 +123,11 @@ def pytest_configure(config):
         return  # a worker: the main process has set $KERNEL_CACHE_TEST_WARM_DIR
     shared = os.environ.get(ENV_SHARED_WARM_DIR)
     if shared:
+        shared = str(Path(shared).resolve())  # the build runs from the checkout's root
         Path(shared).mkdir(parents=True, exist_ok=True)
+        pid = Path(shared, "pid")
+        if pid.exists() and not Path(shared, "rc").exists() and not _alive(pid):
+            pid.unlink()  # a build of a killed earlier run: start it again
         os.environ[ENV_WARM_DIR] = shared
         config.stash[_OWN_DIR] = (shared, False)
     else:
@@ -132,9 +136,25 @@ def pytest_configure(config):
         config.stash[_OWN_DIR] = (d, True)
 
 
-def _stop_warm_build(d: str) -> None:
-    """Stop the tiny plan's build if it still runs, and forget it, so that a
-    later run sharing ``d`` starts it again (warmup resumes what was published)."""
+def _alive(pid_file: Path) -> bool:
+    """Whether the process group of the build ``pid_file`` names still runs
+    (reaped first where this process started it)."""
+    pgid = int(pid_file.read_text())
+    try:
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_warm_build(d: str, wait_s: float = 30) -> None:
+    """Stop the tiny plan's build if it still runs, wait for it to exit, and
+    forget it, so that a later run sharing ``d`` starts it again (warmup
+    resumes what was published)."""
     pid = Path(d, "pid")
     if not pid.exists() or Path(d, "rc").exists():
         return
@@ -142,7 +162,12 @@ def _stop_warm_build(d: str) -> None:
         os.killpg(int(pid.read_text()), signal.SIGTERM)
     except ProcessLookupError:
         pass
-    pid.unlink(missing_ok=True)
+    deadline = time.monotonic() + wait_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not Path(d, "rc").exists():  # it exited on the signal: no result to keep
+        pid.unlink(missing_ok=True)
+        Path(d, "report.json").unlink(missing_ok=True)
 
 
 def pytest_unconfigure(config):
@@ -214,7 +239,9 @@ def warm_cache() -> tuple[Path, dict]:
     rc = int((d / "rc").read_text())
     if rc != 0:
         err = (d / "stderr").read_text()
-        raise AssertionError(f"the tiny plan's warmup exited {rc}:\n{err}")
+        shared = f" (in {d}, shared by ${ENV_SHARED_WARM_DIR}: empty it to build again)"
+        where = shared if os.environ.get(ENV_SHARED_WARM_DIR) else ""
+        raise AssertionError(f"the tiny plan's warmup exited {rc}{where}:\n{err}")
     return d / "cache", json.loads((d / "report.json").read_text())
 
 
