@@ -181,6 +181,7 @@ def pytest_unconfigure(config):
     os.environ.pop(ENV_WARM_DIR, None)
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
     """The tests that need the warm cache run last; its build starts now."""
     warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
