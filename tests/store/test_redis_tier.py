@@ -649,3 +649,44 @@ def test_fleet_load_smoke_warm_redis_needs_no_compile(redis_db, warm_cache, tiny
     assert doc["engines"] == 3 and doc["all_loaded"] is True
     assert doc["total_compiles"] == 0 and doc["expected_compiles"] == 0
     assert doc["start_s"]["p50"] <= doc["start_s"]["max"]
+
+
+@pytest.mark.compile
+def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
+    redis_db, cache_copy, tiny_model, tiny_config, tmp_path
+):
+    """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
+    under the key's Redis build lock: the lock key, read raw from Redis, is gone
+    once the warmup has exited, so another builder takes the key at once
+    instead of waiting out the lock's TTL."""
+    import redis
+
+    key = build_key(tiny_config, Bucketer(tiny_config).variants[-1]).hexdigest
+    disk = DiskTier(cache_copy)
+    disk.delete(key)
+    disk.close()
+    marker = tmp_path / "paused"
+    args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
+    env = {**os.environ, "KERNEL_CACHE_TEST_PAUSE_AT": "compile"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli.main", *args, "--redis-url", redis_db],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**env, "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)},
+    )  # fmt: skip
+    raw = redis.Redis.from_url(redis_db)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate()[1]
+        assert raw.pttl(f"kernel_cache:lock:{key}") > 5000  # held for most of its TTL
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        raw.close()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err, err
+    assert redis.Redis.from_url(redis_db).exists(f"kernel_cache:lock:{key}") == 0

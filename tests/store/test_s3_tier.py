@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -457,3 +458,45 @@ def test_server_killed_mid_warmup_then_a_rerun_completes(
     import obstore
 
     assert obstore.head(tier.store, manifest_name(keys.values()))["size"] > 0
+
+
+@pytest.mark.compile
+def test_a_warmup_stopped_with_sigterm_gives_its_lease_up(
+    s3, cache_copy, tiny_model, tiny_config, tmp_path
+):
+    """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
+    under the key's S3 build lease: the lease object, read raw from the server,
+    says released (``expires_at`` 0) once the warmup has exited, so another
+    builder takes the key at once instead of waiting out the lease's TTL."""
+    import obstore
+
+    v = Bucketer(tiny_config).variants[-1]
+    key = build_key(tiny_config, v).hexdigest
+    tier = DiskTier(cache_copy)
+    tier.delete(key)
+    tier.close()
+    marker = tmp_path / "paused"
+    args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "warmup.cli.main", *args, "--s3-url", s3["url"]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=_env(KERNEL_CACHE_TEST_PAUSE_AT="compile", KERNEL_CACHE_TEST_PAUSE_MARKER=str(marker)),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate()[1]
+        store = _tier(s3["url"], fail_open=False).store
+        held = json.loads(bytes(obstore.get(store, f"leases/{key}").bytes()))
+        assert held["expires_at"] > time.time() + 5, held  # held for most of its TTL
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err, err
+    lease = json.loads(bytes(obstore.get(store, f"leases/{key}").bytes()))
+    assert lease["expires_at"] == 0, lease

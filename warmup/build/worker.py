@@ -17,6 +17,11 @@
 5. **publish**: to the local cache, then to Redis.
 6. **release** the locks.
 
+A worker stopped with SIGTERM (the warmup stopping its workers on SIGINT or
+SIGTERM) gives up the remote build lease it holds before it dies, so another
+builder takes the key at once rather than after the lease's TTL; the local
+key lock is a file lock, released by the kernel with the process.
+
 The key stays claimed from "missing" until it is published, so a waiter finds
 the entry and reports ``cached``: one compile per key, whatever the number of
 processes, machines (with Redis) or workers. A result row says ``compiled`` if
@@ -126,14 +131,31 @@ def _checker(device: str) -> LoadChecker:
     return _CHECKER
 
 
+#: The remote build lease this worker holds while it compiles (at most one),
+#: given up by :func:`_on_sigterm`.
+_HELD: list = []
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM in a compile worker: give up a held remote build lease (one
+    bounded request: ``BuildLease.release`` never raises), then die of the
+    signal as a worker without this handler does."""
+    for lease in list(_HELD):
+        lease.release()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
     """Compile worker initializer: die with the warmup process, leave Ctrl-C to
-    it, and pin the compile environment before torch's compile stack is imported."""
+    it, give up a remote build lease on SIGTERM, and pin the compile environment
+    before torch's compile stack is imported."""
     from kernel_cache.plan.traced import record_imports
     from warmup.build.compiler import pin_environment
 
     record_imports()  # before the engine's modules are imported
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     die_with_parent(parent)
     pin_environment(device, cpu_target, scratch)
 
@@ -290,6 +312,8 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
             return res
         if remote is not None:
             build_lock = _claim_remote(remote, tier, key, target.key, options["blocking"], res)
+            if build_lock is not None:
+                _HELD.append(build_lock)
             if res.status in (Status.FETCHED, Status.BUSY):
                 return res
         data, meta = _compile(config, variant, key, target.derived, options.get("launch"), res)
@@ -309,6 +333,7 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
         try:
             if build_lock is not None:
                 build_lock.release()
+                _HELD.clear()
             tier.close()
         finally:
             lock.release()
