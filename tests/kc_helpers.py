@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kernel_cache.plan.keys import key_from_components
@@ -137,3 +138,16 @@ def world_readable_dir():
             with contextlib.suppress(OSError):
                 os.chmod(dirpath, 0o755)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900) -> None:
+    """Wait until ``proc`` (started with ``KERNEL_CACHE_TEST_PAUSE_AT``) has written
+    ``point`` to ``marker``; fail if it exits first or ``timeout`` seconds pass."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if marker.exists() and point in marker.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"warmup exited {proc.returncode} first: {proc.communicate()}")
+        time.sleep(0.1)
+    raise AssertionError(f"warmup did not reach {point} in {timeout} s")

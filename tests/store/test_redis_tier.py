@@ -43,6 +43,7 @@ from kernel_cache.trust.signing import (
 from warmup.build.planner import warmup
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..kc_helpers import wait_for_pause
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
 from ..signing_keys import make_keypair
 
@@ -675,10 +676,7 @@ def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
     )  # fmt: skip
     raw = redis.Redis.from_url(redis_db)
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert marker.exists(), proc.communicate()[1]
+        wait_for_pause(marker, proc, "compile")
         assert raw.pttl(f"kernel_cache:lock:{key}") > 5000  # held for most of its TTL
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)

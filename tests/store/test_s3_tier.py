@@ -30,7 +30,7 @@ from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name, pack
 
 from ..conftest import ROOT, run_cli, tiny_args
-from ..kc_helpers import engine_start
+from ..kc_helpers import engine_start, wait_for_pause
 from ..s3_server import (
     BUCKET,
     ENV_TEST_S3_ENDPOINT,
@@ -483,10 +483,7 @@ def test_a_warmup_stopped_with_sigterm_gives_its_lease_up(
         env=_env(KERNEL_CACHE_TEST_PAUSE_AT="compile", KERNEL_CACHE_TEST_PAUSE_MARKER=str(marker)),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert marker.exists(), proc.communicate()[1]
+        wait_for_pause(marker, proc, "compile")
         store = _tier(s3["url"], fail_open=False).store
         held = json.loads(bytes(obstore.get(store, f"leases/{key}").bytes()))
         assert held["expires_at"] > time.time() + 5, held  # held for most of its TTL

@@ -28,6 +28,7 @@ from kernel_cache.store.quarantine import list_quarantine
 
 from ..conftest import N_TINY, ROOT, TINY_LIMITS, TINY_VARIANTS, run_cli, tiny_args
 from ..fsutil import resize_tmpfs, tmpfs, tree_state
+from ..kc_helpers import wait_for_pause
 
 pytestmark = pytest.mark.compile
 
@@ -125,17 +126,6 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp
     proc = run_cli("verify", *tiny_args(tiny_model), *subset, "--cache-dir", cache, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"]
-
-
-def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if marker.exists() and point in marker.read_text():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"warmup exited {proc.returncode} first: {proc.communicate()}")
-        time.sleep(0.1)
-    raise AssertionError(f"warmup did not reach {point} in {timeout} s")
 
 
 def test_sigkill_during_compile_and_publish_then_warmup_completes(
