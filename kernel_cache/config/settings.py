@@ -224,6 +224,12 @@ class SettingsFields(BaseModel):
         "for debugging; its path is logged",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
+    pch_dir: Path | None = _f(
+        None, "where compile workers keep the C++ precompiled headers they build once per "
+        "compiler, torch and flags and reuse in later warmups; only its owner may write it",
+        type="path", expected="a directory path", example="/var/cache/kc-pch",
+        shown_default="<cache dir>/pch",
+    )  # fmt: skip
     num_threads: Threads = _f(
         "auto", "CPU threads of a serving process, set by load_plan for a CPU plan: auto "
         "lowers torch's count to the CPUs the process may use (affinity, cgroup CPU quota) "
