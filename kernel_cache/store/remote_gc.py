@@ -16,8 +16,9 @@ last-modified time, never by a date a writer put in a body):
   a ``file://`` directory) older than ``older_than_s``.
 
 A plan keeps its entries while its manifest is younger than the age: a
-manifest is written once, when a warmup first completes the plan, so the age
-must be longer than a plan stays in use without being published anew
+warmup that completes the plan writes the manifest again when it is over a
+day old (:data:`kernel_cache.store.s3.MANIFEST_RENEW_S`), so the age must be
+longer than a plan stays in use without a builder warming it
 (docs/shared-storage.md). Manifests read are bounded by
 ``KERNEL_CACHE_S3_MAX_OBJECT``.
 """

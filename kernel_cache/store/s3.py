@@ -67,6 +67,9 @@ _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
 META_PROBE = 16384
 MANIFEST_FORMAT = "kc-s3-manifest-1"
+#: a plan manifest older than this (seconds) is written again by the next warmup
+#: that completes the plan (``kernel-cache gc-remote`` keeps plans by manifest age)
+MANIFEST_RENEW_S = 86400.0
 
 
 class S3Manifest(BaseModel):
@@ -402,7 +405,10 @@ class S3Tier(RemoteTier):
 
     def publish_manifest(self, keys) -> PutResult:
         """Write the manifest of ``keys`` (create-once) if every key is
-        published; else ``failed`` naming how many are missing."""
+        published; else ``failed`` naming how many are missing. A manifest
+        that is there already and older than :data:`MANIFEST_RENEW_S` is
+        written again (the same keys), so that ``kernel-cache gc-remote``
+        sees a plan still warmed as recent."""
         keys = sorted(set(keys))
         missing = [k for k in keys if not self.contains(k)]
         if self.is_down():
@@ -413,7 +419,24 @@ class S3Tier(RemoteTier):
             why = f"{len(missing)} of the plan's {len(keys)} keys are not published"
             return PutResult(PutOutcome.FAILED, self.location, why)
         body = S3Manifest(format=MANIFEST_FORMAT, keys=keys, created=time.time())
-        return self._create(manifest_name(keys), body.model_dump_json().encode())
+        raw = body.model_dump_json().encode()
+        result = self._create(manifest_name(keys), raw)
+        if result.outcome is PutOutcome.PRESENT:
+            self._renew(manifest_name(keys), raw)
+        return result
+
+    def _renew(self, path: str, body: bytes) -> None:
+        """Overwrite ``path`` with ``body`` if it was last written more than
+        :data:`MANIFEST_RENEW_S` ago (fail-open: a failure is noted, never raised)."""
+
+        def op(ob, store):
+            modified = ob.head(store, path)["last_modified"]
+            if time.time() - modified.timestamp() > MANIFEST_RENEW_S:
+                ob.put(store, path, body, mode="overwrite", use_multipart=False)
+                return True
+            return False
+
+        self._run(f"renew {path}", op, False, fail_open=True)
 
     # -- Tier --------------------------------------------------------------
     def _body(self, key: str) -> bytes | None:

@@ -5,6 +5,7 @@ not from the command's report."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import obstore
@@ -71,6 +72,26 @@ def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, re
     assert "removed 3 objects" in done.stdout and f"entries/{c}" in done.stdout
     assert _listing(tier) == sorted(set(before) - set(doomed))  # read back from the store
     assert f"entries/{a}" in _listing(tier) and f"entries/{d}" in _listing(tier)
+
+
+def test_a_warmup_of_a_plan_renews_its_old_manifest(tmp_path, monkeypatch):
+    """A manifest older than MANIFEST_RENEW_S is written again by the next
+    publish of its plan (its file's mtime, read from the disk), so gc-remote
+    keeps a plan that is still warmed."""
+    from kernel_cache.store import s3 as s3_module
+
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}"), fail_open=False)
+    key = _keys("a")
+    obstore.put(tier.store, f"entries/{key}", b"x", mode="create")
+    assert tier.publish_manifest([key]).ok
+    path = tmp_path / s3_module.manifest_name([key])
+    os.utime(path, (time.time() - 7200, time.time() - 7200))  # written two hours ago
+    assert tier.publish_manifest([key]).ok
+    assert time.time() - path.stat().st_mtime > 7000  # younger than a day: left alone
+    monkeypatch.setattr(s3_module, "MANIFEST_RENEW_S", 3600.0)
+    assert tier.publish_manifest([key]).ok
+    assert time.time() - path.stat().st_mtime < 60  # renewed
+    assert json.loads(path.read_text())["keys"] == [key]
 
 
 def test_gc_remote_without_a_store_or_age_says_what_it_needs(tmp_path):

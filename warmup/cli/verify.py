@@ -135,7 +135,7 @@ def _print_verify(report: dict) -> None:
 
 
 #: How verify names the kind of tier an entry came from.
-TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis", "s3": "S3"}
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis", "s3": "object store"}
 
 
 def source_lines(report: dict) -> list[str]:
