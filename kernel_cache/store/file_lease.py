@@ -58,17 +58,31 @@ class FileLease(BuildLease):
         return f"{self.dir}{gen:0{_DIGITS}d}"
 
     def _path(self, gen: int | None = None) -> Path:
-        root = Path(self.tier.settings.directory) / self.dir
+        """``leases/<key>/`` or a generation in it.
+
+        Raises:
+            OSError: ``leases`` or ``leases/<key>`` is a symbolic link (planted
+                by a writer of the directory to send lease files elsewhere):
+                the lease is unavailable, the builder compiles without it.
+        """
+        base = Path(self.tier.settings.directory)
+        root = base / self.dir
+        for d in (base / "leases", root):
+            if d.is_symlink():
+                raise OSError(f"{d} is a symbolic link, not a lease directory")
         return root if gen is None else root / f"{gen:0{_DIGITS}d}"
 
     def _read_gen(self, gen: int) -> dict | None:
         """Generation ``gen``'s lease, None if it is gone; one that is not a
         lease reads as expired (taken over)."""
         try:
-            with open(self._path(gen), "rb") as f:
-                raw = f.read(_MAX_DOC + 1)
+            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError:  # a link planted as a generation: not a lease
+            return {"expires_at": 0.0}
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MAX_DOC + 1)
         try:
             if len(raw) > _MAX_DOC:
                 raise ValueError("too large")
@@ -106,7 +120,7 @@ class FileLease(BuildLease):
             path = self._path(gen)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
                 return False
             try:

@@ -145,6 +145,20 @@ def test_a_file_lease_is_exclusive_expires_is_taken_over_and_released(tmp_path):
     assert len(os.listdir(tmp_path / "leases" / key)) == 1
 
 
+def test_a_planted_link_in_place_of_the_lease_directory_is_not_followed(tmp_path):
+    """A writer of the shared directory links ``leases/<key>`` elsewhere: the
+    builder writes no lease file there, and compiles without the lease."""
+    key = "ef" * 32
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = tmp_path / "store"
+    (store / "leases").mkdir(parents=True)
+    (store / "leases" / key).symlink_to(elsewhere)
+    lease = _tier(store).build_lock(key, ttl_s=30, wait_s=1)
+    assert lease.acquire() == "unavailable"
+    assert os.listdir(elsewhere) == []
+
+
 @pytest.mark.parametrize("expires_at", ["1e18", "NaN", '"soon"'])
 def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
     key = "cd" * 32
@@ -203,6 +217,8 @@ def test_a_cache_dir_on_a_fuse_mount_is_refused_before_anything_is_written(
     assert filesystem_type(cache)[0] == "fuse.seaweedfs"
     with pytest.raises(NetworkFilesystemError, match="fuse.seaweedfs"):
         DiskTier(cache).cache  # noqa: B018 - opening it is what is refused
+    with pytest.raises(NetworkFilesystemError, match="fuse.seaweedfs"):
+        DiskTier(cache, read_only=True).get("ab" * 32)  # engine start reads it so
     proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, env=_env())
     assert proc.returncode != 0
     assert "fuse.seaweedfs" in proc.stderr and f"KERNEL_CACHE_REMOTE_URL=file://{cache}" in (
@@ -269,6 +285,7 @@ def test_two_hosts_warm_through_one_shared_directory_compile_each_variant_once(
     for i, url in enumerate(urls):
         tier = S3Tier(S3Settings(url=url), fail_open=False)
         assert sorted(tier.keys()) == sorted(plan.values())
+        assert (mounts.dirs[i] / "fleet" / manifest_name(plan.values())).is_file()
         engine_env = {
             **_env(KERNEL_CACHE_TRUSTED_KEYS=str(keys.public)),
             "KERNEL_CACHE_TEST_COMPILE_LOG": str(log),
