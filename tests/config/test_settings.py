@@ -38,6 +38,7 @@ CASES = {
     "redis_ttl": ("3600", 3600, "1.5"),
     "redis_lock_ttl": ("30", 30.0, "nan"),
     "redis_lock_wait": ("60", 60.0, "-2"),
+    "remote_url": ("file:///mnt/shared/kc", "file:///mnt/shared/kc", "file://host/x"),
     "s3_url": ("s3://kernel-cache/fleet-a", "s3://kernel-cache/fleet-a", "http://x/y"),
     "s3_timeout": ("0.5", 0.5, "0"),
     "s3_lock_ttl": ("30", 30.0, "nan"),
