@@ -22,6 +22,16 @@ compile options.
    Reported: wall seconds, seconds per variant (wall / N), CPU seconds per
    variant (all workers and their compilers: steadier than wall seconds on a
    shared machine), and the median compile seconds of a variant inside its worker.
+3. Before/after (``--before REF``): ``kernel-cache warmup --jobs 1 --json`` of the
+   whole plan, as a user runs it, from the source tree of the git revision
+   REF and from this checkout, one after the other, each into an empty cache
+   directory (precompiled headers built in it). ``CXX`` is a wrapper that records
+   each compiler run's CPU seconds by output file. Reported per side: CPU seconds
+   per variant (the warmup's process tree: ``getrusage`` of children), and the
+   phase table: export (the factory and ``torch.export`` in the trace window) and
+   AOTInductor from the worker's timings (wall), and the compiler's CPU seconds
+   on the precompiled headers, the wrapper, the kernels and the link; the
+   after/before ratio of CPU seconds per variant.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,6 +106,89 @@ def phase_run(cfg, variants, opts: dict, inductor_dir: Path, kernel_calls: int) 
     }
 
 
+#: The ``CXX`` of the before/after runs: the compiler's CPU seconds per run,
+#: appended to ``$KC_BENCH_CXX_LOG`` as ``<user+system s> <output file name>``.
+CXX_WRAPPER = """#!{python}
+import os, resource, subprocess, sys
+args = sys.argv[1:]
+out = args[args.index("-o") + 1] if "-o" in args[:-1] else ""
+before = resource.getrusage(resource.RUSAGE_CHILDREN)
+rc = subprocess.call([{cxx!r}, *args])
+after = resource.getrusage(resource.RUSAGE_CHILDREN)
+cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+with open(os.environ["KC_BENCH_CXX_LOG"], "a") as f:
+    f.write(f"{{cpu:.3f}} {{os.path.basename(out)}}\\n")
+sys.exit(rc)
+"""
+
+#: Compiler outputs by phase (:data:`CXX_WRAPPER`'s file names).
+CXX_PHASES = {
+    "pch": lambda n: n.endswith((".gch", ".part")) or n == "header.i",
+    "wrapper": lambda n: n.endswith("wrapper.o"),
+    "kernel": lambda n: n.endswith("kernel.o"),
+    "link": lambda n: n.endswith("wrapper.so"),
+}
+
+
+def _source_tree(ref: str, dest: Path) -> Path:
+    """The files of git revision ``ref`` of this checkout, extracted to ``dest``."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def before_after_run(tree: Path, engine_args: list[str], work: Path) -> dict:
+    """``kernel-cache warmup --jobs 1 --json`` of the plan of ``engine_args`` from
+    source ``tree`` into an empty cache under ``work``: CPU seconds and phases
+    (module docstring)."""
+    import shutil as _shutil
+
+    work.mkdir(parents=True)
+    log = work / "cxx.log"
+    cxx = os.environ.get("CXX") or _shutil.which("g++") or "g++"
+    wrapper = work / "bin" / os.path.basename(cxx)  # torch knows compilers by name
+    wrapper.parent.mkdir()
+    wrapper.write_text(CXX_WRAPPER.format(python=sys.executable, cxx=cxx))
+    wrapper.chmod(0o755)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "CXX": str(wrapper),
+        "KC_BENCH_CXX_LOG": str(log),
+    }
+    env.pop("KERNEL_CACHE_PCH_DIR", None)  # the cache's own: built once in the run
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *engine_args]
+    cmd += ["--cache-dir", str(work / "cache"), "--jobs", "1", "--json", "--quiet"]
+    t, c = time.perf_counter(), os.times()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
+    wall = time.perf_counter() - t
+    c2 = os.times()
+    if proc.returncode != 0:
+        raise SystemExit(f"warmup from {tree} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    rep = json.loads(proc.stdout)
+    n = rep["compiled"]
+    if rep["failed"] or not n:
+        raise SystemExit(f"warmup from {tree}: {n} compiled, failed: {rep['failed']}")
+    cpu = (c2.children_user + c2.children_system) - (c.children_user + c.children_system)
+    runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    cxx_s = {k: sum(float(s) for s, name in runs if f(name.strip())) for k, f in CXX_PHASES.items()}
+    rows = [r for r in rep["results"] if r.get("timings")]
+    return {
+        "variants": n,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "cpu_s_per_variant": cpu / n,
+        "export_s": sum(r["timings"]["export_s"] for r in rows) / n,
+        "aotinductor_s": sum(r["timings"]["compile_s"] for r in rows) / n,
+        "load_check_s": rep["load_check"]["seconds"] / n,
+        "cxx_cpu_s": {k: v / n for k, v in cxx_s.items()},
+        "cxx_runs": len(runs),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
@@ -108,6 +202,12 @@ def main(argv=None) -> int:
         help="Inductor option sets (JSON) to compare with the recipe's options",
     )
     p.add_argument("--kernel-calls", type=int, default=30, help="timed calls per kernel")
+    p.add_argument(
+        "--before",
+        metavar="REF",
+        help="also warm the phase variants up from git revision REF and from this "
+        "checkout, and compare their CPU seconds per variant and phases",
+    )
     p.add_argument("--work-dir", default=str(OUT_DIR / "warmup-work"))
     p.add_argument("--out", default=str(OUT_DIR / "warmup_throughput.json"))
     args = p.parse_args(argv)
@@ -182,6 +282,24 @@ def main(argv=None) -> int:
         r["speedup_vs_first"] = jobs_rows[0]["wall_s"] / r["wall_s"]
         r["cpu_vs_first"] = r["cpu_s"] / jobs_rows[0]["cpu_s"]
 
+    # 3. Before/after: REF's source tree against this checkout's, as a user runs warmup.
+    before_after = None
+    if args.before:
+        engine_args = _engine_args(list(argv if argv is not None else sys.argv[1:]))
+        sides = {}
+        for side, tree in (
+            ("before", _source_tree(args.before, work / "before-src")),
+            ("after", ROOT),
+        ):
+            print(f"{side}: warmup from {tree} ...", file=sys.stderr, flush=True)
+            sides[side] = before_after_run(tree, engine_args, work / side)
+        before_after = {
+            "before_ref": args.before,
+            **sides,
+            "cpu_per_variant_after_vs_before": sides["after"]["cpu_s_per_variant"]
+            / sides["before"]["cpu_s_per_variant"],
+        }
+
     doc = header("warmup_throughput")
     doc["machine"] = machine(cfg.device)
     doc["config"] = {
@@ -190,7 +308,7 @@ def main(argv=None) -> int:
         "jobs_variants": [str(v) for v in variants],
         "phase_variants": [str(v) for v in phase_variants],
     }
-    doc["results"] = {"jobs": jobs_rows, "phases": phases}
+    doc["results"] = {"jobs": jobs_rows, "phases": phases, "before_after": before_after}
     out = write_json(args.out, doc)
 
     print_table(
@@ -247,8 +365,48 @@ def main(argv=None) -> int:
             for i, ph in enumerate(phases)
         ],
     )
+    if before_after is not None:
+        ba = before_after
+        print_table(
+            f"Before ({ba['before_ref']}) and after: kernel-cache warmup --jobs 1 of "
+            f"{ba['after']['variants']} variants into an empty cache, per variant",
+            ["side", "CPU s", "export s", "AOTInductor s", "g++ CPU s: pch / wrapper / "
+             "kernel / link", "load check s"],
+            [
+                [
+                    side,
+                    f"{r['cpu_s_per_variant']:.1f}",
+                    f"{r['export_s']:.1f}",
+                    f"{r['aotinductor_s']:.1f}",
+                    " / ".join(f"{r['cxx_cpu_s'][k]:.1f}" for k in CXX_PHASES),
+                    f"{r['load_check_s']:.1f}",
+                ]
+                for side, r in (("before", ba["before"]), ("after", ba["after"]))
+            ],
+        )  # fmt: skip
+        print(f"CPU s per variant, after / before: {ba['cpu_per_variant_after_vs_before']:.2f}")
     print(f"JSON: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0
+
+
+def _engine_args(argv: list[str]) -> list[str]:
+    """``argv`` less this benchmark's own options (each with its value)."""
+    own = {"--variants", "--jobs", "--phase-variants", "--kernel-calls", "--work-dir", "--out"}
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name == "--candidates":  # takes any number of values
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
+        if name in own or name == "--before":
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 if __name__ == "__main__":
