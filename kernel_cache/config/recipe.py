@@ -317,7 +317,8 @@ def compile_options(device: str, cpu_target: str) -> dict:
 
     On the CPU: :data:`BASE_OPTIONS` plus ``cpp.threads`` and
     ``cpp.dynamic_threads`` (:data:`CPU_CODEGEN_THREADS`) and ``cpp.march``
-    from the target. On CUDA: :data:`BASE_OPTIONS` plus ``cpp.march``: the
+    from the target. On CUDA: :data:`BASE_OPTIONS` without precompiled
+    headers, plus ``cpp.march``: the
     package's C++ wrapper runs on the host, and Inductor would otherwise compile
     it with ``-march=native`` (the builder's CPU, AVX-512 on one machine, AVX2 on
     another, under one key).
@@ -342,6 +343,9 @@ def compile_options(device: str, cpu_target: str) -> dict:
         )
     else:
         opts["cpp.march"] = target.march
+        # Unmeasured on a GPU builder, where the packages' bytes are not yet the
+        # same across builders either (docs/reproducible.md): off there.
+        opts["aot_inductor.precompile_headers"] = False
     return opts
 
 
