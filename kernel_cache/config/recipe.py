@@ -51,8 +51,8 @@ from kernel_cache.errors import ConfigError
 #:   the wrapper mixes in a compile command with the torch install's include
 #:   paths), so two builders of one key name them alike (docs/reproducible.md).
 #:   On CUDA it also prefixes the Triton kernels' symbol names.
-#: - ``aot_inductor.precompile_headers: True``: the wrapper's and the CPU
-#:   kernels' torch headers are parsed once per compiler, torch and flags into
+#: - ``aot_inductor.precompile_headers: True`` (on the CPU; :func:`compile_options`
+#:   turns it off on CUDA): the wrapper's and the CPU kernels' torch headers are parsed once per compiler, torch and flags into
 #:   precompiled headers kept beside the cache (``warmup.build.normalize``:
 #:   their folder and hashed file names are mapped to fixed names in the
 #:   package, so the bytes stay the same; the object code is unchanged).
