@@ -6,6 +6,25 @@ has to read a traceback from inside torch to know what went wrong.
 
 from __future__ import annotations
 
+#: longest store-provided text :func:`shown` quotes (characters): a lease holder
+#: is ~40, a store's XML error body a few hundred; more is a writer's padding
+SHOWN_CHARS = 400
+
+
+def shown(text: object, limit: int = SHOWN_CHARS) -> str:
+    """Text a shared store or another writer provided (a lease holder, a
+    server's error body, a record field), as a log line or message may show it:
+    ``repr``-quoted, so a newline, an ANSI escape or any other unprintable
+    character appears as ``\\n``, ``\\x1b``... and cannot forge a line or
+    recolour a terminal; cut to ``limit`` characters, with the full length
+    named when cut. Bytes are decoded as UTF-8 with backslash escapes."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).decode("utf-8", "backslashreplace")
+    s = str(text)
+    if len(s) <= limit:
+        return repr(s)
+    return f"{s[:limit]!r}... ({len(s)} characters)"
+
 
 class KernelCacheError(Exception):
     """Base class of every error kernel-cache raises on purpose."""

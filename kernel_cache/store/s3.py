@@ -18,8 +18,9 @@ Objects (under ``PREFIX/``), all immutable once written except the leases:
 - ``manifests/<sha256 of the sorted keys>.json``: ``{"format", "keys"}`` of a
   whole plan, written create-once by a warmup after every key of the plan is
   published. An engine that announced its keys (:meth:`S3Tier.expect`) reads
-  it on its first lookup in this tier and fetches the listed entries in
-  parallel; without it, one GET per key.
+  it (at most :func:`manifest_limit` bytes) on its first lookup in this tier
+  and then fetches the listed entries ahead of its lookups,
+  :data:`PREFETCH` at a time in plan order; without it, one GET per key.
 - ``leases/<key>``: ``{"holder", "expires_at"}`` of the builder compiling the
   key (:class:`~kernel_cache.store.s3_lease.S3Lease`).
 
@@ -50,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
+from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
 from kernel_cache.store.s3_lease import S3Lease, S3LeaseDoc  # noqa: F401 - S3LeaseDoc re-exported
 
@@ -60,6 +62,17 @@ _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
 META_PROBE = 16384
 MANIFEST_FORMAT = "kc-s3-manifest-1"
+#: entries fetched ahead of the lookups once a plan manifest is read: at most
+#: this many bodies are in memory beside the one being checked, so an engine's
+#: peak stays within a few entries' size however large the listed objects are
+PREFETCH = 2
+
+
+def manifest_limit(n_keys: int) -> int:
+    """The largest manifest read for a plan of ``n_keys`` keys (bytes): 80 per
+    key (a 64-hex key, quotes, a comma) and 1 KiB for the rest; a larger object
+    is not this plan's manifest and is refused before its body is read."""
+    return 1024 + 80 * n_keys
 
 
 class S3Manifest(BaseModel):
@@ -207,9 +220,13 @@ class S3Tier(RemoteTier):
             settings = S3Settings.from_env(url=settings, environ={})
         super().__init__(settings, fail_open=fail_open, warn=warn)
         self._store = None
+        self._order: list[str] = []
         self._expected: list[str] = []
         self._manifest_read = False
-        self._prefetched: dict[str, bytes] = {}
+        self._listed = False
+        self._ahead: dict = {}  # key -> Future of _fetch
+        self._done: set[str] = set()
+        self._pool = None
 
     # -- plumbing ----------------------------------------------------------
     @property
@@ -254,16 +271,17 @@ class S3Tier(RemoteTier):
             return False
         return isinstance(e, BaseError)
 
-    def _get_bytes(self, path: str) -> bytes | None:
+    def _get_bytes(self, path: str, limit: int | None = None) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).
 
         Raises:
             ObjectTooLargeError: the object's size (from the response headers,
-                before the body is read) is over ``max_object_bytes``.
+                before the body is read) is over ``limit`` (default
+                ``max_object_bytes``).
         """
         from obstore.exceptions import NotFoundError
 
-        limit = self.settings.max_object_bytes
+        limit = self.settings.max_object_bytes if limit is None else limit
 
         def op(ob, store):
             try:
@@ -282,17 +300,24 @@ class S3Tier(RemoteTier):
 
     # -- manifest ----------------------------------------------------------
     def expect(self, keys) -> None:
-        """The keys the caller will look up (a plan): the first lookup reads
-        their manifest and fetches the listed entries in parallel. Sends nothing."""
-        self._expected = sorted(set(keys))
+        """The keys the caller will look up, in the order it looks them up (a
+        plan): the first lookup reads their manifest and, if it lists exactly
+        these keys, entries are fetched ahead of the lookups (:data:`PREFETCH`
+        at a time, in this order). Sends nothing."""
+        self._order = list(dict.fromkeys(keys))
+        self._expected = sorted(self._order)
         self._manifest_read = False
+        self._listed = False
+        self._ahead = {}
+        self._done = set()
 
     def _read_manifest(self) -> None:
         if self._manifest_read or not self._expected:
             return
         self._manifest_read = True
+        name = manifest_name(self._expected)
         try:
-            raw = self._get_bytes(manifest_name(self._expected))
+            raw = self._get_bytes(name, manifest_limit(len(self._expected)))
         except ObjectTooLargeError as e:
             log.warning("ignored S3 manifest: %s", e)
             return
@@ -303,19 +328,36 @@ class S3Tier(RemoteTier):
         except ValidationError:
             listed = None
         if listed != self._expected:
-            log.warning("ignored S3 manifest %s: not this plan's", manifest_name(self._expected))
+            log.warning("ignored S3 manifest %s: not this plan's", name)
             return
+        self._listed = True
+
+    def _fetch(self, key: str) -> bytes | ObjectTooLargeError | None:
+        try:
+            return self._get_bytes(f"entries/{key}")
+        except ObjectTooLargeError as e:
+            return e
+
+    def _fetched(self, key: str) -> bytes | ObjectTooLargeError | None:
+        """``key``'s object: from the fetches ahead when the manifest listed the
+        plan (starting the next :data:`PREFETCH` of the plan's order and
+        dropping any for keys before it), else one GET now."""
+        if not self._listed or key not in self._order:
+            return self._fetch(key)
         from concurrent.futures import ThreadPoolExecutor
 
-        def fetch(key: str) -> bytes | None:
-            try:
-                return self._get_bytes(f"entries/{key}")
-            except ObjectTooLargeError:
-                return None  # refused again, with the key, when it is looked up
-
-        with ThreadPoolExecutor(max_workers=min(8, len(listed))) as pool:
-            bodies = pool.map(fetch, listed)
-            self._prefetched = {k: b for k, b in zip(listed, bodies, strict=True) if b is not None}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=PREFETCH, thread_name_prefix="kc-s3")
+        i = self._order.index(key)
+        for k in list(self._ahead):
+            if self._order.index(k) < i:  # looked up out of order: not waited for again
+                self._ahead.pop(k).cancel()
+        for k in self._order[i : i + PREFETCH]:
+            if k not in self._ahead and k not in self._done:
+                self._ahead[k] = self._pool.submit(self._fetch, k)
+        self._done.add(key)
+        fut = self._ahead.pop(key, None)
+        return self._fetch(key) if fut is None else fut.result()
 
     def publish_manifest(self, keys) -> PutResult:
         """Write the manifest of ``keys`` (create-once) if every key is
@@ -333,13 +375,10 @@ class S3Tier(RemoteTier):
     # -- Tier --------------------------------------------------------------
     def _body(self, key: str) -> bytes | None:
         self._read_manifest()
-        body = self._prefetched.pop(key, None)
-        if body is not None:
-            return body
-        try:
-            return self._get_bytes(f"entries/{key}")
-        except ObjectTooLargeError as e:
-            raise CorruptEntryError(key, str(e), self.location) from None
+        body = self._fetched(key)
+        if isinstance(body, ObjectTooLargeError):
+            raise CorruptEntryError(key, str(body), self.location)
+        return body
 
     def get(self, key: str) -> Entry | None:
         body = self._body(key)
@@ -352,9 +391,6 @@ class S3Tier(RemoteTier):
     def get_meta(self, key: str) -> dict | None:
         """The metadata alone: a ranged GET of the entry's first bytes."""
         from obstore.exceptions import NotFoundError
-
-        if key in self._prefetched:
-            return parse_meta(_split(key, self._prefetched[key], self.location)[0], key)
 
         def op(ob, store):
             path = f"entries/{key}"
@@ -369,6 +405,8 @@ class S3Tier(RemoteTier):
             n = len(MAGIC) + _HEAD.size
             if len(head) >= n and head[:4] == MAGIC:
                 size = _HEAD.unpack(head[4:n])[0]
+                if size > META_MAX_BYTES:  # never allocated: the header is a writer's
+                    return size
                 if len(head) < n + size:
                     head = bytes(ob.get_range(store, path, start=0, length=n + size))
             return head
@@ -376,6 +414,11 @@ class S3Tier(RemoteTier):
         head = self._run("get_meta", op)
         if head is None:
             return None
+        if isinstance(head, int):
+            raise CorruptEntryError(
+                key, f"its header claims a {head}-byte record, over the limit of "
+                f"{META_MAX_BYTES}; not read", self.location,
+            )  # fmt: skip
         return parse_meta(_split(key, head, self.location)[0], key, self.location)
 
     def contains(self, key: str) -> bool:
@@ -453,7 +496,6 @@ class S3Tier(RemoteTier):
             return None
 
     def delete(self, key: str) -> None:
-        self._prefetched.pop(key, None)
         self._run("delete", lambda ob, store: ob.delete(store, f"entries/{key}"))
 
     def keys(self) -> list[str]:
@@ -482,8 +524,13 @@ class S3Tier(RemoteTier):
         return S3Lease(self, key, ttl_s, wait_s)
 
     def close(self) -> None:
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         self._store = None
-        self._prefetched = {}
 
 
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
