@@ -23,6 +23,11 @@ Objects (under ``PREFIX/``), all immutable once written except the leases:
   :data:`PREFETCH` at a time in plan order; without it, one GET per key.
 - ``leases/<key>``: ``{"holder", "expires_at"}`` of the builder compiling the
   key (:class:`~kernel_cache.store.s3_lease.S3Lease`).
+- ``index/<name>/<digest>/<key>``: empty, written create-once with each
+  entry, one per :data:`~kernel_cache.store.lookup.RECORD_INDEXES` digest of
+  its record: a miss finds compatible entries by listing one such prefix
+  (:meth:`S3Tier.metas_by`, at most :data:`INDEX_MAX` of them), never
+  ``entries/``, so its requests do not grow with the bucket.
 
 Entries are untrusted (:attr:`S3Tier.trusted` is False): the lookup checks
 their size, sha256 and, with a signing key, signature before use.
@@ -41,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -62,6 +68,10 @@ _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
 META_PROBE = 16384
 MANIFEST_FORMAT = "kc-s3-manifest-1"
+#: index objects read per digest on a miss: builds of one runtime differing in
+#: a build-only component (the C++ compiler) or in sources number a handful;
+#: more under one digest is a writer's flood, and the rest is not read
+INDEX_MAX = 64
 #: entries fetched ahead of the lookups once a plan manifest is read: at most
 #: this many bodies are in memory beside the one being checked, so an engine's
 #: peak stays within a few entries' size however large the listed objects are
@@ -193,6 +203,16 @@ def _split(key: str, body: bytes, where: str) -> tuple[bytes, memoryview]:
         raise CorruptEntryError(key, f"metadata cut short ({len(body) - n} of {size})", where)
     view = memoryview(body)
     return bytes(view[n : n + size]), view[n + size :]
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _of(of, meta: dict) -> str | None:
+    try:
+        return of(meta)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
 
 
 def manifest_name(keys) -> str:
@@ -467,6 +487,8 @@ class S3Tier(RemoteTier):
         path = f"entries/{key}"
         _testhooks.hook("s3-put")
         result = self._create(path, body)
+        if result.outcome is not PutOutcome.FAILED:
+            self._index(key, meta)
         if result.outcome is not PutOutcome.PRESENT:
             return result
         have = self._valid(key)
@@ -478,6 +500,49 @@ class S3Tier(RemoteTier):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
         why = f"{path} holds another build of this key (create-once: kept)"
         return PutResult(PutOutcome.PRESENT, self.location, why)
+
+    def _index(self, key: str, meta: dict) -> None:
+        """Write ``key``'s index objects (create-once; one already there is kept)."""
+        from kernel_cache.store.lookup import record_indexes
+
+        for name, value in record_indexes(meta).items():
+            self._create(f"index/{name}/{value}/{key}", b"")
+
+    def metas_by(self, index: str, of):
+        """Records found through ``index/<index>/<value>/`` (one LIST, then a
+        ranged GET per listed key, at most :data:`INDEX_MAX`); a record whose
+        own ``of(record)`` is not ``value`` (a planted index object) is dropped.
+        Entries published before index objects existed are not found here."""
+        found: dict[str, list[dict]] = {}
+
+        def find(value: str) -> list[dict]:
+            if value not in found:
+                found[value] = [m for m in self._indexed(index, value) if _of(of, m) == value]
+            return found[value]
+
+        return find
+
+    def _indexed(self, index: str, value: str) -> list[dict]:
+        if not _HEX64.fullmatch(value):
+            return []
+        prefix = f"index/{index}/{value}/"
+
+        def op(ob, store):
+            for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
+                return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            return []
+
+        metas = []
+        for key in self._run("list index", op, []):
+            if not _HEX64.fullmatch(key):
+                continue
+            try:
+                meta = self.get_meta(key)
+            except CorruptEntryError:
+                continue
+            if meta is not None:
+                metas.append(meta)
+        return metas
 
     def _valid(self, key: str) -> dict | None:
         """The metadata of the stored entry of ``key`` if it passes the lookup's

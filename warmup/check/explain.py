@@ -114,7 +114,7 @@ def explain(
     plan = Plan.build(config, log_launch=False)
     items = list(plan) if variants is None else plan.items_for(variants)
     lookup = Lookup(tiers)
-    stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
+    stored = None  # read at the first miss only: a plan that hits sends no listing
     results, hits, outside = [], 0, 0
     for item in items:
         r = {"variant": str(item.variant), "key": item.key.hexdigest}
@@ -134,6 +134,8 @@ def explain(
             continue
         r.setdefault("status", "miss")
         r["traced"] = list(lookup.changes)
+        if stored is None:
+            stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
         r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
         results.append(r)
     return {
@@ -141,7 +143,7 @@ def explain(
         "hits": hits,
         "misses": len(items) - hits - outside,
         "not_in_plan": outside,
-        "stored": len(stored),
+        "stored": len(stored or ()),
         "tiers": [t.location for t in tiers],
         "results": results,
     }
