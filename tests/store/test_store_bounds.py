@@ -301,3 +301,128 @@ def test_a_record_naming_a_file_outside_the_roots_is_corrupt_and_nothing_it_name
     assert len(lookup.rejected) == 1 and "must be relative" in str(lookup.rejected[0])
     assert secret.stat().st_atime == 1_000_000
     tier.close()
+
+
+# -- requests and memory that do not grow with what a writer put there ----------------
+
+
+def _put_many(tier: S3Tier, paths: list[str], body: bytes, concurrency: int = 64) -> None:
+    """PUT ``body`` at every path, ``concurrency`` at a time (obstore's async API)."""
+    import asyncio
+
+    import obstore
+
+    async def run():
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(path):
+            async with gate:
+                await obstore.put_async(tier.store, path, body)
+
+        await asyncio.gather(*(one(p) for p in paths))
+
+    asyncio.run(run())
+
+
+def _plan(cfg):
+    from kernel_cache.plan.buckets import Bucketer
+    from kernel_cache.plan.keys import build_key
+
+    return [(v, build_key(cfg, v)) for v in Bucketer(cfg).variants]
+
+
+@pytest.mark.slow
+def test_requests_do_not_grow_with_unrelated_entries(s3, tiny_model, tiny_config, tmp_path):
+    """10,000 unrelated objects under ``entries/``: an engine start that misses
+    the whole plan makes as many requests as with an empty bucket, and
+    ``explain`` of a plan that hits lists nothing (the server's own request
+    counter)."""
+    from warmup.check.explain import explain
+
+    from ..s3_server import request_count
+    from .test_s3_hostile import _engine
+    from .test_s3_tier import _env
+
+    if not s3["metrics"]:
+        pytest.skip("the shared S3 server gives no metrics URL")
+    control_url = s3["url"] + "-control"
+    env = _env(KERNEL_CACHE_S3_URL=control_url)
+    before = request_count(s3["metrics"])
+    proc = _engine(tiny_model, tmp_path / "c0", env)
+    control = request_count(s3["metrics"]) - before
+    assert proc.stdout.split()[0] == "missing", proc.stderr[-2000:]
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
+    _put_many(tier, [f"entries/{i:064x}" for i in range(10_000)], b"x")
+    before = request_count(s3["metrics"])
+    proc = _engine(tiny_model, tmp_path / "c1", _env(KERNEL_CACHE_S3_URL=s3["url"]))
+    grown = request_count(s3["metrics"]) - before
+    assert proc.stdout.split()[0] == "missing", proc.stderr[-2000:]
+    assert grown == control, (grown, control)
+
+    plan = _plan(tiny_config)
+    for variant, key in plan:  # entries that verify (explain loads no code)
+        data = key.hexdigest.encode()
+        assert tier.put(key.hexdigest, data, make_meta(key, str(variant), data, 1.0)).ok
+    before = request_count(s3["metrics"])
+    report = explain(tiny_config, [tier])
+    sent = request_count(s3["metrics"]) - before
+    assert report["hits"] == len(plan) and report["misses"] == 0
+    assert sent <= len(plan), sent  # one GET per key, no listing
+    tier.close()
+
+
+#: A plan of more keys than the tiny one's, for the memory test: engine start of
+#: it (model argv[1], cache argv[2]) prints "missing N", then its VmHWM (KiB).
+WIDE = dict(max_model_len=128, block_size=16, max_num_seqs=8, max_num_batched_tokens=128)
+WIDE_ENGINE = f"""
+import sys
+from kernel_cache import load_plan, make_config
+from kernel_cache.errors import MissingVariantsError
+cfg = make_config(sys.argv[1], **{WIDE!r})
+try:
+    load_plan(cfg, sys.argv[2])
+except MissingVariantsError as e:
+    print("missing", len(e.missing))
+print(next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')))
+"""
+
+
+def _peak(model, cache, env) -> float:
+    """Peak resident size (MiB) of an engine start of :data:`WIDE` in a child."""
+    from .test_s3_hostile import _engine
+
+    proc = _engine(model, cache, env, WIDE_ENGINE)
+    assert proc.stdout.split()[0] == "missing", proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1]) / 1024
+
+
+@pytest.mark.slow
+def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model, tmp_path):
+    """Every key of the plan holds an object of ``size`` MiB (under the
+    per-object limit, failing its checks) and the bucket holds the plan's
+    manifest: the engine fetches them ``PREFETCH`` ahead, never the whole
+    plan at once, so its peak (``VmHWM`` from /proc) grows by a few objects'
+    size, not by the plan's count of them."""
+    import obstore
+
+    from kernel_cache import make_config
+    from kernel_cache.store.s3 import PREFETCH
+
+    from .test_s3_tier import _env
+
+    size = 32
+    plan = _plan(make_config(str(tiny_model), **WIDE))
+    assert len(plan) >= 4 * (PREFETCH + 1), len(plan)
+    env = _env(KERNEL_CACHE_S3_URL=s3["url"])
+    base = _peak(tiny_model, tmp_path / "c0", env)
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
+    keys = [k.hexdigest for _, k in plan]
+    _put_many(tier, [f"entries/{k}" for k in keys], pack(b"\0" * (size << 20), b"{}"), 3)
+    body = {"format": "kc-s3-manifest-1", "keys": sorted(keys), "created": time.time()}
+    obstore.put(tier.store, manifest_name(keys), json.dumps(body).encode())
+    peak = _peak(tiny_model, tmp_path / "c1", env)
+    # (PREFETCH + 1) objects at a time, each briefly twice (the client's buffer and
+    # Python's bytes); the whole plan at once would be len(plan) times size
+    assert peak - base < 2 * (PREFETCH + 1) * size < len(plan) * size, (peak, base, len(plan))
+    tier.close()
