@@ -426,3 +426,46 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
     # Python's bytes); the whole plan at once would be len(plan) times size
     assert peak - base < 2 * (PREFETCH + 1) * size < len(plan) * size, (peak, base, len(plan))
     tier.close()
+
+
+@pytest.mark.compile
+def test_a_warmup_past_planted_leases_compiles_each_key_once_without_waiting(
+    s3, tiny_model, tiny_config, tmp_path
+):
+    """Every key of the tiny plan holds a planted lease (far-future with a
+    forged holder, NaN, oversized) and the lease wait is 900 s: a cold warmup
+    takes each over at once (its report's ``lock_wait_s`` per key under one
+    TTL), compiles each key once (the compiler hook's log) and logs each
+    takeover once, escaped (no forged line reaches stderr)."""
+    import subprocess
+    import sys
+
+    from ..conftest import tiny_args
+    from .test_s3_tier import _env
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
+    plan = _plan(tiny_config)
+    bodies = [
+        json.dumps({"holder": FORGED, "expires_at": 1e18}).encode(),
+        b'{"holder": "x", "expires_at": NaN}',
+        b"x" * (LEASE_MAX_BYTES + 1),
+    ]
+    for i, (_, key) in enumerate(plan):
+        _plant(tier, key.hexdigest, bodies[i % len(bodies)])
+    log = tmp_path / "compiles.log"
+    env = _env(KERNEL_CACHE_TEST_COMPILE_LOG=str(log), KERNEL_CACHE_S3_LOCK_TTL=str(TTL),
+               KERNEL_CACHE_S3_LOCK_WAIT="900")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(tiny_model),
+         "--cache-dir", str(tmp_path / "b"), "--s3-url", s3["url"], "--jobs", "1", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    compiled = sorted(line.split(" ", 1)[1] for line in log.read_text().splitlines())
+    assert compiled == sorted(str(v) for v, _ in plan), compiled
+    assert all(r["lock_wait_s"] < TTL for r in report["results"]), report["results"]
+    assert proc.stderr.count("names no live holder") == len(plan), proc.stderr[-3000:]
+    assert "\x1b" not in proc.stderr
+    assert not any(ln.lstrip().startswith("2026-01-01") for ln in proc.stderr.splitlines())
+    tier.close()
