@@ -61,6 +61,8 @@ from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are im
 log = logging.getLogger("kernel_cache")
 
 ENV_REDIS_URL = env_settings.var("redis_url")
+#: members of an index set read on a miss (as the S3 tier's ``INDEX_MAX``)
+INDEX_MAX = 64
 
 
 #: Fields of an entry's record that describe one build, not its bytes or what
@@ -300,12 +302,20 @@ class RedisTier(RemoteTier):
         if same_published(have, meta) and self._holds_bytes(name, data):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
 
+        from kernel_cache.store.lookup import record_indexes
+
+        indexes = [self._name(f"index:{n}", v) for n, v in record_indexes(meta).items()]
+
         def op(c):
             p = c.pipeline(transaction=True)
             p.delete(name)
             p.hset(name, mapping={"meta": raw_meta, "data": data})
+            for index in indexes:
+                p.sadd(index, key)
             if self.settings.ttl_s:
                 p.expire(name, self.settings.ttl_s)
+                for index in indexes:
+                    p.expire(index, self.settings.ttl_s)
             p.execute()
             return True
 
@@ -336,6 +346,33 @@ class RedisTier(RemoteTier):
 
     def delete(self, key: str) -> None:
         self._run("delete", lambda c: c.delete(self._name("entry", key)))
+
+    def metas_by(self, index: str, of):
+        """Records found through the set ``<prefix>index:<index>:<value>``
+        (written with each entry): at most :data:`INDEX_MAX` members
+        (``SRANDMEMBER``), each record read bounded (:meth:`get_meta`); one
+        whose own ``of(record)`` is not ``value`` is dropped. Entries
+        published before these sets existed are not found here."""
+        found: dict[str, list[dict]] = {}
+
+        def find(value: str) -> list[dict]:
+            if value not in found:
+                name = self._name(f"index:{index}", value)
+                keys = self._run("index", lambda c: c.srandmember(name, INDEX_MAX), []) or []
+                metas = []
+                for raw in keys:
+                    key = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    try:
+                        meta = self.get_meta(key)
+                        ok = meta is not None and of(meta) == value
+                    except (CorruptEntryError, TypeError, ValueError, KeyError, AttributeError):
+                        continue
+                    if ok:
+                        metas.append(meta)
+                found[value] = metas
+            return found[value]
+
+        return find
 
     def keys(self) -> list[str]:
         """Every entry key held (``SCAN``, so Redis is never blocked)."""

@@ -469,3 +469,40 @@ def test_a_warmup_past_planted_leases_compiles_each_key_once_without_waiting(
     assert "\x1b" not in proc.stderr
     assert not any(ln.lstrip().startswith("2026-01-01") for ln in proc.stderr.splitlines())
     tier.close()
+
+
+def _redis_calls(client) -> dict[str, int]:
+    """Commands the Redis server has run since its last ``CONFIG RESETSTAT``,
+    by name (``INFO commandstats``: the server's own count)."""
+    stats = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+
+
+def test_a_redis_miss_does_not_read_unrelated_entries_and_finds_a_compatible_one(
+    redis_db, tiny_config
+):
+    """5,000 unrelated entry hashes: a lookup that misses the exact key runs a
+    handful of commands, no ``SCAN`` and no read of them (``INFO
+    commandstats``); an entry of the same runtime built by another compiler,
+    published through the tier, is still found through its index set."""
+    from kernel_cache.plan.keys import CacheKey
+    from kernel_cache.store.lookup import Lookup
+
+    tier = _redis(redis_db)
+    c = tier.client
+    p = c.pipeline(transaction=False)
+    for i in range(5000):
+        p.hset(tier._name("entry", f"{i:064x}"), mapping={"meta": b"{}", "data": b""})
+    p.execute()
+    variant, key = _tiny_key(tiny_config)
+    other = CacheKey(tuple((n, "gcc 99.1.0" if n == "cxx" else v) for n, v in key.components))
+    assert other.hexdigest != key.hexdigest and other.runtime_digest == key.runtime_digest
+    data = b"code"
+    assert tier.put(other.hexdigest, data, make_meta(other, str(variant), data, 1.0)).ok
+    c.config_resetstat()
+    lookup = Lookup([tier])
+    found = lookup.find(key)
+    calls = _redis_calls(c)
+    assert found is not None and found.entry.key == other.hexdigest
+    assert "scan" not in calls and sum(calls.values()) < 20, calls
+    tier.close()
