@@ -506,3 +506,19 @@ def test_a_redis_miss_does_not_read_unrelated_entries_and_finds_a_compatible_one
     assert found is not None and found.entry.key == other.hexdigest
     assert "scan" not in calls and sum(calls.values()) < 20, calls
     tier.close()
+
+
+def test_a_stores_error_text_is_shown_whole_but_escaped_and_bounded(caplog):
+    """A failure whose text spans lines (a 403's XML body) reaches the one
+    warning whole up to the bound, escaped: no line of it starts a log line."""
+    tier = S3Tier(S3Settings(url="s3://bucket/p", timeout_s=1))
+    body = (
+        '403 Forbidden: <?xml version="1.0"?>\n<Error><Code>AccessDenied</Code>\n'
+        "<Message>\x1b[32mbucket kc-missing does not exist</Message></Error>"
+    )
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        tier.note_failure(PermissionError(body + "x" * 5000))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line
+    assert "AccessDenied" in line and "does not exist" in line  # past the first line
+    assert len(line) < 1000 and "characters)" in line
