@@ -30,7 +30,9 @@ Objects (under ``PREFIX/``), all immutable once written except the leases:
   ``entries/``, so its requests do not grow with the bucket.
 
 Entries are untrusted (:attr:`S3Tier.trusted` is False): the lookup checks
-their size, sha256 and, with a signing key, signature before use.
+their size, sha256 and, with a signing key, signature before use. Every read is
+bounded before its body (docs/s3.md, "Bounds and planted leases"): an entry is
+streamed and refused from its first bytes unless its record accounts for it.
 
 Failure. Every call runs with obstore's ``connect_timeout`` and
 ``read_timeout`` of ``KERNEL_CACHE_S3_TIMEOUT`` seconds (default 2) and no
@@ -352,13 +354,68 @@ class S3Tier(RemoteTier):
             return
         self._listed = True
 
-    def _fetch(self, key: str) -> bytes | ObjectTooLargeError | None:
-        try:
-            return self._get_bytes(f"entries/{key}")
-        except ObjectTooLargeError as e:
-            return e
+    def _fetch(self, key: str) -> bytearray | ObjectTooLargeError | CorruptEntryError | None:
+        """The entry object of ``key``, read as a stream and checked as it
+        comes: its size (response headers) within ``max_object_bytes``, then,
+        from its first bytes, the magic, a record length within
+        :data:`~kernel_cache.store.entry.META_MAX_BYTES` and a record whose
+        ``size`` accounts for the whole object. An object failing a check is
+        returned as the error with the rest of its body unread. None: absent,
+        or the store failed (fail-open)."""
+        from obstore.exceptions import NotFoundError
 
-    def _fetched(self, key: str) -> bytes | ObjectTooLargeError | None:
+        path = f"entries/{key}"
+        limit = self.settings.max_object_bytes
+        n = len(MAGIC) + _HEAD.size
+
+        def refused(why: str) -> CorruptEntryError:
+            return CorruptEntryError(key, f"{why}; the rest of it was not read", self.location)
+
+        def op(ob, store):
+            try:
+                got = ob.get(store, path)
+            except (NotFoundError, FileNotFoundError):
+                return None
+            size = int(got.meta["size"])
+            if size > limit:
+                return ObjectTooLargeError(path, size, limit)
+            buf, pos, checked = bytearray(size), 0, False  # filled in place: one copy
+            for chunk in got.stream(min_chunk_size=1 << 16):
+                if pos + len(chunk) > size:
+                    return refused(f"more bytes arrived than its size of {size}")
+                buf[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+                if checked or pos < n:
+                    continue
+                if bytes(buf[:4]) != MAGIC:
+                    return refused("not a kernel-cache S3 entry (bad magic)")
+                (meta_len,) = _HEAD.unpack(bytes(buf[4:n]))
+                if meta_len > META_MAX_BYTES:
+                    return refused(
+                        f"its header claims a {meta_len}-byte record, over the limit of "
+                        f"{META_MAX_BYTES}"
+                    )
+                if pos < n + meta_len:
+                    continue
+                try:
+                    declared = parse_meta(bytes(buf[n : n + meta_len]), key)["size"]
+                except CorruptEntryError as e:
+                    return refused(e.reason)
+                if n + meta_len + declared != size:
+                    return refused(
+                        f"the object is {size} bytes, its record accounts for "
+                        f"{n + meta_len + declared}"
+                    )
+                checked = True
+            if pos != size:
+                return refused(f"cut short: {pos} of its {size} bytes arrived")
+            if not checked:
+                return refused("not a kernel-cache S3 entry (shorter than its header says)")
+            return buf
+
+        return self._run(f"GET {path}", op)
+
+    def _fetched(self, key: str) -> bytearray | ObjectTooLargeError | CorruptEntryError | None:
         """``key``'s object: from the fetches ahead when the manifest listed the
         plan (starting the next :data:`PREFETCH` of the plan's order and
         dropping any for keys before it), else one GET now."""
@@ -393,11 +450,13 @@ class S3Tier(RemoteTier):
         return self._create(manifest_name(keys), body.model_dump_json().encode())
 
     # -- Tier --------------------------------------------------------------
-    def _body(self, key: str) -> bytes | None:
+    def _body(self, key: str) -> bytes | bytearray | None:
         self._read_manifest()
         body = self._fetched(key)
         if isinstance(body, ObjectTooLargeError):
             raise CorruptEntryError(key, str(body), self.location)
+        if isinstance(body, CorruptEntryError):
+            raise body
         return body
 
     def get(self, key: str) -> Entry | None:

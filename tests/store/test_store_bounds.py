@@ -400,10 +400,11 @@ def _peak(model, cache, env) -> float:
 @pytest.mark.slow
 def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model, tmp_path):
     """Every key of the plan holds an object of ``size`` MiB (under the
-    per-object limit, failing its checks) and the bucket holds the plan's
-    manifest: the engine fetches them ``PREFETCH`` ahead, never the whole
-    plan at once, so its peak (``VmHWM`` from /proc) grows by a few objects'
-    size, not by the plan's count of them."""
+    per-object limit, its record accounting for it, its sha256 wrong: read
+    whole before it fails) and the bucket holds the plan's manifest: the
+    engine fetches them ``PREFETCH`` ahead, never the whole plan at once, so
+    its peak (``VmHWM`` from /proc) grows by a few objects' size, not by the
+    plan's count of them."""
     import obstore
 
     from kernel_cache import make_config
@@ -418,7 +419,10 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
     base = _peak(tiny_model, tmp_path / "c0", env)
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
     keys = [k.hexdigest for _, k in plan]
-    _put_many(tier, [f"entries/{k}" for k in keys], pack(b"\0" * (size << 20), b"{}"), 3)
+    data = b"\0" * (size << 20)
+    for variant, key in plan:  # records that account for the bytes; a wrong sha256
+        meta = {**make_meta(key, str(variant), b"", 1.0), "size": len(data), "sha256": "0" * 64}
+        obstore.put(tier.store, f"entries/{key.hexdigest}", pack(data, json.dumps(meta).encode()))
     body = {"format": "kc-s3-manifest-1", "keys": sorted(keys), "created": time.time()}
     obstore.put(tier.store, manifest_name(keys), json.dumps(body).encode())
     peak = _peak(tiny_model, tmp_path / "c1", env)
@@ -522,3 +526,32 @@ def test_a_stores_error_text_is_shown_whole_but_escaped_and_bounded(caplog):
     assert "\n" not in line and "\x1b" not in line
     assert "AccessDenied" in line and "does not exist" in line  # past the first line
     assert len(line) < 1000 and "characters)" in line
+
+
+def test_an_s3_entry_is_refused_from_its_first_bytes_when_its_record_does_not_fit(
+    s3, tiny_config, caplog
+):
+    """An entry object whose header or record does not account for its size
+    is refused from its first chunk, naming why; one whose record fits is read."""
+    import obstore
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
+    variant, key = _tiny_key(tiny_config)
+    k = key.hexdigest
+    cases = {
+        b"\0" * (8 << 20): "bad magic",
+        pack(b"\0" * (8 << 20), b"{}"): "metadata: ",
+        pack(b"", b"[" * 200_000): "nested too deep",
+        pack(b"", b"{}")[:4] + (1 << 40).to_bytes(8, "big") + b"{}": "1099511627776-byte record",
+    }
+    data = b"code"
+    meta = make_meta(key, str(variant), data, 1.0)
+    cases[pack(data + b"\0" * (8 << 20), json.dumps(meta).encode())] = "accounts for"
+    for body, why in cases.items():
+        obstore.put(tier.store, f"entries/{k}", body)
+        with pytest.raises(CorruptEntryError, match=why) as e:
+            tier.get(k)
+        assert "not read" in str(e.value)
+    obstore.put(tier.store, f"entries/{k}", pack(data, json.dumps(meta).encode()))
+    assert tier.get(k).data == data
+    tier.close()
