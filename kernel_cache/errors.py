@@ -114,6 +114,12 @@ class UntrustedCacheError(KernelCacheError):
     mode or owner, and the fix."""
 
 
+class NetworkFilesystemError(KernelCacheError):
+    """The local cache directory is on a network or FUSE filesystem, whose locking
+    and write ordering SQLite and diskcache cannot rely on. Names the directory,
+    the filesystem type and the ``file://`` remote URL to use instead."""
+
+
 class LockTimeoutError(KernelCacheError):
     """Waiting for another process's per-key compile lock took longer than the
     lock timeout. Names the key, the lock file and the holder's pid if known."""

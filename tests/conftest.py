@@ -110,6 +110,11 @@ def _start_warm_build() -> None:
 
 
 _OWN_DIR = pytest.StashKey[tuple[str, bool]]()
+_OWN_PCH = pytest.StashKey[bool]()
+#: The compile workers' precompiled headers (warmup.build.worker.pch_dir): one
+#: folder in the run's shared folder, so they are built once a run, not once a
+#: test's cache directory.
+ENV_PCH_DIR = "KERNEL_CACHE_PCH_DIR"
 
 
 #: Set by a caller that runs pytest more than once (``.ci/run``: the fast tier,
@@ -134,6 +139,9 @@ def pytest_configure(config):
         d = tempfile.mkdtemp(prefix="kernel_cache-tests-")
         os.environ[ENV_WARM_DIR] = d
         config.stash[_OWN_DIR] = (d, True)
+    if ENV_PCH_DIR not in os.environ:  # every warmup of the run reuses the headers
+        os.environ[ENV_PCH_DIR] = str(Path(os.environ[ENV_WARM_DIR], "pch"))
+        config.stash[_OWN_PCH] = True
 
 
 def _alive(pid_file: Path) -> bool:
@@ -179,6 +187,8 @@ def pytest_unconfigure(config):
     if remove:
         shutil.rmtree(d, ignore_errors=True)
     os.environ.pop(ENV_WARM_DIR, None)
+    if config.stash.get(_OWN_PCH, False):
+        os.environ.pop(ENV_PCH_DIR, None)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs

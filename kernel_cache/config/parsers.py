@@ -113,3 +113,41 @@ def check_s3_url(v: str) -> str:
             f"(3-63 characters: a-z, 0-9, '.', '-'), {eg}"
         )
     return v
+
+
+#: the schemes of :func:`check_remote_url` (obstore's ``from_url`` takes each)
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "azure://", "abfs://", "abfss://", "file://")
+
+
+def check_remote_url(v: str) -> str:
+    """An object-store URL: ``s3://BUCKET/PREFIX`` (:func:`check_s3_url`),
+    ``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` (also ``azure://``,
+    ``abfs[s]://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX``) or
+    ``file:///ABSOLUTE/PATH`` (a directory, e.g. on a shared filesystem).
+
+    Raises:
+        ValueError: naming the URL and what is wrong.
+    """
+    eg = "e.g. s3://kernel-cache/fleet-a, gs://kernel-cache/fleet-a or file:///mnt/shared/kc"
+    if not v.startswith(REMOTE_SCHEMES):
+        raise ValueError(
+            f"object-store URL {v!r} must start with {', '.join(REMOTE_SCHEMES[:-1])} "
+            f"or {REMOTE_SCHEMES[-1]}, {eg}"
+        )
+    if v.startswith("s3://"):
+        return check_s3_url(v)
+    if any(c.isspace() for c in v):
+        raise ValueError(f"object-store URL {v!r} holds a blank, {eg}")
+    scheme, rest = v.split("://", 1)
+    if scheme == "file":
+        host, slash, _ = rest.partition("/")
+        if host not in ("", "localhost") or not slash or rest.rstrip("/") in ("", "localhost"):
+            raise ValueError(
+                f"file URL {v!r} must name an absolute directory path and no host, "
+                "e.g. file:///mnt/shared/kc (three slashes)"
+            )
+        return v
+    if not rest.split("/", 1)[0]:
+        what = "bucket" if scheme == "gs" else "container"
+        raise ValueError(f"object-store URL {v!r} names no {what}, {eg}")
+    return v

@@ -52,6 +52,7 @@ from pydantic import (
 from kernel_cache.config.parsers import (  # noqa: F401 - callers use them as settings.<name>
     binary_units,
     check_redis_url,
+    check_remote_url,
     check_s3_url,
     parse_bool,
     parse_int_list,
@@ -155,7 +156,7 @@ Size = Annotated[
     AfterValidator(lambda v: v if v is None else int(v)),
 ]
 RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_redis_url(v))]
-S3Url = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_s3_url(v))]
+RemoteUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_remote_url(v))]
 
 
 class SettingsFields(BaseModel):
@@ -224,6 +225,12 @@ class SettingsFields(BaseModel):
         "for debugging; its path is logged",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
+    pch_dir: Path | None = _f(
+        None, "where compile workers keep the C++ precompiled headers they build once per "
+        "compiler, torch and flags and reuse in later warmups; only its owner may write it",
+        type="path", expected="a directory path", example="/var/cache/kc-pch",
+        shown_default="<cache dir>/pch",
+    )  # fmt: skip
     num_threads: Threads = _f(
         "auto", "CPU threads of a serving process, set by load_plan for a CPU plan: auto "
         "lowers torch's count to the CPUs the process may use (affinity, cgroup CPU quota) "
@@ -290,11 +297,19 @@ class SettingsFields(BaseModel):
         type="size", unit="bytes", expected="bytes or a number with K, M, G or T "
         "(powers of 1024)", example="512M", shown_default="256M",
     )  # fmt: skip
-    # -- S3 ------------------------------------------------------------------------------
-    s3_url: S3Url = _f(
-        None, "shared S3 tier (--s3-url wins); endpoint and credentials from the standard "
-        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION",
-        type="URL", expected="s3://BUCKET/PREFIX", example="s3://kernel-cache/fleet-a",
+    # -- object store (S3, GCS, Azure, a shared directory) --------------------------------
+    remote_url: RemoteUrl = _f(
+        None, "shared object-store tier (--remote-url wins): s3://, gs://, az:// or file:// "
+        "(a directory on a shared filesystem); credentials from the store's standard "
+        "variables (AWS_*, GOOGLE_*, AZURE_*); see docs/shared-storage.md",
+        type="URL", expected="s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX "
+        "or file:///DIRECTORY", example="s3://kernel-cache/fleet-a",
+        shown_default="none (local only)",
+    )  # fmt: skip
+    s3_url: RemoteUrl = _f(
+        None, "the older name of KERNEL_CACHE_REMOTE_URL (--s3-url), still read; set one "
+        "of the two (both set to different URLs is an error)",
+        type="URL", expected="as KERNEL_CACHE_REMOTE_URL", example="s3://kernel-cache/fleet-a",
         shown_default="none (local only)",
     )  # fmt: skip
     s3_timeout: float = _f(

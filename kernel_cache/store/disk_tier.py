@@ -99,10 +99,14 @@ class DiskTier(Tier):
 
         Raises:
             UntrustedCacheError: names the path, why and the fix.
+            NetworkFilesystemError: the directory is on a network or FUSE
+                filesystem (:func:`kernel_cache.store.fs_type.check_local`).
         """
         if not self._trusted:
+            from kernel_cache.store.fs_type import check_local
             from kernel_cache.trust.permissions import check_cache_dir
 
+            check_local(self.directory)
             check_cache_dir(self.directory, allow_shared=self.allow_shared)
             self._trusted = True
 

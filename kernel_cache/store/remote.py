@@ -30,13 +30,14 @@ def settings_from_json(text: str):
 
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
     """The remote tiers set in the environment, in lookup order: Redis
-    (``KERNEL_CACHE_REDIS_URL``), then S3 (``KERNEL_CACHE_S3_URL``)."""
+    (``KERNEL_CACHE_REDIS_URL``), then the object store (``KERNEL_CACHE_REMOTE_URL``,
+    or its older name ``KERNEL_CACHE_S3_URL``)."""
     out: list[Tier] = []
     if env_settings.is_set("redis_url", environ):  # else the client module is not imported
         from kernel_cache.store import redis
 
         out += redis.tiers_from_env(environ)
-    if env_settings.is_set("s3_url", environ):
+    if env_settings.is_set("remote_url", environ) or env_settings.is_set("s3_url", environ):
         from kernel_cache.store import s3
 
         out += s3.tiers_from_env(environ)

@@ -1,12 +1,19 @@
-"""A remote tier on S3 (or any S3-compatible store), shared by a fleet, with
-build leases for one compile per key across builders.
+"""A remote tier in an object store (S3 or any S3-compatible store, GCS, Azure
+Blob, or a directory on a shared filesystem), shared by a fleet, with build
+leases for one compile per key across builders.
 
-Set ``KERNEL_CACHE_S3_URL`` (or ``--s3-url``) to ``s3://BUCKET/PREFIX``. The
-endpoint and credentials come from the standard ``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION`` variables.
-The client is obstore (an optional extra: ``pip install 'kernel-cache[s3]'``),
-imported only when a URL is set; docs/s3.md gives the measurements behind
-that choice and the design.
+Set ``KERNEL_CACHE_REMOTE_URL`` (or ``--remote-url``; the older
+``KERNEL_CACHE_S3_URL`` / ``--s3-url`` are read too) to ``s3://BUCKET/PREFIX``,
+``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` or ``file:///DIRECTORY``. An
+S3 endpoint and credentials come from the standard ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION`` variables;
+GCS and Azure read their own (``GOOGLE_*``, ``AZURE_*``) through obstore's
+``from_url``. The client is obstore (an optional extra: ``pip install
+'kernel-cache[s3]'``), imported only when a URL is set; docs/s3.md gives the
+measurements behind that choice and the design, docs/shared-storage.md the
+URLs and the threat model. A ``file://`` directory has the same objects; its
+leases are :class:`~kernel_cache.store.file_lease.FileLease` (no conditional
+overwrite there).
 
 Objects (under ``PREFIX/``), all immutable once written except the leases:
 
@@ -87,6 +94,11 @@ def manifest_limit(n_keys: int) -> int:
     return 1024 + 80 * n_keys
 
 
+#: a plan manifest older than this (seconds) is written again by the next warmup
+#: that completes the plan (``kernel-cache gc-remote`` keeps plans by manifest age)
+MANIFEST_RENEW_S = 86400.0
+
+
 class S3Manifest(BaseModel):
     """``manifests/<sha256 of the sorted keys>.json``: a plan whose every key is published."""
 
@@ -110,14 +122,17 @@ class S3Settings(RemoteSettings):
     """
 
     VARIABLES: ClassVar[dict[str, str]] = {
-        "url": "s3_url",
+        "url": "remote_url",
         "timeout_s": "s3_timeout",
         "lock_ttl_s": "s3_lock_ttl",
         "lock_wait_s": "s3_lock_wait",
         "max_object_bytes": "s3_max_object",
     }
-    FLAGS: ClassVar[dict[str, str]] = {"url": "--s3-url", "timeout_s": "--s3-timeout"}
-    LABEL: ClassVar[str] = "S3"
+    FLAGS: ClassVar[dict[str, str]] = {
+        "url": "--remote-url (or --s3-url)",
+        "timeout_s": "--s3-timeout",
+    }
+    LABEL: ClassVar[str] = "object store"
 
     kind: Literal["s3"] = "s3"
     timeout_s: float = env_settings.default("s3_timeout")
@@ -128,15 +143,51 @@ class S3Settings(RemoteSettings):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        return env_settings.check_s3_url(v)
+        return env_settings.check_remote_url(v)
+
+    @classmethod
+    def from_env(cls, url: str | None = None, environ: Mapping[str, str] | None = None, **kw):
+        """As :meth:`RemoteSettings.from_env`; the URL is ``url``, else
+        ``KERNEL_CACHE_REMOTE_URL``, else its older name ``KERNEL_CACHE_S3_URL``.
+
+        Raises:
+            ConfigError: both variables set to different URLs (names both), or
+                a malformed value.
+        """
+        if not url:
+            new = env_settings.get("remote_url", environ)
+            old = env_settings.get("s3_url", environ)
+            if new and old and new != old:
+                raise ConfigError(
+                    f"{env_settings.var('remote_url')}={new!r} and its older name "
+                    f"{env_settings.var('s3_url')}={old!r} name different stores; "
+                    f"fix: unset {env_settings.var('s3_url')}"
+                )
+            url = new or old
+            if url is None:
+                return None
+        return super().from_env(url=url, environ=environ, **kw)
+
+    @property
+    def scheme(self) -> str:
+        """``s3``, ``gs``, ``az`` (also ``azure``, ``abfs``, ``abfss``) or ``file``."""
+        return self.url.split("://", 1)[0]
 
     @property
     def bucket(self) -> str:
-        return self.url[5:].split("/", 1)[0]
+        return self.url.split("://", 1)[1].split("/", 1)[0]
 
     @property
     def prefix(self) -> str:
-        return self.url[5:].partition("/")[2].strip("/")
+        return self.url.split("://", 1)[1].partition("/")[2].strip("/")
+
+    @property
+    def directory(self) -> str:
+        """The directory of a ``file://`` URL (``file:///mnt/kc`` -> ``/mnt/kc``)."""
+        from urllib.parse import unquote
+
+        rest = self.url.split("://", 1)[1]
+        return unquote("/" + rest.partition("/")[2]).rstrip("/") or "/"
 
     def tier(self, **kw) -> S3Tier:
         return S3Tier(self, **kw)
@@ -236,11 +287,26 @@ class S3Tier(RemoteTier):
     name = "s3"
     LABEL = "S3"
     CHECK = "check the URL, AWS_ENDPOINT_URL and the credentials, and that the store is reachable"
+    #: per URL scheme: (label in messages, the fix named when a call fails)
+    KINDS: ClassVar[dict[str, tuple[str, str]]] = {
+        "s3": (LABEL, CHECK),
+        "gs": ("GCS", "check the URL, the GOOGLE_* credentials and that the store is reachable"),
+        "file": (
+            "shared directory",
+            "check that the directory exists and is writable on this host (a mounted "
+            "shared filesystem)",
+        ),
+    }
+    _AZURE = (
+        "Azure Blob",
+        "check the URL, the AZURE_* credentials and that the store is reachable",
+    )
 
     def __init__(self, settings: S3Settings | str, *, fail_open: bool = True, warn=True):
         if isinstance(settings, str):
             settings = S3Settings.from_env(url=settings, environ={})
         super().__init__(settings, fail_open=fail_open, warn=warn)
+        self.LABEL, self.CHECK = self.KINDS.get(settings.scheme, self._AZURE)
         self._store = None
         self._order: list[str] = []
         self._expected: list[str] = []
@@ -253,17 +319,39 @@ class S3Tier(RemoteTier):
     # -- plumbing ----------------------------------------------------------
     @property
     def store(self):
-        """The ``obstore.store.S3Store`` (made on first use; nothing is sent yet)."""
+        """The obstore store of the URL (made on first use; nothing is sent yet).
+
+        Raises:
+            RemoteUnavailableError: obstore is not installed, or a ``file://``
+                directory does not exist (names it and the fix).
+        """
         if self._store is None:
             try:
-                from obstore.store import S3Store
+                from obstore.store import LocalStore, S3Store, from_url
             except ImportError:
                 raise RemoteUnavailableError(
-                    f"an S3 URL is set ({self.location}) but the obstore package is not "
-                    "installed; install it with: pip install 'kernel-cache[s3]'"
+                    f"an object-store URL is set ({self.location}) but the obstore package "
+                    "is not installed; install it with: pip install 'kernel-cache[s3]'"
                 ) from None
             # fixed-point: obstore cannot parse Python's "1e-05s" for small timeouts
             t = f"{self.settings.timeout_s:.9f}s"
+            if self.settings.scheme == "file":
+                directory = self.settings.directory
+                if not os.path.isdir(directory):
+                    raise RemoteUnavailableError(
+                        f"the shared directory {directory} of {self.location} does not exist "
+                        "or is not a directory; create it on the shared filesystem "
+                        f"(mkdir -p {directory}) and check that it is mounted on this host"
+                    )
+                self._store = LocalStore(directory)
+                return self._store
+            if self.settings.scheme != "s3":
+                self._store = from_url(
+                    self.settings.url,
+                    client_options={"connect_timeout": t, "read_timeout": t},
+                    retry_config={"max_retries": 0},
+                )
+                return self._store
             endpoint = endpoint_from_env()
             config = {"endpoint": endpoint} if endpoint else {}
             if not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
@@ -438,16 +526,38 @@ class S3Tier(RemoteTier):
 
     def publish_manifest(self, keys) -> PutResult:
         """Write the manifest of ``keys`` (create-once) if every key is
-        published; else ``failed`` naming how many are missing."""
+        published; else ``failed`` naming how many are missing. A manifest
+        that is there already and older than :data:`MANIFEST_RENEW_S` is
+        written again (the same keys), so that ``kernel-cache gc-remote``
+        sees a plan still warmed as recent."""
         keys = sorted(set(keys))
         missing = [k for k in keys if not self.contains(k)]
         if self.is_down():
-            return PutResult(PutOutcome.FAILED, self.location, f"S3 unavailable: {self.error}")
+            return PutResult(
+                PutOutcome.FAILED, self.location, f"{self.LABEL} unavailable: {self.error}"
+            )
         if missing:
             why = f"{len(missing)} of the plan's {len(keys)} keys are not published"
             return PutResult(PutOutcome.FAILED, self.location, why)
         body = S3Manifest(format=MANIFEST_FORMAT, keys=keys, created=time.time())
-        return self._create(manifest_name(keys), body.model_dump_json().encode())
+        raw = body.model_dump_json().encode()
+        result = self._create(manifest_name(keys), raw)
+        if result.outcome is PutOutcome.PRESENT:
+            self._renew(manifest_name(keys), raw)
+        return result
+
+    def _renew(self, path: str, body: bytes) -> None:
+        """Overwrite ``path`` with ``body`` if it was last written more than
+        :data:`MANIFEST_RENEW_S` ago (fail-open: a failure is noted, never raised)."""
+
+        def op(ob, store):
+            modified = ob.head(store, path)["last_modified"]
+            if time.time() - modified.timestamp() > MANIFEST_RENEW_S:
+                ob.put(store, path, body, mode="overwrite", use_multipart=False)
+                return True
+            return False
+
+        self._run(f"renew {path}", op, False, fail_open=True)
 
     # -- Tier --------------------------------------------------------------
     def _body(self, key: str) -> bytes | bytearray | None:
@@ -517,7 +627,13 @@ class S3Tier(RemoteTier):
         object is there: it is kept) or ``failed``."""
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+        local = self.settings.scheme == "file"
+
         def op(ob, store):
+            # a shared directory: skip the create when the object is there (a FUSE
+            # mount of SeaweedFS loses sight of an object after a failed link(2) onto it)
+            if local and os.path.exists(os.path.join(self.settings.directory, path)):
+                return PutOutcome.PRESENT
             try:
                 ob.put(store, path, body, mode="create", use_multipart=False)
                 return PutOutcome.STORED
@@ -526,7 +642,7 @@ class S3Tier(RemoteTier):
 
         outcome = self._run(f"PUT {path}", op)
         if outcome is None:
-            why = f"S3 at {self.location} is unavailable: {self.error}"
+            why = f"{self.LABEL} at {self.location} is unavailable: {self.error}"
             return PutResult(PutOutcome.FAILED, self.location, why)
         why = f"{path} exists (create-once: kept)" if outcome is PutOutcome.PRESENT else ""
         return PutResult(outcome, self.location, why)
@@ -644,7 +760,12 @@ class S3Tier(RemoteTier):
                 yield meta
 
     def build_lock(self, key: str, ttl_s: float | None = None, wait_s: float | None = None):
-        """An :class:`S3Lease` for ``key``."""
+        """An :class:`S3Lease` for ``key`` (a :class:`~kernel_cache.store.file_lease.FileLease`
+        in a ``file://`` directory, which has no conditional overwrite)."""
+        if self.settings.scheme == "file":
+            from kernel_cache.store.file_lease import FileLease
+
+            return FileLease(self, key, ttl_s, wait_s)
         return S3Lease(self, key, ttl_s, wait_s)
 
     def close(self) -> None:
@@ -658,6 +779,7 @@ class S3Tier(RemoteTier):
 
 
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:
-    """``[S3Tier]`` when ``KERNEL_CACHE_S3_URL`` is set, else ``[]``."""
+    """``[S3Tier]`` when ``KERNEL_CACHE_REMOTE_URL`` (or ``KERNEL_CACHE_S3_URL``)
+    is set, else ``[]``."""
     settings = S3Settings.from_env(environ=environ)
     return [S3Tier(settings)] if settings else []

@@ -72,7 +72,13 @@ def _builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Pa
     }
     model_copy = dirs["cwd"] / "config.json"  # each builder its own model path too
     model_copy.write_bytes(model.read_bytes())
-    for k in ("KERNEL_CACHE_DIR", "KERNEL_CACHE_REDIS_URL", "KERNEL_CACHE_SIGNING_KEY"):
+    # Each its own precompiled headers (under its cache directory), as on two machines.
+    for k in (
+        "KERNEL_CACHE_DIR",
+        "KERNEL_CACHE_REDIS_URL",
+        "KERNEL_CACHE_SIGNING_KEY",
+        "KERNEL_CACHE_PCH_DIR",
+    ):
         env.pop(k, None)
     return {
         "model": model_copy,

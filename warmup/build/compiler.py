@@ -204,7 +204,10 @@ ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
 
 
 def compile_variant(
-    config: EngineConfig, variant: KernelVariant, launch: dict | None = None
+    config: EngineConfig,
+    variant: KernelVariant,
+    launch: dict | None = None,
+    pch_dir: str | None = None,
 ) -> tuple[bytes, dict, Manifest]:
     """Export and AOT-compile ``variant`` exactly as its key says: under the
     recipe's pinned environment (:func:`pin_environment`, applied here, a no-op
@@ -216,6 +219,8 @@ def compile_variant(
 
     ``launch`` is the variant's resolved launch config (the one in its key;
     :func:`kernel_cache.plan.launch.resolve_plan`); None resolves it here.
+    ``pch_dir``: the folder of the precompiled headers, kept for later compiles
+    (:func:`warmup.build.normalize.build_paths_mapped`; None: this compile's own).
 
     Returns:
         (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in
@@ -236,7 +241,9 @@ def compile_variant(
     if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
         opts["kernel_cache_test_no_such_option"] = True
     window = TraceWindow(kernel_path(config, variant.kernel))
-    data, timings = compile_with_options(config, variant, opts, launch, window=window)
+    data, timings = compile_with_options(
+        config, variant, opts, launch, window=window, pch_dir=pch_dir
+    )
     manifest = window.manifest()  # refuses traced code from stale bytecode
     stale = traced_files.stale_loaded_modules()
     if stale:
@@ -294,11 +301,12 @@ def compile_with_options(
     launch: dict | None = None,
     *,
     window: TraceWindow | None = None,
+    pch_dir: str | None = None,
 ) -> tuple[bytes, dict]:
     """:func:`compile_variant` with other Inductor ``options`` and the caller's
     environment: for benchmarks comparing options, never for the cache (the key
     would not describe the artifact). ``window``: a :class:`TraceWindow` the
-    kernel is built and exported in.
+    kernel is built and exported in; ``pch_dir``: as :func:`compile_variant`'s.
 
     Raises:
         CompileError: as :func:`compile_variant`, or the kernel's code changed
@@ -321,7 +329,7 @@ def compile_with_options(
         march = opts.pop("cpp.march")  # torch < 2.13: set through the builder's flags
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
-    return _export_and_compile(config, variant, opts, launch, march, window)
+    return _export_and_compile(config, variant, opts, launch, march, window, pch_dir)
 
 
 #: torch's process-global settings a compile reads (``torch._inductor.config``
@@ -354,7 +362,7 @@ def _config_changes(before: dict) -> list[str]:
     return changed
 
 
-def _export_and_compile(config, variant, opts, launch, march, window) -> tuple[bytes, dict]:
+def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
     """The export (in ``window``) and the AOTInductor compile of
     :func:`compile_with_options`."""
     import torch
@@ -388,7 +396,7 @@ def _export_and_compile(config, variant, opts, launch, march, window) -> tuple[b
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:
-            with torch.no_grad(), _host_march(march), build_paths_mapped(tmp) as paths:
+            with torch.no_grad(), _host_march(march), build_paths_mapped(tmp, pch_dir) as paths:
                 torch._inductor.aoti_compile_and_package(
                     ep, package_path=path, inductor_configs=opts
                 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 from kernel_cache.config.recipe import BUILD_PATH_NAMES
 
@@ -23,13 +24,14 @@ ZIP_ALIGN = 64
 SERIALIZATION_ID = ".data/serialization_id"
 
 
-def build_path_map(build_dir: str) -> list[tuple[str, str]]:
+def build_path_map(build_dir: str, pch_dir: str | None = None) -> list[tuple[str, str]]:
     """``(path on this builder, fixed name)`` for every directory of this
     builder that reaches a compile command: Inductor's per-compile directory
-    ``build_dir``, the torch install (headers, libraries) and the Python
-    install's include and library directories, each also as its real path when
-    it differs (:data:`kernel_cache.config.recipe.BUILD_PATH_NAMES`). Shortest
-    path first: the compiler takes the last matching ``-ffile-prefix-map``."""
+    ``build_dir``, the precompiled headers' folder ``pch_dir``, the torch
+    install (headers, libraries) and the Python install's include and library
+    directories, each also as its real path when it differs
+    (:data:`kernel_cache.config.recipe.BUILD_PATH_NAMES`). Shortest path first:
+    the compiler takes the last matching ``-ffile-prefix-map``."""
     import sysconfig
 
     import torch
@@ -37,6 +39,7 @@ def build_path_map(build_dir: str) -> list[tuple[str, str]]:
     names = BUILD_PATH_NAMES
     found = [
         (build_dir, names["build"]),
+        (pch_dir, names["pch"]),
         (os.path.dirname(torch.__file__), names["torch"]),
         (sysconfig.get_path("include"), names["python_include"]),
         (sysconfig.get_path("include", scheme="posix_prefix"), names["python_include"]),
@@ -53,7 +56,7 @@ def build_path_map(build_dir: str) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def build_paths_mapped(tmp: str):
+def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     """Run AOTInductor in a fresh directory under ``tmp`` (its
     ``TORCHINDUCTOR_CACHE_DIR`` for this compile: the generated files carry
     fixed names, so no two compiles may share one) with every C++ compile
@@ -61,48 +64,83 @@ def build_paths_mapped(tmp: str):
     ``__FILE__`` strings in the shared object name no builder path. Yields the
     map, for :func:`normalize_package`.
 
-    Inductor has no option for extra compiler flags; its one function that runs
-    a compile command (``torch._inductor.cpp_builder._run_compile_cmd``) is
-    wrapped for the duration and restored after.
+    ``pch_dir``: where Inductor keeps the precompiled headers
+    (``aot_inductor.precompile_headers``), so that later compiles, in this
+    process or another, reuse them (None: under ``tmp``, for this compile
+    alone). Inductor names each by a hash of its preprocessed text and compile
+    command and builds it once under a file lock; a header is compiled to a
+    temporary name and renamed into place, so a compiler killed half way
+    leaves no truncated header that later compiles would read.
+
+    Inductor has no option for extra compiler flags or the headers' folder: its
+    one function that runs a compile command
+    (``torch._inductor.cpp_builder._run_compile_cmd``) is wrapped, and its
+    headers' folder (``torch._inductor.codecache._HEADER_DIR``, read when a
+    header is built) is set, for the duration and restored after.
     """
     import shlex
 
-    from torch._inductor import cpp_builder
+    from torch._inductor import codecache, cpp_builder
 
     build = os.path.join(os.path.abspath(tmp), "inductor")
     os.makedirs(build, exist_ok=True)
-    pairs = build_path_map(build)
+    pch = os.path.join(build, "precompiled_headers") if pch_dir is None else str(pch_dir)
+    pch = os.path.abspath(pch)
+    os.makedirs(pch, mode=0o700, exist_ok=True)
+    pairs = build_path_map(build, pch)
     flags = " ".join(shlex.quote(f"-ffile-prefix-map={p}={n}") for p, n in pairs)
     run = cpp_builder._run_compile_cmd
 
     def mapped(cmd_line: str, cwd: str) -> None:
         compiler, _, rest = cmd_line.partition(" ")
-        return run(f"{compiler} {flags} {rest}", cwd)
+        args = shlex.split(rest)
+        out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
+        if out is None or not out.endswith(".gch"):
+            return run(f"{compiler} {flags} {rest}", cwd)
+        part = f"{out}.{os.getpid()}.part"
+        args[args.index("-o") + 1] = part
+        try:
+            run(f"{compiler} {flags} {shlex.join(args)}", cwd)
+            os.replace(part, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
 
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    saved_pch = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = build
+    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = pch, os.path.join(pch, "locks")
     cpp_builder._run_compile_cmd = mapped
     try:
         yield pairs
     finally:
         cpp_builder._run_compile_cmd = run
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved_pch
         if saved is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
+#: What a precompiled header's hashed file name becomes in the package's
+#: comments: the hash covers the torch install's path, which differs between
+#: builders of one key.
+_PCH_NAME = BUILD_PATH_NAMES["pch"].encode() + b"/header.h"
+
+
 def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
     """``text`` (C++ source) with each path of ``pairs`` replaced by its name
     in comment lines (``//``: the compile and link commands Inductor appends,
-    the kernel file's first line); code lines are left as they are."""
+    the kernel file's first line), and a precompiled header's hashed file name
+    by :data:`_PCH_NAME`; code lines are left as they are."""
     longest_first = [(p.encode(), n.encode()) for p, n in reversed(pairs)]
+    pch = re.compile(re.escape(BUILD_PATH_NAMES["pch"].encode()) + rb"/\w+\.h\b")
     lines = text.split(b"\n")
     for i, line in enumerate(lines):
         if line.lstrip().startswith(b"//"):
             for p, n in longest_first:
                 line = line.replace(p, n)
-            lines[i] = line
+            lines[i] = pch.sub(_PCH_NAME, line)
     return b"\n".join(lines)
 
 

@@ -225,7 +225,9 @@ def warmup(
     def report(results) -> dict:
         return _report(config, cache_dir, plan, items, results, t0, rtier, bad, uploaded)
 
-    reporter = _Reporter(len(items), len(items) - len(todo), progress)
+    reporter = _Reporter(
+        len(items), len(items) - len(todo), progress, [str(i.variant) for i in todo]
+    )
     try:
         if todo:
             results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
@@ -293,7 +295,7 @@ def compile_items(
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
     results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
     options = {"lock_timeout": settings.get("lock_timeout"), "allow_shared": allow_shared}
-    reporter = _Reporter(len(items), len(cached), progress)
+    reporter = _Reporter(len(items), len(cached), progress, [str(i.variant) for i in todo])
     try:
         if todo:
             results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)

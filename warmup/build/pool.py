@@ -196,7 +196,10 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     try:
         pending = {pool.submit(item, False) for item in todo}  # a Ctrl-C here stops them too
         while pending:
-            reporter.running([str(pool.futs[f].variant) for f in pending if f.running()])
+            # The executor marks one queued call running ahead of the workers: the
+            # first ``jobs`` running ones, in submission order, are those compiling.
+            running = [str(i.variant) for f, i in pool.futs.items() if f in pending and f.running()]
+            reporter.running(running[:jobs], jobs)
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in done:
                 r = pool.outcome(f, pending)

@@ -6,6 +6,7 @@ stderr while it runs (:class:`_Reporter`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -214,15 +215,55 @@ def _report(config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploa
     return out
 
 
+def kernel_of(variant: str) -> str:
+    """The kernel of a variant's name (``KERNEL:QUERY:BLOCKS:SEQS``)."""
+    return variant.split(":", 1)[0]
+
+
+def eta_seconds(
+    remaining: list[str], running: dict[str, float], done: dict[str, list[float]], jobs: int
+) -> float | None:
+    """Seconds until a warmup ends, estimated from the variants it compiled so far.
+
+    ``remaining``: the variants not started; ``running``: each variant compiling
+    now with the seconds it has run; ``done``: per kernel, the seconds of each
+    variant of it compiled so far; ``jobs``: the worker processes. A variant
+    costs the mean of its kernel's, else of all done; the work left is shared
+    by the workers, but no sooner than the longest running variant ends. None
+    before any is done.
+    """
+    every = [s for v in done.values() for s in v]
+    if not every:
+        return None
+    fallback = sum(every) / len(every)
+
+    def cost(variant: str) -> float:
+        seen = done.get(kernel_of(variant))
+        return sum(seen) / len(seen) if seen else fallback
+
+    now = [max(cost(v) - ran, 0.0) for v, ran in running.items()]
+    left = sum(cost(v) for v in remaining) + sum(now)
+    return max(left / max(jobs, 1), *now, 0.0)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
 class _Reporter:
     """Progress on stderr: a rich progress bar in a terminal (the variants
-    being compiled, elapsed time, ETA), one line per finished variant
-    otherwise, nothing when ``enabled`` is False."""
+    being compiled, elapsed time, an ETA from the variants compiled so far,
+    :func:`eta_seconds`), one line per finished variant otherwise, nothing when
+    ``enabled`` is False."""
 
-    def __init__(self, total: int, done: int, enabled: bool):
+    def __init__(self, total: int, done: int, enabled: bool, todo: list[str] = ()):
         from rich.console import Console
 
         self.total, self.done, self.enabled = total, done, enabled
+        self.todo = list(todo)  # the variants to build, in plan order
+        self.started: dict[str, float] = {}  # compiling now: monotonic start
+        self.finished_s: dict[str, list[float]] = {}  # compiled: seconds, by kernel
         self.console = Console(stderr=True)
         self.bar = None
         if enabled and self.console.is_terminal:
@@ -232,7 +273,6 @@ class _Reporter:
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
-                TimeRemainingColumn,
             )
 
             self.bar = Progress(
@@ -240,20 +280,39 @@ class _Reporter:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                TextColumn("eta {task.fields[eta]}"),
                 TextColumn("{task.description}"),
                 console=self.console,
             )
             self.bar.start()
-            self.task = self.bar.add_task("", total=total, completed=done)
+            self.task = self.bar.add_task("", total=total, completed=done, eta="-:--:--")
 
-    def running(self, variants: list[str]) -> None:
+    def eta(self, jobs: int) -> float | None:
+        """:func:`eta_seconds` for the variants not finished."""
+        now = time.monotonic()
+        running = {v: now - t for v, t in self.started.items()}
+        remaining = [v for v in self.todo if v not in running]
+        return eta_seconds(remaining, running, self.finished_s, jobs)
+
+    def running(self, variants: list[str], jobs: int = 1) -> None:
+        """``variants`` are compiling now (at most ``jobs`` of them)."""
+        now = time.monotonic()
+        self.started = {v: self.started.get(v, now) for v in variants}
         if self.bar is not None:
-            self.bar.update(self.task, description="compiling " + ", ".join(variants[:3]))
+            eta = self.eta(jobs)
+            self.bar.update(
+                self.task,
+                description="compiling " + ", ".join(variants),
+                eta="-:--:--" if eta is None else _clock(eta),
+            )
 
     def finished(self, r: VariantResult) -> None:
         self.done += 1
+        self.started.pop(r.variant, None)
+        with contextlib.suppress(ValueError):
+            self.todo.remove(r.variant)
+        if r.status is Status.COMPILED:
+            self.finished_s.setdefault(kernel_of(r.variant), []).append(r.seconds)
         if r.status is Status.FAILED:
             self.console.print(f"[red]failed[/] {r.variant}: {r.error}", highlight=False)
         if self.bar is not None:

@@ -228,13 +228,35 @@ def _target(cache_dir, key, allow_shared) -> Current:
         tier.close()
 
 
-def _compile(config, variant, key, derived, launch, res: VariantResult) -> tuple[bytes, dict]:
-    """Step 3: run the compiler; returns the package bytes and its metadata,
-    keyed by ``key`` followed through ``derived`` (:attr:`Current.derived`)."""
+def pch_dir(cache_dir: str, allow_shared: bool) -> str:
+    """The folder of the compile workers' precompiled headers: ``KERNEL_CACHE_PCH_DIR``,
+    else ``<cache_dir>/pch``. A header is code every later compile includes, so
+    the folder is checked as the cache directory is (owner, mode, no links:
+    :func:`kernel_cache.trust.permissions.check_cache_dir`).
+
+    Raises:
+        UntrustedCacheError: names the folder, why and the fix.
+    """
+    from pathlib import Path
+
+    from kernel_cache.config import settings
+    from kernel_cache.trust.permissions import check_cache_dir
+
+    path = settings.get("pch_dir") or Path(cache_dir) / "pch"
+    check_cache_dir(path, allow_shared=allow_shared)
+    return str(path)
+
+
+def _compile(
+    config, variant, key, derived, launch, pch: str, res: VariantResult
+) -> tuple[bytes, dict]:
+    """Step 3: run the compiler (precompiled headers kept in ``pch``);
+    returns the package bytes and its metadata, keyed by ``key`` followed
+    through ``derived`` (:attr:`Current.derived`)."""
     from warmup.build.compiler import compile_variant, required_cpu_features
 
     res.compiler_ran = True
-    data, timings, traced = compile_variant(config, variant, launch=launch)
+    data, timings, traced = compile_variant(config, variant, launch=launch, pch_dir=pch)
     res.timings = timings
     extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
@@ -316,7 +338,8 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
                 _HELD.append(build_lock)
             if res.status in (Status.FETCHED, Status.BUSY):
                 return res
-        data, meta = _compile(config, variant, key, target.derived, options.get("launch"), res)
+        pch = pch_dir(cache_dir, allow_shared)
+        data, meta = _compile(config, variant, key, target.derived, options.get("launch"), pch, res)
         if options.get("check", True):
             _load_check(config.device, res, data)
         _publish(tier, remote, target.key, data, meta)

@@ -344,6 +344,34 @@ def _warn_unmatched_keep_plans(tier, per_spec: list[tuple[str, set[str]]]) -> No
             )
 
 
+def cmd_gc_remote(args) -> int:
+    from kernel_cache.store.housekeeping import format_size
+    from kernel_cache.store.remote_gc import gc_remote, parse_age
+    from kernel_cache.store.s3 import S3Settings
+    from warmup.cli.options import remote_url_arg
+
+    age = parse_age(args.older_than)
+    remote = S3Settings.from_env(url=remote_url_arg(args), timeout_s=args.s3_timeout)
+    if remote is None:
+        raise KernelCacheError(
+            "gc-remote needs the shared store: --remote-url URL (or KERNEL_CACHE_REMOTE_URL)"
+        )
+    report = gc_remote(remote.tier(fail_open=False), age, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"gc-remote {report['url']}: {verb} {len(report['removed'])} objects "
+        f"({format_size(report['removed_bytes'])}) older than {args.older_than}; kept "
+        f"{report['kept_entries']} entries ({report['kept_by_manifests']} keys listed by "
+        f"{report['manifests_read']} recent plan manifests)"
+    )
+    for r in report["removed"]:
+        print(f"  {verb} {r['path']} {format_size(r['size'])}, {r['age_s'] / 86400:.1f} days old")
+    return 0
+
+
 def cmd_clear(args) -> int:
     from kernel_cache.store.housekeeping import clear, format_size
 
@@ -439,6 +467,36 @@ def add_commands(sub, parents: Parents) -> None:
         "'kernel-cache plan --json' or a bundle's manifest.json (repeatable)",
     )
     s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser(
+        "gc-remote",
+        parents=[p.json],
+        help="remove entries of the shared object store that no recent plan manifest "
+        "lists, older than --older-than, with old manifests and leases",
+    )
+    s.add_argument(
+        "--older-than",
+        required=True,
+        metavar="AGE",
+        help="remove what is older than this: 30d, 12h, 90m, 3600s, 2w",
+    )
+    s.add_argument(
+        "--dry-run", action="store_true", help="list what would be removed; remove nothing"
+    )
+    s.add_argument(
+        "--remote-url",
+        default=None,
+        help="the shared store, s3://, gs://, az:// or file:// (env KERNEL_CACHE_REMOTE_URL)",
+    )
+    s.add_argument("--s3-url", default=None, help="the older name of --remote-url")
+    s.add_argument(
+        "--s3-timeout",
+        type=float,
+        default=None,
+        help="seconds any store call may wait to connect or read (default 2; env "
+        "KERNEL_CACHE_S3_TIMEOUT)",
+    )
+    s.set_defaults(func=cmd_gc_remote)
 
     sub.add_parser(
         "clear",

@@ -197,11 +197,18 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
         help="seconds any Redis call may block (default 2; env KERNEL_CACHE_REDIS_TIMEOUT)",
     )
     g.add_argument(
+        "--remote-url",
+        default=None,
+        help="shared object-store tier: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+        "az://CONTAINER/PREFIX or file:///DIRECTORY (a shared filesystem); S3 endpoint and "
+        "credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION "
+        "(env KERNEL_CACHE_REMOTE_URL)"
+        + ("" if warmup else "; verify then checks that the store alone holds the plan"),
+    )
+    g.add_argument(
         "--s3-url",
         default=None,
-        help="shared S3 tier, s3://BUCKET/PREFIX; endpoint and credentials from AWS_ENDPOINT_URL, "
-        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION (env KERNEL_CACHE_S3_URL)"
-        + ("" if warmup else "; verify then checks that S3 alone holds the plan"),
+        help="the older name of --remote-url (env KERNEL_CACHE_S3_URL)",
     )
     g.add_argument(
         "--s3-timeout",
@@ -247,8 +254,23 @@ def shard_options(g, verb: str) -> None:
     )
 
 
+def remote_url_arg(args) -> str | None:
+    """``--remote-url``, else its older name ``--s3-url``; None for neither.
+
+    Raises:
+        KernelCacheError: both given, with different URLs.
+    """
+    new, old = getattr(args, "remote_url", None), getattr(args, "s3_url", None)
+    if new and old and new != old:
+        raise KernelCacheError(
+            f"--remote-url {new} and its older name --s3-url {old} name different stores; give one"
+        )
+    return new or old
+
+
 def _remote_settings(args):
-    """The remote tier's settings: S3 (``--s3-url`` / ``KERNEL_CACHE_S3_URL``),
+    """The remote tier's settings: the object store (``--remote-url`` /
+    ``KERNEL_CACHE_REMOTE_URL``, or the older ``--s3-url`` / ``KERNEL_CACHE_S3_URL``),
     else Redis; None for neither.
 
     Raises:
@@ -257,13 +279,13 @@ def _remote_settings(args):
     from kernel_cache.store.redis import RedisSettings
     from kernel_cache.store.s3 import S3Settings
 
-    s3 = S3Settings.from_env(url=args.s3_url, timeout_s=args.s3_timeout)
+    s3 = S3Settings.from_env(url=remote_url_arg(args), timeout_s=args.s3_timeout)
     if s3 is not None:
         if args.redis_url or settings.is_set("redis_url"):
             raise KernelCacheError(
-                f"both a Redis URL and an S3 URL ({s3.url}) are set; warmup and verify use "
-                "one remote tier: unset KERNEL_CACHE_REDIS_URL / --redis-url or "
-                "KERNEL_CACHE_S3_URL / --s3-url"
+                f"both a Redis URL and an object-store URL ({s3.url}) are set; warmup and "
+                "verify use one remote tier: unset KERNEL_CACHE_REDIS_URL / --redis-url or "
+                "KERNEL_CACHE_REMOTE_URL / --remote-url"
             )
         return s3
     return RedisSettings.from_env(

@@ -14,6 +14,7 @@ from warmup.cli.options import (
     _remote_settings,
     config_from_args,
     fleet_options,
+    remote_url_arg,
 )
 
 
@@ -24,7 +25,8 @@ def cmd_verify(args) -> int:
     cfg = config_from_args(args)
     load_trusted_keys(required=args.require_signed or None)
     tiers = None
-    if args.redis_url or args.s3_url:  # coverage: the remote alone must hold the whole plan
+    remote_url = remote_url_arg(args)
+    if args.redis_url or remote_url:  # coverage: the remote alone must hold the whole plan
         tiers = [_remote_settings(args).tier(fail_open=False)]
     if args.rebuild:
         return _verify_rebuild(args, cfg, tiers)
@@ -38,7 +40,7 @@ def cmd_verify(args) -> int:
     if tiers:
         report["tier"] = tiers[0].location
         if report.get("repair"):  # the warmup that repairs the remote must publish to it
-            report["repair"] += f" --{'s3' if args.s3_url else 'redis'}-url {tiers[0].location}"
+            report["repair"] += f" --{'remote' if remote_url else 'redis'}-url {tiers[0].location}"
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -133,7 +135,7 @@ def _print_verify(report: dict) -> None:
 
 
 #: How verify names the kind of tier an entry came from.
-TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis", "s3": "S3"}
+TIER_KINDS = {"bundle": "bundle", "disk": "local cache", "redis": "Redis", "s3": "object store"}
 
 
 def source_lines(report: dict) -> list[str]:

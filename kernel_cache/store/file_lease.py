@@ -1,0 +1,184 @@
+"""The build lease of an object-store tier on a ``file://`` directory (a shared
+filesystem), where obstore's ``LocalStore`` has create-once writes but no
+conditional overwrite (``PutMode::Update`` is not implemented there), so the
+S3 lease's ``If-Match`` take-over and renewal cannot be used (docs/shared-storage.md).
+
+The lease of a key is a series of generations ``leases/<key>/<n>`` (``n``
+zero-padded to 20 digits), each one ``{"holder", "expires_at"}``
+(:class:`~kernel_cache.store.s3_lease.S3LeaseDoc`). The highest generation is
+the lease. Every change (take, take over, renew, release) creates generation
+``n + 1`` with ``O_CREAT | O_EXCL``, so of two builders changing generation
+``n`` at once one gets ``EEXIST``: the compare-and-swap of ``If-Match`` on S3.
+Not every shared filesystem keeps ``O_EXCL`` exclusive across hosts (a FUSE
+mount of SeaweedFS lets both creates succeed, the last write winning), so a
+builder that created a generation reads it back after :data:`SETTLE_S` and
+holds the lease only if the holder there is its own token: of two racers both
+read the same last write. The holder then deletes generation ``n``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from kernel_cache.store.remote_base import BuildLease, RemoteTier
+from kernel_cache.store.s3_lease import S3LeaseDoc
+
+log = logging.getLogger("kernel_cache")
+
+#: digits of a generation's name (sorts as text in the order of the numbers)
+_DIGITS = 20
+#: largest lease document read (a real one is about 100 bytes)
+_MAX_DOC = 4096
+#: seconds between creating a generation and reading it back to confirm it is
+#: ours (longer than a shared filesystem takes to show one host's write to another)
+SETTLE_S = 0.5
+
+
+class FileLease(BuildLease):
+    """:class:`~kernel_cache.store.remote_base.BuildLease` in a shared directory
+    (see the module docstring). A lease whose ``expires_at`` is not a finite
+    number, or is further away than twice our TTL, is not a live holder: it is
+    taken over, so a planted lease costs a builder nothing. Expiry compares the
+    builders' wall clocks, as on S3."""
+
+    WHAT = "shared-directory build lease"
+
+    def __init__(self, tier: RemoteTier, key: str, ttl_s=None, wait_s=None, poll_s: float = 0.25):
+        super().__init__(tier, key, ttl_s, wait_s, poll_s)
+        self.dir = f"leases/{key}/"
+        self._gen: int | None = None
+
+    def _name(self, gen: int) -> str:
+        return f"{self.dir}{gen:0{_DIGITS}d}"
+
+    def _path(self, gen: int | None = None) -> Path:
+        """``leases/<key>/`` or a generation in it.
+
+        Raises:
+            OSError: ``leases`` or ``leases/<key>`` is a symbolic link (planted
+                by a writer of the directory to send lease files elsewhere):
+                the lease is unavailable, the builder compiles without it.
+        """
+        base = Path(self.tier.settings.directory)
+        root = base / self.dir
+        for d in (base / "leases", root):
+            if d.is_symlink():
+                raise OSError(f"{d} is a symbolic link, not a lease directory")
+        return root if gen is None else root / f"{gen:0{_DIGITS}d}"
+
+    def _read_gen(self, gen: int) -> dict | None:
+        """Generation ``gen``'s lease, None if it is gone; one that is not a
+        lease reads as expired (taken over)."""
+        try:
+            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError:  # a link planted as a generation: not a lease
+            return {"expires_at": 0.0}
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MAX_DOC + 1)
+        try:
+            if len(raw) > _MAX_DOC:
+                raise ValueError("too large")
+            return S3LeaseDoc.model_validate_json(raw).model_dump()
+        except (ValidationError, ValueError):
+            return {"expires_at": 0.0}
+
+    def _current(self) -> tuple[int, dict] | None | bool:
+        """``(generation, lease)`` of the highest generation, None if there is
+        none, False on a failure."""
+
+        def op(ob, store):
+            for _ in range(5):  # a generation deleted between the listing and the read
+                try:
+                    names = os.listdir(self._path())
+                except FileNotFoundError:
+                    return None
+                gens = [int(n) for n in names if len(n) == _DIGITS and n.isdigit()]
+                if not gens:
+                    return None
+                doc = self._read_gen(max(gens))
+                if doc is not None:
+                    return max(gens), doc
+            return None
+
+        return self.tier._run("lease read", op, False)
+
+    def _write(self, gen: int, expires_at: float) -> bool | None:
+        """Create generation ``gen`` and confirm it after :data:`SETTLE_S`: True
+        ours, False another builder changed the lease first, None on a failure.
+        Once confirmed, the generation below is deleted."""
+        body = S3LeaseDoc(holder=self.token, expires_at=expires_at).model_dump_json().encode()
+
+        def op(ob, store):
+            path = self._path(gen)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, body)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            time.sleep(SETTLE_S)
+            doc = self._read_gen(gen)
+            if doc is None or doc.get("holder") != self.token:
+                return False
+            if gen > 1:
+                try:
+                    os.unlink(self._path(gen - 1))
+                except FileNotFoundError:
+                    pass
+            return True
+
+        out = self.tier._run("lease write", op, None)
+        if out:
+            self._gen = gen
+        return out
+
+    def _live(self, doc: dict) -> bool:
+        try:
+            at = float(doc.get("expires_at", 0))
+        except (TypeError, ValueError):
+            return False
+        now = time.time()
+        return math.isfinite(at) and now <= at <= now + 2 * self.ttl_s
+
+    def holder(self) -> str | None:
+        got = self._current()
+        return got[1].get("holder") if got else None
+
+    def _take(self) -> bool | None:
+        got = self._current()
+        if got is False:
+            return None
+        if got is not None and self._live(got[1]):
+            return False
+        out = self._write((got[0] if got else 0) + 1, time.time() + self.ttl_s)
+        return None if out is None else out
+
+    def _published(self) -> bool | None:
+        if self.tier.contains(self.key):
+            return True
+        return None if self.tier.is_down() else False
+
+    def _extend(self) -> bool | None:
+        if self._gen is None:
+            return False
+        return self._write(self._gen + 1, time.time() + self.ttl_s)
+
+    def _drop(self) -> None:
+        if self._gen is not None and not self.lost:
+            try:
+                self._write(self._gen + 1, 0.0)
+            except Exception:  # releasing must not fail a run; the lease expires anyway
+                pass
+        self._gen = None

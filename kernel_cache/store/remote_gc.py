@@ -1,0 +1,136 @@
+"""Lifecycle of a shared object store (``kernel-cache gc-remote``): remove the
+entries that no recent plan manifest references and that are older than an age
+the user gives, with the manifests and leases older than that age.
+
+Nothing in the store is ever removed by warmup or an engine (entries are
+immutable, written create-once), so ``entries/`` grows with every torch,
+compiler or kernel change. What is removed (all judged by the store's own
+last-modified time, never by a date a writer put in a body):
+
+- ``entries/<key>`` older than ``older_than_s`` whose key no manifest younger
+  than ``older_than_s`` lists;
+- ``manifests/*.json`` older than ``older_than_s``;
+- ``leases/...`` not written for ``older_than_s`` (a held lease is rewritten
+  every third of its TTL, seconds);
+- anything else under those prefixes (a builder's leftover temporary file of
+  a ``file://`` directory) older than ``older_than_s``.
+
+A plan keeps its entries while its manifest is younger than the age: a
+warmup that completes the plan writes the manifest again when it is over a
+day old (:data:`kernel_cache.store.s3.MANIFEST_RENEW_S`), so the age must be
+longer than a plan stays in use without a builder warming it
+(docs/shared-storage.md). Manifests read are bounded by
+``KERNEL_CACHE_S3_MAX_OBJECT``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from kernel_cache.errors import ConfigError
+
+_AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def parse_age(text: str, name: str = "--older-than") -> float:
+    """Seconds from ``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"``, ``"2w"`` or ``"3600"``.
+
+    Raises:
+        ConfigError: not an age, or 0 (names ``name``, the value and the form).
+    """
+    m = _AGE_RE.fullmatch(str(text))
+    seconds = float(m.group(1)) * _UNIT_S[m.group(2).lower()] if m else 0.0
+    if seconds <= 0:
+        raise ConfigError(
+            f"{name} {text!r} is not an age > 0; expected a number with s, m, h, d or w "
+            "(seconds, minutes, hours, days, weeks), e.g. 30d"
+        )
+    return seconds
+
+
+def _stamp(meta) -> float:
+    t = meta.get("last_modified")
+    return t.timestamp() if isinstance(t, datetime) else float(t or 0)
+
+
+def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | None = None):
+    """Remove (or with ``dry_run`` only list) what the module docstring says.
+
+    Args:
+        tier: an object-store tier (:class:`~kernel_cache.store.s3.S3Tier`),
+            not fail-open.
+        older_than_s: the age in seconds (> 0).
+        now: unix seconds (default: the clock).
+
+    Returns:
+        ``{"url", "older_than_s", "dry_run", "removed": [{"path", "size",
+        "age_s"}], "removed_bytes", "kept_entries", "kept_by_manifests",
+        "manifests_read"}``; ``removed`` lists what was (or would be) removed.
+
+    Raises:
+        RemoteUnavailableError: the store failed (names it and the fix).
+    """
+    from kernel_cache.store.s3 import S3Manifest
+
+    now = time.time() if now is None else now
+    cutoff = now - older_than_s
+
+    def listing(prefix: str):
+        def op(ob, store):
+            out = []
+            for batch in ob.list(store, prefix, chunk_size=1000):
+                out += [(m["path"], int(m["size"]), _stamp(m)) for m in batch]
+            return out
+
+        return tier._run(f"LIST {prefix}", op, fail_open=False)
+
+    referenced: set[str] = set()
+    old: list[tuple[str, int, float]] = []
+    read = 0
+    for path, size, t in listing("manifests/"):
+        if t < cutoff:
+            old.append((path, size, t))
+            continue
+        try:
+            raw = tier._get_bytes(path)
+        except Exception as e:  # too large: not a manifest of this cache, keep nothing for it
+            if tier._is_failure(e):
+                raise
+            raw = None
+        read += 1
+        try:
+            referenced |= set(S3Manifest.model_validate_json(raw).keys) if raw else set()
+        except ValidationError:
+            pass
+    kept = 0
+    for path, size, t in listing("entries/"):
+        name = path.rsplit("/", 1)[-1]
+        if t >= cutoff or (_KEY_RE.fullmatch(name) and name in referenced):
+            kept += 1
+        else:
+            old.append((path, size, t))
+    old += [(p, s, t) for p, s, t in listing("leases/") if t < cutoff]
+    removed = [{"path": p, "size": s, "age_s": round(now - t, 1)} for p, s, t in sorted(old)]
+    if not dry_run:
+        for r in removed:
+            tier._run(
+                f"DELETE {r['path']}",
+                lambda ob, store, p=r["path"]: ob.delete(store, p),
+                fail_open=False,
+            )
+    return {
+        "url": tier.location,
+        "older_than_s": older_than_s,
+        "dry_run": dry_run,
+        "removed": removed,
+        "removed_bytes": sum(r["size"] for r in removed),
+        "kept_entries": kept,
+        "kept_by_manifests": len(referenced),
+        "manifests_read": read,
+    }

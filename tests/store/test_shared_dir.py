@@ -1,0 +1,298 @@
+"""The object-store tier on a ``file://`` directory, and the local cache refused
+on a network or FUSE filesystem.
+
+Fast tests run the tier on a directory of this machine. The shared-filesystem
+tests mount one SeaweedFS filer directory twice with ``weed mount``
+(:mod:`tests.fuse_mounts`), as a ReadWriteMany volume is mounted on two hosts;
+they skip, saying why, where FUSE cannot run. Compiles are counted by
+``KERNEL_CACHE_TEST_COMPILE_LOG`` (the compiler hook), not by warmup's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kernel_cache.errors import ConfigError, NetworkFilesystemError
+from kernel_cache.plan.buckets import Bucketer
+from kernel_cache.plan.keys import build_key
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
+from kernel_cache.store.fs_type import check_local, filesystem_type
+from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
+from kernel_cache.store.remote import tiers_from_env
+from kernel_cache.store.remote_base import RemoteUnavailableError
+from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+
+from ..conftest import ROOT, run_cli, tiny_args
+from ..fuse_mounts import SharedMounts, fuse_unavailable
+from ..kc_helpers import engine_start
+from ..signing_keys import make_keypair
+
+_CLEAN = (
+    "KERNEL_CACHE_REDIS_URL",
+    "KERNEL_CACHE_S3_URL",
+    "KERNEL_CACHE_REMOTE_URL",
+    "KERNEL_CACHE_SIGNING_KEY_FILE",
+    "KERNEL_CACHE_TRUSTED_KEYS",
+    "KERNEL_CACHE_DIR",
+)
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CLEAN}
+    return {**env, **extra}
+
+
+def _tier(directory, **kw) -> S3Tier:
+    return S3Tier(S3Settings(url=f"file://{directory}", timeout_s=15), **kw)
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, match",
+    [
+        ("http://x/y", "must start with s3://, gs://, az://"),
+        ("file://host/x", "absolute directory path and no host"),
+        ("file://relative", "absolute directory path"),
+        ("gs:///p", "names no bucket"),
+    ],
+)
+def test_a_bad_remote_url_names_the_setting_and_the_forms(url, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        S3Settings.from_env(url=url, environ={})
+    assert "--remote-url" in str(e.value)
+
+
+def test_remote_url_and_its_older_s3_name_are_one_setting(tmp_path):
+    url = f"file://{tmp_path}"
+    for var in ("KERNEL_CACHE_REMOTE_URL", "KERNEL_CACHE_S3_URL"):
+        (tier,) = tiers_from_env({var: url})
+        assert tier.location == url and tier.LABEL == "shared directory"
+    both = {"KERNEL_CACHE_REMOTE_URL": url, "KERNEL_CACHE_S3_URL": "s3://kc-bucket/x"}
+    with pytest.raises(ConfigError, match="KERNEL_CACHE_S3_URL") as e:
+        tiers_from_env(both)
+    assert "KERNEL_CACHE_REMOTE_URL" in str(e.value) and "s3://kc-bucket/x" in str(e.value)
+    gs = S3Settings.from_env(environ={"KERNEL_CACHE_REMOTE_URL": "gs://kc-bucket/fleet"})
+    assert (gs.scheme, gs.bucket, gs.prefix) == ("gs", "kc-bucket", "fleet")
+
+
+def test_a_missing_shared_directory_is_unavailable_naming_it_and_the_fix(tmp_path):
+    gone = tmp_path / "not-mounted"
+    tier = _tier(gone, fail_open=False)
+    with pytest.raises(RemoteUnavailableError) as e:
+        tier.keys()
+    assert str(gone) in str(e.value) and "mkdir -p" in str(e.value)
+    assert not gone.exists()  # nothing is created where a mount is missing
+
+
+# -- the tier on a directory -----------------------------------------------------------------
+
+
+def test_a_file_entry_is_one_object_published_create_once(tmp_path, tiny_config):
+    tier = _tier(tmp_path, fail_open=False)
+    key = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    data = bytes(range(256)) * 400
+    meta = make_meta(key, "v", data, 1.0)
+    assert tier.put(key.hexdigest, data, meta).outcome is PutOutcome.STORED
+    e = tier.get(key.hexdigest)
+    verify_entry(e)
+    assert e.data == data and tier.get_meta(key.hexdigest) == meta
+    assert tier.keys() == [key.hexdigest]
+    stored = tmp_path / "entries" / key.hexdigest
+    before = stored.read_bytes()
+    other = data[::-1]
+    again = tier.put(key.hexdigest, other, make_meta(key, "v", other, 2.0))
+    assert again.outcome is PutOutcome.PRESENT and "create-once" in again.reason
+    assert stored.read_bytes() == before  # the file itself, read from the disk
+    # the plan manifest, create-once too
+    assert tier.publish_manifest([key.hexdigest]).outcome is PutOutcome.STORED
+    doc = json.loads((tmp_path / manifest_name([key.hexdigest])).read_text())
+    assert doc["keys"] == [key.hexdigest]
+    assert tier.publish_manifest([key.hexdigest]).outcome is PutOutcome.PRESENT
+    tier.close()
+
+
+def test_a_file_lease_is_exclusive_expires_is_taken_over_and_released(tmp_path):
+    a, b = _tier(tmp_path), _tier(tmp_path)
+    key = "ab" * 32
+    first = a.build_lock(key, ttl_s=1.5)
+    assert first.acquire(wait=False) == ACQUIRED
+    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
+    time.sleep(2.5)  # renewed: still held
+    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
+    first._stop.set()  # the holder stalls (stops renewing) ...
+    first._thread.join()
+    time.sleep(2.0)  # ... and its lease expires
+    second = b.build_lock(key, ttl_s=30)
+    assert second.acquire(wait=False) == ACQUIRED and second.holder() == second.token
+    first._start_renewal()  # the stalled holder wakes up: its renewal is refused
+    time.sleep(1.5)
+    assert first.lost and second.holder() == second.token
+    second.release()
+    third = a.build_lock(key)
+    assert third.acquire(wait=False) == ACQUIRED  # a released lease is free at once
+    a.put(key, b"z" * 100, {"key": key, "sha256": "0" * 64, "size": 100})
+    assert b.build_lock(key).acquire(wait=True) == PUBLISHED
+    third.release()
+    # one generation file is left, the last change
+    assert len(os.listdir(tmp_path / "leases" / key)) == 1
+
+
+def test_a_planted_link_in_place_of_the_lease_directory_is_not_followed(tmp_path):
+    """A writer of the shared directory links ``leases/<key>`` elsewhere: the
+    builder writes no lease file there, and compiles without the lease."""
+    key = "ef" * 32
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = tmp_path / "store"
+    (store / "leases").mkdir(parents=True)
+    (store / "leases" / key).symlink_to(elsewhere)
+    lease = _tier(store).build_lock(key, ttl_s=30, wait_s=1)
+    assert lease.acquire() == "unavailable"
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize("expires_at", ["1e18", "NaN", '"soon"'])
+def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
+    key = "cd" * 32
+    gen = tmp_path / "leases" / key / f"{7:020d}"
+    gen.parent.mkdir(parents=True)
+    gen.write_text(f'{{"holder": "planted", "expires_at": {expires_at}}}')
+    lease = _tier(tmp_path).build_lock(key, ttl_s=30, wait_s=60)
+    t0 = time.monotonic()
+    assert lease.acquire() == ACQUIRED and time.monotonic() - t0 < 5
+    assert lease.holder() == lease.token and not gen.exists()
+    lease.release()
+
+
+# -- the local cache on a network filesystem -------------------------------------------------
+
+#: lines of a real /proc/self/mountinfo: an NFS export, a FUSE mount, a local disk
+MOUNTINFO = """\
+22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw
+40 22 0:50 / /mnt/shared rw,relatime shared:30 - nfs4 fs-1.efs.amazonaws.com:/ rw,vers=4.1
+41 22 0:51 / /mnt/fuse\\040dir rw,nosuid - fuse.seaweedfs 127.0.0.1:8888:/shared rw
+"""
+
+
+def test_the_mount_table_gives_the_filesystem_of_the_longest_mount_prefix():
+    assert filesystem_type("/mnt/shared/kc", MOUNTINFO) == ("nfs4", "/mnt/shared")
+    assert filesystem_type("/mnt/fuse dir/a/b", MOUNTINFO) == ("fuse.seaweedfs", "/mnt/fuse dir")
+    assert filesystem_type("/mnt/sharedX", MOUNTINFO) == ("ext4", "/")
+    check_local("/var/cache/kc", MOUNTINFO)  # a local disk passes
+    for path, fstype in (("/mnt/shared/kc", "nfs4"), ("/mnt/fuse dir/kc", "fuse.seaweedfs")):
+        with pytest.raises(NetworkFilesystemError) as e:
+            check_local(path, MOUNTINFO)
+        msg = str(e.value)
+        assert path in msg and fstype in msg and f"KERNEL_CACHE_REMOTE_URL=file://{path}" in msg
+
+
+# -- one shared filesystem, two hosts (FUSE) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mounts():
+    why = fuse_unavailable()
+    if why:
+        pytest.skip(f"two FUSE mounts cannot run here: {why}")
+    try:
+        m = SharedMounts(2)
+    except RuntimeError as e:
+        pytest.skip(f"two FUSE mounts cannot run here: {str(e).splitlines()[0]}")
+    yield m
+    m.stop()
+
+
+def test_a_cache_dir_on_a_fuse_mount_is_refused_before_anything_is_written(
+    mounts, tiny_model, tmp_path
+):
+    cache = mounts.dirs[0] / "kc-local"
+    assert filesystem_type(cache)[0] == "fuse.seaweedfs"
+    with pytest.raises(NetworkFilesystemError, match="fuse.seaweedfs"):
+        DiskTier(cache).cache  # noqa: B018 - opening it is what is refused
+    with pytest.raises(NetworkFilesystemError, match="fuse.seaweedfs"):
+        DiskTier(cache, read_only=True).get("ab" * 32)  # engine start reads it so
+    proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, env=_env())
+    assert proc.returncode != 0
+    assert "fuse.seaweedfs" in proc.stderr and f"KERNEL_CACHE_REMOTE_URL=file://{cache}" in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+    assert not cache.exists() and os.listdir(mounts.dirs[1]) == []  # nothing written
+
+
+@pytest.mark.compile
+def test_two_hosts_warm_through_one_shared_directory_compile_each_variant_once(
+    mounts, tiny_model, tiny_config, tmp_path
+):
+    """Two concurrent cold warmups, each through its own mount of one shared
+    directory (``file://``), local caches on local disk: the compiler runs once
+    per variant in all; then an engine on each host, with an empty local cache,
+    loads the whole plan from the shared directory with no compile."""
+    keys = make_keypair(tmp_path / "keys")
+    log = tmp_path / "compiles.log"
+    signing = {
+        "KERNEL_CACHE_SIGNING_KEY_FILE": str(keys.private),
+        "KERNEL_CACHE_TRUSTED_KEYS": str(keys.public),
+    }
+    env = _env(**signing, KERNEL_CACHE_TEST_COMPILE_LOG=str(log))
+    urls = [f"file://{d}/fleet" for d in mounts.dirs]
+    (mounts.dirs[0] / "fleet").mkdir()
+    deadline = time.monotonic() + 30
+    while not (mounts.dirs[1] / "fleet").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "warmup.cli.main",
+                "warmup",
+                *tiny_args(tiny_model),
+                "--cache-dir",
+                str(tmp_path / f"b{i}"),
+                "--remote-url",
+                urls[i],
+                "--jobs",
+                "1",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=1200)
+        assert p.returncode == 0, err
+        reports.append(json.loads(out))
+    plan = {str(v): build_key(tiny_config, v).hexdigest for v in Bucketer(tiny_config).variants}
+    compiled = sorted(line.split(" ", 1)[1] for line in log.read_text().splitlines())
+    assert compiled == sorted(plan), compiled
+    for r in reports:
+        assert r["failed"] == [] and r["remote_error"] is None
+    for i, url in enumerate(urls):
+        tier = S3Tier(S3Settings(url=url), fail_open=False)
+        assert sorted(tier.keys()) == sorted(plan.values())
+        assert (mounts.dirs[i] / "fleet" / manifest_name(plan.values())).is_file()
+        engine_env = {
+            **_env(KERNEL_CACHE_TRUSTED_KEYS=str(keys.public)),
+            "KERNEL_CACHE_TEST_COMPILE_LOG": str(log),
+            "KERNEL_CACHE_DIR": str(tmp_path / f"engine{i}"),
+            "KERNEL_CACHE_REMOTE_URL": url,
+        }
+        got = engine_start(tiny_model, env=engine_env)
+        assert "missing" not in got, got["stderr"]
+        assert got["stats"]["sources"] == {url: len(plan)} and got["compile_stack"] == []
+    assert len(log.read_text().splitlines()) == len(plan)  # the engines compiled nothing
