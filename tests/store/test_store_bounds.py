@@ -555,3 +555,22 @@ def test_an_s3_entry_is_refused_from_its_first_bytes_when_its_record_does_not_fi
     obstore.put(tier.store, f"entries/{k}", pack(data, json.dumps(meta).encode()))
     assert tier.get(k).data == data
     tier.close()
+
+
+def test_explain_text_escapes_what_a_stored_record_says(redis_db, tiny_config):
+    """A shared entry whose record's variant carries a newline and ANSI codes:
+    explain names it among the nearest entries of a miss, escaped, and no
+    line of its text output is one the record wrote."""
+    from kernel_cache.plan.keys import CacheKey
+    from warmup.check.explain import explain, render
+
+    tier = _redis(redis_db)
+    variant, key = _tiny_key(tiny_config)
+    other = CacheKey(tuple((n, "2.0.0" if n == "torch" else v) for n, v in key.components))
+    data = b"code"
+    meta = make_meta(other, FORGED, data, 1.0)
+    _redis_entry(tier, other.hexdigest, json.dumps(meta).encode(), data)
+    text = render(explain(tiny_config, [tier]))
+    assert "\x1b" not in text and "\\x1b[32msignature OK" in text
+    assert not any(line.startswith("2026-01-01") for line in text.splitlines())
+    tier.close()

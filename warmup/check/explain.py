@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kernel_cache.errors import CorruptEntryError, ShapeError
+from kernel_cache.errors import CorruptEntryError, ShapeError, shown
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
@@ -291,4 +291,6 @@ def render(report: dict) -> str:
                 f"(created {_when(n['created'])})"
             )
             lines.extend(f"    {line}" for line in n["lines"])
-    return "\n".join(lines)
+    # stored records' text (variants, component values, file names) is a writer's:
+    # a newline or an escape in it must not start a line or recolour the terminal
+    return "\n".join(shown(line, 100_000, quote=False) for line in lines)
