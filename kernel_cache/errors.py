@@ -6,6 +6,28 @@ has to read a traceback from inside torch to know what went wrong.
 
 from __future__ import annotations
 
+#: longest store-provided text :func:`shown` quotes (characters): a lease holder
+#: is ~40, a store's XML error body a few hundred; more is a writer's padding
+SHOWN_CHARS = 400
+
+
+def shown(text: object, limit: int = SHOWN_CHARS, *, quote: bool = True) -> str:
+    """Text a shared store or another writer provided (a lease holder, a
+    server's error body, a record field), as a log line or message may show it:
+    ``repr``-quoted, so a newline, an ANSI escape or any other unprintable
+    character appears as ``\\n``, ``\\x1b``... and cannot forge a line or
+    recolour a terminal; cut to ``limit`` characters, with the full length
+    named when cut. Bytes are decoded as UTF-8 with backslash escapes.
+    ``quote=False`` leaves the quotes off (for a message of our own that
+    carries such text: printable text reads as it is)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).decode("utf-8", "backslashreplace")
+    s = str(text)
+    if not quote and s.isprintable():
+        return s if len(s) <= limit else f"{s[:limit]}... ({len(s)} characters)"
+    out = repr(s[:limit]) if quote else repr(s[:limit])[1:-1]
+    return out if len(s) <= limit else f"{out}... ({len(s)} characters)"
+
 
 class KernelCacheError(Exception):
     """Base class of every error kernel-cache raises on purpose."""
@@ -53,6 +75,8 @@ class CorruptEntryError(KernelCacheError):
 
     def __init__(self, key: str, reason: str, where: str = ""):
         self.key = key
+        # a reason may quote a record or a store's text: escaped, bounded
+        reason = shown(reason, 2000, quote=False)
         self.reason = reason
         self.where = where
         loc = f" in {where}" if where else ""

@@ -291,6 +291,12 @@ class SettingsFields(BaseModel):
         900.0, "longest wait for a live Redis build-lock holder before compiling anyway",
         type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0, **_SECONDS,
     )  # fmt: skip
+    redis_max_object: Size = _f(
+        256 << 20, "largest Redis value an engine or builder reads (an entry's artifact "
+        "bytes): a larger one is refused from its length (HSTRLEN), before it is read",
+        type="size", unit="bytes", expected="bytes or a number with K, M, G or T "
+        "(powers of 1024)", example="512M", shown_default="256M",
+    )  # fmt: skip
     # -- object store (S3, GCS, Azure, a shared directory) --------------------------------
     remote_url: RemoteUrl = _f(
         None, "shared object-store tier (--remote-url wins): s3://, gs://, az:// or file:// "

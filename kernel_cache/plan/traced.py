@@ -44,9 +44,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kernel_cache.errors import CompileError
+from kernel_cache.errors import CompileError, shown
 
 log = logging.getLogger("kernel_cache")
 
@@ -60,19 +60,78 @@ MISSING = "missing"
 MAX_DERIVED = 8
 
 
+#: Bounds of a recorded manifest (a record is a writer's text: one over them is
+#: corrupt, and nothing it names is read). A build records tens to a few
+#: hundred files, each path relative to its import root and well under 200
+#: characters; at these bounds a record still fits
+#: :data:`kernel_cache.store.entry.META_MAX_BYTES`.
+MAX_TRACED_FILES = 2048
+MAX_PATH_CHARS = 256
+MAX_DISTS = 1024
+MAX_DIST_CHARS = 128
+
+
+def shown_short(text: object) -> str:
+    """Record text quoted for a message (:func:`kernel_cache.errors.shown`, 80 characters)."""
+    return shown(text, 80)
+
+
+def check_path(path: str) -> str:
+    """``path`` if it is a recorded file path this module may look up: relative
+    (no leading ``/``, no drive or backslash), no ``.``, ``..`` or empty part,
+    no NUL or other control character, at most :data:`MAX_PATH_CHARS`.
+
+    Raises:
+        ValueError: naming the path (quoted) and the rule it breaks.
+    """
+    if not path or len(path) > MAX_PATH_CHARS:
+        raise ValueError(f"path {shown(path, 80)} must have 1 to {MAX_PATH_CHARS} characters")
+    if any(not c.isprintable() for c in path) or "\\" in path or ":" in path:
+        raise ValueError(f"path {shown(path, 80)} has a control character, \\ or :")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in path.split("/")):
+        raise ValueError(
+            f"path {shown(path, 80)} must be relative to an import root, without . or .."
+        )
+    return path
+
+
 class Manifest(BaseModel):
     """What an artifact's code came from beyond its key's static sources.
 
     ``files``: ``{path relative to its import root: sha256 hex (64)}``;
     ``dists``: ``{distribution name: version}``. Also the state of those same
     items here, when a key is derived (:func:`derive_key`); then a value may be
-    :data:`MISSING`.
+    :data:`MISSING`. Bounded (:data:`MAX_TRACED_FILES`, :data:`MAX_PATH_CHARS`,
+    :data:`MAX_DISTS`, :data:`MAX_DIST_CHARS`) and every path checked by
+    :func:`check_path`: validation raises ``ValidationError`` otherwise.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
-    files: dict[str, str] = Field(default_factory=dict)
-    dists: dict[str, str] = Field(default_factory=dict)
+    files: dict[str, str] = Field(default_factory=dict, max_length=MAX_TRACED_FILES)
+    dists: dict[str, str] = Field(default_factory=dict, max_length=MAX_DISTS)
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, str]) -> dict[str, str]:
+        for path, digest in v.items():
+            check_path(path)
+            if digest != MISSING and (
+                len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest)
+            ):
+                raise ValueError(f"{shown_short(path)}: {shown_short(digest)} is not a sha256")
+        return v
+
+    @field_validator("dists")
+    @classmethod
+    def _dists(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, version in v.items():
+            if not 0 < len(name) <= MAX_DIST_CHARS or len(version) > MAX_DIST_CHARS:
+                raise ValueError(
+                    f"distribution {shown_short(name)} {shown_short(version)}: name and "
+                    f"version must have at most {MAX_DIST_CHARS} characters"
+                )
+        return v
 
     def record(self) -> dict:
         return {

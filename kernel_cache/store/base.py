@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -140,6 +140,30 @@ class Tier(abc.ABC):
 
     def contains(self, key: str) -> bool:
         return self.get_meta(key) is not None
+
+    def metas_by(self, index: str, of: Callable[[dict], str | None]) -> Callable[[str], list[dict]]:
+        """A lookup from a value to the records whose ``of(record)`` is that
+        value (``index`` names ``of``: the lookup's ``runtime`` and ``near``
+        digests, :data:`kernel_cache.store.lookup.RECORD_INDEXES`). This
+        default reads every record once (:meth:`iter_meta`), on the first
+        call; a shared tier finds them by key instead, so its requests do
+        not grow with what else it holds (S3: its ``index/`` objects)."""
+        groups: dict[str, list[dict]] | None = None
+
+        def find(value: str) -> list[dict]:
+            nonlocal groups
+            if groups is None:
+                groups = {}
+                for meta in self.iter_meta():
+                    try:
+                        v = of(meta)
+                    except (TypeError, ValueError, KeyError, AttributeError):
+                        continue
+                    if v is not None:
+                        groups.setdefault(v, []).append(meta)
+            return groups.get(value, [])
+
+        return find
 
     def quarantine(self, key: str, reason: str, variant: str = "") -> str:
         """Move ``key``'s bad entry out of the way; returns where it was kept, or

@@ -25,6 +25,12 @@ from kernel_cache.errors import CorruptEntryError, describe_errors
 from kernel_cache.plan.keys import ARTIFACT_FORMAT, CacheKey
 from kernel_cache.plan.traced import Manifest, chain_key
 
+#: largest metadata record read from a store (bytes): a record is 1-2 KiB, one
+#: listing the most traced files :mod:`kernel_cache.plan.traced` accepts
+#: (``MAX_TRACED_FILES`` paths of up to ``MAX_PATH_CHARS``) under 600 KiB; a
+#: shared tier refuses a larger one from its length, before reading it
+META_MAX_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -118,10 +124,15 @@ def parse_meta(raw: bytes | str, key: str, where: str = "") -> dict:
     the parsed object as stored.
 
     Raises:
-        CorruptEntryError: not JSON (or nested too deep to parse), not an object,
+        CorruptEntryError: over :data:`META_MAX_BYTES`, not JSON (or nested too
+            deep to parse), not an object,
             or a field missing or of the wrong type (names the field, what was
             wrong and the value).
     """
+    if len(raw) > META_MAX_BYTES:
+        raise CorruptEntryError(
+            key, f"metadata is {len(raw)} bytes, over the limit of {META_MAX_BYTES}", where
+        )
     try:
         meta = json.loads(raw)
     except (ValueError, UnicodeDecodeError, TypeError) as e:

@@ -19,22 +19,20 @@ read the same last write. The holder then deletes generation ``n``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from kernel_cache.store.remote_base import BuildLease, RemoteTier
+from kernel_cache.errors import shown
+from kernel_cache.store.remote_base import LEASE_MAX_BYTES, BuildLease, RemoteTier, lease_is_live
 from kernel_cache.store.s3_lease import S3LeaseDoc
 
 log = logging.getLogger("kernel_cache")
 
 #: digits of a generation's name (sorts as text in the order of the numbers)
 _DIGITS = 20
-#: largest lease document read (a real one is about 100 bytes)
-_MAX_DOC = 4096
 #: seconds between creating a generation and reading it back to confirm it is
 #: ours (longer than a shared filesystem takes to show one host's write to another)
 SETTLE_S = 0.5
@@ -42,9 +40,12 @@ SETTLE_S = 0.5
 
 class FileLease(BuildLease):
     """:class:`~kernel_cache.store.remote_base.BuildLease` in a shared directory
-    (see the module docstring). A lease whose ``expires_at`` is not a finite
-    number, or is further away than twice our TTL, is not a live holder: it is
-    taken over, so a planted lease costs a builder nothing. Expiry compares the
+    (see the module docstring). A lease that names no live holder
+    (:func:`~kernel_cache.store.remote_base.lease_is_live`: an expiry that is
+    not a finite number or lies beyond now + TTL + slack; over
+    :data:`~kernel_cache.store.remote_base.LEASE_MAX_BYTES`; not a lease
+    document; a link) is taken over and logged once, so a planted lease costs
+    a builder nothing. Expiry compares the
     builders' wall clocks, as on S3."""
 
     WHAT = "shared-directory build lease"
@@ -74,21 +75,22 @@ class FileLease(BuildLease):
 
     def _read_gen(self, gen: int) -> dict | None:
         """Generation ``gen``'s lease, None if it is gone; one that is not a
-        lease reads as expired (taken over)."""
+        lease (a link, over :data:`LEASE_MAX_BYTES`, not a lease document)
+        reads as ``{"invalid": why}`` (taken over)."""
         try:
             fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError:  # a link planted as a generation: not a lease
-            return {"expires_at": 0.0}
+            return {"invalid": "a link, not a lease"}
         with os.fdopen(fd, "rb") as f:
-            raw = f.read(_MAX_DOC + 1)
+            raw = f.read(LEASE_MAX_BYTES + 1)
+        if len(raw) > LEASE_MAX_BYTES:
+            return {"invalid": f"over {LEASE_MAX_BYTES} bytes"}
         try:
-            if len(raw) > _MAX_DOC:
-                raise ValueError("too large")
             return S3LeaseDoc.model_validate_json(raw).model_dump()
-        except (ValidationError, ValueError):
-            return {"expires_at": 0.0}
+        except ValidationError:
+            return {"invalid": f"not a lease: {shown(raw, 80)}"}
 
     def _current(self) -> tuple[int, dict] | None | bool:
         """``(generation, lease)`` of the highest generation, None if there is
@@ -145,12 +147,20 @@ class FileLease(BuildLease):
         return out
 
     def _live(self, doc: dict) -> bool:
-        try:
-            at = float(doc.get("expires_at", 0))
-        except (TypeError, ValueError):
+        """Whether ``doc`` names a live holder; one that was planted (not
+        merely expired) is logged once, escaped."""
+        now, expires = time.time(), doc.get("expires_at")
+        if "invalid" in doc:
+            self._note_takeover(doc["invalid"])
             return False
-        now = time.time()
-        return math.isfinite(at) and now <= at <= now + 2 * self.ttl_s
+        if lease_is_live(expires, self.ttl_s, now):
+            return True
+        if not expires <= now:  # NaN, infinite or too far ahead: planted
+            self._note_takeover(
+                f"holder {shown(doc.get('holder'), 80)} until {expires!r}, beyond now "
+                f"+ the {self.ttl_s:g} s TTL"
+            )
+        return False
 
     def holder(self) -> str | None:
         got = self._current()

@@ -216,20 +216,15 @@ class Lookup:
         #: for a miss of the last :meth:`find`: how the traced files here differ
         #: from those the plan key's stored entry records (:attr:`Current.changes`)
         self.changes: tuple[str, ...] = ()
-        self._index: dict[int, dict[str, list[dict]]] = {}
-        self._near: dict[int, dict[str, list[dict]]] = {}
+        self._by: dict[tuple[int, str], Callable[[str], list[dict]]] = {}
 
-    def _runtime_index(self, tier: Tier) -> dict[str, list[dict]]:
-        idx = self._index.get(id(tier))
-        if idx is None:
-            idx = {}
-            for meta in tier.iter_meta():
-                if consistent(meta):
-                    idx.setdefault(runtime_digest(meta["components"]), []).append(meta)
-            for metas in idx.values():  # newest first
-                metas.sort(key=lambda m: -float(m.get("created") or 0))
-            self._index[id(tier)] = idx
-        return idx
+    def _records(self, tier: Tier, index: str, value: str) -> list[dict]:
+        """The records of ``tier`` whose ``index`` (:data:`RECORD_INDEXES`) is
+        ``value``, newest first (:meth:`Tier.metas_by`, one per tier and index)."""
+        find = self._by.get((id(tier), index))
+        if find is None:
+            find = self._by[(id(tier), index)] = tier.metas_by(index, RECORD_INDEXES[index])
+        return sorted(find(value), key=lambda m: -float(m.get("created") or 0))
 
     @property
     def tiers(self) -> list[Tier]:
@@ -289,7 +284,7 @@ class Lookup:
         self.changes = self.changes or cur.changes
         if self.exact:
             return None
-        for meta in self._runtime_index(tier).get(key.runtime_digest, ()):
+        for meta in self._records(tier, "runtime", key.runtime_digest):
             entry = tier.get(meta["key"])
             if entry is None:  # removed since the index was built
                 continue
@@ -328,16 +323,11 @@ class Lookup:
         keyring = None
         for src in self.sources:
             tier = src.tier
-            idx = self._near.get(id(tier))
-            if idx is None and not src.trusted and keyring is None:
+            if not src.trusted and keyring is None:
                 keyring = load_trusted_keys(required=False) or False
-            if idx is None:
-                idx = self._near[id(tier)] = {}
-                for meta in tier.iter_meta():
-                    comps = meta.get("components")
-                    if isinstance(comps, dict) and (src.trusted or _signed(meta, tier, keyring)):
-                        idx.setdefault(_without_sources(comps), []).append(meta)
-            for meta in sorted(idx.get(near, ()), key=lambda m: -float(m.get("created") or 0)):
+            for meta in self._records(tier, "near", near):
+                if not (src.trusted or _signed(meta, tier, keyring)):
+                    continue
                 files = source_changes(mine["sources"], meta["components"].get("sources"))
                 if files:
                     return (
@@ -365,6 +355,41 @@ def _signed(meta: dict, tier: Tier, keyring) -> bool:
 def _without_sources(components: dict) -> str:
     """A digest of every runtime component but ``sources``."""
     return runtime_digest({**components, "sources": ""})
+
+
+def _runtime_of(meta: dict) -> str | None:
+    """A self-consistent record's runtime digest (the compatible-entry lookup's)."""
+    return runtime_digest(meta["components"]) if consistent(meta) else None
+
+
+def _near_of(meta: dict) -> str | None:
+    """A record's digest of every runtime component but ``sources`` (why a key missed)."""
+    comps = meta.get("components")
+    try:
+        return _without_sources(comps) if isinstance(comps, dict) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+#: The digests a record is found by on a miss (:meth:`Tier.metas_by`), by name:
+#: ``runtime`` finds a compatible entry, ``near`` one whose sources differ.
+RECORD_INDEXES: dict[str, Callable[[dict], str | None]] = {
+    "runtime": _runtime_of,
+    "near": _near_of,
+}
+
+
+def record_indexes(meta: dict) -> dict[str, str]:
+    """``{index name: value}`` of a record, for a tier that stores an index."""
+    out = {}
+    for name, of in RECORD_INDEXES.items():
+        try:
+            value = of(meta)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            value = None
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def merge_accepted(into: dict, accepted: dict[str, tuple[str, str]]) -> None:

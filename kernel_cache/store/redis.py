@@ -38,14 +38,17 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import CorruptEntryError
+from kernel_cache.errors import CorruptEntryError, shown
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
+from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are imported from here too
     ACQUIRED,
     BUSY,
+    LEASE_MAX_BYTES,
+    LEASE_SLACK_S,
     PUBLISHED,
     TIMEOUT,
     UNAVAILABLE,
@@ -58,6 +61,8 @@ from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are im
 log = logging.getLogger("kernel_cache")
 
 ENV_REDIS_URL = env_settings.var("redis_url")
+#: members of an index set read on a miss (as the S3 tier's ``INDEX_MAX``)
+INDEX_MAX = 64
 
 
 #: Fields of an entry's record that describe one build, not its bytes or what
@@ -106,7 +111,9 @@ class RedisSettings(RemoteSettings):
     Fields (seconds unless noted), defaults from the ``KERNEL_CACHE_REDIS_*``
     variables' (:mod:`kernel_cache.config.settings`): ``url``; ``timeout_s``
     (socket connect and read timeout of every call); ``ttl_s`` (entry expiry,
-    None keeps entries until deleted); ``lock_ttl_s`` (build-lock expiry,
+    None keeps entries until deleted); ``max_object_bytes`` (the largest
+    artifact value read: a larger one is refused from its ``HSTRLEN``);
+    ``lock_ttl_s`` (build-lock expiry,
     renewed every third of it while compiling: a dead builder's variant is
     taken over at most that long after it died); ``lock_wait_s`` (longest wait
     for a live holder before compiling anyway); ``retry_s`` (how long a failed
@@ -120,6 +127,7 @@ class RedisSettings(RemoteSettings):
         "ttl_s": "redis_ttl",
         "lock_ttl_s": "redis_lock_ttl",
         "lock_wait_s": "redis_lock_wait",
+        "max_object_bytes": "redis_max_object",
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "url": "--redis-url",
@@ -133,6 +141,7 @@ class RedisSettings(RemoteSettings):
     ttl_s: int | None = env_settings.default("redis_ttl")
     lock_ttl_s: float = env_settings.default("redis_lock_ttl")
     lock_wait_s: float = env_settings.default("redis_lock_wait")
+    max_object_bytes: int = Field(env_settings.default("redis_max_object"), gt=0)
     prefix: str = "kernel_cache:"
 
     @field_validator("url")
@@ -214,9 +223,45 @@ class RedisTier(RemoteTier):
         """True if Redis answers within the timeout."""
         return bool(self._run("ping", lambda c: c.ping(), False))
 
+    def _read(self, key: str, *fields: str) -> list | None:
+        """``HMGET`` of ``fields`` (``meta``, ``data``) of the entry hash of
+        ``key``, each one's length checked first (``HSTRLEN`` under ``WATCH``,
+        so the values read are the ones measured); None when Redis failed
+        (fail-open).
+
+        Raises:
+            CorruptEntryError: a field is longer than its limit (the metadata
+                :data:`~kernel_cache.store.entry.META_MAX_BYTES`, the artifact
+                ``max_object_bytes``); it was not read.
+        """
+        name = self._name("entry", key)
+        limits = {"meta": META_MAX_BYTES, "data": self.settings.max_object_bytes}
+        over: list = []
+
+        def measured(pipe):
+            over.clear()
+            for f in fields:
+                n = pipe.hstrlen(name, f)
+                if n > limits[f]:
+                    over.append((f, n, limits[f]))
+                    return
+            pipe.multi()
+            pipe.hmget(name, *fields)
+
+        got = self._run("get", lambda c: c.transaction(measured, name))
+        if over:
+            f, n, limit = over[0]
+            what = "metadata" if f == "meta" else "artifact"
+            var = "" if f == "meta" else f" ({env_settings.var('redis_max_object')})"
+            raise CorruptEntryError(
+                key, f"its {what} is {n} bytes, over the limit of {limit}{var}; not read",
+                self.location,
+            )  # fmt: skip
+        return None if got is None else got[0]
+
     # -- Tier --------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
-        raw = self._run("get", lambda c: c.hmget(self._name("entry", key), "meta", "data"))
+        raw = self._read(key, "meta", "data")
         if raw is None or raw[0] is None:
             return None
         meta = parse_meta(raw[0], key, self.location)
@@ -227,8 +272,8 @@ class RedisTier(RemoteTier):
         return Entry(key=key, meta=meta, data=bytes(raw[1]), where=self.location)
 
     def get_meta(self, key: str) -> dict | None:
-        raw = self._run("get_meta", lambda c: c.hget(self._name("entry", key), "meta"))
-        return None if raw is None else parse_meta(raw, key, self.location)
+        raw = self._read(key, "meta")
+        return None if raw is None or raw[0] is None else parse_meta(raw[0], key, self.location)
 
     def contains(self, key: str) -> bool:
         return bool(self._run("contains", lambda c: c.exists(self._name("entry", key)), 0))
@@ -257,12 +302,20 @@ class RedisTier(RemoteTier):
         if same_published(have, meta) and self._holds_bytes(name, data):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
 
+        from kernel_cache.store.lookup import record_indexes
+
+        indexes = [self._name(f"index:{n}", v) for n, v in record_indexes(meta).items()]
+
         def op(c):
             p = c.pipeline(transaction=True)
             p.delete(name)
             p.hset(name, mapping={"meta": raw_meta, "data": data})
+            for index in indexes:
+                p.sadd(index, key)
             if self.settings.ttl_s:
                 p.expire(name, self.settings.ttl_s)
+                for index in indexes:
+                    p.expire(index, self.settings.ttl_s)
             p.execute()
             return True
 
@@ -294,6 +347,33 @@ class RedisTier(RemoteTier):
     def delete(self, key: str) -> None:
         self._run("delete", lambda c: c.delete(self._name("entry", key)))
 
+    def metas_by(self, index: str, of):
+        """Records found through the set ``<prefix>index:<index>:<value>``
+        (written with each entry): at most :data:`INDEX_MAX` members
+        (``SRANDMEMBER``), each record read bounded (:meth:`get_meta`); one
+        whose own ``of(record)`` is not ``value`` is dropped. Entries
+        published before these sets existed are not found here."""
+        found: dict[str, list[dict]] = {}
+
+        def find(value: str) -> list[dict]:
+            if value not in found:
+                name = self._name(f"index:{index}", value)
+                keys = self._run("index", lambda c: c.srandmember(name, INDEX_MAX), []) or []
+                metas = []
+                for raw in keys:
+                    key = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    try:
+                        meta = self.get_meta(key)
+                        ok = meta is not None and of(meta) == value
+                    except (CorruptEntryError, TypeError, ValueError, KeyError, AttributeError):
+                        continue
+                    if ok:
+                        metas.append(meta)
+                found[value] = metas
+            return found[value]
+
+        return find
+
     def keys(self) -> list[str]:
         """Every entry key held (``SCAN``, so Redis is never blocked)."""
         pat = self._name("entry", "*")
@@ -302,18 +382,29 @@ class RedisTier(RemoteTier):
         return sorted(n.decode()[cut:] if isinstance(n, bytes) else n[cut:] for n in names)
 
     def iter_meta(self) -> Iterator[dict]:
-        """Every entry's metadata, fetched 500 records per round trip."""
+        """Every entry's metadata, fetched 500 records per round trip, each
+        one's length checked first (``HSTRLEN``, under ``WATCH``): a record
+        over :data:`~kernel_cache.store.entry.META_MAX_BYTES` is skipped unread."""
         keys = self.keys()
         for i in range(0, len(keys), 500):
             batch = keys[i : i + 500]
+            names = [self._name("entry", k) for k in batch]
+            read: list[str] = []
 
-            def op(c, batch=batch):
-                p = c.pipeline(transaction=False)
-                for k in batch:
-                    p.hget(self._name("entry", k), "meta")
-                return p.execute()
+            def op(c, names=names, batch=batch, read=read):
+                def measured(pipe):
+                    lengths = c.pipeline(transaction=False)
+                    for n in names:
+                        lengths.hstrlen(n, "meta")
+                    sizes = lengths.execute()
+                    read[:] = [k for k, n in zip(batch, sizes, strict=True) if n <= META_MAX_BYTES]
+                    pipe.multi()
+                    for k in read:
+                        pipe.hget(self._name("entry", k), "meta")
 
-            for key, raw in zip(batch, self._run("iter_meta", op, []), strict=False):
+                return c.transaction(measured, *names)
+
+            for key, raw in zip(read, self._run("iter_meta", op, []), strict=False):
                 if raw is None:
                     continue
                 try:
@@ -355,15 +446,64 @@ class BuildLock(BuildLease):
         return self._lock
 
     def holder(self) -> str | None:
-        raw = self.tier._run("lock holder", lambda c: c.get(self.name))
-        return raw.decode() if isinstance(raw, bytes) else raw
+        """The lock's value: its first :data:`LEASE_MAX_BYTES` (``GETRANGE``)."""
+        from redis.exceptions import ResponseError
+
+        def op(c):
+            try:
+                return c.getrange(self.name, 0, LEASE_MAX_BYTES - 1) or None
+            except ResponseError:  # WRONGTYPE: not a string
+                return b"(not a lock)"
+
+        raw = self.tier._run("lock holder", op)
+        return raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
 
     def _take(self) -> bool | None:
         got = self.tier._run(
             "lock", lambda c: self._redis_lock(c).acquire(blocking=False, token=self.token)
         )
+        if got is False:
+            got = self.tier._run("lock", self._take_over)
         self._held = bool(got)
         return got
+
+    def _take_over(self, c) -> bool:
+        """Take the lock over if it names no live holder (a writer planted it):
+        not a string, longer than :data:`LEASE_MAX_BYTES`, no expiry, or an
+        expiry further than TTL + :data:`LEASE_SLACK_S` away. Checked and set
+        under ``WATCH``, so a holder that takes it meanwhile keeps it. True taken."""
+        limit_ms = (self.ttl_s + LEASE_SLACK_S) * 1000
+        why: list[str] = []
+
+        def check(pipe):
+            why.clear()
+            kind = pipe.type(self.name)
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind == "none":
+                return  # released meanwhile: the next try takes it
+            pttl = pipe.pttl(self.name)
+            if kind != "string":
+                why.append(f"a Redis {shown(kind, 20)}, not a lock")
+            elif (n := pipe.strlen(self.name)) > LEASE_MAX_BYTES:
+                why.append(f"{n} bytes, over {LEASE_MAX_BYTES}")
+            elif pttl < 0:
+                why.append(f"holder {shown(pipe.getrange(self.name, 0, 79))} with no expiry")
+            elif pttl > limit_ms:
+                why.append(
+                    f"holder {shown(pipe.getrange(self.name, 0, 79))} for {pttl / 1000:.0f} s, "
+                    f"beyond the {self.ttl_s:g} s TTL"
+                )
+            else:
+                return
+            pipe.multi()
+            pipe.set(self.name, self.token, px=int(self.ttl_s * 1000))
+
+        c.transaction(check, self.name)
+        if not why:
+            return False
+        self._note_takeover(why[0])
+        self._redis_lock(c).local.token = self.token.encode()
+        return True
 
     def _published(self) -> bool | None:
         entry = self.tier._name("entry", self.key)

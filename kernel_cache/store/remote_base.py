@@ -13,6 +13,7 @@ subclass supplies taking, extending and dropping the lease.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -24,7 +25,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import ConfigError, KernelCacheError
+from kernel_cache.errors import ConfigError, KernelCacheError, shown
 from kernel_cache.store.disk_tier import Tier
 
 log = logging.getLogger("kernel_cache")
@@ -35,6 +36,27 @@ PUBLISHED = "published"  # another builder published the entry meanwhile: fetch 
 BUSY = "busy"  # another builder holds the lock (only with wait=False)
 TIMEOUT = "timeout"  # waited lock_wait_s for a live holder: compile without the lock
 UNAVAILABLE = "unavailable"  # the remote is down: compile without the lock
+
+
+#: largest lease a builder reads (bytes): ``{"holder", "expires_at"}`` is under
+#: 200 bytes, a Redis lock value ~40; a larger one is no lease (not read, taken over)
+LEASE_MAX_BYTES = 4096
+#: how far past now + TTL a lease's expiry may lie and still name a live holder
+#: (seconds): the clock skew between builders that the lease tolerates
+LEASE_SLACK_S = 5.0
+
+
+def lease_is_live(expires_at: object, ttl_s: float, now: float | None = None) -> bool:
+    """Whether a stored lease expiry (unix seconds) names a live holder: a
+    finite number after ``now`` and no further away than ``ttl_s`` plus
+    :data:`LEASE_SLACK_S` (a holder renews to now + TTL; one set further ahead,
+    NaN or infinite was planted, and waiting for it would stall every builder
+    of the key). Anything else is expired or not a lease: taken over."""
+    now = time.time() if now is None else now
+    if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)):
+        return False
+    e = float(expires_at)
+    return math.isfinite(e) and now < e <= now + ttl_s + LEASE_SLACK_S
 
 
 class RemoteUnavailableError(KernelCacheError):
@@ -150,8 +172,8 @@ class RemoteTier(Tier):
         seconds. Never raises."""
         if isinstance(e, (str, RemoteUnavailableError)):
             text = str(e)
-        else:
-            text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:  # the server's own text (a 403's XML body): whole but bounded, escaped
+            text = f"{type(e).__name__}: {shown(str(e))}"
         if self.error is None:
             self.error = text
         self._down_until = time.monotonic() + self.settings.retry_s
@@ -219,6 +241,7 @@ class BuildLease:
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.lost = False
         self.waited_s = 0.0
+        self._noted = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -240,8 +263,18 @@ class BuildLease:
         raise NotImplementedError
 
     def holder(self) -> str | None:
-        """The token of the current holder, or None."""
+        """The token of the current holder (at most :data:`LEASE_MAX_BYTES`,
+        store text: quote it with :func:`~kernel_cache.errors.shown`), or None."""
         raise NotImplementedError
+
+    def _note_takeover(self, why: str) -> None:
+        """Log, once per lease, that a stored lease was no live holder's and is
+        taken over (``why``: what it held, already quoted)."""
+        if not self._noted:
+            self._noted = True
+            log.warning(
+                "%s for %s names no live holder (%s); taking it over", self.WHAT, self.key[:16], why
+            )
 
     # -- the loop ---------------------------------------------------------------
     def acquire(self, wait: bool = True) -> str:
@@ -267,7 +300,7 @@ class BuildLease:
                         "%s for %s still held by %s after %.0f s; compiling anyway",
                         self.WHAT,
                         self.key[:16],
-                        self.holder(),
+                        shown(self.holder()),
                         self.wait_s,
                     )
                     return TIMEOUT

@@ -12,6 +12,8 @@ last-modified time, never by a date a writer put in a body):
 - ``manifests/*.json`` older than ``older_than_s``;
 - ``leases/...`` not written for ``older_than_s`` (a held lease is rewritten
   every third of its TTL, seconds);
+- ``index/<name>/<digest>/<key>`` older than ``older_than_s`` whose entry is
+  not kept (removed now, or gone);
 - anything else under those prefixes (a builder's leftover temporary file of
   a ``file://`` directory) older than ``older_than_s``.
 
@@ -108,14 +110,19 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
             referenced |= set(S3Manifest.model_validate_json(raw).keys) if raw else set()
         except ValidationError:
             pass
-    kept = 0
+    kept: set[str] = set()
     for path, size, t in listing("entries/"):
         name = path.rsplit("/", 1)[-1]
         if t >= cutoff or (_KEY_RE.fullmatch(name) and name in referenced):
-            kept += 1
+            kept.add(name)
         else:
             old.append((path, size, t))
     old += [(p, s, t) for p, s, t in listing("leases/") if t < cutoff]
+    old += [
+        (p, s, t)
+        for p, s, t in listing("index/")
+        if t < cutoff and p.rsplit("/", 1)[-1] not in kept
+    ]
     removed = [{"path": p, "size": s, "age_s": round(now - t, 1)} for p, s, t in sorted(old)]
     if not dry_run:
         for r in removed:
@@ -130,7 +137,7 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
         "dry_run": dry_run,
         "removed": removed,
         "removed_bytes": sum(r["size"] for r in removed),
-        "kept_entries": kept,
+        "kept_entries": len(kept),
         "kept_by_manifests": len(referenced),
         "manifests_read": read,
     }

@@ -25,13 +25,21 @@ Objects (under ``PREFIX/``), all immutable once written except the leases:
 - ``manifests/<sha256 of the sorted keys>.json``: ``{"format", "keys"}`` of a
   whole plan, written create-once by a warmup after every key of the plan is
   published. An engine that announced its keys (:meth:`S3Tier.expect`) reads
-  it on its first lookup in this tier and fetches the listed entries in
-  parallel; without it, one GET per key.
+  it (at most :func:`manifest_limit` bytes) on its first lookup in this tier
+  and then fetches the listed entries ahead of its lookups,
+  :data:`PREFETCH` at a time in plan order; without it, one GET per key.
 - ``leases/<key>``: ``{"holder", "expires_at"}`` of the builder compiling the
   key (:class:`~kernel_cache.store.s3_lease.S3Lease`).
+- ``index/<name>/<digest>/<key>``: empty, written create-once with each
+  entry, one per :data:`~kernel_cache.store.lookup.RECORD_INDEXES` digest of
+  its record: a miss finds compatible entries by listing one such prefix
+  (:meth:`S3Tier.metas_by`, at most :data:`INDEX_MAX` of them), never
+  ``entries/``, so its requests do not grow with the bucket.
 
 Entries are untrusted (:attr:`S3Tier.trusted` is False): the lookup checks
-their size, sha256 and, with a signing key, signature before use.
+their size, sha256 and, with a signing key, signature before use. Every read is
+bounded before its body (docs/s3.md, "Bounds and planted leases"): an entry is
+streamed and refused from its first bytes unless its record accounts for it.
 
 Failure. Every call runs with obstore's ``connect_timeout`` and
 ``read_timeout`` of ``KERNEL_CACHE_S3_TIMEOUT`` seconds (default 2) and no
@@ -47,6 +55,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -57,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
+from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
 from kernel_cache.store.s3_lease import S3Lease, S3LeaseDoc  # noqa: F401 - S3LeaseDoc re-exported
 
@@ -67,6 +77,23 @@ _HEAD = struct.Struct(">Q")
 #: bytes read for an entry's metadata alone (a record is about 1-2 KiB)
 META_PROBE = 16384
 MANIFEST_FORMAT = "kc-s3-manifest-1"
+#: index objects read per digest on a miss: builds of one runtime differing in
+#: a build-only component (the C++ compiler) or in sources number a handful;
+#: more under one digest is a writer's flood, and the rest is not read
+INDEX_MAX = 64
+#: entries fetched ahead of the lookups once a plan manifest is read: at most
+#: this many bodies are in memory beside the one being checked, so an engine's
+#: peak stays within a few entries' size however large the listed objects are
+PREFETCH = 2
+
+
+def manifest_limit(n_keys: int) -> int:
+    """The largest manifest read for a plan of ``n_keys`` keys (bytes): 80 per
+    key (a 64-hex key, quotes, a comma) and 1 KiB for the rest; a larger object
+    is not this plan's manifest and is refused before its body is read."""
+    return 1024 + 80 * n_keys
+
+
 #: a plan manifest older than this (seconds) is written again by the next warmup
 #: that completes the plan (``kernel-cache gc-remote`` keeps plans by manifest age)
 MANIFEST_RENEW_S = 86400.0
@@ -231,6 +258,16 @@ def _split(key: str, body: bytes, where: str) -> tuple[bytes, memoryview]:
     return bytes(view[n : n + size]), view[n + size :]
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _of(of, meta: dict) -> str | None:
+    try:
+        return of(meta)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def manifest_name(keys) -> str:
     """The manifest object of a plan: ``manifests/<sha256 of its sorted keys>.json``."""
     digest = hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()
@@ -271,9 +308,13 @@ class S3Tier(RemoteTier):
         super().__init__(settings, fail_open=fail_open, warn=warn)
         self.LABEL, self.CHECK = self.KINDS.get(settings.scheme, self._AZURE)
         self._store = None
+        self._order: list[str] = []
         self._expected: list[str] = []
         self._manifest_read = False
-        self._prefetched: dict[str, bytes] = {}
+        self._listed = False
+        self._ahead: dict = {}  # key -> Future of _fetch
+        self._done: set[str] = set()
+        self._pool = None
 
     # -- plumbing ----------------------------------------------------------
     @property
@@ -340,16 +381,17 @@ class S3Tier(RemoteTier):
             return False
         return isinstance(e, BaseError)
 
-    def _get_bytes(self, path: str) -> bytes | None:
+    def _get_bytes(self, path: str, limit: int | None = None) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).
 
         Raises:
             ObjectTooLargeError: the object's size (from the response headers,
-                before the body is read) is over ``max_object_bytes``.
+                before the body is read) is over ``limit`` (default
+                ``max_object_bytes``).
         """
         from obstore.exceptions import NotFoundError
 
-        limit = self.settings.max_object_bytes
+        limit = self.settings.max_object_bytes if limit is None else limit
 
         def op(ob, store):
             try:
@@ -368,17 +410,24 @@ class S3Tier(RemoteTier):
 
     # -- manifest ----------------------------------------------------------
     def expect(self, keys) -> None:
-        """The keys the caller will look up (a plan): the first lookup reads
-        their manifest and fetches the listed entries in parallel. Sends nothing."""
-        self._expected = sorted(set(keys))
+        """The keys the caller will look up, in the order it looks them up (a
+        plan): the first lookup reads their manifest and, if it lists exactly
+        these keys, entries are fetched ahead of the lookups (:data:`PREFETCH`
+        at a time, in this order). Sends nothing."""
+        self._order = list(dict.fromkeys(keys))
+        self._expected = sorted(self._order)
         self._manifest_read = False
+        self._listed = False
+        self._ahead = {}
+        self._done = set()
 
     def _read_manifest(self) -> None:
         if self._manifest_read or not self._expected:
             return
         self._manifest_read = True
+        name = manifest_name(self._expected)
         try:
-            raw = self._get_bytes(manifest_name(self._expected))
+            raw = self._get_bytes(name, manifest_limit(len(self._expected)))
         except ObjectTooLargeError as e:
             log.warning("ignored S3 manifest: %s", e)
             return
@@ -389,19 +438,91 @@ class S3Tier(RemoteTier):
         except ValidationError:
             listed = None
         if listed != self._expected:
-            log.warning("ignored S3 manifest %s: not this plan's", manifest_name(self._expected))
+            log.warning("ignored S3 manifest %s: not this plan's", name)
             return
+        self._listed = True
+
+    def _fetch(self, key: str) -> bytearray | ObjectTooLargeError | CorruptEntryError | None:
+        """The entry object of ``key``, read as a stream and checked as it
+        comes: its size (response headers) within ``max_object_bytes``, then,
+        from its first bytes, the magic, a record length within
+        :data:`~kernel_cache.store.entry.META_MAX_BYTES` and a record whose
+        ``size`` accounts for the whole object. An object failing a check is
+        returned as the error with the rest of its body unread. None: absent,
+        or the store failed (fail-open)."""
+        from obstore.exceptions import NotFoundError
+
+        path = f"entries/{key}"
+        limit = self.settings.max_object_bytes
+        n = len(MAGIC) + _HEAD.size
+
+        def refused(why: str) -> CorruptEntryError:
+            return CorruptEntryError(key, f"{why}; the rest of it was not read", self.location)
+
+        def op(ob, store):
+            try:
+                got = ob.get(store, path)
+            except (NotFoundError, FileNotFoundError):
+                return None
+            size = int(got.meta["size"])
+            if size > limit:
+                return ObjectTooLargeError(path, size, limit)
+            buf, pos, checked = bytearray(size), 0, False  # filled in place: one copy
+            for chunk in got.stream(min_chunk_size=1 << 16):
+                if pos + len(chunk) > size:
+                    return refused(f"more bytes arrived than its size of {size}")
+                buf[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+                if checked or pos < n:
+                    continue
+                if bytes(buf[:4]) != MAGIC:
+                    return refused("not a kernel-cache S3 entry (bad magic)")
+                (meta_len,) = _HEAD.unpack(bytes(buf[4:n]))
+                if meta_len > META_MAX_BYTES:
+                    return refused(
+                        f"its header claims a {meta_len}-byte record, over the limit of "
+                        f"{META_MAX_BYTES}"
+                    )
+                if pos < n + meta_len:
+                    continue
+                try:
+                    declared = parse_meta(bytes(buf[n : n + meta_len]), key)["size"]
+                except CorruptEntryError as e:
+                    return refused(e.reason)
+                if n + meta_len + declared != size:
+                    return refused(
+                        f"the object is {size} bytes, its record accounts for "
+                        f"{n + meta_len + declared}"
+                    )
+                checked = True
+            if pos != size:
+                return refused(f"cut short: {pos} of its {size} bytes arrived")
+            if not checked:
+                return refused("not a kernel-cache S3 entry (shorter than its header says)")
+            return buf
+
+        return self._run(f"GET {path}", op)
+
+    def _fetched(self, key: str) -> bytearray | ObjectTooLargeError | CorruptEntryError | None:
+        """``key``'s object: from the fetches ahead when the manifest listed the
+        plan (starting the next :data:`PREFETCH` of the plan's order and
+        dropping any for keys before it), else one GET now."""
+        if not self._listed or key not in self._order:
+            return self._fetch(key)
         from concurrent.futures import ThreadPoolExecutor
 
-        def fetch(key: str) -> bytes | None:
-            try:
-                return self._get_bytes(f"entries/{key}")
-            except ObjectTooLargeError:
-                return None  # refused again, with the key, when it is looked up
-
-        with ThreadPoolExecutor(max_workers=min(8, len(listed))) as pool:
-            bodies = pool.map(fetch, listed)
-            self._prefetched = {k: b for k, b in zip(listed, bodies, strict=True) if b is not None}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=PREFETCH, thread_name_prefix="kc-s3")
+        i = self._order.index(key)
+        for k in list(self._ahead):
+            if self._order.index(k) < i:  # looked up out of order: not waited for again
+                self._ahead.pop(k).cancel()
+        for k in self._order[i : i + PREFETCH]:
+            if k not in self._ahead and k not in self._done:
+                self._ahead[k] = self._pool.submit(self._fetch, k)
+        self._done.add(key)
+        fut = self._ahead.pop(key, None)
+        return self._fetch(key) if fut is None else fut.result()
 
     def publish_manifest(self, keys) -> PutResult:
         """Write the manifest of ``keys`` (create-once) if every key is
@@ -439,15 +560,14 @@ class S3Tier(RemoteTier):
         self._run(f"renew {path}", op, False, fail_open=True)
 
     # -- Tier --------------------------------------------------------------
-    def _body(self, key: str) -> bytes | None:
+    def _body(self, key: str) -> bytes | bytearray | None:
         self._read_manifest()
-        body = self._prefetched.pop(key, None)
-        if body is not None:
-            return body
-        try:
-            return self._get_bytes(f"entries/{key}")
-        except ObjectTooLargeError as e:
-            raise CorruptEntryError(key, str(e), self.location) from None
+        body = self._fetched(key)
+        if isinstance(body, ObjectTooLargeError):
+            raise CorruptEntryError(key, str(body), self.location)
+        if isinstance(body, CorruptEntryError):
+            raise body
+        return body
 
     def get(self, key: str) -> Entry | None:
         body = self._body(key)
@@ -460,9 +580,6 @@ class S3Tier(RemoteTier):
     def get_meta(self, key: str) -> dict | None:
         """The metadata alone: a ranged GET of the entry's first bytes."""
         from obstore.exceptions import NotFoundError
-
-        if key in self._prefetched:
-            return parse_meta(_split(key, self._prefetched[key], self.location)[0], key)
 
         def op(ob, store):
             path = f"entries/{key}"
@@ -477,6 +594,8 @@ class S3Tier(RemoteTier):
             n = len(MAGIC) + _HEAD.size
             if len(head) >= n and head[:4] == MAGIC:
                 size = _HEAD.unpack(head[4:n])[0]
+                if size > META_MAX_BYTES:  # never allocated: the header is a writer's
+                    return size
                 if len(head) < n + size:
                     head = bytes(ob.get_range(store, path, start=0, length=n + size))
             return head
@@ -484,6 +603,11 @@ class S3Tier(RemoteTier):
         head = self._run("get_meta", op)
         if head is None:
             return None
+        if isinstance(head, int):
+            raise CorruptEntryError(
+                key, f"its header claims a {head}-byte record, over the limit of "
+                f"{META_MAX_BYTES}; not read", self.location,
+            )  # fmt: skip
         return parse_meta(_split(key, head, self.location)[0], key, self.location)
 
     def contains(self, key: str) -> bool:
@@ -538,6 +662,8 @@ class S3Tier(RemoteTier):
         path = f"entries/{key}"
         _testhooks.hook("s3-put")
         result = self._create(path, body)
+        if result.outcome is not PutOutcome.FAILED:
+            self._index(key, meta)
         if result.outcome is not PutOutcome.PRESENT:
             return result
         have = self._valid(key)
@@ -549,6 +675,49 @@ class S3Tier(RemoteTier):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
         why = f"{path} holds another build of this key (create-once: kept)"
         return PutResult(PutOutcome.PRESENT, self.location, why)
+
+    def _index(self, key: str, meta: dict) -> None:
+        """Write ``key``'s index objects (create-once; one already there is kept)."""
+        from kernel_cache.store.lookup import record_indexes
+
+        for name, value in record_indexes(meta).items():
+            self._create(f"index/{name}/{value}/{key}", b"")
+
+    def metas_by(self, index: str, of):
+        """Records found through ``index/<index>/<value>/`` (one LIST, then a
+        ranged GET per listed key, at most :data:`INDEX_MAX`); a record whose
+        own ``of(record)`` is not ``value`` (a planted index object) is dropped.
+        Entries published before index objects existed are not found here."""
+        found: dict[str, list[dict]] = {}
+
+        def find(value: str) -> list[dict]:
+            if value not in found:
+                found[value] = [m for m in self._indexed(index, value) if _of(of, m) == value]
+            return found[value]
+
+        return find
+
+    def _indexed(self, index: str, value: str) -> list[dict]:
+        if not _HEX64.fullmatch(value):
+            return []
+        prefix = f"index/{index}/{value}/"
+
+        def op(ob, store):
+            for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
+                return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            return []
+
+        metas = []
+        for key in self._run("list index", op, []):
+            if not _HEX64.fullmatch(key):
+                continue
+            try:
+                meta = self.get_meta(key)
+            except CorruptEntryError:
+                continue
+            if meta is not None:
+                metas.append(meta)
+        return metas
 
     def _valid(self, key: str) -> dict | None:
         """The metadata of the stored entry of ``key`` if it passes the lookup's
@@ -567,7 +736,6 @@ class S3Tier(RemoteTier):
             return None
 
     def delete(self, key: str) -> None:
-        self._prefetched.pop(key, None)
         self._run("delete", lambda ob, store: ob.delete(store, f"entries/{key}"))
 
     def keys(self) -> list[str]:
@@ -601,8 +769,13 @@ class S3Tier(RemoteTier):
         return S3Lease(self, key, ttl_s, wait_s)
 
     def close(self) -> None:
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         self._store = None
-        self._prefetched = {}
 
 
 def tiers_from_env(environ: Mapping[str, str] | None = None) -> list[Tier]:

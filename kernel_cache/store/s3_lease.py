@@ -9,7 +9,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernel_cache.store.remote_base import BuildLease, RemoteTier
+from kernel_cache.errors import shown
+from kernel_cache.store.remote_base import LEASE_MAX_BYTES, BuildLease, RemoteTier, lease_is_live
 
 
 class S3LeaseDoc(BaseModel):
@@ -26,7 +27,11 @@ class S3Lease(BuildLease):
 
     The lease object ``leases/<key>`` holds ``{"holder", "expires_at"}`` (unix
     seconds). Taken with ``If-None-Match: *``; an expired one (its holder died or
-    released it) is taken over by a conditional overwrite ``If-Match: <ETag>``
+    released it), and one that names no live holder (an expiry beyond now + TTL
+    + :data:`~kernel_cache.store.remote_base.LEASE_SLACK_S`, NaN or infinite;
+    over :data:`~kernel_cache.store.remote_base.LEASE_MAX_BYTES`, or not a lease
+    document: a writer planted it; logged once) is taken over by a
+    conditional overwrite ``If-Match: <ETag>``
     of the lease read, so of two builders racing for it one wins. Renewed with
     ``If-Match`` on our own ETag (a lease taken over after we stalled is lost,
     not stolen back) and released by overwriting it as expired (``If-Match``
@@ -46,7 +51,10 @@ class S3Lease(BuildLease):
         return S3LeaseDoc(holder=self.token, expires_at=expires_at).model_dump_json().encode()
 
     def _read(self) -> tuple[dict, str] | None | bool:
-        """``(lease, etag)``, None if there is none, False on a failure."""
+        """``(lease, etag)``, None if there is none, False on a failure. An
+        object over :data:`LEASE_MAX_BYTES` (its size from the response
+        headers: the body is not read) or not a lease document reads as
+        ``{"invalid": why}``."""
         from obstore.exceptions import NotFoundError
 
         def op(ob, store):
@@ -54,10 +62,14 @@ class S3Lease(BuildLease):
                 r = ob.get(store, self.path)
             except (NotFoundError, FileNotFoundError):
                 return None
+            size = int(r.meta["size"])
+            if size > LEASE_MAX_BYTES:
+                return {"invalid": f"{size} bytes, over {LEASE_MAX_BYTES}"}, r.meta["e_tag"]
+            raw = bytes(r.bytes())
             try:
-                doc = S3LeaseDoc.model_validate_json(bytes(r.bytes())).model_dump()
-            except ValidationError:  # not a lease: treat as expired, take it over
-                doc = {"expires_at": 0}
+                doc = S3LeaseDoc.model_validate_json(raw).model_dump()
+            except ValidationError:
+                doc = {"invalid": f"not a lease: {shown(raw, 80)}"}
             return doc, r.meta["e_tag"]
 
         return self.tier._run("lease read", op, False)
@@ -81,13 +93,27 @@ class S3Lease(BuildLease):
         return got[0].get("holder") if got else None
 
     def _take(self) -> bool | None:
+        """Create the lease, else take over one that names no live holder
+        (:func:`~kernel_cache.store.remote_base.lease_is_live`: expired, or
+        planted with an expiry beyond now + TTL, NaN or infinite; or not a
+        lease) with ``If-Match`` on the ETag read."""
         etag = self._put("create", time.time() + self.ttl_s)
         if etag is None:
             got = self._read()
             if got is False:
                 return None
-            if got is not None and float(got[0].get("expires_at", 0)) < time.time():
-                etag = self._put({"e_tag": got[1]}, time.time() + self.ttl_s)
+            if got is not None:
+                doc, now = got[0], time.time()
+                expires = doc.get("expires_at")
+                if "invalid" in doc:
+                    self._note_takeover(doc["invalid"])
+                elif not lease_is_live(expires, self.ttl_s, now) and not expires <= now:
+                    self._note_takeover(  # NaN, infinite or too far ahead: planted
+                        f"holder {shown(doc.get('holder'), 80)} until {expires!r}, beyond now "
+                        f"+ the {self.ttl_s:g} s TTL"
+                    )
+                if not lease_is_live(expires, self.ttl_s, now):
+                    etag = self._put({"e_tag": got[1]}, time.time() + self.ttl_s)
         if etag is False:
             return None
         if etag is None:

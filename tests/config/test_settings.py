@@ -44,6 +44,7 @@ CASES = {
     "s3_lock_ttl": ("30", 30.0, "nan"),
     "s3_lock_wait": ("60", 60.0, "-2"),
     "s3_max_object": ("512M", 512 << 20, "lots"),
+    "redis_max_object": ("512M", 512 << 20, "lots"),
     "num_threads": ("4", 4, "0"),
 }
 

@@ -55,6 +55,8 @@ def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, re
     for k in (a, b, c):
         obstore.put(tier.store, f"entries/{k}", b"x" * 1000, mode="create")
     obstore.put(tier.store, f"leases/{b}", b'{"expires_at": 0}')
+    for k in (a, b):  # the index objects a publish writes beside each entry
+        obstore.put(tier.store, f"index/runtime/{_keys('r')}/{k}", b"")
     time.sleep(AGE_S + 1.2)  # a, b, c and the lease are now older than AGE_S
     assert tier.publish_manifest([a]).ok  # a recent plan lists a
     obstore.put(tier.store, f"entries/{d}", b"y" * 10, mode="create")  # young
@@ -62,16 +64,17 @@ def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, re
     age = ("--remote-url", url, "--older-than", f"{AGE_S}s")
     dry = run_cli("gc-remote", *age, "--dry-run", "--json", env=env)
     assert dry.returncode == 0, dry.stderr
-    doomed = [f"entries/{b}", f"entries/{c}", f"leases/{b}"]
+    doomed = [f"entries/{b}", f"entries/{c}", f"leases/{b}", f"index/runtime/{_keys('r')}/{b}"]
     assert sorted(r["path"] for r in json.loads(dry.stdout)["removed"]) == sorted(doomed)
     before = _listing(tier)
     assert set(doomed) <= set(before)  # a dry run removes nothing
 
     done = run_cli("gc-remote", *age, env=env)
     assert done.returncode == 0, done.stderr
-    assert "removed 3 objects" in done.stdout and f"entries/{c}" in done.stdout
+    assert "removed 4 objects" in done.stdout and f"entries/{c}" in done.stdout
     assert _listing(tier) == sorted(set(before) - set(doomed))  # read back from the store
     assert f"entries/{a}" in _listing(tier) and f"entries/{d}" in _listing(tier)
+    assert f"index/runtime/{_keys('r')}/{a}" in _listing(tier)  # its entry is kept
 
 
 def test_a_warmup_of_a_plan_renews_its_old_manifest(tmp_path, monkeypatch):

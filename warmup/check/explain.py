@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kernel_cache.errors import CorruptEntryError, ShapeError
+from kernel_cache.errors import CorruptEntryError, ShapeError, shown
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
@@ -114,7 +114,7 @@ def explain(
     plan = Plan.build(config, log_launch=False)
     items = list(plan) if variants is None else plan.items_for(variants)
     lookup = Lookup(tiers)
-    stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
+    stored = None  # read at the first miss only: a plan that hits sends no listing
     results, hits, outside = [], 0, 0
     for item in items:
         r = {"variant": str(item.variant), "key": item.key.hexdigest}
@@ -134,6 +134,8 @@ def explain(
             continue
         r.setdefault("status", "miss")
         r["traced"] = list(lookup.changes)
+        if stored is None:
+            stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
         r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
         results.append(r)
     return {
@@ -141,7 +143,7 @@ def explain(
         "hits": hits,
         "misses": len(items) - hits - outside,
         "not_in_plan": outside,
-        "stored": len(stored),
+        "stored": len(stored or ()),
         "tiers": [t.location for t in tiers],
         "results": results,
     }
@@ -289,4 +291,6 @@ def render(report: dict) -> str:
                 f"(created {_when(n['created'])})"
             )
             lines.extend(f"    {line}" for line in n["lines"])
-    return "\n".join(lines)
+    # stored records' text (variants, component values, file names) is a writer's:
+    # a newline or an escape in it must not start a line or recolour the terminal
+    return "\n".join(shown(line, 100_000, quote=False) for line in lines)
