@@ -52,8 +52,9 @@ from kernel_cache.errors import ConfigError
 #:   paths), so two builders of one key name them alike (docs/reproducible.md).
 #:   On CUDA it also prefixes the Triton kernels' symbol names.
 #: - ``aot_inductor.precompile_headers: True`` (on the CPU; :func:`compile_options`
-#:   turns it off on CUDA): the wrapper's and the CPU kernels' torch headers are parsed once per compiler, torch and flags into
-#:   precompiled headers kept beside the cache (``warmup.build.normalize``:
+#:   turns it off on CUDA): the wrapper's and the CPU kernels' torch headers
+#:   are parsed once per compiler, torch and flags into precompiled headers
+#:   kept beside the cache (``warmup.build.normalize``:
 #:   their folder and hashed file names are mapped to fixed names in the
 #:   package, so the bytes stay the same; the object code is unchanged).
 #:   Measured with torch 2.13, gcc 12 on the CPU (docs/reproducible.md, cost):
