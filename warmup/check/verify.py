@@ -24,7 +24,12 @@ from kernel_cache.plan.launch import LaunchChoice, launch_json
 from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.runtime.compiles import CompileCounter, compile_stack_loaded
 from kernel_cache.runtime.inputs import make_inputs
-from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
+from kernel_cache.runtime.load import (
+    check_cpu_features,
+    default_lookup,
+    load_package,
+    signature_note,
+)
 from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup, merge_accepted
 
@@ -114,6 +119,9 @@ class VerifyReport(BaseModel):
     build_only_accepted: dict[str, AcceptedComponent]
     launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
     kernels: dict[str, str] = Field(description="{slot: import path of the kernel the plan holds}")
+    signatures: str = Field(
+        "", description="whether signatures were checked, and with which key ids"
+    )
     seconds: float
     repair: str | None = Field(
         None,
@@ -145,7 +153,8 @@ def verify_plan(
     ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
     (``{tier location: "bundle" | "disk" | "redis"}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``),
-    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``,
+    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``signatures``
+    (whether signatures were checked, and with which key ids), ``seconds``,
     ``repair`` (the warmup command, only where warmup can repair: something
     missing, corrupt or unrunnable). Every variant, the engine's own kernels'
     included, is compared with the built-in slot's eager kernel (the plain
@@ -164,6 +173,7 @@ def verify_plan(
     )
     plan = Plan.build(config)
     report = _empty_report(plan)
+    report["signatures"] = signature_note(lookup.keyring)
     oracle = _Oracle(config)
     for item in plan:
         runner, found = _load_item(config, item, lookup, report)
