@@ -502,11 +502,12 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
 
 def refused_reason(lookup, config, cache_dir) -> tuple[str, str]:
     """``(why, repair)`` for a miss of ``lookup`` whose entry was refused: the
-    first refusal (untrusted: a signature; else corrupt) and its tier's repair,
-    which names the tier (a remote by its URL)."""
+    last refusal (the furthest tier: a remote after a refused local copy;
+    untrusted: a signature; else corrupt) and its tier's repair, which names
+    the tier (a remote by its URL)."""
     from kernel_cache.trust.signing import SignatureError
 
-    e = lookup.rejected[0]
+    e = lookup.rejected[-1]
     tier = lookup.rejected_in[id(e)]
     kind = "untrusted" if isinstance(e, SignatureError) else "corrupt"
     return (

@@ -162,6 +162,7 @@ def test_explain_export_and_verify_ask_for_the_plans_keys_under_a_launch_table(
     tiny_config, tmp_path, monkeypatch
 ):
     monkeypatch.setenv(ENV_TUNING, TUNED)
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     plan = Plan.build(tiny_config)
     want = {str(i.variant): i.hexdigest for i in plan}
     assert plan.find(TARGET).source == "env"
@@ -200,6 +201,7 @@ def test_warmup_publishes_exactly_the_plans_keys(warm_cache, tiny_config, monkey
 def test_under_a_launch_table_warmup_explain_export_and_load_agree_on_every_key(
     cache_copy, tiny_model, tiny_config, tmp_path, monkeypatch
 ):
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     from kernel_cache.runtime.load import load_plan
 
     monkeypatch.delenv(ENV_TUNING, raising=False)
