@@ -201,9 +201,9 @@ def test_warmup_publishes_exactly_the_plans_keys(warm_cache, tiny_config, monkey
 def test_under_a_launch_table_warmup_explain_export_and_load_agree_on_every_key(
     cache_copy, tiny_model, tiny_config, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     from kernel_cache.runtime.load import load_plan
 
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     monkeypatch.delenv(ENV_TUNING, raising=False)
     before = set(disk_keys(cache_copy))
     proc = run_cli(
