@@ -31,7 +31,7 @@ refused when it is made (:func:`kernel_cache.trust.signing.shared_keyring`).
 Each entry of such a source must pass
 :func:`kernel_cache.trust.signing.check_untrusted` (its signature). One that
 fails is refused and never returned: a signature refusal is logged once per
-tier and signing key (:attr:`Lookup.rejected` keeps each), other damage once per
+tier and reason (:attr:`Lookup.rejected` keeps each), other damage once per
 entry; a source whose ``corrupt_is_miss`` is True (Redis, S3: shared caches
 that warmup repairs) then counts as a miss and the lookup goes on, other
 sources raise. A hit is copied into the lookup's ``promote_into`` tier
@@ -287,17 +287,18 @@ class Lookup:
         return None
 
     def _report(self, tier: Tier, e: CorruptEntryError) -> None:
-        """Log a refused entry: a signature refusal once per tier and signing
-        key (``untrusted``, naming the key id), other damage once per entry."""
+        """Log a refused entry: a signature refusal as untrusted, once per tier
+        and reason (an untrusted key or unsigned entries: one line, naming the
+        key id, however many entries it signed), other damage once per entry."""
         if isinstance(e, SignatureError):
-            seen = (tier.location, e.signer)
+            seen = (tier.location, e.reason)
             if seen in self._reported:
                 return
             self._reported.add(seen)
             log.warning(
-                "untrusted %s entries refused (first: %s); further refusals of %s in %s are "
-                "not logged again",
-                tier.name, e, f"key {e.signer}" if e.signer else "this kind", tier.location,
+                "rejected %s entry %s as untrusted: %s; other entries of %s refused for this "
+                "reason are not logged again",
+                tier.name, e.key[:16], e, tier.location,
             )  # fmt: skip
             return
         log.warning("rejected %s entry %s: %s", tier.name, e.key[:16], e)

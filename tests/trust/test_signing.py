@@ -350,9 +350,7 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     lookup = Lookup([local, promoted])
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         assert lookup.find(_ckey(tiny_config)) is None
-    assert (
-        "untrusted shared entries refused" in caplog.text and "cpu_features changed" in caplog.text
-    )
+    assert "rejected shared entry" in caplog.text and "cpu_features changed" in caplog.text
     assert len(lookup.rejected) == 1 and isinstance(lookup.rejected[0], SignatureError)
     assert local.get(key) is None
 
