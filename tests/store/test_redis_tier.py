@@ -576,7 +576,7 @@ def test_three_shard_builders_cover_the_plan_once(
 
 @pytest.mark.compile
 def test_redis_killed_mid_warmup_local_run_completes(
-    private_redis, cache_copy, tiny_model, tiny_config
+    private_redis, cache_copy, tiny_model, tiny_config, fleet_keys
 ):
     """Two variants to compile; Redis is SIGKILLed while the first compiles
     (its build lock is held). Staged compiles are published in one batch at the
@@ -609,6 +609,7 @@ def test_redis_killed_mid_warmup_local_run_completes(
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        env={**os.environ, ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private)},  # a builder
     )
     watcher = RedisTier(url, fail_open=False)
     deadline = time.monotonic() + 600
@@ -660,7 +661,7 @@ def test_fleet_load_smoke_warm_redis_needs_no_compile(redis_db, warm_cache, tiny
 
 @pytest.mark.compile
 def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
-    redis_db, cache_copy, tiny_model, tiny_config, tmp_path
+    redis_db, cache_copy, tiny_model, tiny_config, tmp_path, fleet_keys
 ):
     """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
     under the key's Redis build lock: the lock key, read raw from Redis, is gone
@@ -674,7 +675,11 @@ def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
     disk.close()
     marker = tmp_path / "paused"
     args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
-    env = {**os.environ, "KERNEL_CACHE_TEST_PAUSE_AT": "compile"}
+    env = {
+        **os.environ,
+        "KERNEL_CACHE_TEST_PAUSE_AT": "compile",
+        ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private),  # a builder
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "warmup.cli.main", *args, "--redis-url", redis_db],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

@@ -191,6 +191,17 @@ def test_a_refused_miss_names_the_untrusted_key_and_the_remote(
     warned = [ln for ln in err.splitlines() if ln.startswith("WARNING") and evil.key_id in ln]
     assert len(warned) == 1 and "untrusted" in warned[0], err
     assert "corrupt" not in warned[0]
+    # verify says the same per variant, and which key checked the signatures
+    proc = run_cli(
+        "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path / "v", "--s3-url",
+        bucket["url"], "--json", env=env,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["signatures"] == f"signatures checked with key {keys['fleet'].key_id}"
+    reasons = [c["reason"] for c in report["corrupt"]]
+    assert len(reasons) == N_TINY
+    assert all(r.startswith(f"untrusted: signed by key {evil.key_id}") for r in reasons)
 
 
 def _redis_keys(url: str) -> int:

@@ -32,6 +32,7 @@ from kernel_cache.runtime.load import (
 )
 from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup, merge_accepted
+from kernel_cache.trust.signing import SignatureError
 
 #: Max abs difference accepted between a compiled kernel and eager on the same
 #: padded inputs (fp32 measured here within 2e-7; bf16/fp16 round differently).
@@ -237,8 +238,10 @@ def _load_item(config: EngineConfig, item: PlanItem, lookup: Lookup, report: dic
         check_cpu_features(config, v, entry)
         return load_package(entry.data, config.device, entry.where, entry.key), found
     except CorruptEntryError as e:
+        # a signature refusal is said as such: the entry may be whole, its signer is not trusted
+        reason = f"untrusted: {e.reason}" if isinstance(e, SignatureError) else e.reason
         report["corrupt"].append(
-            {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
+            {"variant": str(v), "key": e.key, "reason": reason, "where": e.where}
         )
     except CpuTargetError as e:
         report["unrunnable"].append({"variant": str(v), "reason": str(e)})
