@@ -103,7 +103,12 @@ def run(args) -> dict:
                 "launched": time.time(),
             }
             cmds.append([sys.executable, __file__, "--engine", json.dumps(spec)])
-        envs = [dict(os.environ)] * args.engines
+        # engines that warm themselves publish unsigned entries: the explicit
+        # insecure opt-out, unless the caller set keys (docs/sharing.md, Signed artifacts)
+        env = dict(os.environ)
+        if not (env.get("KERNEL_CACHE_SIGNING_KEY_FILE") or env.get("KERNEL_CACHE_TRUSTED_KEYS")):
+            env.setdefault("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")
+        envs = [env] * args.engines
         results = start_together(cmds, envs, tmp.name, args.timeout)
     finally:
         tmp.cleanup()

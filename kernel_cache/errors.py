@@ -51,22 +51,45 @@ class MissingVariantsError(KernelCacheError):
 
     ``reasons``: ``{variant: why}`` where a changed file says why (the files
     traced or hashed into the key that differ from a stored entry's); variants
-    with one reason are listed together."""
+    with one reason are listed together. ``refused``: ``{variant: (why, repair)}``
+    for variants whose entry was found but refused (untrusted or corrupt; the
+    repair names the tier it was in), said apart from entries that are absent."""
 
-    def __init__(self, missing, command: str, reasons: dict | None = None):
+    def __init__(
+        self,
+        missing,
+        command: str,
+        reasons: dict | None = None,
+        refused: dict[str, tuple[str, str]] | None = None,
+    ):
         self.missing = tuple(missing)
         self.command = command
+        self.refused = {str(v): r for v, r in (refused or {}).items()}
         self.reasons = {str(v): r for v, r in (reasons or {}).items() if r}
-        names = ", ".join(str(v) for v in self.missing[:12])
-        more = f" (+{len(self.missing) - 12} more)" if len(self.missing) > 12 else ""
-        grouped: dict[str, list[str]] = {}
-        for v, r in self.reasons.items():
-            grouped.setdefault(r, []).append(v)
-        why = "".join(f" {', '.join(vs)}: {r}." for r, vs in grouped.items())
-        super().__init__(
-            f"{len(self.missing)} variant(s) of the plan are not cached: {names}{more}.{why} "
-            f"Warm them with: {command}"
-        )
+        absent = [v for v in self.missing if str(v) not in self.refused]
+        parts = []
+        if absent:
+            names = ", ".join(str(v) for v in absent[:12])
+            more = f" (+{len(absent) - 12} more)" if len(absent) > 12 else ""
+            grouped: dict[str, list[str]] = {}
+            for v in absent:
+                if str(v) in self.reasons:
+                    grouped.setdefault(self.reasons[str(v)], []).append(str(v))
+            why = "".join(f" {', '.join(vs)}: {r}." for r, vs in grouped.items())
+            parts.append(
+                f"{len(absent)} variant(s) of the plan are not cached: {names}{more}.{why} "
+                f"Warm them with: {command}"
+            )
+        by_why: dict[tuple[str, str], list[str]] = {}
+        for v, r in self.refused.items():
+            by_why.setdefault(r, []).append(v)
+        for (why, repair), vs in by_why.items():
+            more = f" (+{len(vs) - 12} more)" if len(vs) > 12 else ""
+            parts.append(
+                f"{len(vs)} variant(s) of the plan were refused: {', '.join(vs[:12])}{more}: "
+                f"{why}; {repair}"
+            )
+        super().__init__(". ".join(parts))
 
 
 class CorruptEntryError(KernelCacheError):

@@ -260,11 +260,24 @@ class SettingsFields(BaseModel):
         (), "Ed25519 public keys (PEM, from kernel-cache keygen) whose signatures entries "
         "from Redis, S3 and bundles must carry; several let a fleet rotate keys",
         type="paths (','-separated)", expected="public key file paths",
-        example="/etc/kc/signing.pub,/etc/kc/old.pub", shown_default="none (unchecked)",
+        example="/etc/kc/signing.pub,/etc/kc/old.pub",
+        shown_default="none (a shared tier then refuses to start)",
     )  # fmt: skip
     require_signed: Bool = _f(
         False, "refuse to start without a key to check signatures (_TRUSTED_KEYS or "
         "_SIGNING_KEY_FILE; --require-signed)",
+        type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    insecure_allow_unsigned: Bool = _f(
+        False, "load and publish unsigned entries of shared tiers (Redis, S3, bundles) when "
+        "no key is set: anyone who can write the shared store can then run code on every "
+        "engine (--insecure-allow-unsigned); unset, a shared tier needs _TRUSTED_KEYS or "
+        "_SIGNING_KEY_FILE",
+        type="bool", expected=_BOOL, example="1",
+    )  # fmt: skip
+    require_publish: Bool = _f(
+        False, "builders: warmup and export exit non-zero unless every entry reached the "
+        "shared tier, signed (--require-publish; for a CI step that must publish)",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
     # -- Redis --------------------------------------------------------------------------

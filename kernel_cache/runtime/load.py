@@ -273,6 +273,8 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
         BundleError: a bundle path is not a bundle (names it).
         ConfigError: a malformed ``KERNEL_CACHE_REDIS_*`` setting, or a cache
             directory (or a folder above it) that is a file.
+        SigningKeyError: a shared tier (a bundle, Redis, S3) and no key to check
+            signatures, without ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``.
     """
     from kernel_cache.config import settings
     from kernel_cache.store.lookup import Lookup, Source
@@ -393,8 +395,11 @@ def load_plan(
         BundleError: a bundle path is not a bundle.
         UntrustedCacheError: the directory or an entry file is writable by other
             users or owned by another user (names the path and the fix).
-        SigningKeyError: signed entries are required and no trusted key is set, or a
-            key setting is wrong (names the variable and the fix).
+        SigningKeyError: a shared tier (Redis, S3, a bundle) is set and no key to
+            check its signatures (and not ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``;
+            names ``kernel-cache keygen``, both key variables and the opt-out);
+            signed entries are required and no trusted key is set; or a key
+            setting is wrong (names the variable and the fix).
         SettingError: a ``KERNEL_CACHE_*`` variable does not validate (e.g.
             ``KERNEL_CACHE_NUM_THREADS``, which a CPU plan applies here:
             :mod:`kernel_cache.runtime.threads`).
@@ -405,6 +410,7 @@ def load_plan(
     t0 = time.perf_counter()
     compiles = CompileCounter()  # stats() reports torch's compiles from here on
     load_trusted_keys()  # --require-signed without a key, or a bad key, fails here
+    # a shared tier without a key to check signatures (and no opt-out) fails here
     lookup = (
         default_lookup(cache_dir, bundles, allow_shared_dir=allow_shared_dir)
         if tiers is None
@@ -424,7 +430,10 @@ def load_plan(
     record_lookups(lookup.tiers, found.hits, len(found.missing))
     if found.missing and strict:
         raise MissingVariantsError(
-            found.missing, f"kernel-cache warmup {config_to_cli(config, cache_dir)}", found.why
+            found.missing,
+            f"kernel-cache warmup {config_to_cli(config, cache_dir)}",
+            found.why,
+            found.refused,
         )
     rt = AttentionRuntime(
         config, plan.bucketer, found.runners, time.perf_counter() - t0, compile_counter=compiles
@@ -434,8 +443,8 @@ def load_plan(
     rt.build_only_accepted = found.accepted
     _log_accepted(found.accepted)
     log.info(
-        "loaded %d variants in %.3f s from %s", len(found.runners), rt.load_seconds,
-        dict(found.sources),
+        "loaded %d variants in %.3f s from %s; %s", len(found.runners), rt.load_seconds,
+        dict(found.sources), signature_note(lookup.keyring),
     )  # fmt: skip
     return rt
 
@@ -444,13 +453,15 @@ def load_plan(
 class _Found:
     """What :func:`_find_plan` found: ``runners`` by variant, ``missing``
     variants (``why``: the changed files that explain a miss, by variant:
-    :meth:`~kernel_cache.store.lookup.Lookup.why_missing`), ``sources`` (tier
+    :meth:`~kernel_cache.store.lookup.Lookup.why_missing`; ``refused``: for a
+    miss whose entry was refused, ``(why, repair)`` naming its tier), ``sources`` (tier
     location -> variants), ``accepted`` build-only components, ``hits``
     (``id(tier)`` -> keys it served)."""
 
     runners: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)
     why: dict = field(default_factory=dict)
+    refused: dict[str, tuple[str, str]] = field(default_factory=dict)
     sources: Counter = field(default_factory=Counter)
     accepted: dict = field(default_factory=dict)
     hits: dict[int, list[str]] = field(default_factory=dict)
@@ -477,6 +488,8 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
         if hit is None:
             out.missing.append(v)
             out.why[v] = lookup.why_missing(item.key)
+            if lookup.rejected:
+                out.refused[str(v)] = refused_reason(lookup, config, cache_dir)
             continue
         entry = hit.entry
         check_cpu_features(config, v, entry)
@@ -485,6 +498,32 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
         out.hits.setdefault(id(hit.tier), []).append(entry.key)
         merge_accepted(out.accepted, hit.accepted)
     return out
+
+
+def refused_reason(lookup, config, cache_dir) -> tuple[str, str]:
+    """``(why, repair)`` for a miss of ``lookup`` whose entry was refused: the
+    last refusal (the furthest tier: a remote after a refused local copy;
+    untrusted: a signature; else corrupt) and its tier's repair, which names
+    the tier (a remote by its URL)."""
+    from kernel_cache.trust.signing import SignatureError
+
+    e = lookup.rejected[-1]
+    tier = lookup.rejected_in[id(e)]
+    kind = "untrusted" if isinstance(e, SignatureError) else "corrupt"
+    return (
+        f"their entries in {tier.location} are {kind} ({e.reason})",
+        tier.repair_hint(config, cache_dir),
+    )
+
+
+def signature_note(keyring) -> str:
+    """What engine start and verify say about signatures: the key ids they were
+    checked with, or that they were not (the insecure opt-out)."""
+    from kernel_cache.trust.signing import ENV_ALLOW_UNSIGNED
+
+    if keyring is None:
+        return f"signatures not checked ({ENV_ALLOW_UNSIGNED}=1 or no shared tier)"
+    return f"signatures checked with key {', '.join(keyring.keys)}"
 
 
 def _log_accepted(accepted: dict) -> None:

@@ -25,8 +25,8 @@ copied into an image layer or mounted read-only anywhere::
 ``kernel-cache import`` copies one into a local cache (:func:`import_bundle`).
 A :class:`BundleTier` writes nothing, anywhere: it reads the manifest and the
 files, and :func:`kernel_cache.store.disk_tier.verify_entry` checks each file's size and
-sha256 before its code is loaded, and with trusted keys set
-(:mod:`kernel_cache.trust.signing`) the signature over each whole record.
+sha256 before its code is loaded, and the signature over each whole record
+(:mod:`kernel_cache.trust.signing`; no key set: refused, unless the insecure opt-out).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class BundleTier(Tier):
     """
 
     name = "bundle"
-    trusted = False  # with trusted keys set, entries need a valid signature
+    trusted = False  # entries need a valid signature (or the insecure opt-out)
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -278,7 +278,9 @@ def _make_read_only(root: Path) -> None:
         os.chmod(dirpath, 0o555)
 
 
-def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
+def export_bundle(
+    config, out: str | os.PathLike, tiers: list[Tier], *, require_publish: bool | None = None
+) -> dict:
     """Write a bundle of exactly ``config``'s plan, read from ``tiers``.
 
     Every variant is found with the engine-start lookup
@@ -288,19 +290,39 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
     The temporary directory of an export that was killed before its rename is
     removed by the next export to ``out``.
 
-    Returns: ``{"out", "variants", "files", "bytes", "fingerprint"}``.
+    Returns: ``{"out", "variants", "files", "bytes", "fingerprint", "signed_by"}``
+    (``signed_by``: the key id that signed every entry now, or None: entries
+    keep the signatures they were built with).
 
     Raises:
         BundleError: a variant is missing or corrupt (lists them and the warmup
             command), an entry would be refused by the trusted keys set here
             (unsigned, or signed by a key not trusted, and no private key to sign
             it now), or ``out`` exists and is not an empty directory.
-        SigningKeyError: a key setting is wrong.
+        SigningKeyError: a key setting is wrong; no key is set at all (the bundle
+            would be unsigned, which engines refuse) and not
+            ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``; or ``require_publish``
+            (default ``KERNEL_CACHE_REQUIRE_PUBLISH``) and no private key.
     """
+    from kernel_cache.config import settings
     from kernel_cache.plan.plan import Plan
-    from kernel_cache.trust.signing import load_signer, load_trusted_keys
+    from kernel_cache.trust.signing import (
+        ENV_SIGNING_KEY_FILE,
+        SigningKeyError,
+        load_signer,
+        shared_keyring,
+    )
 
-    signer, keyring = load_signer(), load_trusted_keys(required=False)
+    signer = load_signer()
+    keyring = shared_keyring([f"the bundle {out}"])
+    if require_publish is None:
+        require_publish = settings.get("require_publish")
+    if require_publish and signer is None:
+        raise SigningKeyError(
+            f"--require-publish / {settings.var('require_publish')}: no private key "
+            f"({ENV_SIGNING_KEY_FILE}) to sign the bundle {out}; set it to the builder's "
+            "DIR/signing.key (kernel-cache keygen DIR)"
+        )
     out = Path(out)
     _refuse_existing(out)
     plan = Plan.build(config, log_launch=False)
@@ -324,6 +346,7 @@ def export_bundle(config, out: str | os.PathLike, tiers: list[Tier]) -> dict:
         "files": len({e["sha256"] for e in entries}),
         "bytes": total,
         "fingerprint": plan.fingerprint(),
+        "signed_by": signer.key_id if signer is not None else None,
     }
 
 
@@ -488,14 +511,17 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
 
     Raises:
         BundleError: from :func:`read_manifest`.
-        CorruptEntryError: a file fails its sha256 or size check, or (with
-            trusted keys set) its signature (nothing of it is copied; entries
-            copied before it stay, each whole).
+        CorruptEntryError: a file fails its sha256 or size check, or its
+            signature (nothing of it is copied; entries copied before it stay,
+            each whole).
+        SigningKeyError: no key to check signatures is set, and not
+            ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``.
     """
     from kernel_cache.store.disk_tier import verify_entry
-    from kernel_cache.trust.signing import check_untrusted
+    from kernel_cache.trust.signing import check_untrusted, shared_keyring
 
     tier = BundleTier(bundle)
+    keyring = shared_keyring([tier.location])
     imported = present = nbytes = 0
     for meta in tier.iter_meta():
         key = meta["key"]
@@ -504,9 +530,9 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             continue
         entry = tier.get(key)
         digest = verify_entry(entry)
-        check_untrusted(entry, digest=digest)  # the local cache is trusted: check first
+        check_untrusted(entry, keyring, digest=digest)  # the local cache is trusted: check first
         record = {k: v for k, v in meta.items() if k != "file"}
-        record["imported_from"] = "bundle"
+        record["imported_from"] = tier.location
         disk.put(key, entry.data, record)
         imported += 1
         nbytes += len(entry.data)

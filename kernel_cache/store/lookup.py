@@ -25,15 +25,22 @@ has checked its size and sha256.
 
 The policy for each tier is the lookup's, given as a :class:`Source` (a bare
 tier gets its defaults, :attr:`Tier.trusted <kernel_cache.store.disk_tier.Tier.trusted>`
-and ``corrupt_is_miss``). An entry of an untrusted source (bundles, Redis) must
-also pass :func:`kernel_cache.trust.signing.check_untrusted` (its signature, when a
-signing key is set). One that fails is logged as rejected and never returned;
-a source whose ``corrupt_is_miss`` is True (Redis: a shared cache that warmup
-repairs) then counts as a miss and the lookup goes on, other sources raise. A
-hit is copied into the lookup's ``promote_into`` tier (warmup: the local disk
-cache), else into its source's ``promote_into`` (engine start: Redis hits into
-the local cache), so the next lookup finds it locally. A copy that is refused
-or fails is logged and the hit is returned all the same
+and ``corrupt_is_miss``). A lookup over an untrusted source (bundles, Redis,
+S3) needs a key to check signatures, or the insecure opt-out: else it is
+refused when it is made (:func:`kernel_cache.trust.signing.shared_keyring`).
+Each entry of such a source must pass
+:func:`kernel_cache.trust.signing.check_untrusted` (its signature). One that
+fails is refused and never returned: a signature refusal is logged once per
+tier and reason (:attr:`Lookup.rejected` keeps each), other damage once per
+entry; a source whose ``corrupt_is_miss`` is True (Redis, S3: shared caches
+that warmup repairs) then counts as a miss and the lookup goes on, other
+sources raise. A hit is copied into the lookup's ``promote_into`` tier
+(warmup: the local disk cache), else into its source's ``promote_into``
+(engine start: remote hits into the local cache), so the next lookup finds
+it locally. The copy keeps its signature and records where it came from
+(``imported_from``); a local entry with ``imported_from`` is checked as its
+source was wherever keys are set, and one refused then is a miss. A copy that
+is refused or fails is logged and the hit is returned all the same
 (:attr:`Found.promoted` holds the :class:`~kernel_cache.store.disk_tier.PutResult`).
 """
 
@@ -55,7 +62,11 @@ from kernel_cache.plan.keys import (
 )
 from kernel_cache.plan.traced import Manifest, chain_key, changes, current, derive_key
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, verify_entry
-from kernel_cache.trust.signing import check_untrusted, load_trusted_keys
+from kernel_cache.trust.signing import (
+    SignatureError,
+    check_untrusted,
+    shared_keyring,
+)
 
 log = logging.getLogger("kernel_cache")
 
@@ -194,6 +205,12 @@ class Lookup:
     """Exact-then-compatible lookup over ``sources`` (in order): tiers, or
     :class:`Source` for a tier with a policy other than its defaults.
 
+    Raises (when made):
+        SigningKeyError: an untrusted source and no key to check signatures,
+            without ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED`` (names
+            ``kernel-cache keygen``, the key variables and the opt-out); a
+            key setting is wrong.
+
     The per-tier index of runtime digests is built on the first exact miss in
     that tier (one pass over its metadata) and reused for the remaining
     variants, so a plan that hits exactly never lists a tier.
@@ -209,8 +226,14 @@ class Lookup:
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         self.promote_into = promote_into
         self.exact = exact  # True: exact keys only (warmup), no compatible entries
-        #: entries of untrusted tiers the last :meth:`find` rejected (and skipped)
+        #: the keys signatures are checked with (None: none set, and no shared
+        #: source or the insecure opt-out)
+        self.keyring = shared_keyring([s.tier.location for s in self.sources if not s.trusted])
+        #: entries the last :meth:`find` refused (and skipped)
         self.rejected: list[CorruptEntryError] = []
+        #: the tier each of :attr:`rejected` was in: ``{id(error): tier}``
+        self.rejected_in: dict[int, Tier] = {}
+        self._reported: set[tuple[str, str]] = set()
         #: the tier whose entry made the last :meth:`find` raise, or None
         self.failed_in: Tier | None = None
         #: for a miss of the last :meth:`find`: how the traced files here differ
@@ -239,30 +262,53 @@ class Lookup:
                 returned, so its code is never loaded); :attr:`failed_in` is
                 its tier.
         """
-        self.rejected, self.failed_in, self.changes = [], None, ()
+        self.rejected, self.rejected_in, self.failed_in, self.changes = [], {}, None, ()
         for src in self.sources:
             tier = src.tier
             try:
                 found = self._find_in(src, key)
             except CorruptEntryError as e:
-                if not src.trusted:
-                    log.warning("rejected %s entry %s: %s", tier.name, e.key[:16], e)
+                refused_copy = src.trusted and isinstance(e, SignatureError)
+                if not src.trusted or refused_copy:
+                    self._report(tier, e)
                     self.rejected.append(e)
-                    if src.corrupt_is_miss:
+                    self.rejected_in[id(e)] = tier
+                    if src.corrupt_is_miss or refused_copy:
                         continue
                 self.failed_in = tier
                 raise
             if found is not None:
-                return self._promote(found, self.promote_into or src.promote_into)
+                return self._promote(found, self.promote_into or src.promote_into, src)
         return None
 
-    def _promote(self, found: Found, target: Tier | None) -> Found:
-        """Copy a hit into ``target``; a refusal or failure is logged, never raised."""
+    def _report(self, tier: Tier, e: CorruptEntryError) -> None:
+        """Log a refused entry: a signature refusal as untrusted, once per tier
+        and reason (an untrusted key or unsigned entries: one line, naming the
+        key id, however many entries it signed), other damage once per entry."""
+        if isinstance(e, SignatureError):
+            seen = (tier.location, e.reason)
+            if seen in self._reported:
+                return
+            self._reported.add(seen)
+            log.warning(
+                "rejected %s entry %s as untrusted: %s; other entries of %s refused for this "
+                "reason are not logged again",
+                tier.name, e.key[:16], e, tier.location,
+            )  # fmt: skip
+            return
+        log.warning("rejected %s entry %s: %s", tier.name, e.key[:16], e)
+
+    def _promote(self, found: Found, target: Tier | None, src: Source) -> Found:
+        """Copy a hit into ``target``, its signature kept and, from an untrusted
+        source, ``imported_from`` set to the source's location (the copy is
+        checked again wherever keys are set); a refusal or failure is logged,
+        never raised."""
         e = found.entry
         if target is None or target is found.tier:
             return found
+        meta = e.meta if src.trusted else {**e.meta, "imported_from": found.tier.location}
         try:
-            result = target.put(e.key, e.data, e.meta)
+            result = target.put(e.key, e.data, meta)
         except Exception as err:  # an unwritable or full cache must not stop the lookup
             result = PutResult(PutOutcome.FAILED, target.location, f"{type(err).__name__}: {err}")
         if not result.ok:
@@ -270,9 +316,11 @@ class Lookup:
         return replace(found, promoted=result)
 
     def _check(self, src: Source, entry: Entry) -> None:
+        """Its checksum, and its signature if its source is untrusted or it is
+        a local copy of a shared entry (``imported_from``) and keys are set."""
         digest = verify_entry(entry)
-        if not src.trusted:
-            check_untrusted(entry, digest=digest)
+        if not src.trusted or (self.keyring is not None and entry.meta.get("imported_from")):
+            check_untrusted(entry, self.keyring, digest=digest)
 
     def _find_in(self, src: Source, key: CacheKey) -> Found | None:
         """The verified (and for an untrusted source, checked) entry in one tier."""
@@ -320,11 +368,9 @@ class Lookup:
             return "traced files changed since its entry was built: " + "; ".join(self.changes)
         mine = key.as_dict()
         near = _without_sources(mine)
-        keyring = None
+        keyring = self.keyring
         for src in self.sources:
             tier = src.tier
-            if not src.trusted and keyring is None:
-                keyring = load_trusted_keys(required=False) or False
             for meta in self._records(tier, "near", near):
                 if not (src.trusted or _signed(meta, tier, keyring)):
                     continue
@@ -339,11 +385,9 @@ class Lookup:
 
 def _signed(meta: dict, tier: Tier, keyring) -> bool:
     """Whether the record ``meta`` of an untrusted tier passes its check: a
-    signature by a key of ``keyring`` (False: no keys set, checksums only, so
-    any record), checked against its own ``sha256`` without reading the
-    artifact."""
-    if keyring is False:
-        return True
+    signature by a key of ``keyring`` (None: no keys set, so any record only
+    under the insecure opt-out), checked against its own ``sha256`` without
+    reading the artifact."""
     entry = Entry(str(meta.get("key")), meta, b"", tier.location)
     try:
         check_untrusted(entry, keyring, digest=str(meta.get("sha256")))

@@ -12,7 +12,7 @@ bytes: no base64). Both are written in one ``MULTI``/``EXEC`` transaction and
 read with one ``HMGET``, so a reader sees a whole entry or none. With a TTL
 (``KERNEL_CACHE_REDIS_TTL`` seconds) the hash expires as one key. Entries from
 Redis are untrusted (:attr:`RedisTier.trusted` is False): they pass the
-checksum and, with trusted keys set, the signature over the whole record
+checksum and the signature over the whole record
 (:mod:`kernel_cache.trust.signing`) before they are used.
 
 Failure. Every call runs with ``socket_timeout`` and ``socket_connect_timeout``

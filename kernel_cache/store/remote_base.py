@@ -155,6 +155,18 @@ class RemoteTier(Tier):
         self._warned = False
         self._down_until = 0.0
 
+    def repair_hint(self, config, cache_dir=None) -> str:
+        """How a refused or corrupt entry here is replaced: a builder holding the
+        private key publishes it again to this remote (named by its URL)."""
+        from kernel_cache.config.engine import config_to_cli
+        from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE
+
+        flag = self.settings.FLAGS.get("url", "--remote-url")
+        return (
+            f"repair with a builder holding {ENV_SIGNING_KEY_FILE}: kernel-cache warmup "
+            f"{config_to_cli(config, cache_dir)} {flag} {self.location}"
+        )
+
     def _call(self, fn):
         """``fn`` called with the client (the subclass's form)."""
         raise NotImplementedError

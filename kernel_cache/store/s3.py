@@ -129,7 +129,7 @@ class S3Settings(RemoteSettings):
         "max_object_bytes": "s3_max_object",
     }
     FLAGS: ClassVar[dict[str, str]] = {
-        "url": "--remote-url (or --s3-url)",
+        "url": "--remote-url",
         "timeout_s": "--s3-timeout",
     }
     LABEL: ClassVar[str] = "object store"
@@ -721,16 +721,19 @@ class S3Tier(RemoteTier):
 
     def _valid(self, key: str) -> dict | None:
         """The metadata of the stored entry of ``key`` if it passes the lookup's
-        checks (or cannot be read now: left alone), else None."""
+        checks (or cannot be read now: left alone), else None. With no key set
+        here its signature cannot be judged: only its checksum is."""
         from kernel_cache.store.disk_tier import verify_entry
-        from kernel_cache.trust.signing import check_untrusted
+        from kernel_cache.trust.signing import allow_unsigned, check_untrusted, load_trusted_keys
 
         try:
             entry = self.get(key)
             if entry is None:
                 return {}  # gone again, or the store is down: leave it alone
             verify_entry(entry)
-            check_untrusted(entry)
+            keyring = load_trusted_keys(required=False)
+            if keyring is not None or allow_unsigned():
+                check_untrusted(entry, keyring)
             return entry.meta
         except CorruptEntryError:
             return None

@@ -25,11 +25,15 @@ sha256 of the raw 32-byte public key. ``fields`` (a short digest per field of
 the record) is diagnostic only: it lets a refusal name the field that changed;
 the decision is the signature's.
 
-An entry from an untrusted tier (``Tier.trusted is False``: Redis, bundles)
-is checked against the trusted keys when any are set: missing, unknown-key,
-malformed or non-matching signatures are rejected, logged and never loaded.
-The local disk cache is trusted: only this machine's builds and entries that
-already passed this check are written there.
+An entry from an untrusted tier (``Tier.trusted is False``: Redis, S3,
+bundles) is checked against the trusted keys: missing, unknown-key, malformed
+or non-matching signatures are refused, logged and never loaded. A shared
+tier with no key set is refused up front (:func:`shared_keyring`, naming
+``kernel-cache keygen`` and both variables) unless the one insecure opt-out,
+``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``, is set. The local disk cache is
+trusted: only this machine's builds and entries that passed this check are
+written there, and a copy of a shared entry keeps its signature and its
+``imported_from``, so it is checked again wherever keys are set.
 
 HMAC signing (``KERNEL_CACHE_SIGNING_KEY``, ``alg: hmac-sha256``) is retired:
 every engine needed the secret that signs, so any engine could publish code the
@@ -47,7 +51,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -61,6 +65,7 @@ ENV_SIGNING_KEY = settings.var("signing_key")  # retired (HMAC)
 ENV_SIGNING_KEY_FILE = settings.var("signing_key_file")
 ENV_TRUSTED_KEYS = settings.var("trusted_keys")
 ENV_REQUIRE_SIGNED = settings.var("require_signed")
+ENV_ALLOW_UNSIGNED = settings.var("insecure_allow_unsigned")
 
 ALGORITHM = "ed25519"
 RETIRED_ALGORITHM = "hmac-sha256"
@@ -92,7 +97,15 @@ class SigningKeyError(ConfigError):
 
 class SignatureError(CorruptEntryError):
     """An entry's signature is missing, by an untrusted key, malformed, or does
-    not match its record and bytes. The entry is never loaded."""
+    not match its record and bytes. The entry is never loaded. ``signer``: the
+    key id it names (``""``: unsigned or unreadable), so a caller reports one
+    refusal per signer rather than one per entry."""
+
+    def __init__(self, key: str, reason: str, where: str = "", signer: str = ""):
+        super().__init__(key, reason, where)
+        self.signer = signer
+        loc = f" in {where}" if where else ""
+        self.args = (f"cache entry {key[:16]}{loc} is untrusted: {reason}",)
 
 
 class EntrySignature(BaseModel):
@@ -321,7 +334,8 @@ def load_trusted_keys(
 ) -> Keyring | None:
     """The keys entries of untrusted tiers must be signed with: every file of
     ``KERNEL_CACHE_TRUSTED_KEYS`` plus the builder's own public key; None when
-    neither is set (then entries are checked by checksum only).
+    neither is set (then a shared tier is refused, unless the insecure
+    opt-out is set: :func:`shared_keyring`).
 
     Args:
         environ: defaults to :data:`os.environ`.
@@ -342,7 +356,7 @@ def load_trusted_keys(
         raise SigningKeyError(
             f"{ENV_TRUSTED_KEYS}={raw!r} names no public key file, so no signature would be "
             f"checked; fix: set it to the builders' public keys (DIR/{PUBLIC_NAME}, "
-            "','-separated), or unset it to load entries checked by checksum only"
+            "','-separated)"
         )
     ring = Keyring()
     for path in _setting("trusted_keys", environ):
@@ -364,6 +378,46 @@ def load_trusted_keys(
             f"or {ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} (builders); make a pair with {_KEYGEN}"
         )
     return None
+
+
+def allow_unsigned(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the insecure opt-out ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED`` is set.
+
+    Raises:
+        SigningKeyError: it does not read as a boolean.
+    """
+    return bool(_setting("insecure_allow_unsigned", environ))
+
+
+def no_key_message(shared: Sequence[str]) -> str:
+    """Why a shared tier (its locations ``shared``) is refused with no key set,
+    and the two fixes: keys, or the insecure opt-out."""
+    return (
+        f"{', '.join(shared)}: a shared tier, and its entries load only with a valid "
+        "signature, but no key to check one is set. Make a key pair with "
+        f"`{_KEYGEN}`, then set {ENV_TRUSTED_KEYS}=DIR/{PUBLIC_NAME} on engines and "
+        f"{ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} on builders (docs/trust.md). To load "
+        f"and publish unsigned entries instead, set {ENV_ALLOW_UNSIGNED}=1 "
+        "(--insecure-allow-unsigned): anyone who can write the shared store can then run "
+        "code on every engine"
+    )
+
+
+def shared_keyring(
+    shared: Sequence[str], environ: Mapping[str, str] | None = None
+) -> Keyring | None:
+    """The keys entries of the shared tiers ``shared`` (their locations) are
+    checked with: :func:`load_trusted_keys`. None when no key is set and
+    either ``shared`` is empty or ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED`` is set.
+
+    Raises:
+        SigningKeyError: ``shared`` is not empty, no key is set and the opt-out
+            is not (:func:`no_key_message`); or see :func:`load_trusted_keys`.
+    """
+    keyring = load_trusted_keys(environ)
+    if keyring is None and shared and not allow_unsigned(environ):
+        raise SigningKeyError(no_key_message(shared))
+    return keyring
 
 
 # -- sign and check --------------------------------------------------------------------
@@ -449,6 +503,7 @@ def check_signature(
         raise SignatureError(key, f"malformed signature: {describe_errors(e)}", where) from None
     except (binascii.Error, ValueError):
         raise SignatureError(key, "malformed signature: sig is not base64", where) from None
+    signer = sig.key_id
     public = keyring.keys.get(sig.key_id)
     if public is None:
         raise SignatureError(
@@ -456,6 +511,7 @@ def check_signature(
             f"signed by key {sig.key_id}, which is not trusted (trusted: {keyring.describe()}; "
             f"add its public key to {ENV_TRUSTED_KEYS} to accept it)",
             where,
+            signer,
         )
     from cryptography.exceptions import InvalidSignature
 
@@ -470,37 +526,48 @@ def check_signature(
         reason = f"metadata record altered since it was signed ({changed})"
     else:
         reason = "signature does not match the record and bytes (forged or altered)"
-    raise SignatureError(key, f"{reason}; signature by key {sig.key_id} refused", where)
+    raise SignatureError(key, f"{reason}; signature by key {sig.key_id} refused", where, signer)
 
 
 def check_untrusted(
     entry, keyring: Keyring | None = None, environ=None, *, digest: str = ""
 ) -> None:
-    """The check every entry from an untrusted tier passes before it is used.
+    """The check every entry from an untrusted tier (and every local copy of
+    one: ``imported_from``) passes before it is used.
 
-    ``keyring`` defaults to :func:`load_trusted_keys` (None: no key set, nothing
-    to check beyond the checksum). ``entry`` is a :class:`kernel_cache.store.disk_tier.Entry`;
-    ``digest`` the sha256 of its bytes as :func:`~kernel_cache.store.disk_tier.verify_entry`
-    returned it (else hashed here).
+    ``keyring`` defaults to :func:`load_trusted_keys`. With no key set the
+    entry is refused, unless ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED`` is set
+    (then the checksum is its only check). ``entry`` is a
+    :class:`kernel_cache.store.disk_tier.Entry`; ``digest`` the sha256 of its
+    bytes as :func:`~kernel_cache.store.disk_tier.verify_entry` returned it
+    (else hashed here).
 
     Raises:
-        SignatureError: see :func:`check_signature`.
+        SignatureError: see :func:`check_signature`; or no key is set and the
+            opt-out is not.
         SigningKeyError: see :func:`load_trusted_keys`.
     """
     if keyring is None:
         keyring = load_trusted_keys(environ, required=False)
     if keyring is not None:
         check_signature(entry.key, entry.meta, entry.data, keyring, entry.where, digest)
+    elif not allow_unsigned(environ):
+        raise SignatureError(
+            entry.key,
+            f"no key is set to check its signature (set {ENV_TRUSTED_KEYS}, or "
+            f"{ENV_ALLOW_UNSIGNED}=1 to load unsigned entries)",
+            entry.where,
+        )
 
 
 def may_publish(meta: Mapping, data: bytes, environ=None) -> bool:
-    """Whether an entry (signed or not, as it is) may go to a shared tier: yes
-    when no key is set (an unsigned fleet), else only if the trusted keys
-    accept it (a node without the private key never publishes what the fleet
-    would refuse)."""
+    """Whether an entry (signed or not, as it is) may go to a shared tier: only
+    if the trusted keys accept it (a node without the private key never
+    publishes what the fleet would refuse); with no key set, only under
+    ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED`` (an unsigned fleet)."""
     keyring = load_trusted_keys(environ, required=False)
     if keyring is None:
-        return True
+        return allow_unsigned(environ)
     try:
         check_signature(str(meta.get("key", "")), meta, data, keyring)
     except SignatureError:

@@ -33,6 +33,8 @@ CASES = {
     "signing_key_file": ("/run/secrets/k", Path("/run/secrets/k"), None),
     "trusted_keys": (" /a.pub, /b.pub,,/a.pub", (Path("/a.pub"), Path("/b.pub")), None),
     "require_signed": ("FALSE", False, "maybe"),
+    "insecure_allow_unsigned": ("yes", True, "sure"),
+    "require_publish": ("0", False, "please"),
     "redis_url": ("redis://10.0.0.5:6379/0", "redis://10.0.0.5:6379/0", "http://10.0.0.5"),
     "redis_timeout": ("0.5", 0.5, "0"),
     "redis_ttl": ("3600", 3600, "1.5"),
@@ -107,7 +109,7 @@ def test_unset_empty_or_blank_is_the_default(name):
 
 def test_a_misspelt_boolean_is_an_error_for_every_boolean():
     bools = [n for n, f in Settings.model_fields.items() if "bool" in str(f.annotation).lower()]
-    assert len(bools) == 3
+    assert len(bools) == 5
     for name in bools:
         for good, want in (("1", True), ("off", False), (" TRUE ", True)):
             assert settings.get(name, {VARIABLES[name]: good}) is want

@@ -63,7 +63,7 @@ def test_the_job_is_an_indexed_job_whose_pods_cover_the_plan():
     assert spec["parallelism"] == n and spec["template"]["spec"]["restartPolicy"] == "Never"
     args = _parse(_container(doc)["command"])
     assert args.command == "warmup" and args.shard == "auto" and args.shards == n
-    assert args.s3_url.startswith("s3://") and args.require_signed
+    assert args.s3_url.startswith("s3://") and args.require_signed and args.require_publish
     cfg = config_from_args(args)
     plan = Bucketer(cfg).variants
     assert len(plan) == 17  # the built-in default plan, spelled out

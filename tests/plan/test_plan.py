@@ -162,6 +162,7 @@ def test_explain_export_and_verify_ask_for_the_plans_keys_under_a_launch_table(
     tiny_config, tmp_path, monkeypatch
 ):
     monkeypatch.setenv(ENV_TUNING, TUNED)
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     plan = Plan.build(tiny_config)
     want = {str(i.variant): i.hexdigest for i in plan}
     assert plan.find(TARGET).source == "env"
@@ -202,6 +203,7 @@ def test_under_a_launch_table_warmup_explain_export_and_load_agree_on_every_key(
 ):
     from kernel_cache.runtime.load import load_plan
 
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")  # an unsigned bundle
     monkeypatch.delenv(ENV_TUNING, raising=False)
     before = set(disk_keys(cache_copy))
     proc = run_cli(

@@ -17,20 +17,37 @@ from kernel_cache.plan.keys import build_key
 from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome
+from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir
+from ..signing_keys import make_keypair
 
 pytestmark = pytest.mark.compile
 
 
 @pytest.fixture(scope="module")
-def bundle(warm_cache, tiny_model, tmp_path_factory) -> Path:
-    """The tiny plan exported from the session's warm cache (read-only)."""
+def bundle_key(tmp_path_factory):
+    """The key pair these bundles are signed with (a bundle is a shared tier)."""
+    return make_keypair(tmp_path_factory.mktemp("bundle-key"))
+
+
+@pytest.fixture(autouse=True)
+def _a_builder(bundle_key, monkeypatch):
+    """Each test runs as a builder: it signs what it exports and trusts its own
+    key (the container recipe's engine gets the public key alone)."""
+    monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(bundle_key.private))
+    monkeypatch.delenv(ENV_TRUSTED_KEYS, raising=False)
+
+
+@pytest.fixture(scope="module")
+def bundle(warm_cache, tiny_model, tmp_path_factory, bundle_key) -> Path:
+    """The tiny plan exported from the session's warm cache (read-only), signed."""
     out = tmp_path_factory.mktemp("bundle") / "kc-bundle"
     run_cli(
-        "export", *tiny_args(tiny_model), "--cache-dir", warm_cache[0], "--out", out, check=True
-    )
+        "export", *tiny_args(tiny_model), "--cache-dir", warm_cache[0], "--out", out,
+        env={ENV_SIGNING_KEY_FILE: str(bundle_key.private)}, check=True,
+    )  # fmt: skip
     return out
 
 
@@ -124,7 +141,7 @@ def test_an_export_killed_midway_leaves_no_bundle_and_a_rerun_cleans_up(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
-def test_container_recipe_without_docker(bundle, tiny_model):
+def test_container_recipe_without_docker(bundle, tiny_model, bundle_key):
     """examples/Dockerfile's steps: warm (the session cache), export (the fixture),
     ship only the read-only bundle to another path, then start an engine with
     another HOME, an empty cache dir, another GPU index, no C++ compiler and
@@ -135,6 +152,9 @@ def test_container_recipe_without_docker(bundle, tiny_model):
         shutil.copytree(bundle, image_bundle)
         model = root / "config.json"
         shutil.copy(tiny_model, model)
+        public = root / "opt" / "kernel-cache-signing.pub"  # the image's public key
+        shutil.copy(bundle_key.public, public)
+        os.chmod(public, 0o444)
         for p in [image_bundle, *image_bundle.rglob("*")]:  # the bundle ships read-only
             os.chmod(p, 0o555 if p.is_dir() else 0o444)
         home, cache = root / "home", root / "home" / "empty-cache"
@@ -149,6 +169,8 @@ def test_container_recipe_without_docker(bundle, tiny_model):
             "HOME": str(home),
             "KERNEL_CACHE_DIR": str(cache),
             "KERNEL_CACHE_BUNDLE": str(image_bundle),
+            ENV_TRUSTED_KEYS: str(public),  # an engine: the public key alone
+            ENV_SIGNING_KEY_FILE: "",
             "CUDA_VISIBLE_DEVICES": "3",
             "CXX": str(root / "no-such-compiler" / "g++"),
         }

@@ -191,10 +191,11 @@ def test_bad_redis_url_is_a_clear_error(tiny_model, tmp_path):
 
 
 def test_read_through_promotes_into_the_local_cache(
-    redis_db, warm_cache, tiny_config, tmp_path, monkeypatch
+    redis_db, warm_cache, tiny_config, tmp_path, monkeypatch, fleet_keys
 ):
-    _publish_warm_cache(warm_cache[0], redis_db)
+    _publish_warm_cache(warm_cache[0], redis_db, signer=fleet_keys["fleet"].signer)
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))  # an engine
     local = tmp_path / "empty"
     rt = load_plan(tiny_config, local)  # default tiers: disk, then Redis
     assert rt.stats()["loads"] == N_TINY and rt.stats()["compiles"] == 0
@@ -302,7 +303,10 @@ def test_a_put_compares_the_bytes_where_scripting_is_refused(
     tier.close()
 
 
-def test_warmup_publishes_local_entries_redis_lacks(redis_db, cache_copy, tiny_config):
+def test_warmup_publishes_local_entries_redis_lacks(
+    redis_db, cache_copy, tiny_config, monkeypatch, fleet_keys
+):
+    monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(fleet_keys["fleet"].private))  # a builder
     report = warmup(tiny_config, cache_copy, progress=False, remote=RedisSettings(url=redis_db))
     assert (report["compiled"], report["cached"], report["uploaded"]) == (0, N_TINY, N_TINY)
     assert report["remote"] == redis_db and report["remote_error"] is None
@@ -405,10 +409,11 @@ def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
 
 
 def test_engine_start_with_redis_down_uses_local_and_warns_once(
-    warm_cache, cache_copy, tiny_config, monkeypatch, caplog
+    warm_cache, cache_copy, tiny_config, monkeypatch, caplog, fleet_keys
 ):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     monkeypatch.setenv(ENV_REDIS_URL, dead)
+    monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))  # an engine's key
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         assert load_plan(tiny_config, warm_cache[0]).stats()["loads"] == N_TINY
     assert caplog.text == ""  # the local tier held the plan: Redis never asked
@@ -455,12 +460,13 @@ def test_verify_redis_url_with_redis_down_is_an_error_naming_it(tiny_model):
     assert "carrying on" not in proc.stderr  # verify does not carry on: one error, no warning
 
 
-def test_verify_redis_url_repair_publishes_to_redis(redis_db, tiny_model, tmp_path):
+def test_verify_redis_url_repair_publishes_to_redis(redis_db, tiny_model, tmp_path, fleet_keys):
     """An empty Redis: verify fails and its repair command warms Redis, not only
     the local cache."""
     proc = run_cli(
-        "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path, "--redis-url", redis_db
-    )
+        "verify", *tiny_args(tiny_model), "--cache-dir", tmp_path, "--redis-url", redis_db,
+        env={ENV_TRUSTED_KEYS: str(fleet_keys["fleet"].public)},
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     repair = [line for line in proc.stderr.splitlines() if "repair:" in line]
     assert repair and repair[0].endswith(f"--redis-url {redis_db}")
@@ -570,7 +576,7 @@ def test_three_shard_builders_cover_the_plan_once(
 
 @pytest.mark.compile
 def test_redis_killed_mid_warmup_local_run_completes(
-    private_redis, cache_copy, tiny_model, tiny_config
+    private_redis, cache_copy, tiny_model, tiny_config, fleet_keys
 ):
     """Two variants to compile; Redis is SIGKILLed while the first compiles
     (its build lock is held). Staged compiles are published in one batch at the
@@ -603,6 +609,7 @@ def test_redis_killed_mid_warmup_local_run_completes(
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        env={**os.environ, ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private)},  # a builder
     )
     watcher = RedisTier(url, fail_open=False)
     deadline = time.monotonic() + 600
@@ -654,7 +661,7 @@ def test_fleet_load_smoke_warm_redis_needs_no_compile(redis_db, warm_cache, tiny
 
 @pytest.mark.compile
 def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
-    redis_db, cache_copy, tiny_model, tiny_config, tmp_path
+    redis_db, cache_copy, tiny_model, tiny_config, tmp_path, fleet_keys
 ):
     """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
     under the key's Redis build lock: the lock key, read raw from Redis, is gone
@@ -668,7 +675,11 @@ def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
     disk.close()
     marker = tmp_path / "paused"
     args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
-    env = {**os.environ, "KERNEL_CACHE_TEST_PAUSE_AT": "compile"}
+    env = {
+        **os.environ,
+        "KERNEL_CACHE_TEST_PAUSE_AT": "compile",
+        ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private),  # a builder
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "warmup.cli.main", *args, "--redis-url", redis_db],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

@@ -81,6 +81,8 @@ def s3(s3_server, monkeypatch):
     for k, v in s3_env(endpoint).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("KERNEL_CACHE_S3_TIMEOUT", "15")  # a loaded 2-core machine
+    for k, v in UNSIGNED.items():
+        monkeypatch.setenv(k, v)
     url = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
     return {"url": url, "endpoint": endpoint, "metrics": metrics, "env": s3_env(endpoint)}
 
@@ -92,7 +94,7 @@ def private_s3(monkeypatch):
     for var in _CLEAN:
         monkeypatch.delenv(var, raising=False)
     server = S3Server()
-    for k, v in server.env().items():
+    for k, v in {**server.env(), **UNSIGNED}.items():
         monkeypatch.setenv(k, v)
     yield server
     server.stop()
@@ -110,9 +112,14 @@ def _compiles(path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+#: These tests are about the S3 tier's mechanics, with unsigned entries: they opt
+#: out of signatures explicitly (tests/store/test_shared_default.py tests the default).
+UNSIGNED = {"KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED": "1"}
+
+
 def _env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _CLEAN}
-    return {**env, **extra}
+    return {**env, **UNSIGNED, **extra}
 
 
 # -- settings and the lazy import ------------------------------------------------------

@@ -25,6 +25,7 @@ from kernel_cache.store.disk_tier import (
 )
 from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.redis import RedisSettings, RedisTier
+from kernel_cache.trust.signing import ENV_ALLOW_UNSIGNED
 
 from ..conftest import ROOT
 from ..redis_server import free_port
@@ -73,8 +74,9 @@ def test_disk_put_says_stored_then_present_then_stored_for_new_metadata(tmp_path
 
 
 def test_redis_down_fail_open_put_fails_with_a_reason_and_the_lookup_goes_on(
-    tmp_path, tiny_config, caplog
+    tmp_path, tiny_config, caplog, monkeypatch
 ):
+    monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")  # a shared tier of unsigned entries
     remote = _down_redis()
     key = _real_key(tiny_config)
     meta = make_meta(key, "v", DATA, 1.0)
@@ -95,7 +97,10 @@ def test_redis_down_fail_open_put_fails_with_a_reason_and_the_lookup_goes_on(
     local.close()
 
 
-def test_promotion_into_a_read_only_tier_is_refused_and_reported(tmp_path, tiny_config):
+def test_promotion_into_a_read_only_tier_is_refused_and_reported(
+    tmp_path, tiny_config, monkeypatch
+):
+    monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")  # a shared tier of unsigned entries
     key = _real_key(tiny_config)
     shared = DiskTier(tmp_path / "shared")
     shared.put(key.hexdigest, DATA, make_meta(key, "v", DATA, 1.0))
@@ -107,9 +112,10 @@ def test_promotion_into_a_read_only_tier_is_refused_and_reported(tmp_path, tiny_
     assert list((tmp_path / "ro").iterdir()) == []
 
 
-def test_lookup_policy_decides_trust_not_the_tier(tmp_path, tiny_config, caplog):
+def test_lookup_policy_decides_trust_not_the_tier(tmp_path, tiny_config, caplog, monkeypatch):
     """The same disk tier is trusted (a damaged entry raises) or a shared store
     (rejected, logged, a miss) as the lookup says."""
+    monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")  # a shared tier of unsigned entries
     key = _real_key(tiny_config)
     tier = DiskTier(tmp_path)
     tier.put(key.hexdigest, DATA + b"!", make_meta(key, "v", DATA, 1.0))

@@ -29,6 +29,7 @@ from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.redis import ENV_REDIS_URL, RedisSettings, RedisTier
 from kernel_cache.trust.signing import (
+    ENV_ALLOW_UNSIGNED,
     ENV_REQUIRE_SIGNED,
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,
@@ -54,6 +55,7 @@ NO_KEYS = {
     ENV_SIGNING_KEY_FILE: "",
     ENV_TRUSTED_KEYS: "",
     ENV_REQUIRE_SIGNED: "",
+    ENV_ALLOW_UNSIGNED: "",
 }
 #: the features a CPU artifact built for x86-64-v3 records (stripped by one tamper)
 V3 = {"avx", "avx2", "fma", "f16c", "bmi2"}
@@ -359,10 +361,20 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     assert Lookup([local, promoted]).find(_ckey(tiny_config)).tier is local
 
 
-def test_untrusted_tier_without_keys_checks_checksum_only(tiny_config, tmp_path):
+def test_untrusted_tier_without_keys_is_refused_unless_the_insecure_opt_out(
+    tiny_config, tmp_path, monkeypatch
+):
     shared = SharedDisk(tmp_path / "shared")
     key, data, meta = _record(tiny_config)
     shared.put(key, data, meta)
+    with pytest.raises(SigningKeyError) as e:  # no key, no opt-out: refused when made
+        Lookup([_as_shared(shared)])
+    msg = str(e.value)
+    for named in ("kernel-cache keygen", ENV_TRUSTED_KEYS, ENV_SIGNING_KEY_FILE):
+        assert named in msg
+    assert "KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED=1" in msg and str(shared.location) in msg
+    # the opt-out: checksums only
+    monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")
     assert Lookup([_as_shared(shared)]).find(_ckey(tiny_config)).entry.data == data
     shared.put(key, data + b"x", meta)  # wrong size: rejected as a miss, not raised
     lookup = Lookup([_as_shared(shared)])

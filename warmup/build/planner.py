@@ -37,8 +37,11 @@ from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import RedisSettings
 from kernel_cache.trust.permissions import resolve_allow_shared
 from kernel_cache.trust.signing import (
+    ENV_ALLOW_UNSIGNED,
     ENV_SIGNING_KEY_FILE,
     ENV_TRUSTED_KEYS,
+    PRIVATE_NAME,
+    allow_unsigned,
     load_signer,
     load_trusted_keys,
     may_publish,
@@ -179,9 +182,13 @@ def warmup(
             setting is wrong.
 
     Without the private key (``KERNEL_CACHE_SIGNING_KEY_FILE``) but with trusted
-    keys, a warmup with Redis fetches verified entries but publishes only
+    keys, a warmup with a remote fetches verified entries but publishes only
     entries the trusted keys accept: what it compiles stays in the local cache
-    (a warning says so), since engines refuse unsigned entries.
+    (a warning says so), since engines refuse unsigned entries. With no key at
+    all (and not ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``) the remote is
+    neither read nor written: the warmup builds locally and says so once. The
+    report's ``published``, ``signed_by`` and ``not_published`` say what the
+    remote got.
     """
     import kernel_cache.store.housekeeping as housekeeping
     import kernel_cache.store.usage as usage
@@ -199,12 +206,35 @@ def warmup(
     if writable:  # for the engine starts that read this cache
         imports_memo.save(cache_dir, allow_shared=allow_shared)
     rtier = remote.tier() if remote is not None else None
-    if rtier is not None and secret is None and keyring is not None:
+    publish = {
+        "remote": rtier.location if rtier is not None else None,
+        "signed_by": secret.key_id if secret is not None else None,
+        "held_back": None,
+    }
+    if rtier is not None and secret is None and keyring is None and not allow_unsigned():
+        # no key at all: nothing from the remote can be checked, nothing made
+        # here may be published; the remote is left alone
+        publish["held_back"] = (
+            f"no signing key ({ENV_SIGNING_KEY_FILE}) and no trusted key ({ENV_TRUSTED_KEYS}): "
+            f"{rtier.location} was neither read nor published to; builders set "
+            f"{ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} (kernel-cache keygen DIR)"
+        )
+        log.warning("building locally in %s only: %s", cache_dir, publish["held_back"])
+        rtier.close()
+        rtier = remote = None
+    elif rtier is not None and secret is None and keyring is not None:
+        publish["held_back"] = (
+            f"no private key ({ENV_SIGNING_KEY_FILE}): entries compiled here stay in "
+            f"{cache_dir} and are not published to {rtier.location}, whose engines trust "
+            f"only signed entries ({ENV_TRUSTED_KEYS}); publish from a builder that holds "
+            "the private key"
+        )
+        log.warning("%s", publish["held_back"])
+    elif rtier is not None and secret is None:
         log.warning(
-            "no private key (%s): entries compiled here stay in %s and are not published "
-            "to %s, whose engines trust only signed entries (%s); publish from a "
-            "builder that holds the private key",
-            ENV_SIGNING_KEY_FILE, cache_dir, rtier.location, ENV_TRUSTED_KEYS,
+            "publishing unsigned entries to %s (%s=1): anyone who can write it can run "
+            "code on the engines that load from it",
+            rtier.location, ENV_ALLOW_UNSIGNED,
         )  # fmt: skip
     fetched, uploaded = [], 0
     if rtier is not None:
@@ -223,7 +253,7 @@ def warmup(
     }
 
     def report(results) -> dict:
-        return _report(config, cache_dir, plan, items, results, t0, rtier, bad, uploaded)
+        return _report(config, cache_dir, plan, items, results, t0, rtier, bad, uploaded, publish)
 
     reporter = _Reporter(
         len(items), len(items) - len(todo), progress, [str(i.variant) for i in todo]

@@ -53,6 +53,8 @@ class VariantResult:
     fatal: bool = False
     quarantined: dict | None = None
     remote_error: str | None = None
+    #: the shared tier holds this run's artifact of it now (stored or present)
+    published: bool = False
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if v is not None}
@@ -83,6 +85,9 @@ class VariantRow(BaseModel):
     fatal: bool = Field(False, description="its error stopped the remaining work")
     quarantined: dict[str, str] | None = Field(None, description="{reason, path} of a bad entry")
     remote_error: str | None = Field(None, description="the first Redis failure it saw")
+    published: bool = Field(
+        False, description="the artifact compiled here is in the shared tier now"
+    )
 
 
 class FailedRow(BaseModel):
@@ -143,6 +148,17 @@ class WarmupReport(BaseModel):
     fetched: int = Field(description="copied from Redis")
     not_started: int
     uploaded: int = Field(description="local entries Redis lacked, now published")
+    published: int = Field(
+        0, description="entries this run put in the shared tier: compiled and published, "
+        "plus uploaded"
+    )  # fmt: skip
+    signed_by: str | None = Field(
+        None, description="the key id (16 hex) of the private key that signed them, or None"
+    )
+    not_published: str | None = Field(
+        None, description="with a shared tier: why it did not get every entry of the plan "
+        "(no signing key, unavailable, refused), None when it did"
+    )  # fmt: skip
     failed: list[FailedRow]
     quarantined: list[QuarantinedRow]
     found_bad: dict[str, str] = Field(description="{variant: why its cached entry was bad}")
@@ -174,9 +190,15 @@ class WarmupInterrupted(KernelCacheError):
         )
 
 
-def _report(config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploaded) -> dict:
+def _report(
+    config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploaded, publish=None
+) -> dict:
     """The JSON report of :func:`warmup` (see there) from its result rows;
-    ``items`` are the plan items warmup was asked for."""
+    ``items`` are the plan items warmup was asked for; ``publish``:
+    ``{"remote": location or None, "signed_by": key id or None, "held_back":
+    why nothing is published (no signing key) or None}``."""
+
+    publish = publish or {}
 
     def count(status: Status) -> int:
         return sum(r.status is status for r in results)
@@ -206,8 +228,9 @@ def _report(config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploa
             "libstdcxx": next((r.libstdcxx for r in checked if r.libstdcxx), ""),
             "seconds": round(sum(r.check_s for r in checked), 3),
         },
-        "remote": rtier.location if rtier is not None else None,
+        "remote": rtier.location if rtier is not None else publish.get("remote"),
         "remote_error": rtier.error if rtier is not None else None,
+        **_published(results, rtier, uploaded, publish),
         "results": [r.as_dict() for r in results],
         "launch": plan.describe_launch(items),
     }
@@ -249,6 +272,29 @@ def eta_seconds(
 def _clock(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
+def _published(results, rtier, uploaded: int, publish: dict) -> dict:
+    """``{"published", "signed_by", "not_published"}`` of a report: what the
+    shared tier got from this run and, where it lacks any of this run's
+    entries, why."""
+    compiled = [r for r in results if r.status is Status.COMPILED]
+    done = sum(r.published for r in compiled)
+    why = None
+    if publish.get("held_back"):
+        why = publish["held_back"]
+    elif rtier is not None and rtier.error:
+        why = f"{rtier.location} is unavailable: {rtier.error}"
+    elif rtier is not None and done < len(compiled):
+        why = (
+            f"{len(compiled) - done} of {len(compiled)} entries compiled here were not "
+            f"published to {rtier.location} (unsigned: the trusted keys would refuse them)"
+        )
+    return {
+        "published": done + uploaded,
+        "signed_by": publish.get("signed_by") if done + uploaded else None,
+        "not_published": why,
+    }
 
 
 class _Reporter:

@@ -53,7 +53,13 @@ from kernel_cache.store.locks import KeyLock, LockBusy
 from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.remote import settings_from_json
-from kernel_cache.trust.signing import load_signer, may_publish, sign_meta
+from kernel_cache.trust.signing import (
+    check_untrusted,
+    load_signer,
+    load_trusted_keys,
+    may_publish,
+    sign_meta,
+)
 from warmup.build.loadcheck import LoadChecker, die_with_parent
 from warmup.build.report import Status, VariantResult
 
@@ -65,7 +71,8 @@ def check_cached(
 
     Returns ``"missing"`` for no entry, a corruption or trust reason for a bad
     one (checksum, truncation, metadata that does not parse, a file others can
-    write, a package AOTInductor's loader rejects, or, given ``cpu_features``
+    write, a copy of a shared entry (``imported_from``) whose signature the
+    keys set here refuse, a package AOTInductor's loader rejects, or, given ``cpu_features``
     (what this key's CPU target records), other recorded CPU features: an entry
     that says it needs instructions its key does not). Never modifies the cache.
     """
@@ -75,7 +82,11 @@ def check_cached(
         entry = tier.get(key)
         if entry is None:
             return "missing"
-        verify_entry(entry)
+        digest = verify_entry(entry)
+        if entry.meta.get("imported_from"):  # a shared entry's copy: checked again
+            keyring = load_trusted_keys(required=False)
+            if keyring is not None:
+                check_untrusted(entry, keyring, digest=digest)
         if cpu_features is not None and entry.meta.get("cpu_features") != cpu_features:
             return (
                 f"its recorded cpu_features {entry.meta.get('cpu_features')!r} are not its "
@@ -283,15 +294,17 @@ def _load_check(device: str, res: VariantResult, data: bytes) -> None:
         raise _Rejected(verdict["error"])
 
 
-def _publish(tier: DiskTier, remote: Tier | None, key: str, data: bytes, meta: dict) -> None:
+def _publish(tier: DiskTier, remote: Tier | None, key: str, data: bytes, meta: dict) -> bool:
     """Step 5: local cache first (atomic), then the remote tier (a failure there is
     noted), unless the trusted keys would refuse the entry there (no private key
-    here to sign it: it stays local, see :func:`warmup`)."""
+    here to sign it: it stays local, see :func:`warmup`). Returns whether the
+    remote holds it now."""
     stored = tier.put(key, data, meta)
     if not stored.ok:  # the writable handle of a warmup never refuses; say so if it does
         raise CacheWriteError(f"cannot publish {key[:16]} to {stored.where}: {stored.reason}")
     if remote is not None and may_publish(meta, data):
-        remote.put(key, data, meta)  # a failure is kept in remote.error
+        return remote.put(key, data, meta).ok  # a failure is kept in remote.error
+    return False
 
 
 def build_variant(config_json: str, variant_json: str, cache_dir: str, options: dict):
@@ -342,7 +355,7 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
         data, meta = _compile(config, variant, key, target.derived, options.get("launch"), pch, res)
         if options.get("check", True):
             _load_check(config.device, res, data)
-        _publish(tier, remote, target.key, data, meta)
+        res.published = _publish(tier, remote, target.key, data, meta)
         res.status = Status.COMPILED
     except _Rejected as e:
         res.status, res.error = Status.FAILED, f"not published: {e}"

@@ -24,9 +24,15 @@ from kernel_cache.plan.launch import LaunchChoice, launch_json
 from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.runtime.compiles import CompileCounter, compile_stack_loaded
 from kernel_cache.runtime.inputs import make_inputs
-from kernel_cache.runtime.load import check_cpu_features, default_lookup, load_package
+from kernel_cache.runtime.load import (
+    check_cpu_features,
+    default_lookup,
+    load_package,
+    signature_note,
+)
 from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup, merge_accepted
+from kernel_cache.trust.signing import SignatureError
 
 #: Max abs difference accepted between a compiled kernel and eager on the same
 #: padded inputs (fp32 measured here within 2e-7; bf16/fp16 round differently).
@@ -114,6 +120,9 @@ class VerifyReport(BaseModel):
     build_only_accepted: dict[str, AcceptedComponent]
     launch: dict[str, LaunchChoice] = Field(description="the variants a launch table sets")
     kernels: dict[str, str] = Field(description="{slot: import path of the kernel the plan holds}")
+    signatures: str = Field(
+        "", description="whether signatures were checked, and with which key ids"
+    )
     seconds: float
     repair: str | None = Field(
         None,
@@ -145,7 +154,8 @@ def verify_plan(
     ``sources`` (``{tier location: variants loaded from it}``), ``source_kinds``
     (``{tier location: "bundle" | "disk" | "redis"}``),
     ``build_only_accepted`` (``{component: {"here", "stored": [...]}}``),
-    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``seconds``,
+    ``kernels`` (``{slot: import path of the kernel the plan holds}``), ``signatures``
+    (whether signatures were checked, and with which key ids), ``seconds``,
     ``repair`` (the warmup command, only where warmup can repair: something
     missing, corrupt or unrunnable). Every variant, the engine's own kernels'
     included, is compared with the built-in slot's eager kernel (the plain
@@ -164,6 +174,7 @@ def verify_plan(
     )
     plan = Plan.build(config)
     report = _empty_report(plan)
+    report["signatures"] = signature_note(lookup.keyring)
     oracle = _Oracle(config)
     for item in plan:
         runner, found = _load_item(config, item, lookup, report)
@@ -227,8 +238,10 @@ def _load_item(config: EngineConfig, item: PlanItem, lookup: Lookup, report: dic
         check_cpu_features(config, v, entry)
         return load_package(entry.data, config.device, entry.where, entry.key), found
     except CorruptEntryError as e:
+        # a signature refusal is said as such: the entry may be whole, its signer is not trusted
+        reason = f"untrusted: {e.reason}" if isinstance(e, SignatureError) else e.reason
         report["corrupt"].append(
-            {"variant": str(v), "key": e.key, "reason": e.reason, "where": e.where}
+            {"variant": str(v), "key": e.key, "reason": reason, "where": e.where}
         )
     except CpuTargetError as e:
         report["unrunnable"].append({"variant": str(v), "reason": str(e)})

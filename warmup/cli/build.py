@@ -17,6 +17,7 @@ from warmup.cli.options import (
     _remote_settings,
     config_from_args,
     fleet_options,
+    require_publish,
     shard_options,
 )
 
@@ -108,6 +109,12 @@ def cmd_warmup(args) -> int:
     )
     load_trusted_keys(required=args.require_signed or None)
     remote = _remote_settings(args)
+    must_publish = require_publish(args)
+    if must_publish and remote is None:
+        raise KernelCacheError(
+            "--require-publish / KERNEL_CACHE_REQUIRE_PUBLISH: no shared tier to publish to; "
+            "set --s3-url / KERNEL_CACHE_S3_URL or --redis-url / KERNEL_CACHE_REDIS_URL"
+        )
     try:
         report = warmup(
             cfg,
@@ -135,7 +142,15 @@ def cmd_warmup(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_warmup(report, _cache_dir(args), shard)
-    return _warmup_status(report)
+    status = _warmup_status(report)
+    if must_publish and report["not_published"]:
+        print(
+            "kernel-cache warmup: error: --require-publish: the shared tier did not get every "
+            f"entry: {report['not_published']}",
+            file=sys.stderr,
+        )
+        return status or 1
+    return status
 
 
 def _shard_of(cfg, spec: str | None, shards: int | None) -> tuple[list | None, dict | None]:
@@ -190,6 +205,22 @@ def _print_warmup(report: dict, cache_dir: str, shard: dict | None) -> None:
             f"least recently used entries of other plans ({format_size(g['removed_bytes'])}),"
             f" cache now {format_size(g['after_bytes'])}"
         )
+    line = _publish_line(report)
+    if line:
+        print(line)
+
+
+def _publish_line(report: dict) -> str | None:
+    """The summary's last line with a shared tier: how many entries it got from
+    this run, signed by which key, and why it lacks any (None without a remote)."""
+    if not report["remote"]:
+        return None
+    n, by = report["published"], report["signed_by"]
+    signed = f", signed by key {by}" if by else ", unsigned" if n else ""
+    if report["not_published"]:
+        got = f"published {n} entries" if n else "published nothing"
+        return f"{got} to {report['remote']}{signed}: {report['not_published']}"
+    return f"published {n} entries to {report['remote']}{signed}"
 
 
 def _warmup_status(report: dict) -> int:
@@ -222,7 +253,14 @@ def add_build_commands(sub, parents: Parents) -> None:
 
     sw = sub.add_parser(
         "warmup",
-        parents=[parents.engine, parents.cache_dir, parents.jobs, parents.json, parents.trust],
+        parents=[
+            parents.engine,
+            parents.cache_dir,
+            parents.jobs,
+            parents.json,
+            parents.trust,
+            parents.unsigned,
+        ],
         help="compile every missing variant of the plan",
     )
     sw.add_argument(

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import KernelCacheError
-from warmup.cli.options import Parents, _cache_dir, config_from_args, engine_options
+from warmup.cli.options import (
+    Parents,
+    _cache_dir,
+    config_from_args,
+    engine_options,
+    require_publish,
+    require_publish_option,
+)
 
 
 def _when(ts) -> str:
@@ -61,7 +68,7 @@ def cmd_export(args) -> int:
     from kernel_cache.store.housekeeping import format_size
 
     cfg = config_from_args(args)
-    report = export_bundle(cfg, args.out, _sources(args))
+    report = export_bundle(cfg, args.out, _sources(args), require_publish=require_publish(args))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -69,6 +76,12 @@ def cmd_export(args) -> int:
             f"export: {report['variants']} variants, {report['files']} files, "
             f"{format_size(report['bytes'])} -> {report['out']} (read-only; fingerprint "
             f"{report['fingerprint']})"
+        )
+        by = report["signed_by"]
+        print(
+            f"signed: every entry by key {by}"
+            if by
+            else "signed: entries keep the signatures they were built with (no private key here)"
         )
     return 0
 
@@ -411,21 +424,24 @@ def add_commands(sub, parents: Parents) -> None:
     p = parents
     s = sub.add_parser(
         "export",
-        parents=[p.engine, p.cache_dir, p.bundle, p.json],
+        parents=[p.engine, p.cache_dir, p.bundle, p.json, p.unsigned],
         help="write a read-only bundle of exactly the plan's artifacts",
     )
     s.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
+    require_publish_option(s)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser(
-        "import", parents=[p.cache_dir, p.json], help="copy a bundle's entries into the local cache"
+        "import",
+        parents=[p.cache_dir, p.json, p.unsigned],
+        help="copy a bundle's entries into the local cache",
     )
     s.add_argument("dir", metavar="DIR", help="a bundle written by kernel-cache export")
     s.set_defaults(func=cmd_import)
 
     s = sub.add_parser(
         "explain",
-        parents=[p.engine, p.cache_dir, p.bundle, p.json],
+        parents=[p.engine, p.cache_dir, p.bundle, p.json, p.unsigned],
         help="why a variant misses: nearest entries and differences",
     )
     s.add_argument(

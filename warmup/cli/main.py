@@ -26,6 +26,7 @@ from kernel_cache.errors import KernelCacheError
 from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and examples import them here
     CACHE_DIR_HELP,
     _cache_dir,
+    apply_unsigned_flag,
     bundle_option,
     config_from_args,
     engine_options,
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     try:
+        apply_unsigned_flag(args)
         return args.func(args)
     except KernelCacheError as e:
         print(f"kernel-cache {args.command}: error: {e}", file=sys.stderr)

@@ -89,6 +89,44 @@ def trust_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def unsigned_option(p: argparse.ArgumentParser) -> None:
+    """``--insecure-allow-unsigned``: the flag of ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``
+    (:func:`apply_unsigned_flag` sets the variable for this process and its workers)."""
+    p.add_argument(
+        "--insecure-allow-unsigned",
+        action="store_true",
+        help="load and publish unsigned entries of shared tiers (Redis, S3, bundles) when no "
+        "key is set: anyone who can write the shared store can run code on every engine "
+        "(env KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED=1; default: a shared tier needs "
+        "KERNEL_CACHE_TRUSTED_KEYS or KERNEL_CACHE_SIGNING_KEY_FILE)",
+    )
+
+
+def require_publish_option(p) -> None:
+    """``--require-publish``: the flag of ``KERNEL_CACHE_REQUIRE_PUBLISH``."""
+    p.add_argument(
+        "--require-publish",
+        action="store_true",
+        help="exit non-zero unless the shared tier got every entry, signed: no signing key, "
+        "an unavailable or refusing store fail the step (a CI builder; env "
+        "KERNEL_CACHE_REQUIRE_PUBLISH=1)",
+    )
+
+
+def apply_unsigned_flag(args) -> None:
+    """``--insecure-allow-unsigned`` given: set its variable for this process (and
+    the warmup workers it starts, which read it from their environment)."""
+    import os
+
+    if getattr(args, "insecure_allow_unsigned", False):
+        os.environ[settings.var("insecure_allow_unsigned")] = "1"
+
+
+def require_publish(args) -> bool:
+    """``--require-publish`` or ``KERNEL_CACHE_REQUIRE_PUBLISH``."""
+    return bool(getattr(args, "require_publish", False) or settings.get("require_publish"))
+
+
 def config_from_args(args) -> EngineConfig:
     """Flags win over ``KERNEL_CACHE_*_BUCKETS``, which win over computed ladders."""
     fields = {}
@@ -161,6 +199,7 @@ class Parents(NamedTuple):
     jobs: argparse.ArgumentParser  #: ``--jobs`` (:func:`jobs_option`)
     bundle: argparse.ArgumentParser  #: ``--bundle``, repeatable (:func:`bundle_option`)
     trust: argparse.ArgumentParser  #: ``--insecure-allow-shared-dir``
+    unsigned: argparse.ArgumentParser  #: ``--insecure-allow-unsigned``
 
 
 def make_parents() -> Parents:
@@ -178,6 +217,7 @@ def make_parents() -> Parents:
         jobs=parent(jobs_option),
         bundle=parent(bundle_option),
         trust=parent(trust_option),
+        unsigned=parent(unsigned_option),
     )
 
 
@@ -231,6 +271,7 @@ def fleet_options(p: argparse.ArgumentParser, *, warmup: bool) -> None:
             default=None,
             help="seconds a Redis entry lives (default: no expiry; env KERNEL_CACHE_REDIS_TTL)",
         )
+        require_publish_option(g)
         shard_options(g, "compile only")
 
 

@@ -104,6 +104,7 @@ def _print_verify(report: dict) -> None:
     )
     for line in source_lines(report):
         print(line)
+    print(f"  {report['signatures']}")
     for slot, path in report["kernels"].items():
         print(f"  kernel {slot}: {path}")
     for m in report["mismatched"]:
@@ -152,7 +153,14 @@ def add_verify_command(sub, parents: Parents) -> None:
     """Register ``verify`` on ``sub`` (the subparsers action)."""
     sv = sub.add_parser(
         "verify",
-        parents=[parents.engine, parents.cache_dir, parents.bundle, parents.json, parents.trust],
+        parents=[
+            parents.engine,
+            parents.cache_dir,
+            parents.bundle,
+            parents.json,
+            parents.trust,
+            parents.unsigned,
+        ],
         help="load every variant of the plan and check it",
     )
     sv.add_argument(
