@@ -378,8 +378,10 @@ def test_an_unsigned_record_of_an_untrusted_tier_explains_no_miss_when_keys_are_
         tier.put(meta["key"], b"x", meta)
         monkeypatch.delenv("KERNEL_CACHE_TRUSTED_KEYS", raising=False)
         monkeypatch.delenv("KERNEL_CACHE_SIGNING_KEY_FILE", raising=False)
-        lookup = Lookup([Source(tier, trusted=False)])  # no keys: checksums only
+        monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")
+        lookup = Lookup([Source(tier, trusted=False)])  # no keys, opted out: checksums only
         assert lookup.find(key) is None and said in lookup.why_missing(key)
+        monkeypatch.delenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED")
         monkeypatch.setenv("KERNEL_CACHE_TRUSTED_KEYS", str(pub))
         lookup = Lookup([Source(tier, trusted=False)])
         assert lookup.find(key) is None and lookup.why_missing(key) is None

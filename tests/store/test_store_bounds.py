@@ -265,9 +265,18 @@ def test_traced_manifests_are_bounded_in_count_and_path_length():
     assert len(json.dumps(longest.record())) < META_MAX_BYTES  # a record of it still fits
 
 
+@pytest.fixture
+def unsigned(monkeypatch):
+    """The explicit opt-out of signatures (no key set): what a store's writer can
+    put past every check but the signature, which these tests are about."""
+    for k in ("KERNEL_CACHE_TRUSTED_KEYS", "KERNEL_CACHE_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")
+
+
 @pytest.mark.parametrize("path", ["../secret", "SECRET_ABS"])
 def test_a_record_naming_a_file_outside_the_roots_is_corrupt_and_nothing_it_names_is_read(
-    redis_db, tiny_config, tmp_path, monkeypatch, path
+    redis_db, tiny_config, tmp_path, monkeypatch, path, unsigned
 ):
     """A shared entry whose traced record names ``../secret`` or the absolute
     path of a file that exists (``../secret`` reached from a ``sys.path``
@@ -483,7 +492,7 @@ def _redis_calls(client) -> dict[str, int]:
 
 
 def test_a_redis_miss_does_not_read_unrelated_entries_and_finds_a_compatible_one(
-    redis_db, tiny_config
+    redis_db, tiny_config, unsigned
 ):
     """5,000 unrelated entry hashes: a lookup that misses the exact key runs a
     handful of commands, no ``SCAN`` and no read of them (``INFO
@@ -557,7 +566,7 @@ def test_an_s3_entry_is_refused_from_its_first_bytes_when_its_record_does_not_fi
     tier.close()
 
 
-def test_explain_text_escapes_what_a_stored_record_says(redis_db, tiny_config):
+def test_explain_text_escapes_what_a_stored_record_says(redis_db, tiny_config, unsigned):
     """A shared entry whose record's variant carries a newline and ANSI codes:
     explain names it among the nearest entries of a miss, escaped, and no
     line of its text output is one the record wrote."""

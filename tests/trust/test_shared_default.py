@@ -167,7 +167,7 @@ def test_the_opt_out_loads_unsigned_and_keys_set_later_refuse_the_copies_fetched
     )
     doc, err = _engine(tiny_model, local, env)
     assert doc["error"] == "MissingVariantsError" and "were refused" in doc["message"]
-    assert doc["message"].rstrip().endswith(f"--s3-url {bucket['url']}")
+    assert doc["message"].rstrip().endswith(f"--remote-url {bucket['url']}")
     refusals = [ln for ln in err.splitlines() if ln.startswith("WARNING") and "refused" in ln]
     assert len(refusals) == 2, err  # one per store (the local copies, the bucket)
 
@@ -186,7 +186,7 @@ def test_a_refused_miss_names_the_untrusted_key_and_the_remote(
     assert f"{N_TINY} variant(s) of the plan were refused" in msg
     assert f"their entries in {bucket['url']} are untrusted" in msg
     assert f"signed by key {evil.key_id}, which is not trusted" in msg
-    assert msg.rstrip().endswith(f"--s3-url {bucket['url']}")  # the repair names the remote
+    assert msg.rstrip().endswith(f"--remote-url {bucket['url']}")  # the repair names the remote
     assert "KERNEL_CACHE_SIGNING_KEY_FILE" in msg and "Warm them with" not in msg
     warned = [ln for ln in err.splitlines() if ln.startswith("WARNING") and evil.key_id in ln]
     assert len(warned) == 1 and "untrusted" in warned[0], err
