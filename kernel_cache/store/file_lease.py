@@ -4,7 +4,7 @@ conditional overwrite (``PutMode::Update`` is not implemented there), so the
 S3 lease's ``If-Match`` take-over and renewal cannot be used (docs/shared-storage.md).
 
 The lease of a key is a series of generations ``leases/<key>/<n>`` (``n``
-zero-padded to 20 digits), each one ``{"holder", "expires_at"}``
+zero-padded to at least 20 digits), each one ``{"holder", "expires_at"}``
 (:class:`~kernel_cache.store.s3_lease.S3LeaseDoc`). The highest generation is
 the lease. Every change (take, take over, renew, release) creates generation
 ``n + 1`` with ``O_CREAT | O_EXCL``, so of two builders changing generation
@@ -31,13 +31,23 @@ from kernel_cache.store.s3_lease import S3LeaseDoc
 
 log = logging.getLogger("kernel_cache")
 
-#: digits of a generation's name (sorts as text in the order of the numbers)
+#: digits of a generation's name, zero-padded (a larger number takes more)
 _DIGITS = 20
 #: largest lease document read (a real one is about 100 bytes)
 _MAX_DOC = 4096
 #: seconds between creating a generation and reading it back to confirm it is
 #: ours (longer than a shared filesystem takes to show one host's write to another)
 SETTLE_S = 0.5
+
+
+def _gen_of(name: str) -> int | None:
+    """The generation a file name is, None if it is not one as :meth:`FileLease._name`
+    writes it (zero-padded to at least :data:`_DIGITS` ASCII digits: the successor
+    of 99...9 has 21)."""
+    if not (name.isascii() and name.isdigit()):
+        return None
+    gen = int(name)
+    return gen if name == f"{gen:0{_DIGITS}d}" else None
 
 
 class FileLease(BuildLease):
@@ -100,7 +110,7 @@ class FileLease(BuildLease):
                     names = os.listdir(self._path())
                 except FileNotFoundError:
                     return None
-                gens = [int(n) for n in names if len(n) == _DIGITS and n.isdigit()]
+                gens = [g for g in map(_gen_of, names) if g is not None]
                 if not gens:
                     return None
                 doc = self._read_gen(max(gens))

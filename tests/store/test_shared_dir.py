@@ -172,6 +172,24 @@ def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
     lease.release()
 
 
+@pytest.mark.parametrize("name", ["9" * 20, "0" * 19 + "\u00b2", "5"])
+def test_a_planted_last_generation_leaves_the_lease_exclusive(tmp_path, name):
+    """A generation named with the largest 20-digit number (its successor has 21
+    digits), with a non-ASCII digit or not zero-padded: the first builder takes
+    the lease over, and a second one finds it held, also after renewals."""
+    key = "ab" * 32
+    planted = tmp_path / "leases" / key / name
+    planted.parent.mkdir(parents=True)
+    planted.write_text('{"holder": "planted", "expires_at": 0}')
+    first = _tier(tmp_path).build_lock(key, ttl_s=30, wait_s=60)
+    second = _tier(tmp_path).build_lock(key, ttl_s=30, wait_s=0.5)
+    assert first.acquire() == ACQUIRED
+    for _ in range(3):  # renewals: generations n + 1, n + 2, ...
+        assert first._extend()
+    assert second.acquire(wait=False) == BUSY and second.holder() == first.token
+    first.release()
+
+
 # -- the local cache on a network filesystem -------------------------------------------------
 
 #: lines of a real /proc/self/mountinfo: an NFS export, a FUSE mount, a local disk
