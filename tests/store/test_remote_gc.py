@@ -36,8 +36,10 @@ def _listing(tier: S3Tier) -> list[str]:
 
 
 def test_an_age_reads_as_seconds_and_a_bad_one_names_the_form():
-    assert parse_age("30d") == 30 * 86400 and parse_age("90m") == 5400 and parse_age("7") == 7
-    for bad in ("0", "soon", "-1d", "3y"):
+    assert parse_age("30d") == 30 * 86400 and parse_age("90m") == 5400 and parse_age("7s") == 7
+    # a bare number (30 meant as days would remove everything over 30 s old) and
+    # one too large for a float (inf, written as Infinity in the --json report)
+    for bad in ("0", "soon", "-1d", "3y", "30", "9" * 400 + "d"):
         with pytest.raises(ConfigError, match="e.g. 30d"):
             parse_age(bad)
 
