@@ -2,6 +2,8 @@
 (before 2.13: the GPU image's torch): the C++ builder's flags are rewritten for
 the compile only."""
 
+import os
+
 from torch._inductor import config, cpp_builder
 
 from warmup.build.compiler import _host_march
@@ -25,3 +27,22 @@ def test_host_march_none_changes_nothing():
     original = cpp_builder._get_optimization_cflags
     with _host_march(None):
         assert cpp_builder._get_optimization_cflags is original
+
+
+def test_a_header_left_half_built_by_a_killed_builder_is_removed_when_built_again(tmp_path):
+    """A builder killed while it compiles a precompiled header leaves its
+    ``<header>.gch.<pid>.part`` (as a SIGKILLed warmup did, 16 KiB of a 140 MB
+    header): the next build of that header (Inductor holds its lock) removes it,
+    and the header is compiled by the real compiler (files read back)."""
+    from warmup.build.normalize import build_paths_mapped
+
+    pch = tmp_path / "pch"
+    pch.mkdir()
+    header = pch / "h.h"
+    header.write_text("inline int one() { return 1; }\n")
+    stale = pch / "h.h.gch.4242.part"
+    stale.write_bytes(b"\0" * 16384)
+    with build_paths_mapped(str(tmp_path / "build"), str(pch)):
+        cpp_builder._run_compile_cmd(f"g++ -x c++-header {header} -o {header}.gch", str(pch))
+    assert sorted(os.listdir(pch)) == ["h.h", "h.h.gch"]
+    assert os.path.getsize(f"{header}.gch") > 0
