@@ -4,6 +4,7 @@ the compile only."""
 
 import os
 
+import pytest
 from torch._inductor import config, cpp_builder
 
 from warmup.build.compiler import _host_march
@@ -46,3 +47,20 @@ def test_a_header_left_half_built_by_a_killed_builder_is_removed_when_built_agai
         cpp_builder._run_compile_cmd(f"g++ -x c++-header {header} -o {header}.gch", str(pch))
     assert sorted(os.listdir(pch)) == ["h.h", "h.h.gch"]
     assert os.path.getsize(f"{header}.gch") > 0
+
+
+def test_a_refused_precompiled_headers_folder_is_named_by_its_setting(tmp_path, monkeypatch):
+    """KERNEL_CACHE_PCH_DIR writable by others: the refusal names the setting,
+    the folder, the mode and both fixes (a newcomer did not set a "cache directory")."""
+    from kernel_cache.errors import UntrustedCacheError
+    from warmup.build.worker import pch_dir
+
+    folder = tmp_path / "pch"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(folder))
+    with pytest.raises(UntrustedCacheError) as e:
+        pch_dir(str(tmp_path / "cache"), allow_shared=False)
+    msg = str(e.value)
+    assert "KERNEL_CACHE_PCH_DIR" in msg and str(folder) in msg and "0777" in msg
+    assert f"chmod -R go-w {folder}" in msg

@@ -235,15 +235,24 @@ def pch_dir(cache_dir: str, allow_shared: bool) -> str:
     :func:`kernel_cache.trust.permissions.check_cache_dir`).
 
     Raises:
-        UntrustedCacheError: names the folder, why and the fix.
+        UntrustedCacheError: names the setting, the folder, why and the fix.
     """
     from pathlib import Path
 
     from kernel_cache.config import settings
+    from kernel_cache.errors import UntrustedCacheError
     from kernel_cache.trust.permissions import check_cache_dir
 
     path = settings.get("pch_dir") or Path(cache_dir) / "pch"
-    check_cache_dir(path, allow_shared=allow_shared)
+    try:
+        check_cache_dir(path, allow_shared=allow_shared)
+    except UntrustedCacheError as e:
+        var = settings.var("pch_dir")
+        raise UntrustedCacheError(
+            f"the precompiled headers' folder {path} ({var}, default <cache dir>/pch) is "
+            f"checked as a cache directory is: {e}; or set {var} to a folder only this "
+            "user can write"
+        ) from None
     return str(path)
 
 
