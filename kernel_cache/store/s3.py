@@ -43,6 +43,7 @@ down for ``retry_s`` seconds, during which every call is a miss at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -507,9 +508,16 @@ class S3Tier(RemoteTier):
 
         def op(ob, store):
             # a shared directory: skip the create when the object is there (a FUSE
-            # mount of SeaweedFS loses sight of an object after a failed link(2) onto it)
-            if local and os.path.exists(os.path.join(self.settings.directory, path)):
-                return PutOutcome.PRESENT
+            # mount of SeaweedFS loses sight of an object after a failed link(2) onto it);
+            # a link to nothing in its place is no object (the tier writes no links):
+            # removed, else it would keep the object out for good
+            if local:
+                full = os.path.join(self.settings.directory, path)
+                if os.path.exists(full):
+                    return PutOutcome.PRESENT
+                if os.path.islink(full):
+                    with contextlib.suppress(FileNotFoundError):  # another builder's unlink
+                        os.unlink(full)
             try:
                 ob.put(store, path, body, mode="create", use_multipart=False)
                 return PutOutcome.STORED

@@ -119,6 +119,24 @@ def test_a_file_entry_is_one_object_published_create_once(tmp_path, tiny_config)
     tier.close()
 
 
+def test_a_dangling_link_planted_as_an_entry_does_not_keep_the_entry_out(tmp_path, tiny_config):
+    """A writer of the shared directory plants ``entries/<key>`` as a link to
+    nothing: the next publish of the key replaces the link with the entry (read
+    back from the disk) instead of keeping the key out of the store for good."""
+    built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    key = built.hexdigest
+    stored = tmp_path / "entries" / key
+    stored.parent.mkdir(parents=True)
+    stored.symlink_to(tmp_path / "nothing")
+    tier = _tier(tmp_path, fail_open=False)
+    data = bytes(range(256)) * 4
+    assert tier.put(key, data, make_meta(built, "v", data, 1.0)).outcome is PutOutcome.STORED
+    assert not stored.is_symlink() and stored.read_bytes().endswith(data)
+    assert not (tmp_path / "nothing").exists()
+    verify_entry(tier.get(key))
+    tier.close()
+
+
 def test_a_file_lease_is_exclusive_expires_is_taken_over_and_released(tmp_path):
     a, b = _tier(tmp_path), _tier(tmp_path)
     key = "ab" * 32
