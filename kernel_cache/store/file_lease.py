@@ -166,7 +166,26 @@ class FileLease(BuildLease):
         got = self._current()
         return got[1].get("holder") if got else None
 
+    def _planted(self) -> Path | None:
+        """``leases`` or ``leases/<key>`` when it is a link or not a folder
+        (planted by a writer of the directory), else None."""
+        base = Path(self.tier.settings.directory)
+        for d in (base / "leases", base / self.dir):
+            if d.is_symlink() or (d.exists() and not d.is_dir()):
+                return d
+        return None
+
     def _take(self) -> bool | None:
+        planted = self._planted()
+        if planted is not None:  # the lease is unavailable; the tier is not down
+            log.warning(
+                "%s is not a lease folder (a link or a file planted there); compiling %s "
+                "without the %s",
+                planted,
+                self.key[:16],
+                self.WHAT,
+            )
+            return None
         got = self._current()
         if got is False:
             return None

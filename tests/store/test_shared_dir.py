@@ -177,6 +177,33 @@ def test_a_planted_link_in_place_of_the_lease_directory_is_not_followed(tmp_path
     assert os.listdir(elsewhere) == []
 
 
+@pytest.mark.parametrize("planted", ["leases file", "key file", "key link"])
+def test_a_planted_lease_folder_costs_the_lease_not_the_store(tmp_path, tiny_config, planted):
+    """A file in place of ``leases`` or ``leases/<key>``, or a link in place of
+    the latter: the builder compiles without the lease, and still publishes the
+    entry (read back from the disk) and every other key's, its tier not marked down."""
+    built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    key = built.hexdigest
+    leases = tmp_path / "leases"
+    if planted == "leases file":
+        leases.write_text("x")
+    else:
+        leases.mkdir()
+        target = leases / key
+        if planted == "key file":
+            target.write_text("x")
+        else:
+            (tmp_path / "elsewhere").mkdir()
+            target.symlink_to(tmp_path / "elsewhere")
+    tier = _tier(tmp_path)
+    assert tier.build_lock(key, ttl_s=30, wait_s=1).acquire() == "unavailable"
+    data = bytes(range(256))
+    assert tier.put(key, data, make_meta(built, "v", data, 1.0)).outcome is PutOutcome.STORED
+    assert (tmp_path / "entries" / key).read_bytes().endswith(data) and not tier.is_down()
+    assert tier.build_lock("0" * 64, ttl_s=30, wait_s=1).acquire() in (ACQUIRED, "unavailable")
+    assert not tier.is_down()
+
+
 @pytest.mark.parametrize("expires_at", ["1e18", "NaN", '"soon"'])
 def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
     key = "cd" * 32
