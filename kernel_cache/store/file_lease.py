@@ -86,7 +86,8 @@ class FileLease(BuildLease):
         """Generation ``gen``'s lease, None if it is gone; one that is not a
         lease reads as expired (taken over)."""
         try:
-            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW)
+            # not blocking: a FIFO planted as a generation reads as empty (not a lease)
+            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError:  # a link planted as a generation: not a lease

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -211,6 +212,19 @@ class ObjectTooLargeError(Exception):
         )
 
 
+class NotAFileError(ObjectTooLargeError):
+    """A ``file://`` object that is not a regular file (a FIFO, a device or a
+    folder planted in the shared directory), refused before it is read; handled
+    where :class:`ObjectTooLargeError` is."""
+
+    def __init__(self, path: str, kind: str):
+        Exception.__init__(
+            self,
+            f"object {path} is not a regular file but a {kind} (planted in the shared "
+            "directory?); it is not this cache's (fix: remove it)",
+        )
+
+
 def pack(data: bytes, raw_meta: bytes) -> bytes:
     """One entry object: magic, metadata length, metadata JSON, artifact bytes."""
     return MAGIC + _HEAD.pack(len(raw_meta)) + raw_meta + data
@@ -341,6 +355,27 @@ class S3Tier(RemoteTier):
             return False
         return isinstance(e, BaseError)
 
+    def _read_file(self, path: str, length: int | None = None):
+        """``file://`` only: the first ``length`` bytes of ``path`` (all of it
+        when None), None if absent, or the error to raise (:class:`NotAFileError`,
+        :class:`ObjectTooLargeError`). Opened without blocking and checked to be
+        a regular file first: opening a FIFO planted there waits for a writer
+        forever, as obstore's read does."""
+        full = os.path.join(self.settings.directory, path)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                kind = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO, socket or device"
+                return NotAFileError(path, kind)
+            limit = self.settings.max_object_bytes
+            if length is None and st.st_size > limit:
+                return ObjectTooLargeError(path, st.st_size, limit)
+            return f.read(min(limit, st.st_size if length is None else length))
+
     def _get_bytes(self, path: str) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).
 
@@ -353,6 +388,9 @@ class S3Tier(RemoteTier):
         limit = self.settings.max_object_bytes
 
         def op(ob, store):
+            if self.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                return self._read_file(path)
             try:
                 got = ob.get(store, path)
             except (NotFoundError, FileNotFoundError):
@@ -467,6 +505,17 @@ class S3Tier(RemoteTier):
 
         def op(ob, store):
             path = f"entries/{key}"
+            if self.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                head = self._read_file(path, META_PROBE)
+                if not isinstance(head, bytes):
+                    return head
+                n = len(MAGIC) + _HEAD.size
+                if len(head) >= n and head[:4] == MAGIC:
+                    size = _HEAD.unpack(head[4:n])[0]
+                    if len(head) < n + size:
+                        head = self._read_file(path, n + size)
+                return head
             try:
                 head = bytes(ob.get_range(store, path, start=0, length=META_PROBE))
             except (NotFoundError, FileNotFoundError):
@@ -485,6 +534,8 @@ class S3Tier(RemoteTier):
         head = self._run("get_meta", op)
         if head is None:
             return None
+        if isinstance(head, ObjectTooLargeError):
+            raise CorruptEntryError(key, str(head), self.location)
         return parse_meta(_split(key, head, self.location)[0], key, self.location)
 
     def contains(self, key: str) -> bool:

@@ -235,6 +235,41 @@ def test_a_planted_last_generation_leaves_the_lease_exclusive(tmp_path, name):
     first.release()
 
 
+_FIFO_READER = """
+import sys, time
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.store.s3 import S3Tier
+tier, key = S3Tier(sys.argv[1]), sys.argv[2]
+tier.expect([key])  # the plan's manifest is read first
+for read in (tier.get, tier.get_meta):
+    try:
+        print(read(key))
+    except CorruptEntryError as e:
+        print("refused:", e)
+lease = tier.build_lock(key, ttl_s=30, wait_s=5)
+print(lease.acquire())
+"""
+
+
+def test_a_fifo_planted_in_a_shared_directory_never_hangs_a_reader(tmp_path):
+    """A writer of the shared directory plants FIFOs as an entry, a manifest and
+    a lease generation (opening one for reading waits for a writer forever): a
+    reader refuses the entry, ignores the manifest and takes the lease over, in
+    a process that ends within seconds."""
+    key = "ab" * 32
+    for name in (f"entries/{key}", manifest_name([key]), f"leases/{key}/{1:020d}"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(tmp_path / name)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIFO_READER, f"file://{tmp_path}", key],
+        capture_output=True, text=True, timeout=30, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "not a regular file" in lines[0]
+    assert lines[1].startswith("refused:") and lines[2] == ACQUIRED
+
+
 # -- the local cache on a network filesystem -------------------------------------------------
 
 #: lines of a real /proc/self/mountinfo: an NFS export, a FUSE mount, a local disk
