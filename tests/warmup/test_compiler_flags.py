@@ -64,3 +64,21 @@ def test_a_refused_precompiled_headers_folder_is_named_by_its_setting(tmp_path, 
     msg = str(e.value)
     assert "KERNEL_CACHE_PCH_DIR" in msg and str(folder) in msg and "0777" in msg
     assert f"chmod -R go-w {folder}" in msg
+
+
+def test_a_file_given_as_the_precompiled_headers_folder_is_named_by_its_setting(
+    tmp_path, monkeypatch
+):
+    """KERNEL_CACHE_PCH_DIR naming a file (or a folder under a file): a clear error
+    naming the setting, the path and the fix, not an OSError from inside a check."""
+    from kernel_cache.errors import ConfigError
+    from warmup.build.worker import pch_dir
+
+    afile = tmp_path / "pch"
+    afile.write_text("x")
+    for given in (afile, afile / "sub"):
+        monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(given))
+        with pytest.raises(ConfigError) as e:
+            pch_dir(str(tmp_path / "cache"), allow_shared=False)
+        msg = str(e.value)
+        assert "KERNEL_CACHE_PCH_DIR" in msg and str(given) in msg and "not a directory" in msg
