@@ -213,8 +213,8 @@ class ObjectTooLargeError(Exception):
 
 
 class NotAFileError(ObjectTooLargeError):
-    """A ``file://`` object that is not a regular file (a FIFO, a device or a
-    folder planted in the shared directory), refused before it is read; handled
+    """A ``file://`` object that is a FIFO, a socket or a device (planted in the
+    shared directory), refused before it is read; handled
     where :class:`ObjectTooLargeError` is."""
 
     def __init__(self, path: str, kind: str):
@@ -357,24 +357,35 @@ class S3Tier(RemoteTier):
 
     def _read_file(self, path: str, length: int | None = None):
         """``file://`` only: the first ``length`` bytes of ``path`` (all of it
-        when None), None if absent, or the error to raise (:class:`NotAFileError`,
-        :class:`ObjectTooLargeError`). Opened without blocking and checked to be
-        a regular file first: opening a FIFO planted there waits for a writer
-        forever, as obstore's read does."""
+        when None), None if absent (a folder is no object, as for obstore), or
+        the error to raise (:class:`NotAFileError`, :class:`ObjectTooLargeError`).
+        Opened without blocking and checked to be a regular file first: opening
+        a FIFO planted there waits for a writer forever, as obstore's read does."""
         full = os.path.join(self.settings.directory, path)
         try:
             fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        with os.fdopen(fd, "rb") as f:
+        try:
             st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                return None
             if not stat.S_ISREG(st.st_mode):
-                kind = "folder" if stat.S_ISDIR(st.st_mode) else "FIFO, socket or device"
-                return NotAFileError(path, kind)
+                return NotAFileError(path, "FIFO, socket or device")
             limit = self.settings.max_object_bytes
             if length is None and st.st_size > limit:
                 return ObjectTooLargeError(path, st.st_size, limit)
-            return f.read(min(limit, st.st_size if length is None else length))
+            want = min(limit, st.st_size if length is None else length)
+            chunks, got = [], 0
+            while got < want:
+                chunk = os.read(fd, want - got)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def _get_bytes(self, path: str) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).

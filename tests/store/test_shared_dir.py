@@ -248,6 +248,7 @@ for read in (tier.get, tier.get_meta):
         print("refused:", e)
 lease = tier.build_lock(key, ttl_s=30, wait_s=5)
 print(lease.acquire())
+print(tier.get("cd" * 32), tier.is_down())  # a folder: no object, the tier is up
 """
 
 
@@ -255,11 +256,13 @@ def test_a_fifo_planted_in_a_shared_directory_never_hangs_a_reader(tmp_path):
     """A writer of the shared directory plants FIFOs as an entry, a manifest and
     a lease generation (opening one for reading waits for a writer forever): a
     reader refuses the entry, ignores the manifest and takes the lease over, in
-    a process that ends within seconds."""
+    a process that ends within seconds. A folder planted as an entry is no
+    object, and leaves the tier up."""
     key = "ab" * 32
     for name in (f"entries/{key}", manifest_name([key]), f"leases/{key}/{1:020d}"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(tmp_path / name)
+    (tmp_path / "entries" / ("cd" * 32) / "sub").mkdir(parents=True)
     proc = subprocess.run(
         [sys.executable, "-c", _FIFO_READER, f"file://{tmp_path}", key],
         capture_output=True, text=True, timeout=30, cwd=ROOT,
@@ -268,6 +271,7 @@ def test_a_fifo_planted_in_a_shared_directory_never_hangs_a_reader(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("refused:") and "not a regular file" in lines[0]
     assert lines[1].startswith("refused:") and lines[2] == ACQUIRED
+    assert lines[3] == "None False"
 
 
 # -- the local cache on a network filesystem -------------------------------------------------
