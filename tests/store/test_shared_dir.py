@@ -62,6 +62,8 @@ def _tier(directory, **kw) -> S3Tier:
         ("file://host/x", "absolute directory path and no host"),
         ("file://relative", "absolute directory path"),
         ("gs:///p", "names no bucket"),
+        ("file:///%2F", "absolute directory path"),  # the root, percent-encoded
+        ("file:///tmp/kc%00x", "absolute directory path"),
     ],
 )
 def test_a_bad_remote_url_names_the_setting_and_the_forms(url, match):
