@@ -26,9 +26,7 @@ longer than a plan stays in use without a builder warming it
 from __future__ import annotations
 
 import math
-import os
 import re
-import stat
 import time
 from datetime import datetime
 
@@ -64,39 +62,6 @@ def _stamp(meta) -> float:
     return t.timestamp() if isinstance(t, datetime) else float(t or 0)
 
 
-def _walk(directory: str, prefix: str) -> list[tuple[str, int, float]]:
-    """``(path, size, mtime)`` under ``prefix`` of a ``file://`` directory, links
-    not followed: a link (to a file or a folder, the prefix's own folder
-    included) is an object itself, judged by its own mtime and removed alone,
-    so a link planted by a writer of the directory never makes gc-remote list
-    or delete files outside it (obstore's listing follows links).
-
-    Raises:
-        OSError: a folder cannot be read.
-    """
-    top = os.path.join(directory, prefix.rstrip("/"))
-    try:
-        st = os.lstat(top)
-    except FileNotFoundError:
-        return []
-    if not stat.S_ISDIR(st.st_mode):
-        return [(prefix.rstrip("/"), st.st_size, st.st_mtime)]
-    out = []
-
-    def fail(e: OSError):
-        raise e
-
-    for root, dirs, files in os.walk(top, onerror=fail):
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            path = os.path.join(root, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            out.append((os.path.relpath(path, directory), st.st_size, st.st_mtime))
-    return out
-
-
 def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | None = None):
     """Remove (or with ``dry_run`` only list) what the module docstring says.
 
@@ -114,7 +79,7 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
     Raises:
         RemoteUnavailableError: the store failed (names it and the fix).
     """
-    from kernel_cache.store.s3 import S3Manifest
+    from kernel_cache.store.s3 import S3Manifest, walk_dir
 
     now = time.time() if now is None else now
     cutoff = now - older_than_s
@@ -123,7 +88,7 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
         def op(ob, store):
             if tier.settings.scheme == "file":
                 store  # noqa: B018 - refuses a missing directory, naming it
-                return _walk(tier.settings.directory, prefix)
+                return walk_dir(tier.settings.directory, prefix)
             out = []
             for batch in ob.list(store, prefix, chunk_size=1000):
                 out += [(m["path"], int(m["size"]), _stamp(m)) for m in batch]

@@ -252,6 +252,40 @@ def manifest_name(keys) -> str:
     return f"manifests/{digest}.json"
 
 
+def walk_dir(directory: str, prefix: str) -> list[tuple[str, int, float]]:
+    """``(path, size, mtime)`` under ``prefix`` of a ``file://`` directory, links
+    not followed: a link (to a file or a folder, the prefix's own folder
+    included) is an object itself, judged by its own mtime and removed alone,
+    so a link planted by a writer of the directory never makes a listing (the
+    tier's, gc-remote's) walk or delete files outside it (obstore's listing
+    follows links, to ``/`` as well).
+
+    Raises:
+        OSError: a folder cannot be read.
+    """
+    top = os.path.join(directory, prefix.rstrip("/"))
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        return [(prefix.rstrip("/"), st.st_size, st.st_mtime)]
+    out = []
+
+    def fail(e: OSError):
+        raise e
+
+    for root, dirs, files in os.walk(top, onerror=fail):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            out.append((os.path.relpath(path, directory), st.st_size, st.st_mtime))
+    return out
+
+
 class S3Tier(RemoteTier):
     """The shared S3 tier (see the module docstring for objects and failure).
 
@@ -644,6 +678,13 @@ class S3Tier(RemoteTier):
         """Every entry key held (a LIST of ``entries/``)."""
 
         def op(ob, store):
+            if self.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                names = [
+                    p.rsplit("/", 1)[-1]
+                    for p, _, _ in walk_dir(self.settings.directory, "entries/")
+                ]
+                return [n for n in names if "#" not in n]  # not a writer's temporary file
             out = []
             for batch in ob.list(store, "entries/", chunk_size=1000):
                 out += [m["path"].rsplit("/", 1)[-1] for m in batch]
