@@ -140,8 +140,11 @@ def check_remote_url(v: str) -> str:
         raise ValueError(f"object-store URL {v!r} holds a blank, {eg}")
     scheme, rest = v.split("://", 1)
     if scheme == "file":
-        host, slash, _ = rest.partition("/")
-        if host not in ("", "localhost") or not slash or rest.rstrip("/") in ("", "localhost"):
+        from urllib.parse import unquote
+
+        host, slash, path = rest.partition("/")
+        path = unquote(path).strip("/")  # as the tier reads it: %2F is the root too
+        if host not in ("", "localhost") or not slash or not path or "\0" in path:
             raise ValueError(
                 f"file URL {v!r} must name an absolute directory path and no host, "
                 "e.g. file:///mnt/shared/kc (three slashes)"

@@ -4,7 +4,7 @@ conditional overwrite (``PutMode::Update`` is not implemented there), so the
 S3 lease's ``If-Match`` take-over and renewal cannot be used (docs/shared-storage.md).
 
 The lease of a key is a series of generations ``leases/<key>/<n>`` (``n``
-zero-padded to 20 digits), each one ``{"holder", "expires_at"}``
+zero-padded to at least 20 digits), each one ``{"holder", "expires_at"}``
 (:class:`~kernel_cache.store.s3_lease.S3LeaseDoc`). The highest generation is
 the lease. Every change (take, take over, renew, release) creates generation
 ``n + 1`` with ``O_CREAT | O_EXCL``, so of two builders changing generation
@@ -31,11 +31,21 @@ from kernel_cache.store.s3_lease import S3LeaseDoc
 
 log = logging.getLogger("kernel_cache")
 
-#: digits of a generation's name (sorts as text in the order of the numbers)
+#: digits of a generation's name, zero-padded (a larger number takes more)
 _DIGITS = 20
 #: seconds between creating a generation and reading it back to confirm it is
 #: ours (longer than a shared filesystem takes to show one host's write to another)
 SETTLE_S = 0.5
+
+
+def _gen_of(name: str) -> int | None:
+    """The generation a file name is, None if it is not one as :meth:`FileLease._name`
+    writes it (zero-padded to at least :data:`_DIGITS` ASCII digits: the successor
+    of 99...9 has 21)."""
+    if not (name.isascii() and name.isdigit()):
+        return None
+    gen = int(name)
+    return gen if name == f"{gen:0{_DIGITS}d}" else None
 
 
 class FileLease(BuildLease):
@@ -78,7 +88,8 @@ class FileLease(BuildLease):
         lease (a link, over :data:`LEASE_MAX_BYTES`, not a lease document)
         reads as ``{"invalid": why}`` (taken over)."""
         try:
-            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW)
+            # not blocking: a FIFO planted as a generation reads as empty (not a lease)
+            fd = os.open(self._path(gen), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError:  # a link planted as a generation: not a lease
@@ -102,7 +113,7 @@ class FileLease(BuildLease):
                     names = os.listdir(self._path())
                 except FileNotFoundError:
                     return None
-                gens = [int(n) for n in names if len(n) == _DIGITS and n.isdigit()]
+                gens = [g for g in map(_gen_of, names) if g is not None]
                 if not gens:
                     return None
                 doc = self._read_gen(max(gens))
@@ -166,7 +177,26 @@ class FileLease(BuildLease):
         got = self._current()
         return got[1].get("holder") if got else None
 
+    def _planted(self) -> Path | None:
+        """``leases`` or ``leases/<key>`` when it is a link or not a folder
+        (planted by a writer of the directory), else None."""
+        base = Path(self.tier.settings.directory)
+        for d in (base / "leases", base / self.dir):
+            if d.is_symlink() or (d.exists() and not d.is_dir()):
+                return d
+        return None
+
     def _take(self) -> bool | None:
+        planted = self._planted()
+        if planted is not None:  # the lease is unavailable; the tier is not down
+            log.warning(
+                "%s is not a lease folder (a link or a file planted there); compiling %s "
+                "without the %s",
+                planted,
+                self.key[:16],
+                self.WHAT,
+            )
+            return None
         got = self._current()
         if got is False:
             return None

@@ -27,6 +27,7 @@ longer than a plan stays in use without a builder warming it
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import datetime
@@ -35,22 +36,24 @@ from pydantic import ValidationError
 
 from kernel_cache.errors import ConfigError
 
-_AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
-_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def parse_age(text: str, name: str = "--older-than") -> float:
-    """Seconds from ``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"``, ``"2w"`` or ``"3600"``.
+    """Seconds from ``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"`` or ``"2w"``.
 
     Raises:
-        ConfigError: not an age, or 0 (names ``name``, the value and the form).
+        ConfigError: not an age (a bare number too: ``30`` meant as days would
+            remove all but the last 30 s), 0, or too large for a float (names
+            ``name``, the value and the form).
     """
     m = _AGE_RE.fullmatch(str(text))
     seconds = float(m.group(1)) * _UNIT_S[m.group(2).lower()] if m else 0.0
-    if seconds <= 0:
+    if not 0 < seconds < math.inf:
         raise ConfigError(
-            f"{name} {text!r} is not an age > 0; expected a number with s, m, h, d or w "
+            f"{name} {text!r} is not an age: expected a number > 0 followed by s, m, h, d or w "
             "(seconds, minutes, hours, days, weeks), e.g. 30d"
         )
     return seconds
@@ -78,13 +81,16 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
     Raises:
         RemoteUnavailableError: the store failed (names it and the fix).
     """
-    from kernel_cache.store.s3 import S3Manifest
+    from kernel_cache.store.s3 import S3Manifest, walk_dir
 
     now = time.time() if now is None else now
     cutoff = now - older_than_s
 
     def listing(prefix: str):
         def op(ob, store):
+            if tier.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                return walk_dir(tier.settings.directory, prefix)
             out = []
             for batch in ob.list(store, prefix, chunk_size=1000):
                 out += [(m["path"], int(m["size"]), _stamp(m)) for m in batch]

@@ -51,11 +51,13 @@ down for ``retry_s`` seconds, during which every call is a miss at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -237,6 +239,19 @@ class ObjectTooLargeError(Exception):
         )
 
 
+class NotAFileError(ObjectTooLargeError):
+    """A ``file://`` object that is a FIFO, a socket or a device (planted in the
+    shared directory), refused before it is read; handled
+    where :class:`ObjectTooLargeError` is."""
+
+    def __init__(self, path: str, kind: str):
+        Exception.__init__(
+            self,
+            f"object {path} is not a regular file but a {kind} (planted in the shared "
+            "directory?); it is not this cache's (fix: remove it)",
+        )
+
+
 def pack(data: bytes, raw_meta: bytes) -> bytes:
     """One entry object: magic, metadata length, metadata JSON, artifact bytes."""
     return MAGIC + _HEAD.pack(len(raw_meta)) + raw_meta + data
@@ -272,6 +287,40 @@ def manifest_name(keys) -> str:
     """The manifest object of a plan: ``manifests/<sha256 of its sorted keys>.json``."""
     digest = hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()
     return f"manifests/{digest}.json"
+
+
+def walk_dir(directory: str, prefix: str) -> list[tuple[str, int, float]]:
+    """``(path, size, mtime)`` under ``prefix`` of a ``file://`` directory, links
+    not followed: a link (to a file or a folder, the prefix's own folder
+    included) is an object itself, judged by its own mtime and removed alone,
+    so a link planted by a writer of the directory never makes a listing (the
+    tier's, gc-remote's) walk or delete files outside it (obstore's listing
+    follows links, to ``/`` as well).
+
+    Raises:
+        OSError: a folder cannot be read.
+    """
+    top = os.path.join(directory, prefix.rstrip("/"))
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        return [(prefix.rstrip("/"), st.st_size, st.st_mtime)]
+    out = []
+
+    def fail(e: OSError):
+        raise e
+
+    for root, dirs, files in os.walk(top, onerror=fail):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            out.append((os.path.relpath(path, directory), st.st_size, st.st_mtime))
+    return out
 
 
 class S3Tier(RemoteTier):
@@ -381,6 +430,39 @@ class S3Tier(RemoteTier):
             return False
         return isinstance(e, BaseError)
 
+    def _read_file(self, path: str, length: int | None = None, limit: int | None = None):
+        """``file://`` only: the first ``length`` bytes of ``path`` (all of it
+        when None, refused over ``limit``, default ``max_object_bytes``), None
+        if absent (a folder is no object, as for obstore), or the error to raise
+        (:class:`NotAFileError`, :class:`ObjectTooLargeError`). Opened without
+        blocking and checked to be a regular file first: opening a FIFO planted
+        there waits for a writer forever, as obstore's read does."""
+        full = os.path.join(self.settings.directory, path)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                return None
+            if not stat.S_ISREG(st.st_mode):
+                return NotAFileError(path, "FIFO, socket or device")
+            limit = self.settings.max_object_bytes if limit is None else limit
+            if length is None and st.st_size > limit:
+                return ObjectTooLargeError(path, st.st_size, limit)
+            want = min(limit, st.st_size if length is None else length)
+            chunks, got = [], 0
+            while got < want:
+                chunk = os.read(fd, want - got)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
     def _get_bytes(self, path: str, limit: int | None = None) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).
 
@@ -394,6 +476,9 @@ class S3Tier(RemoteTier):
         limit = self.settings.max_object_bytes if limit is None else limit
 
         def op(ob, store):
+            if self.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                return self._read_file(path, limit=limit)
             try:
                 got = ob.get(store, path)
             except (NotFoundError, FileNotFoundError):
@@ -460,15 +545,23 @@ class S3Tier(RemoteTier):
             return CorruptEntryError(key, f"{why}; the rest of it was not read", self.location)
 
         def op(ob, store):
-            try:
-                got = ob.get(store, path)
-            except (NotFoundError, FileNotFoundError):
-                return None
-            size = int(got.meta["size"])
-            if size > limit:
-                return ObjectTooLargeError(path, size, limit)
+            if self.settings.scheme == "file":  # read without blocking on a planted FIFO
+                store  # noqa: B018 - refuses a missing directory, naming it
+                data = self._read_file(path)
+                if not isinstance(data, bytes):
+                    return data
+                size, chunks = len(data), [data]
+            else:
+                try:
+                    got = ob.get(store, path)
+                except (NotFoundError, FileNotFoundError):
+                    return None
+                size = int(got.meta["size"])
+                if size > limit:
+                    return ObjectTooLargeError(path, size, limit)
+                chunks = got.stream(min_chunk_size=1 << 16)
             buf, pos, checked = bytearray(size), 0, False  # filled in place: one copy
-            for chunk in got.stream(min_chunk_size=1 << 16):
+            for chunk in chunks:
                 if pos + len(chunk) > size:
                     return refused(f"more bytes arrived than its size of {size}")
                 buf[pos : pos + len(chunk)] = chunk
@@ -583,20 +676,29 @@ class S3Tier(RemoteTier):
 
         def op(ob, store):
             path = f"entries/{key}"
-            try:
-                head = bytes(ob.get_range(store, path, start=0, length=META_PROBE))
-            except (NotFoundError, FileNotFoundError):
-                return None
-            except Exception as e:  # a range past a short object's end
-                if not self._is_failure(e) or "range" not in str(e).lower():
-                    raise
-                head = bytes(ob.get(store, path).bytes())
+            local = self.settings.scheme == "file"
+            if local:
+                store  # noqa: B018 - refuses a missing directory, naming it
+                head = self._read_file(path, META_PROBE)
+                if not isinstance(head, bytes):
+                    return head
+            else:
+                try:
+                    head = bytes(ob.get_range(store, path, start=0, length=META_PROBE))
+                except (NotFoundError, FileNotFoundError):
+                    return None
+                except Exception as e:  # a range past a short object's end
+                    if not self._is_failure(e) or "range" not in str(e).lower():
+                        raise
+                    head = bytes(ob.get(store, path).bytes())
             n = len(MAGIC) + _HEAD.size
             if len(head) >= n and head[:4] == MAGIC:
                 size = _HEAD.unpack(head[4:n])[0]
                 if size > META_MAX_BYTES:  # never allocated: the header is a writer's
                     return size
-                if len(head) < n + size:
+                if len(head) < n + size and local:
+                    head = self._read_file(path, n + size)
+                elif len(head) < n + size:
                     head = bytes(ob.get_range(store, path, start=0, length=n + size))
             return head
 
@@ -608,6 +710,8 @@ class S3Tier(RemoteTier):
                 key, f"its header claims a {head}-byte record, over the limit of "
                 f"{META_MAX_BYTES}; not read", self.location,
             )  # fmt: skip
+        if isinstance(head, ObjectTooLargeError):
+            raise CorruptEntryError(key, str(head), self.location)
         return parse_meta(_split(key, head, self.location)[0], key, self.location)
 
     def contains(self, key: str) -> bool:
@@ -631,9 +735,16 @@ class S3Tier(RemoteTier):
 
         def op(ob, store):
             # a shared directory: skip the create when the object is there (a FUSE
-            # mount of SeaweedFS loses sight of an object after a failed link(2) onto it)
-            if local and os.path.exists(os.path.join(self.settings.directory, path)):
-                return PutOutcome.PRESENT
+            # mount of SeaweedFS loses sight of an object after a failed link(2) onto it);
+            # a link to nothing in its place is no object (the tier writes no links):
+            # removed, else it would keep the object out for good
+            if local:
+                full = os.path.join(self.settings.directory, path)
+                if os.path.exists(full):
+                    return PutOutcome.PRESENT
+                if os.path.islink(full):
+                    with contextlib.suppress(FileNotFoundError):  # another builder's unlink
+                        os.unlink(full)
             try:
                 ob.put(store, path, body, mode="create", use_multipart=False)
                 return PutOutcome.STORED
@@ -745,6 +856,13 @@ class S3Tier(RemoteTier):
         """Every entry key held (a LIST of ``entries/``)."""
 
         def op(ob, store):
+            if self.settings.scheme == "file":
+                store  # noqa: B018 - refuses a missing directory, naming it
+                names = [
+                    p.rsplit("/", 1)[-1]
+                    for p, _, _ in walk_dir(self.settings.directory, "entries/")
+                ]
+                return [n for n in names if "#" not in n]  # not a writer's temporary file
             out = []
             for batch in ob.list(store, "entries/", chunk_size=1000):
                 out += [m["path"].rsplit("/", 1)[-1] for m in batch]

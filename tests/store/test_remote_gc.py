@@ -36,8 +36,10 @@ def _listing(tier: S3Tier) -> list[str]:
 
 
 def test_an_age_reads_as_seconds_and_a_bad_one_names_the_form():
-    assert parse_age("30d") == 30 * 86400 and parse_age("90m") == 5400 and parse_age("7") == 7
-    for bad in ("0", "soon", "-1d", "3y"):
+    assert parse_age("30d") == 30 * 86400 and parse_age("90m") == 5400 and parse_age("7s") == 7
+    # a bare number (30 meant as days would remove everything over 30 s old) and
+    # one too large for a float (inf, written as Infinity in the --json report)
+    for bad in ("0", "soon", "-1d", "3y", "30", "9" * 400 + "d"):
         with pytest.raises(ConfigError, match="e.g. 30d"):
             parse_age(bad)
 
@@ -104,3 +106,32 @@ def test_gc_remote_without_a_store_or_age_says_what_it_needs(tmp_path):
                    env=_env())  # fmt: skip
     assert proc.returncode != 0 and "--older-than 'old'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_gc_remote_never_deletes_through_a_link_planted_in_a_shared_directory(tmp_path):
+    """A writer of a ``file://`` directory plants links (a folder of entries, the
+    leases folder, an entry) to files outside the store, all older than the age:
+    gc-remote removes the old links themselves and no file outside the store
+    (each read back from the disk)."""
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    old = time.time() - 400 * 86400
+    victims = []
+    for name in ("a", "b", "c"):
+        (outside / name).mkdir(parents=True)
+        victim = outside / name / "precious"
+        victim.write_text(name)
+        os.utime(victim, (old, old))
+        victims.append(victim)
+    (store / "entries").mkdir(parents=True)
+    links = [store / "entries" / "folder", store / "leases", store / "entries" / _keys("e")]
+    links[0].symlink_to(outside / "a")  # a folder of entries
+    links[1].symlink_to(outside / "b")  # the leases folder
+    links[2].symlink_to(victims[2])  # an entry
+    for link in links:
+        os.utime(link, (old, old), follow_symlinks=False)
+
+    proc = run_cli("gc-remote", "--remote-url", f"file://{store}", "--older-than", "30d",
+                   env=_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [v.read_text() for v in victims] == ["a", "b", "c"]  # nothing outside the store
+    assert not any(os.path.lexists(link) for link in links)  # the old links are removed

@@ -62,6 +62,8 @@ def _tier(directory, **kw) -> S3Tier:
         ("file://host/x", "absolute directory path and no host"),
         ("file://relative", "absolute directory path"),
         ("gs:///p", "names no bucket"),
+        ("file:///%2F", "absolute directory path"),  # the root, percent-encoded
+        ("file:///tmp/kc%00x", "absolute directory path"),
     ],
 )
 def test_a_bad_remote_url_names_the_setting_and_the_forms(url, match):
@@ -119,6 +121,24 @@ def test_a_file_entry_is_one_object_published_create_once(tmp_path, tiny_config)
     tier.close()
 
 
+def test_a_dangling_link_planted_as_an_entry_does_not_keep_the_entry_out(tmp_path, tiny_config):
+    """A writer of the shared directory plants ``entries/<key>`` as a link to
+    nothing: the next publish of the key replaces the link with the entry (read
+    back from the disk) instead of keeping the key out of the store for good."""
+    built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    key = built.hexdigest
+    stored = tmp_path / "entries" / key
+    stored.parent.mkdir(parents=True)
+    stored.symlink_to(tmp_path / "nothing")
+    tier = _tier(tmp_path, fail_open=False)
+    data = bytes(range(256)) * 4
+    assert tier.put(key, data, make_meta(built, "v", data, 1.0)).outcome is PutOutcome.STORED
+    assert not stored.is_symlink() and stored.read_bytes().endswith(data)
+    assert not (tmp_path / "nothing").exists()
+    verify_entry(tier.get(key))
+    tier.close()
+
+
 def test_a_file_lease_is_exclusive_expires_is_taken_over_and_released(tmp_path):
     a, b = _tier(tmp_path), _tier(tmp_path)
     key = "ab" * 32
@@ -159,6 +179,33 @@ def test_a_planted_link_in_place_of_the_lease_directory_is_not_followed(tmp_path
     assert os.listdir(elsewhere) == []
 
 
+@pytest.mark.parametrize("planted", ["leases file", "key file", "key link"])
+def test_a_planted_lease_folder_costs_the_lease_not_the_store(tmp_path, tiny_config, planted):
+    """A file in place of ``leases`` or ``leases/<key>``, or a link in place of
+    the latter: the builder compiles without the lease, and still publishes the
+    entry (read back from the disk) and every other key's, its tier not marked down."""
+    built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    key = built.hexdigest
+    leases = tmp_path / "leases"
+    if planted == "leases file":
+        leases.write_text("x")
+    else:
+        leases.mkdir()
+        target = leases / key
+        if planted == "key file":
+            target.write_text("x")
+        else:
+            (tmp_path / "elsewhere").mkdir()
+            target.symlink_to(tmp_path / "elsewhere")
+    tier = _tier(tmp_path)
+    assert tier.build_lock(key, ttl_s=30, wait_s=1).acquire() == "unavailable"
+    data = bytes(range(256))
+    assert tier.put(key, data, make_meta(built, "v", data, 1.0)).outcome is PutOutcome.STORED
+    assert (tmp_path / "entries" / key).read_bytes().endswith(data) and not tier.is_down()
+    assert tier.build_lock("0" * 64, ttl_s=30, wait_s=1).acquire() in (ACQUIRED, "unavailable")
+    assert not tier.is_down()
+
+
 @pytest.mark.parametrize("expires_at", ["1e18", "NaN", '"soon"'])
 def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
     key = "cd" * 32
@@ -170,6 +217,75 @@ def test_a_planted_file_lease_is_taken_over_at_once(tmp_path, expires_at):
     assert lease.acquire() == ACQUIRED and time.monotonic() - t0 < 5
     assert lease.holder() == lease.token and not gen.exists()
     lease.release()
+
+
+@pytest.mark.parametrize("name", ["9" * 20, "0" * 19 + "\u00b2", "5"])
+def test_a_planted_last_generation_leaves_the_lease_exclusive(tmp_path, name):
+    """A generation named with the largest 20-digit number (its successor has 21
+    digits), with a non-ASCII digit or not zero-padded: the first builder takes
+    the lease over, and a second one finds it held, also after renewals."""
+    key = "ab" * 32
+    planted = tmp_path / "leases" / key / name
+    planted.parent.mkdir(parents=True)
+    planted.write_text('{"holder": "planted", "expires_at": 0}')
+    first = _tier(tmp_path).build_lock(key, ttl_s=30, wait_s=60)
+    second = _tier(tmp_path).build_lock(key, ttl_s=30, wait_s=0.5)
+    assert first.acquire() == ACQUIRED
+    for _ in range(3):  # renewals: generations n + 1, n + 2, ...
+        assert first._extend()
+    assert second.acquire(wait=False) == BUSY and second.holder() == first.token
+    first.release()
+
+
+def test_listing_a_shared_directory_does_not_follow_a_planted_link(tmp_path):
+    """``entries/elsewhere`` links to a folder outside the store (as it could to
+    ``/``): the tier's listing names the link, not the files under its target."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ("ab" * 32)).write_bytes(b"x")
+    (tmp_path / "store" / "entries").mkdir(parents=True)
+    (tmp_path / "store" / "entries" / "elsewhere").symlink_to(outside)
+    tier = _tier(tmp_path / "store", fail_open=False)
+    assert tier.keys() == ["elsewhere"] and list(tier.iter_meta()) == []
+
+
+_FIFO_READER = """
+import sys, time
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.store.s3 import S3Tier
+tier, key = S3Tier(sys.argv[1]), sys.argv[2]
+tier.expect([key])  # the plan's manifest is read first
+for read in (tier.get, tier.get_meta):
+    try:
+        print(read(key))
+    except CorruptEntryError as e:
+        print("refused:", e)
+lease = tier.build_lock(key, ttl_s=30, wait_s=5)
+print(lease.acquire())
+print(tier.get("cd" * 32), tier.is_down())  # a folder: no object, the tier is up
+"""
+
+
+def test_a_fifo_planted_in_a_shared_directory_never_hangs_a_reader(tmp_path):
+    """A writer of the shared directory plants FIFOs as an entry, a manifest and
+    a lease generation (opening one for reading waits for a writer forever): a
+    reader refuses the entry, ignores the manifest and takes the lease over, in
+    a process that ends within seconds. A folder planted as an entry is no
+    object, and leaves the tier up."""
+    key = "ab" * 32
+    for name in (f"entries/{key}", manifest_name([key]), f"leases/{key}/{1:020d}"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(tmp_path / name)
+    (tmp_path / "entries" / ("cd" * 32) / "sub").mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIFO_READER, f"file://{tmp_path}", key],
+        capture_output=True, text=True, timeout=30, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "not a regular file" in lines[0]
+    assert lines[1].startswith("refused:") and lines[2] == ACQUIRED
+    assert lines[3] == "None False"
 
 
 # -- the local cache on a network filesystem -------------------------------------------------

@@ -2,6 +2,9 @@
 (before 2.13: the GPU image's torch): the C++ builder's flags are rewritten for
 the compile only."""
 
+import os
+
+import pytest
 from torch._inductor import config, cpp_builder
 
 from warmup.build.compiler import _host_march
@@ -25,3 +28,57 @@ def test_host_march_none_changes_nothing():
     original = cpp_builder._get_optimization_cflags
     with _host_march(None):
         assert cpp_builder._get_optimization_cflags is original
+
+
+def test_a_header_left_half_built_by_a_killed_builder_is_removed_when_built_again(tmp_path):
+    """A builder killed while it compiles a precompiled header leaves its
+    ``<header>.gch.<pid>.part`` (as a SIGKILLed warmup did, 16 KiB of a 140 MB
+    header): the next build of that header (Inductor holds its lock) removes it,
+    and the header is compiled by the real compiler (files read back)."""
+    from warmup.build.normalize import build_paths_mapped
+
+    pch = tmp_path / "pch"
+    pch.mkdir()
+    header = pch / "h.h"
+    header.write_text("inline int one() { return 1; }\n")
+    stale = pch / "h.h.gch.4242.part"
+    stale.write_bytes(b"\0" * 16384)
+    with build_paths_mapped(str(tmp_path / "build"), str(pch)):
+        cpp_builder._run_compile_cmd(f"g++ -x c++-header {header} -o {header}.gch", str(pch))
+    assert sorted(os.listdir(pch)) == ["h.h", "h.h.gch"]
+    assert os.path.getsize(f"{header}.gch") > 0
+
+
+def test_a_refused_precompiled_headers_folder_is_named_by_its_setting(tmp_path, monkeypatch):
+    """KERNEL_CACHE_PCH_DIR writable by others: the refusal names the setting,
+    the folder, the mode and both fixes (a newcomer did not set a "cache directory")."""
+    from kernel_cache.errors import UntrustedCacheError
+    from warmup.build.worker import pch_dir
+
+    folder = tmp_path / "pch"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(folder))
+    with pytest.raises(UntrustedCacheError) as e:
+        pch_dir(str(tmp_path / "cache"), allow_shared=False)
+    msg = str(e.value)
+    assert "KERNEL_CACHE_PCH_DIR" in msg and str(folder) in msg and "0777" in msg
+    assert f"chmod -R go-w {folder}" in msg
+
+
+def test_a_file_given_as_the_precompiled_headers_folder_is_named_by_its_setting(
+    tmp_path, monkeypatch
+):
+    """KERNEL_CACHE_PCH_DIR naming a file (or a folder under a file): a clear error
+    naming the setting, the path and the fix, not an OSError from inside a check."""
+    from kernel_cache.errors import ConfigError
+    from warmup.build.worker import pch_dir
+
+    afile = tmp_path / "pch"
+    afile.write_text("x")
+    for given in (afile, afile / "sub"):
+        monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(given))
+        with pytest.raises(ConfigError) as e:
+            pch_dir(str(tmp_path / "cache"), allow_shared=False)
+        msg = str(e.value)
+        assert "KERNEL_CACHE_PCH_DIR" in msg and str(given) in msg and "not a directory" in msg

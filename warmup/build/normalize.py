@@ -70,7 +70,8 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     alone). Inductor names each by a hash of its preprocessed text and compile
     command and builds it once under a file lock; a header is compiled to a
     temporary name and renamed into place, so a compiler killed half way
-    leaves no truncated header that later compiles would read.
+    leaves no truncated header that later compiles would read; the next build
+    of that header removes the temporary file left.
 
     Inductor has no option for extra compiler flags or the headers' folder: its
     one function that runs a compile command
@@ -78,6 +79,7 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     headers' folder (``torch._inductor.codecache._HEADER_DIR``, read when a
     header is built) is set, for the duration and restored after.
     """
+    import glob
     import shlex
 
     from torch._inductor import codecache, cpp_builder
@@ -97,6 +99,10 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
         out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
         if out is None or not out.endswith(".gch"):
             return run(f"{compiler} {flags} {rest}", cwd)
+        # Inductor holds the header's lock here: any other part is a killed builder's
+        for stale in glob.glob(f"{glob.escape(out)}.*.part"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         part = f"{out}.{os.getpid()}.part"
         args[args.index("-o") + 1] = part
         try:

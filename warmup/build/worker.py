@@ -246,15 +246,34 @@ def pch_dir(cache_dir: str, allow_shared: bool) -> str:
     :func:`kernel_cache.trust.permissions.check_cache_dir`).
 
     Raises:
-        UntrustedCacheError: names the folder, why and the fix.
+        UntrustedCacheError: names the setting, the folder, why and the fix.
+        ConfigError: the path, or a folder above it, is a file (names it).
     """
     from pathlib import Path
 
     from kernel_cache.config import settings
+    from kernel_cache.errors import ConfigError, UntrustedCacheError
     from kernel_cache.trust.permissions import check_cache_dir
 
     path = settings.get("pch_dir") or Path(cache_dir) / "pch"
-    check_cache_dir(path, allow_shared=allow_shared)
+    var = settings.var("pch_dir")
+    for p in (path, *path.parents):  # the nearest that exists must be a folder
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise ConfigError(
+                    f"the precompiled headers' folder {path} ({var}, default <cache dir>/pch): "
+                    f"{p} is not a directory; fix: set {var} to a directory (a new one is "
+                    "made), or unset it"
+                )
+            break
+    try:
+        check_cache_dir(path, allow_shared=allow_shared)
+    except UntrustedCacheError as e:
+        raise UntrustedCacheError(
+            f"the precompiled headers' folder {path} ({var}, default <cache dir>/pch) is "
+            f"checked as a cache directory is: {e}; or set {var} to a folder only this "
+            "user can write"
+        ) from None
     return str(path)
 
 
