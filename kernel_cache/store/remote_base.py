@@ -78,6 +78,8 @@ class RemoteSettings(BaseModel):
     VARIABLES: ClassVar[dict[str, str]] = {}
     #: field -> the command-line flag that sets it, for error messages
     FLAGS: ClassVar[dict[str, str]] = {}
+    #: older names a field is still read under (named in its errors too)
+    ALIASES: ClassVar[dict[str, str]] = {}
     LABEL: ClassVar[str] = "remote"
 
     url: str
@@ -125,7 +127,8 @@ class RemoteSettings(BaseModel):
         if var is None:
             return field
         variable = env_settings.var(var)
-        return f"{cls.FLAGS[field]} / {variable}" if field in cls.FLAGS else variable
+        out = f"{cls.FLAGS[field]} / {variable}" if field in cls.FLAGS else variable
+        return f"{out} (or {cls.ALIASES[field]})" if field in cls.ALIASES else out
 
 
 class RemoteTier(Tier):

@@ -134,6 +134,7 @@ class S3Settings(RemoteSettings):
         "url": "--remote-url",
         "timeout_s": "--s3-timeout",
     }
+    ALIASES: ClassVar[dict[str, str]] = {"url": "--s3-url / KERNEL_CACHE_S3_URL"}
     LABEL: ClassVar[str] = "object store"
 
     kind: Literal["s3"] = "s3"
