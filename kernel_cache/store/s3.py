@@ -464,6 +464,27 @@ class S3Tier(RemoteTier):
         finally:
             os.close(fd)
 
+    def _open(self, ob, store, path: str, limit: int):
+        """``(size, chunks)`` of the object ``path``: a streamed GET whose size
+        (response headers) is checked first, or in a ``file://`` directory the
+        file read whole without blocking (:meth:`_read_file`); None if absent;
+        or the error (:class:`ObjectTooLargeError` over ``limit``,
+        :class:`NotAFileError`) with its body unread."""
+        from obstore.exceptions import NotFoundError
+
+        if self.settings.scheme == "file":
+            store  # noqa: B018 - refuses a missing directory, naming it
+            data = self._read_file(path, limit=limit)
+            return (len(data), [data]) if isinstance(data, bytes) else data
+        try:
+            got = ob.get(store, path)
+        except (NotFoundError, FileNotFoundError):
+            return None
+        size = int(got.meta["size"])
+        if size > limit:
+            return ObjectTooLargeError(path, size, limit)
+        return size, got.stream(min_chunk_size=1 << 16)
+
     def _get_bytes(self, path: str, limit: int | None = None) -> bytes | None:
         """The object's bytes, None if absent (or on a fail-open failure).
 
@@ -472,22 +493,11 @@ class S3Tier(RemoteTier):
                 before the body is read) is over ``limit`` (default
                 ``max_object_bytes``).
         """
-        from obstore.exceptions import NotFoundError
-
         limit = self.settings.max_object_bytes if limit is None else limit
 
         def op(ob, store):
-            if self.settings.scheme == "file":
-                store  # noqa: B018 - refuses a missing directory, naming it
-                return self._read_file(path, limit=limit)
-            try:
-                got = ob.get(store, path)
-            except (NotFoundError, FileNotFoundError):
-                return None
-            size = int(got.meta["size"])
-            if size > limit:
-                return ObjectTooLargeError(path, size, limit)
-            return bytes(got.bytes())
+            got = self._open(ob, store, path, limit)
+            return b"".join(got[1]) if isinstance(got, tuple) else got
 
         out = self._run(f"GET {path}", op)
         if isinstance(out, ObjectTooLargeError):
@@ -536,7 +546,6 @@ class S3Tier(RemoteTier):
         ``size`` accounts for the whole object. An object failing a check is
         returned as the error with the rest of its body unread. None: absent,
         or the store failed (fail-open)."""
-        from obstore.exceptions import NotFoundError
 
         path = f"entries/{key}"
         limit = self.settings.max_object_bytes
@@ -546,21 +555,10 @@ class S3Tier(RemoteTier):
             return CorruptEntryError(key, f"{why}; the rest of it was not read", self.location)
 
         def op(ob, store):
-            if self.settings.scheme == "file":  # read without blocking on a planted FIFO
-                store  # noqa: B018 - refuses a missing directory, naming it
-                data = self._read_file(path)
-                if not isinstance(data, bytes):
-                    return data
-                size, chunks = len(data), [data]
-            else:
-                try:
-                    got = ob.get(store, path)
-                except (NotFoundError, FileNotFoundError):
-                    return None
-                size = int(got.meta["size"])
-                if size > limit:
-                    return ObjectTooLargeError(path, size, limit)
-                chunks = got.stream(min_chunk_size=1 << 16)
+            got = self._open(ob, store, path, limit)
+            if not isinstance(got, tuple):
+                return got
+            size, chunks = got
             buf, pos, checked = bytearray(size), 0, False  # filled in place: one copy
             for chunk in chunks:
                 if pos + len(chunk) > size:
