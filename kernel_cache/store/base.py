@@ -131,6 +131,15 @@ class Tier(abc.ABC):
     def iter_meta(self) -> Iterator[dict]:
         """Every entry's metadata (for ls, stats, explain)."""
 
+    def check_records(self, check) -> None:
+        """Have ``check(meta)`` run on each entry's record before the entry's
+        artifact is read, where this tier reads the record first (the object
+        store's entries: a record refused there costs its bytes alone); it
+        raises :class:`~kernel_cache.errors.CorruptEntryError` to refuse the
+        entry. Other tiers read an entry whole, and the lookup checks it after
+        (default: nothing to do)."""
+        return None
+
     def iter_records(self) -> Iterator[tuple[str, dict | None, str | None]]:
         """Every entry for listing: ``(key, metadata, None)``, or ``(key, None,
         reason)`` for one whose metadata cannot be read (the default lists

@@ -46,6 +46,7 @@ is refused or fails is logged and the hit is returned all the same
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -229,6 +230,9 @@ class Lookup:
         #: the keys signatures are checked with (None: none set, and no shared
         #: source or the insecure opt-out)
         self.keyring = shared_keyring([s.tier.location for s in self.sources if not s.trusted])
+        for s in self.sources:  # a record the keys refuse: its artifact is never read
+            if not s.trusted and self.keyring is not None:
+                s.tier.check_records(functools.partial(_check_record, s.tier, self.keyring))
         #: entries the last :meth:`find` refused (and skipped)
         self.rejected: list[CorruptEntryError] = []
         #: the tier each of :attr:`rejected` was in: ``{id(error): tier}``
@@ -381,6 +385,18 @@ class Lookup:
                         f"{tier.location}: {files}"
                     )
         return None
+
+
+def _check_record(tier: Tier, keyring, meta: dict) -> None:
+    """:func:`~kernel_cache.trust.signing.check_untrusted` of a record alone,
+    against its own ``sha256`` (the artifact, read later, must match it).
+
+    Raises:
+        CorruptEntryError: a :class:`~kernel_cache.trust.signing.SignatureError`
+            where the keys refuse the record.
+    """
+    entry = Entry(str(meta.get("key")), meta, b"", tier.location)
+    check_untrusted(entry, keyring, digest=str(meta.get("sha256")))
 
 
 def _signed(meta: dict, tier: Tier, keyring) -> bool:

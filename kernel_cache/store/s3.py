@@ -358,6 +358,7 @@ class S3Tier(RemoteTier):
         super().__init__(settings, fail_open=fail_open, warn=warn)
         self.LABEL, self.CHECK = self.KINDS.get(settings.scheme, self._AZURE)
         self._store = None
+        self._record_check = None  # check_records
         self._order: list[str] = []
         self._expected: list[str] = []
         self._manifest_read = False
@@ -538,14 +539,21 @@ class S3Tier(RemoteTier):
             return
         self._listed = True
 
+    def check_records(self, check) -> None:
+        """``check(meta)`` runs on each entry's record as soon as it has
+        arrived, before the rest of the object is read or a buffer for it is
+        made (:meth:`_fetch`)."""
+        self._record_check = check
+
     def _fetch(self, key: str) -> bytearray | ObjectTooLargeError | CorruptEntryError | None:
         """The entry object of ``key``, read as a stream and checked as it
         comes: its size (response headers) within ``max_object_bytes``, then,
         from its first bytes, the magic, a record length within
-        :data:`~kernel_cache.store.entry.META_MAX_BYTES` and a record whose
-        ``size`` accounts for the whole object. An object failing a check is
-        returned as the error with the rest of its body unread. None: absent,
-        or the store failed (fail-open)."""
+        :data:`~kernel_cache.store.entry.META_MAX_BYTES`, a record whose
+        ``size`` accounts for the whole object and that passes
+        :meth:`check_records`' check. Only then is a buffer of the object's
+        size made. An object failing a check is returned as the error with the
+        rest of its body unread. None: absent, or the store failed (fail-open)."""
 
         path = f"entries/{key}"
         limit = self.settings.max_object_bytes
@@ -559,17 +567,21 @@ class S3Tier(RemoteTier):
             if not isinstance(got, tuple):
                 return got
             size, chunks = got
-            buf, pos, checked = bytearray(size), 0, False  # filled in place: one copy
+            head, buf, pos = bytearray(), None, 0  # the record's bytes, then the object's
             for chunk in chunks:
                 if pos + len(chunk) > size:
                     return refused(f"more bytes arrived than its size of {size}")
-                buf[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-                if checked or pos < n:
+                if buf is not None:  # filled in place: one copy
+                    buf[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
                     continue
-                if bytes(buf[:4]) != MAGIC:
+                head += chunk
+                pos = len(head)
+                if pos < n:
+                    continue
+                if bytes(head[:4]) != MAGIC:
                     return refused("not a kernel-cache S3 entry (bad magic)")
-                (meta_len,) = _HEAD.unpack(bytes(buf[4:n]))
+                (meta_len,) = _HEAD.unpack(bytes(head[4:n]))
                 if meta_len > META_MAX_BYTES:
                     return refused(
                         f"its header claims a {meta_len}-byte record, over the limit of "
@@ -578,19 +590,26 @@ class S3Tier(RemoteTier):
                 if pos < n + meta_len:
                     continue
                 try:
-                    declared = parse_meta(bytes(buf[n : n + meta_len]), key)["size"]
+                    meta = parse_meta(bytes(head[n : n + meta_len]), key)
                 except CorruptEntryError as e:
                     return refused(e.reason)
-                if n + meta_len + declared != size:
+                if n + meta_len + meta["size"] != size:
                     return refused(
                         f"the object is {size} bytes, its record accounts for "
-                        f"{n + meta_len + declared}"
+                        f"{n + meta_len + meta['size']}"
                     )
-                checked = True
+                if self._record_check is not None:
+                    try:
+                        self._record_check(meta)
+                    except CorruptEntryError as e:
+                        return e
+                buf = bytearray(size)
+                buf[:pos] = head
+                head = None
+            if buf is None:
+                return refused("not a kernel-cache S3 entry (shorter than its header says)")
             if pos != size:
                 return refused(f"cut short: {pos} of its {size} bytes arrived")
-            if not checked:
-                return refused("not a kernel-cache S3 entry (shorter than its header says)")
             return buf
 
         return self._run(f"GET {path}", op)

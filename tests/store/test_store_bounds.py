@@ -5,6 +5,7 @@ anything they name is read. Against a real SeaweedFS and redis-server."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -438,6 +439,51 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
     # (PREFETCH + 1) objects at a time, each briefly twice (the client's buffer and
     # Python's bytes); the whole plan at once would be len(plan) times size
     assert peak - base < 2 * (PREFETCH + 1) * size < len(plan) * size, (peak, base, len(plan))
+    tier.close()
+
+
+@pytest.mark.slow
+def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
+    s3, tiny_model, tmp_path
+):
+    """The default posture, trusted keys set: every key of the plan holds an
+    unsigned object of ``size`` MiB whose record accounts for it, and the
+    manifest lists them. The engine refuses each from its record (the
+    signature) before the rest of the object arrives or a buffer for it is
+    made: its peak (``VmHWM``) stays within one object of an empty bucket's,
+    and the miss says the entries were refused."""
+    import obstore
+
+    from kernel_cache import make_config
+
+    from ..signing_keys import make_keypair
+    from .test_s3_tier import _env
+
+    size = 32
+    plan = _plan(make_config(str(tiny_model), **WIDE))
+    keys = make_keypair(tmp_path / "keys")
+    env = _env(
+        KERNEL_CACHE_S3_URL=s3["url"],
+        KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED="",
+        **keys.engine_env,
+    )
+    base = _peak(tiny_model, tmp_path / "c0", env)
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
+    data = b"\0" * (size << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    for variant, key in plan:  # well-formed, the right sha256, no signature
+        meta = {**make_meta(key, str(variant), b"", 1.0), "size": len(data), "sha256": digest}
+        obstore.put(tier.store, f"entries/{key.hexdigest}", pack(data, json.dumps(meta).encode()))
+    keys_ = [k.hexdigest for _, k in plan]
+    body = {"format": "kc-s3-manifest-1", "keys": sorted(keys_), "created": time.time()}
+    obstore.put(tier.store, manifest_name(keys_), json.dumps(body).encode())
+    from .test_s3_hostile import _engine
+
+    proc = _engine(tiny_model, tmp_path / "c1", env, WIDE_ENGINE)
+    assert proc.stdout.split()[:2] == ["missing", str(len(plan))], proc.stderr[-2000:]
+    assert "untrusted" in proc.stderr, proc.stderr[-2000:]
+    peak = int(proc.stdout.split()[-1]) / 1024
+    assert peak - base < size, (peak, base)  # not one object held, let alone the plan's
     tier.close()
 
 
