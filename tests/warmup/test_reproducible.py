@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -28,6 +29,7 @@ from kernel_cache.store.disk_tier import DiskTier
 from ..conftest import ROOT, tiny_args
 from ..kc_helpers import other_user_kwargs, world_readable_dir
 from ..redis_server import RedisServer, redis_server_binary
+from ..signing_keys import make_keypair
 
 pytestmark = pytest.mark.compile
 
@@ -144,9 +146,22 @@ def test_two_cold_builders_write_identical_bytes_without_builder_paths(builders)
                 assert b"torchinductor_" not in body, f"{key[:16]} {name} names a user"
 
 
+def _with_signing_key(builder: dict, keys) -> dict:
+    """``builder`` holding a copy of the fleet's private key (its own file, its
+    user's, mode 600): what a builder that publishes to a shared tier needs."""
+    home = Path(builder["env"]["HOME"])
+    key = home / "signing.key"
+    shutil.copy(keys.private, key)
+    if builder["user"]:
+        os.chown(key, builder["user"]["user"], builder["user"]["group"])
+    os.chmod(key, 0o600)
+    return {**builder, "env": {**builder["env"], "KERNEL_CACHE_SIGNING_KEY_FILE": str(key)}}
+
+
 @pytest.mark.skipif(redis_server_binary() is None, reason="no redis-server on PATH")
-def test_alternating_builders_upload_nothing_after_the_first(builders):
+def test_alternating_builders_upload_nothing_after_the_first(builders, tmp_path):
     a, b = builders
+    keys = make_keypair(tmp_path / "keys")  # the fleet's builders share one private key
     server = RedisServer()
     try:
         url = server.url
@@ -159,10 +174,11 @@ def test_alternating_builders_upload_nothing_after_the_first(builders):
             names = ("hset", "hmset", "set", "del", "unlink", "expire", "pexpire")
             return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in names}
 
+        signed = {x["cwd"]: _with_signing_key(x, keys) for x in (a, b)}
         hsets, other, uploaded = [], [], []
         for x in (a, b, a, b):
             before = writes()
-            r = _warmup(x, "--redis-url", url)
+            r = _warmup(signed[x["cwd"]], "--redis-url", url)
             after = writes()
             hsets.append(after["hset"] - before["hset"])
             other.append(sum(after.values()) - sum(before.values()) - hsets[-1])
