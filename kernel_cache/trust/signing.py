@@ -105,7 +105,7 @@ class SignatureError(CorruptEntryError):
         super().__init__(key, reason, where)
         self.signer = signer
         loc = f" in {where}" if where else ""
-        self.args = (f"cache entry {key[:16]}{loc} is untrusted: {reason}",)
+        self.args = (f"cache entry {key[:16]}{loc} is untrusted: {self.reason}",)
 
 
 class EntrySignature(BaseModel):
