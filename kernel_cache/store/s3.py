@@ -233,6 +233,7 @@ class ObjectTooLargeError(Exception):
     """An object over ``KERNEL_CACHE_S3_MAX_OBJECT``, refused before its body is read."""
 
     def __init__(self, path: str, size: int, limit: int):
+        self.path, self.size, self.limit = path, size, limit
         super().__init__(
             f"object {path} is {size} bytes, over the limit of {limit} "
             f"({env_settings.var('s3_max_object')}); an entry that large is not this "
@@ -525,8 +526,17 @@ class S3Tier(RemoteTier):
         name = manifest_name(self._expected)
         try:
             raw = self._get_bytes(name, manifest_limit(len(self._expected)))
-        except ObjectTooLargeError as e:
+        except NotAFileError as e:
             log.warning("ignored S3 manifest: %s", e)
+            return
+        except ObjectTooLargeError as e:
+            # the limit comes from the plan's size, not KERNEL_CACHE_S3_MAX_OBJECT
+            log.warning(
+                "ignored S3 manifest: object %s is %d bytes, over the limit of %d for a "
+                "manifest of this plan's %d keys; it is not this plan's (fix: remove it; "
+                "entries are still found without it)",
+                e.path, e.size, e.limit, len(self._expected),
+            )  # fmt: skip
             return
         if raw is None:
             return

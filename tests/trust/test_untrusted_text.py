@@ -1,5 +1,6 @@
-"""Text an untrusted store controls (a signature's diagnostic field names)
-never reaches a log line or an error's text unescaped."""
+"""What a writer of a shared store plants is reported truthfully: text it
+controls (a signature's diagnostic field names) never reaches a log line or an
+error unescaped, and an oversized object is refused with the limit that applies."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_a_planted_field_name_in_a_signature_is_escaped_in_the_refusal(tmp_path)
     text = str(info.value)
     assert "\x1b" not in text and "\n" not in text, text
     assert "\\x1b" in text and "\\n" in text  # still named, escaped
+
+
+def test_an_oversized_manifest_is_refused_with_the_manifest_limit_not_the_entry_one(
+    tmp_path, caplog
+):
+    import logging
+
+    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_limit, manifest_name
+
+    keys = [f"{i:064x}" for i in range(3)]
+    path = tmp_path / manifest_name(keys)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a planted 1 GiB manifest
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
+    tier.expect(keys)
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        assert tier.get(keys[0]) is None
+    tier.close()
+    (msg,) = [r.getMessage() for r in caplog.records if "manifest" in r.getMessage()]
+    assert f"over the limit of {manifest_limit(3)}" in msg and str(1 << 30) in msg
+    # raising the entry limit would not change the manifest's: the advice must not say so
+    assert "S3_MAX_OBJECT" not in msg and "raise the limit" not in msg, msg
+    assert "remove it" in msg
