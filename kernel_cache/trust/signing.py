@@ -324,8 +324,14 @@ def load_signer(environ: Mapping[str, str] | None = None) -> Signer | None:
     if path is None:
         return None
     data, st = _read(path, ENV_SIGNING_KEY_FILE)
-    _warn_if_shared(str(path), st.st_mode & 0o777)
+    if b"PUBLIC KEY" in data and b"PRIVATE KEY" not in data:
+        raise SigningKeyError(
+            f"{ENV_SIGNING_KEY_FILE}={path}: holds a public key, which cannot sign; builders "
+            f"set it to the private key ({PRIVATE_NAME} beside it, from {_KEYGEN}); the "
+            f"public key goes in {ENV_TRUSTED_KEYS} on engines"
+        )
     key = _parse_private(data, f"{ENV_SIGNING_KEY_FILE}={path}")
+    _warn_if_shared(str(path), st.st_mode & 0o777)
     return Signer(key, key_id(key.public_key()), str(path))
 
 

@@ -59,3 +59,20 @@ def test_an_oversized_manifest_is_refused_with_the_manifest_limit_not_the_entry_
     # raising the entry limit would not change the manifest's: the advice must not say so
     assert "S3_MAX_OBJECT" not in msg and "raise the limit" not in msg, msg
     assert "remove it" in msg
+
+
+def test_a_public_key_given_as_the_signing_key_is_named_as_such_without_a_mode_warning(
+    tmp_path, caplog
+):
+    import logging
+
+    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, SigningKeyError, load_signer
+
+    pair = make_keypair(tmp_path / "a")
+    pair.public.chmod(0o644)  # as keygen writes it: a public key is meant to be read
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        with pytest.raises(SigningKeyError) as info:
+            load_signer({ENV_SIGNING_KEY_FILE: str(pair.public)})
+    assert "public key" in str(info.value) and "signing.key" in str(info.value)
+    assert "HMAC" not in str(info.value)
+    assert not [r for r in caplog.records if "readable by group" in r.getMessage()]
