@@ -66,7 +66,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import ConfigError, CorruptEntryError
+from kernel_cache.errors import ConfigError, CorruptEntryError, shown
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
@@ -842,8 +842,19 @@ class S3Tier(RemoteTier):
         prefix = f"index/{index}/{value}/"
 
         def op(ob, store):
-            for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
-                return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            from obstore.exceptions import InvalidPathError
+
+            try:
+                for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
+                    return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            except InvalidPathError as e:
+                # a name no writer of this cache makes (planted in a file:// directory):
+                # this index reads as empty; the rest of the store stays in use
+                log.warning(
+                    "ignored %s in %s: it holds an object with an invalid name (%s); "
+                    "fix: remove it",
+                    prefix, self.location, shown(str(e), 200),
+                )  # fmt: skip
             return []
 
         metas = []

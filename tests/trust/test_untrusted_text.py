@@ -76,3 +76,22 @@ def test_a_public_key_given_as_the_signing_key_is_named_as_such_without_a_mode_w
     assert "public key" in str(info.value) and "signing.key" in str(info.value)
     assert "HMAC" not in str(info.value)
     assert not [r for r in caplog.records if "readable by group" in r.getMessage()]
+
+
+def test_a_planted_odd_name_in_a_shared_index_does_not_take_the_tier_down(tmp_path, caplog):
+    import logging
+
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+
+    value = "ab" * 32
+    index = tmp_path / "index" / "runtime" / value
+    index.mkdir(parents=True)
+    (index / "evil\x1b[31m\nFAKE").touch()  # a name the object store's paths refuse
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        assert tier.metas_by("runtime", lambda m: m.get("key"))(value) == []
+    # the rest of the tier is still read: one planted name is no outage
+    assert not tier.is_down()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "\x1b" not in text and "index/runtime" in text, text
+    tier.close()
