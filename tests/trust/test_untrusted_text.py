@@ -95,3 +95,16 @@ def test_a_planted_odd_name_in_a_shared_index_does_not_take_the_tier_down(tmp_pa
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "\x1b" not in text and "index/runtime" in text, text
     tier.close()
+
+
+def test_a_folder_planted_as_a_lease_generation_is_taken_over_not_an_outage(tmp_path):
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+
+    key = "ab" * 32
+    (tmp_path / "leases" / key / f"{99:020d}").mkdir(parents=True)  # not a lease file
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
+    lease = tier.build_lock(key, 5, 2)
+    assert lease.acquire(wait=False) != "unavailable"
+    assert not tier.is_down()
+    lease.release()
+    tier.close()
