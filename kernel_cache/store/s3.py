@@ -672,7 +672,12 @@ class S3Tier(RemoteTier):
         :data:`MANIFEST_RENEW_S` ago (fail-open: a failure is noted, never raised)."""
 
         def op(ob, store):
-            modified = ob.head(store, path)["last_modified"]
+            from obstore.exceptions import NotFoundError
+
+            try:
+                modified = ob.head(store, path)["last_modified"]
+            except (NotFoundError, FileNotFoundError):  # removed since, or a planted folder
+                return False
             if time.time() - modified.timestamp() > MANIFEST_RENEW_S:
                 ob.put(store, path, body, mode="overwrite", use_multipart=False)
                 return True

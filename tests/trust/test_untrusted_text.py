@@ -108,3 +108,14 @@ def test_a_folder_planted_as_a_lease_generation_is_taken_over_not_an_outage(tmp_
     assert not tier.is_down()
     lease.release()
     tier.close()
+
+
+def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_path):
+    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
+    keys = ["ab" * 32]
+    (tmp_path / manifest_name(keys)).mkdir(parents=True)
+    tier._renew(manifest_name(keys), b"{}")  # what publish_manifest does to a present one
+    assert not tier.is_down()
+    tier.close()
