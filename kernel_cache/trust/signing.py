@@ -301,6 +301,11 @@ def _parse_public(data: bytes, source: str):
             f"{source}: holds a private key; engines get only the public key "
             f"({PUBLIC_NAME}): whoever holds the private key can sign artifacts"
         )
+    if (blocks := data.count(b"-----BEGIN ")) > 1:  # the loader reads the first alone
+        raise SigningKeyError(
+            f"{source}: holds {blocks} PEM blocks, but a key file holds one key; put each "
+            f"builder's {PUBLIC_NAME} in its own file and list them ','-separated"
+        )
     try:
         key = serialization.load_pem_public_key(data)
     except ValueError as e:

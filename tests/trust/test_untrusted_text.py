@@ -119,3 +119,14 @@ def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_pa
     tier._renew(manifest_name(keys), b"{}")  # what publish_manifest does to a present one
     assert not tier.is_down()
     tier.close()
+
+
+def test_two_public_keys_in_one_file_are_refused_not_one_silently_dropped(tmp_path):
+    from kernel_cache.trust.signing import SigningKeyError
+
+    a, b = make_keypair(tmp_path / "a"), make_keypair(tmp_path / "b")
+    both = tmp_path / "both.pub"  # as one would for rotation, authorized_keys-style
+    both.write_bytes(a.public.read_bytes() + b.public.read_bytes())
+    with pytest.raises(SigningKeyError, match="2 PEM blocks") as info:
+        load_trusted_keys({ENV_TRUSTED_KEYS: str(both)})
+    assert "','-separated" in str(info.value)
