@@ -244,6 +244,23 @@ def _warn_if_shared(path: str, mode: int) -> None:
         )
 
 
+def _warn_if_writable(path: str, mode: int) -> None:
+    """Warn once per file when a trusted public key is writable by group or
+    others: whoever can write it can swap in their own key and sign code the
+    engine then loads."""
+    if mode & 0o022 and path not in _warned_paths:
+        _warned_paths.add(path)
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+        log.warning(
+            "%s: %s is writable by %s (mode %04o): anyone who can write it can replace "
+            "the key and have engines load code they sign; chmod go-w it",
+            ENV_TRUSTED_KEYS,
+            path,
+            who,
+            mode,
+        )
+
+
 #: The largest key file read (bytes): a PEM Ed25519 key is about 120.
 KEY_FILE_LIMIT = 64 * 1024
 
@@ -371,7 +388,8 @@ def load_trusted_keys(
         )
     ring = Keyring()
     for path in _setting("trusted_keys", environ):
-        data, _ = _read(path, ENV_TRUSTED_KEYS)
+        data, st = _read(path, ENV_TRUSTED_KEYS)
+        _warn_if_writable(str(path), stat.S_IMODE(st.st_mode))
         key = _parse_public(data, f"{ENV_TRUSTED_KEYS}: {path}")
         kid = key_id(key)
         ring.keys.setdefault(kid, key)

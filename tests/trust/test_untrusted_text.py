@@ -130,3 +130,14 @@ def test_two_public_keys_in_one_file_are_refused_not_one_silently_dropped(tmp_pa
     with pytest.raises(SigningKeyError, match="2 PEM blocks") as info:
         load_trusted_keys({ENV_TRUSTED_KEYS: str(both)})
     assert "','-separated" in str(info.value)
+
+
+def test_a_trusted_key_file_others_can_write_is_warned_about(tmp_path, caplog):
+    import logging
+
+    pair = make_keypair(tmp_path / "a")
+    pair.public.chmod(0o666)  # anyone on the host could swap in their own key
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        load_trusted_keys({ENV_TRUSTED_KEYS: str(pair.public)})
+    (msg,) = [r.getMessage() for r in caplog.records if str(pair.public) in r.getMessage()]
+    assert "writable by group and others (mode 0666)" in msg and "chmod go-w" in msg
