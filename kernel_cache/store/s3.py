@@ -815,6 +815,11 @@ class S3Tier(RemoteTier):
             log.warning("replacing the S3 entry %s: it fails its checks", key[:16])
             self.delete(key)
             return self._create(path, body)
+        if not have and not self.is_down():
+            # there, yet no entry reads from it: a folder planted in a file:// directory
+            # (or removed since): engines cannot load it, so it is not published
+            why = f"{path} is there but holds no entry (a folder planted there?); fix: remove it"
+            return PutResult(PutOutcome.FAILED, self.location, why)
         if have.get("sha256") == meta.get("sha256"):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
         why = f"{path} holds another build of this key (create-once: kept)"

@@ -141,3 +141,19 @@ def test_a_trusted_key_file_others_can_write_is_warned_about(tmp_path, caplog):
         load_trusted_keys({ENV_TRUSTED_KEYS: str(pair.public)})
     (msg,) = [r.getMessage() for r in caplog.records if str(pair.public) in r.getMessage()]
     assert "writable by group and others (mode 0666)" in msg and "chmod go-w" in msg
+
+
+def test_a_folder_planted_as_an_entry_makes_its_publish_fail_not_pass_as_present(tmp_path):
+    from kernel_cache.store.disk_tier import PutOutcome
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+
+    key = "ab" * 32
+    (tmp_path / "entries" / key).mkdir(parents=True)
+    tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
+    data = b"artifact bytes"
+    result = tier.put(key, data, {"key": key, "sha256": hashlib.sha256(data).hexdigest()})
+    # engines cannot load it, so --require-publish must not count it as published
+    assert result.outcome is PutOutcome.FAILED, result
+    assert f"entries/{key}" in result.reason and "remove it" in result.reason
+    assert not tier.is_down()
+    tier.close()
