@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -94,6 +95,9 @@ class FileLease(BuildLease):
             return None
         except OSError:  # a link planted as a generation: not a lease
             return {"invalid": "a link, not a lease"}
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # a folder planted as a generation
+            os.close(fd)
+            return {"invalid": "a folder, not a lease"}
         with os.fdopen(fd, "rb") as f:
             raw = f.read(LEASE_MAX_BYTES + 1)
         if len(raw) > LEASE_MAX_BYTES:
@@ -148,7 +152,7 @@ class FileLease(BuildLease):
             if gen > 1:
                 try:
                     os.unlink(self._path(gen - 1))
-                except FileNotFoundError:
+                except (FileNotFoundError, IsADirectoryError):  # a planted folder stays
                     pass
             return True
 

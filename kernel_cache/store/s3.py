@@ -66,7 +66,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import ConfigError, CorruptEntryError
+from kernel_cache.errors import ConfigError, CorruptEntryError, shown
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
@@ -233,6 +233,7 @@ class ObjectTooLargeError(Exception):
     """An object over ``KERNEL_CACHE_S3_MAX_OBJECT``, refused before its body is read."""
 
     def __init__(self, path: str, size: int, limit: int):
+        self.path, self.size, self.limit = path, size, limit
         super().__init__(
             f"object {path} is {size} bytes, over the limit of {limit} "
             f"({env_settings.var('s3_max_object')}); an entry that large is not this "
@@ -525,8 +526,17 @@ class S3Tier(RemoteTier):
         name = manifest_name(self._expected)
         try:
             raw = self._get_bytes(name, manifest_limit(len(self._expected)))
-        except ObjectTooLargeError as e:
+        except NotAFileError as e:
             log.warning("ignored S3 manifest: %s", e)
+            return
+        except ObjectTooLargeError as e:
+            # the limit comes from the plan's size, not KERNEL_CACHE_S3_MAX_OBJECT
+            log.warning(
+                "ignored S3 manifest: object %s is %d bytes, over the limit of %d for a "
+                "manifest of this plan's %d keys; it is not this plan's (fix: remove it; "
+                "entries are still found without it)",
+                e.path, e.size, e.limit, len(self._expected),
+            )  # fmt: skip
             return
         if raw is None:
             return
@@ -662,7 +672,12 @@ class S3Tier(RemoteTier):
         :data:`MANIFEST_RENEW_S` ago (fail-open: a failure is noted, never raised)."""
 
         def op(ob, store):
-            modified = ob.head(store, path)["last_modified"]
+            from obstore.exceptions import NotFoundError
+
+            try:
+                modified = ob.head(store, path)["last_modified"]
+            except (NotFoundError, FileNotFoundError):  # removed since, or a planted folder
+                return False
             if time.time() - modified.timestamp() > MANIFEST_RENEW_S:
                 ob.put(store, path, body, mode="overwrite", use_multipart=False)
                 return True
@@ -800,6 +815,11 @@ class S3Tier(RemoteTier):
             log.warning("replacing the S3 entry %s: it fails its checks", key[:16])
             self.delete(key)
             return self._create(path, body)
+        if not have and not self.is_down():
+            # there, yet no entry reads from it: a folder planted in a file:// directory
+            # (or removed since): engines cannot load it, so it is not published
+            why = f"{path} is there but holds no entry (a folder planted there?); fix: remove it"
+            return PutResult(PutOutcome.FAILED, self.location, why)
         if have.get("sha256") == meta.get("sha256"):
             return PutResult(PutOutcome.PRESENT, self.location, "the same bytes are stored")
         why = f"{path} holds another build of this key (create-once: kept)"
@@ -832,8 +852,19 @@ class S3Tier(RemoteTier):
         prefix = f"index/{index}/{value}/"
 
         def op(ob, store):
-            for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
-                return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            from obstore.exceptions import InvalidPathError
+
+            try:
+                for batch in ob.list(store, prefix, chunk_size=INDEX_MAX):
+                    return [m["path"].rsplit("/", 1)[-1] for m in batch][:INDEX_MAX]
+            except InvalidPathError as e:
+                # a name no writer of this cache makes (planted in a file:// directory):
+                # this index reads as empty; the rest of the store stays in use
+                log.warning(
+                    "ignored %s in %s: it holds an object with an invalid name (%s); "
+                    "fix: remove it",
+                    prefix, self.location, shown(str(e), 200),
+                )  # fmt: skip
             return []
 
         metas = []

@@ -105,7 +105,7 @@ class SignatureError(CorruptEntryError):
         super().__init__(key, reason, where)
         self.signer = signer
         loc = f" in {where}" if where else ""
-        self.args = (f"cache entry {key[:16]}{loc} is untrusted: {reason}",)
+        self.args = (f"cache entry {key[:16]}{loc} is untrusted: {self.reason}",)
 
 
 class EntrySignature(BaseModel):
@@ -244,6 +244,23 @@ def _warn_if_shared(path: str, mode: int) -> None:
         )
 
 
+def _warn_if_writable(path: str, mode: int) -> None:
+    """Warn once per file when a trusted public key is writable by group or
+    others: whoever can write it can swap in their own key and sign code the
+    engine then loads."""
+    if mode & 0o022 and path not in _warned_paths:
+        _warned_paths.add(path)
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+        log.warning(
+            "%s: %s is writable by %s (mode %04o): anyone who can write it can replace "
+            "the key and have engines load code they sign; chmod go-w it",
+            ENV_TRUSTED_KEYS,
+            path,
+            who,
+            mode,
+        )
+
+
 #: The largest key file read (bytes): a PEM Ed25519 key is about 120.
 KEY_FILE_LIMIT = 64 * 1024
 
@@ -301,6 +318,11 @@ def _parse_public(data: bytes, source: str):
             f"{source}: holds a private key; engines get only the public key "
             f"({PUBLIC_NAME}): whoever holds the private key can sign artifacts"
         )
+    if (blocks := data.count(b"-----BEGIN ")) > 1:  # the loader reads the first alone
+        raise SigningKeyError(
+            f"{source}: holds {blocks} PEM blocks, but a key file holds one key; put each "
+            f"builder's {PUBLIC_NAME} in its own file and list them ','-separated"
+        )
     try:
         key = serialization.load_pem_public_key(data)
     except ValueError as e:
@@ -324,8 +346,14 @@ def load_signer(environ: Mapping[str, str] | None = None) -> Signer | None:
     if path is None:
         return None
     data, st = _read(path, ENV_SIGNING_KEY_FILE)
-    _warn_if_shared(str(path), st.st_mode & 0o777)
+    if b"PUBLIC KEY" in data and b"PRIVATE KEY" not in data:
+        raise SigningKeyError(
+            f"{ENV_SIGNING_KEY_FILE}={path}: holds a public key, which cannot sign; builders "
+            f"set it to the private key ({PRIVATE_NAME} beside it, from {_KEYGEN}); the "
+            f"public key goes in {ENV_TRUSTED_KEYS} on engines"
+        )
     key = _parse_private(data, f"{ENV_SIGNING_KEY_FILE}={path}")
+    _warn_if_shared(str(path), st.st_mode & 0o777)
     return Signer(key, key_id(key.public_key()), str(path))
 
 
@@ -360,7 +388,8 @@ def load_trusted_keys(
         )
     ring = Keyring()
     for path in _setting("trusted_keys", environ):
-        data, _ = _read(path, ENV_TRUSTED_KEYS)
+        data, st = _read(path, ENV_TRUSTED_KEYS)
+        _warn_if_writable(str(path), stat.S_IMODE(st.st_mode))
         key = _parse_public(data, f"{ENV_TRUSTED_KEYS}: {path}")
         kid = key_id(key)
         ring.keys.setdefault(kid, key)

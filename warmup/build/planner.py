@@ -32,7 +32,7 @@ from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import CacheWriteError, KernelCacheError
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import Plan, PlanItem
-from kernel_cache.store.disk_tier import DiskTier, Tier
+from kernel_cache.store.disk_tier import DiskTier, PutOutcome, Tier
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import RedisSettings
 from kernel_cache.trust.permissions import resolve_allow_shared
@@ -239,7 +239,7 @@ def warmup(
     fetched, uploaded = [], 0
     if rtier is not None:
         todo, fetched, uploaded = _remote_precheck(
-            config, cached, todo, cache_dir, allow_shared, writable, rtier, secret
+            config, cached, todo, cache_dir, allow_shared, writable, rtier, secret, publish
         )
     keep = housekeeping.plan_digests(plan) if max_size is not None else set()
     gc_on = max_size is not None and writable  # a read-only cache has nothing to remove
@@ -347,14 +347,18 @@ def compile_items(
     }
 
 
-def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rtier, secret):
+def _remote_precheck(
+    config, cached, todo, cache_dir, allow_shared, writable, rtier, secret, publish
+):
     """With Redis: publish cached entries Redis lacks (signed when ``secret``, the
     private key, is set: the local cache is trusted; without it, only entries the
     trusted keys accept as they are), and copy verified Redis hits of the to-do
-    items into the local cache. Returns (todo, fetched, uploaded)."""
+    items into the local cache. Returns (todo, fetched, uploaded); why a cached
+    entry could not be published goes to ``publish["upload_failed"]``."""
     tier = DiskTier(cache_dir, read_only=not writable, allow_shared=allow_shared)
     lookup = Lookup([rtier], exact=True, promote_into=tier)
     left, fetched, uploaded = [], [], 0
+    failed = publish.setdefault("upload_failed", [])
     try:
         for item in cached:
             key = locate(tier, item.key).key
@@ -365,7 +369,10 @@ def _remote_precheck(config, cached, todo, cache_dir, allow_shared, writable, rt
             if secret is None and not may_publish(want, entry.data):
                 continue  # the fleet would refuse it, and this node cannot sign
             # put writes only what the remote lacks: missing, unsigned, other bytes
-            uploaded += rtier.put(key, entry.data, want).stored
+            result = rtier.put(key, entry.data, want)
+            uploaded += result.stored
+            if result.outcome is PutOutcome.FAILED and not rtier.is_down():
+                failed.append(result.reason)
         for item in todo:  # todo is empty when the cache is not writable (_precheck)
             found = lookup.find(item.key)
             (fetched if found else left).append(item)

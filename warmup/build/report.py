@@ -285,6 +285,9 @@ def _published(results, rtier, uploaded: int, publish: dict) -> dict:
         why = publish["held_back"]
     elif rtier is not None and rtier.error:
         why = f"{rtier.location} is unavailable: {rtier.error}"
+    elif publish.get("upload_failed"):
+        failed = publish["upload_failed"]
+        why = f"{len(failed)} cached entries were not published to {rtier.location}: {failed[0]}"
     elif rtier is not None and done < len(compiled):
         why = (
             f"{len(compiled) - done} of {len(compiled)} entries compiled here were not "
