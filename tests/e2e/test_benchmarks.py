@@ -253,8 +253,9 @@ def test_warmup_throughput_smoke(tmp_path, tiny_model):
 @pytest.mark.compile
 def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
     """1 and 2 engines from each source the machine has a server for; each engine
-    cost, as the servers count it, one request per variant (plus S3's manifest GET
-    and Redis's HELLO) and about the plan's bytes."""
+    cost, as the servers count it, one GET per variant on S3 (plus the manifest's),
+    one bounded read per variant on Redis (``WATCH``, ``HSTRLEN`` of both fields,
+    then ``MULTI``/``HMGET``/``EXEC``; plus ``HELLO``) and about the plan's bytes."""
     import shutil
 
     from kernel_cache.plan.buckets import Bucketer
@@ -293,7 +294,8 @@ def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
         if r["source"] == "s3":
             assert kinds == {"GET": n + 1}  # the manifest, then one per entry
         else:
-            assert kinds.get("hmget") == n and r["server"]["requests_per_engine"] <= n + 2
+            assert kinds.get("hmget") == n and kinds.get("hstrlen") == 2 * n
+            assert r["server"]["requests_per_engine"] <= 6 * n + 2
         assert plan_bytes <= r["server"]["sent_bytes_per_engine"] <= 1.2 * plan_bytes
         assert r["local_cache_bytes_per_engine"]["min"] >= plan_bytes  # written through
     assert set(doc["results"]["ratio_largest_to_smallest"]) == set(sources)

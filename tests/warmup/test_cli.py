@@ -255,14 +255,21 @@ def test_verify_says_whether_the_plan_came_from_a_bundle_or_the_cache(
     warm_cache, tiny_model, tmp_path
 ):
     from ..conftest import run_cli, tiny_args
+    from ..signing_keys import make_keypair
 
     cache = warm_cache[0]
     engine = tiny_args(tiny_model)
     out = run_cli("verify", *engine, "--cache-dir", cache, check=True).stdout
     assert f"\n  {N_TINY} from local cache {cache}\n" in out
     bundle = tmp_path / "bundle"
-    run_cli("export", *engine, "--cache-dir", cache, "--out", bundle, check=True)
-    out = run_cli("verify", *engine, "--cache-dir", cache, "--bundle", bundle, check=True).stdout
+    keys = make_keypair(tmp_path / "keys")  # a bundle is signed by a builder, checked by engines
+    run_cli(
+        "export", *engine, "--cache-dir", cache, "--out", bundle, env=keys.builder_env, check=True
+    )
+    out = run_cli(
+        "verify", *engine, "--cache-dir", cache, "--bundle", bundle, env=keys.engine_env,
+        check=True,
+    ).stdout  # fmt: skip
     assert f"\n  {N_TINY} from bundle {bundle}\n" in out and "local cache" not in out
 
 
