@@ -457,21 +457,24 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
 def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
     s3, tiny_model, tmp_path
 ):
-    """The default posture, trusted keys set: every key of the plan holds an
-    unsigned object of ``size`` MiB whose record accounts for it, and the
-    manifest lists them. The engine refuses each from its record (the
+    """The default posture, trusted keys set: the plan's first keys (more than
+    the fetches ahead hold) hold an unsigned object of ``size`` MiB whose record
+    accounts for it, and the manifest lists the plan. The engine refuses each from its record (the
     signature) before the rest of the object arrives or a buffer for it is
     made: its peak (``VmHWM``) stays within one object of an empty bucket's,
     and the miss says the entries were refused."""
     import obstore
 
     from kernel_cache import make_config
+    from kernel_cache.store.s3 import PREFETCH
 
     from ..signing_keys import make_keypair
     from .test_s3_tier import _env
 
-    size = 32
+    size = 16
     plan = _plan(make_config(str(tiny_model), **WIDE))
+    planted = plan[: PREFETCH + 2]  # more than the fetches ahead hold at once; the store
+    # the suite shares is small (SeaweedFS volumes of 64 MiB), so not every key
     keys = make_keypair(tmp_path / "keys")
     env = _env(
         KERNEL_CACHE_S3_URL=s3["url"],
@@ -482,7 +485,7 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
     data = b"\0" * (size << 20)
     digest = hashlib.sha256(data).hexdigest()
-    for variant, key in plan:  # well-formed, the right sha256, no signature
+    for variant, key in planted:  # well-formed, the right sha256, no signature
         meta = {**make_meta(key, str(variant), b"", 1.0), "size": len(data), "sha256": digest}
         obstore.put(tier.store, f"entries/{key.hexdigest}", pack(data, json.dumps(meta).encode()))
     keys_ = [k.hexdigest for _, k in plan]
@@ -495,6 +498,8 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
     assert "untrusted" in proc.stderr, proc.stderr[-2000:]
     peak = int(proc.stdout.split()[-1]) / 1024
     assert peak - base < size, (peak, base)  # not one object held, let alone the plan's
+    for _, key in planted:
+        obstore.delete(tier.store, f"entries/{key.hexdigest}")
     tier.close()
 
 
