@@ -151,3 +151,36 @@ def wait_for_pause(marker: Path, proc: subprocess.Popen, point: str, timeout=900
             raise AssertionError(f"warmup exited {proc.returncode} first: {proc.communicate()}")
         time.sleep(0.1)
     raise AssertionError(f"warmup did not reach {point} in {timeout} s")
+
+
+def check_lease_lifecycle(a, b, wake_s: float = 1.0) -> str:
+    """The build lease of two tiers ``a`` and ``b`` over one store: exclusive,
+    renewed while held, taken over once its holder stalls and it expires, a
+    stalled holder's renewal refused (checked ``wake_s`` after it wakes), free
+    at once when released, and ``published`` once the entry is there. Returns
+    the key it used."""
+    import time
+
+    from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
+
+    key = "ab" * 32
+    first = a.build_lock(key, ttl_s=1.5)
+    assert first.acquire(wait=False) == ACQUIRED
+    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
+    time.sleep(2.5)  # renewed: still held
+    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
+    first._stop.set()  # the holder stalls (stops renewing) ...
+    first._thread.join()
+    time.sleep(2.0)  # ... and its lease expires
+    second = b.build_lock(key, ttl_s=30)
+    assert second.acquire(wait=False) == ACQUIRED and second.holder() == second.token
+    first._start_renewal()  # the stalled holder wakes up: its renewal is refused
+    time.sleep(wake_s)
+    assert first.lost and second.holder() == second.token
+    second.release()
+    third = a.build_lock(key)
+    assert third.acquire(wait=False) == ACQUIRED  # a released lease is free at once
+    a.put(key, b"z" * 100, {"key": key, "sha256": "0" * 64, "size": 100})
+    assert b.build_lock(key).acquire(wait=True) == PUBLISHED
+    third.release()
+    return key

@@ -26,11 +26,10 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name, pack
 
 from ..conftest import ROOT, run_cli, tiny_args
-from ..kc_helpers import engine_start, wait_for_pause
+from ..kc_helpers import check_lease_lifecycle, engine_start, wait_for_pause
 from ..s3_server import (
     BUCKET,
     ENV_TEST_S3_ENDPOINT,
@@ -210,28 +209,7 @@ def test_a_corrupt_object_is_rejected_and_a_warmup_put_replaces_it(s3, tiny_conf
 
 
 def test_a_lease_is_exclusive_expires_and_is_taken_over(s3):
-    a, b = _tier(s3["url"]), _tier(s3["url"])
-    key = "ab" * 32
-    first = a.build_lock(key, ttl_s=1.5)
-    assert first.acquire(wait=False) == ACQUIRED
-    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
-    time.sleep(2.5)  # renewed: still held
-    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
-    first._stop.set()  # the holder stalls (stops renewing) ...
-    first._thread.join()
-    time.sleep(2.0)  # ... and its lease expires
-    second = b.build_lock(key, ttl_s=30)
-    assert second.acquire(wait=False) == ACQUIRED and second.holder() == second.token
-    first._start_renewal()  # the stalled holder wakes up: its renewal is refused
-    time.sleep(1.0)
-    assert first.lost and second.holder() == second.token
-    second.release()
-    third = a.build_lock(key)
-    assert third.acquire(wait=False) == ACQUIRED  # a released lease is free at once
-    data = b"z" * 100
-    a.put(key, data, {"key": key, "sha256": "0" * 64, "size": 100})
-    assert b.build_lock(key).acquire(wait=True) == PUBLISHED
-    third.release()
+    check_lease_lifecycle(_tier(s3["url"]), _tier(s3["url"]))
 
 
 # -- engine and warmup, with a warm plan in S3 -----------------------------------------

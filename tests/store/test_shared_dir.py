@@ -23,14 +23,14 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.fs_type import check_local, filesystem_type
-from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
+from kernel_cache.store.redis import ACQUIRED, BUSY
 from kernel_cache.store.remote import tiers_from_env
 from kernel_cache.store.remote_base import RemoteUnavailableError
 from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
 
 from ..conftest import ROOT, run_cli, tiny_args
 from ..fuse_mounts import SharedMounts, fuse_unavailable
-from ..kc_helpers import engine_start
+from ..kc_helpers import check_lease_lifecycle, engine_start
 from ..signing_keys import make_keypair
 
 _CLEAN = (
@@ -140,27 +140,7 @@ def test_a_dangling_link_planted_as_an_entry_does_not_keep_the_entry_out(tmp_pat
 
 
 def test_a_file_lease_is_exclusive_expires_is_taken_over_and_released(tmp_path):
-    a, b = _tier(tmp_path), _tier(tmp_path)
-    key = "ab" * 32
-    first = a.build_lock(key, ttl_s=1.5)
-    assert first.acquire(wait=False) == ACQUIRED
-    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
-    time.sleep(2.5)  # renewed: still held
-    assert b.build_lock(key, ttl_s=1.5).acquire(wait=False) == BUSY
-    first._stop.set()  # the holder stalls (stops renewing) ...
-    first._thread.join()
-    time.sleep(2.0)  # ... and its lease expires
-    second = b.build_lock(key, ttl_s=30)
-    assert second.acquire(wait=False) == ACQUIRED and second.holder() == second.token
-    first._start_renewal()  # the stalled holder wakes up: its renewal is refused
-    time.sleep(1.5)
-    assert first.lost and second.holder() == second.token
-    second.release()
-    third = a.build_lock(key)
-    assert third.acquire(wait=False) == ACQUIRED  # a released lease is free at once
-    a.put(key, b"z" * 100, {"key": key, "sha256": "0" * 64, "size": 100})
-    assert b.build_lock(key).acquire(wait=True) == PUBLISHED
-    third.release()
+    key = check_lease_lifecycle(_tier(tmp_path), _tier(tmp_path), wake_s=1.5)
     # one generation file is left, the last change
     assert len(os.listdir(tmp_path / "leases" / key)) == 1
 
