@@ -14,17 +14,13 @@ import subprocess
 import tempfile
 import time
 
+from .ports import free_port
+
 ENV_TEST_REDIS_URL = "KERNEL_CACHE_TEST_REDIS_URL"
 
 
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(port: int) -> bool:

