@@ -115,6 +115,12 @@ _OWN_PCH = pytest.StashKey[bool]()
 #: folder in the run's shared folder, so they are built once a run, not once a
 #: test's cache directory.
 ENV_PCH_DIR = "KERNEL_CACHE_PCH_DIR"
+_OWN_JOBS = pytest.StashKey[bool]()
+#: One compile worker per warmup the tests start: the run's two xdist workers
+#: already keep the cores busy, and a second worker process costs its imports and
+#: torch's first-use setup again (about 10 s of CPU on the tiny plan). A test whose
+#: claim needs several workers passes ``--jobs``.
+ENV_JOBS = "KERNEL_CACHE_JOBS"
 
 
 #: Set by a caller that runs pytest more than once (``.ci/run``: the fast tier,
@@ -142,6 +148,9 @@ def pytest_configure(config):
     if ENV_PCH_DIR not in os.environ:  # every warmup of the run reuses the headers
         os.environ[ENV_PCH_DIR] = str(Path(os.environ[ENV_WARM_DIR], "pch"))
         config.stash[_OWN_PCH] = True
+    if ENV_JOBS not in os.environ:
+        os.environ[ENV_JOBS] = "1"
+        config.stash[_OWN_JOBS] = True
 
 
 def _alive(pid_file: Path) -> bool:
@@ -189,6 +198,8 @@ def pytest_unconfigure(config):
     os.environ.pop(ENV_WARM_DIR, None)
     if config.stash.get(_OWN_PCH, False):
         os.environ.pop(ENV_PCH_DIR, None)
+    if config.stash.get(_OWN_JOBS, False):
+        os.environ.pop(ENV_JOBS, None)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs

@@ -225,6 +225,12 @@ class SettingsFields(BaseModel):
         "for debugging; its path is logged",
         type="bool", expected=_BOOL, example="1",
     )  # fmt: skip
+    jobs: int | None = _f(
+        None, "compile worker processes of warmup and tune (--jobs wins); a machine that "
+        "runs several warmups at once, such as a test suite, sets 1",
+        type="int", expected="an integer >= 1 and <= 1024", example="1",
+        shown_default="min(2, CPUs)", ge=1, le=1024,
+    )  # fmt: skip
     pch_dir: Path | None = _f(
         None, "where compile workers keep the C++ precompiled headers they build once per "
         "compiler, torch and flags and reuse in later warmups; only its owner may write it",

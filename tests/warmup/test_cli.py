@@ -318,3 +318,30 @@ def test_explain_names_each_changed_compile_option_with_both_values_uncut():
         "compile_options: aot_inductor.debug_compile: false != true; "
         'cpp.march new ("x86-64-v3"); old gone (was 1)'
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "jobs"),
+    [(None, None, min(2, os.cpu_count() or 1)), (None, "3", 3), (["--jobs", "2"], "1", 2)],
+)
+def test_jobs_come_from_the_flag_then_kernel_cache_jobs_then_the_cpus(
+    monkeypatch, flag, env, jobs
+):
+    from warmup.cli.options import jobs_of
+
+    monkeypatch.delenv("KERNEL_CACHE_JOBS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("KERNEL_CACHE_JOBS", env)
+    args = build_parser().parse_args(["warmup", *(flag or [])])
+    assert jobs_of(args) == jobs
+
+
+@pytest.mark.parametrize(("env", "says"), [("0", ">= 1"), ("two", "integer"), ("2000", "1024")])
+def test_a_bad_kernel_cache_jobs_is_named_before_anything_compiles(tmp_path, env, says):
+    cache = tmp_path / "cache"
+    proc = run_cli("warmup", "--cache-dir", cache, env={"KERNEL_CACHE_JOBS": env})
+    assert proc.returncode != 0
+    assert "KERNEL_CACHE_JOBS" in proc.stderr and env in proc.stderr, proc.stderr
+    assert says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not cache.exists() or not any(cache.rglob("*.pt2"))

@@ -17,6 +17,7 @@ from warmup.cli.options import (
     _remote_settings,
     config_from_args,
     fleet_options,
+    jobs_of,
     require_publish,
     shard_options,
 )
@@ -98,8 +99,7 @@ def cmd_warmup(args) -> int:
 
     cfg = config_from_args(args)
     variants, shard = _shard_of(cfg, args.shard, args.shards)
-    if args.jobs < 1:
-        raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    jobs = jobs_of(args)
     if args.lock_timeout is not None and not args.lock_timeout >= 0:
         raise KernelCacheError(f"--lock-timeout {args.lock_timeout}: must be >= 0 seconds")
     max_size = (
@@ -119,7 +119,7 @@ def cmd_warmup(args) -> int:
         report = warmup(
             cfg,
             _cache_dir(args),
-            jobs=args.jobs,
+            jobs=jobs,
             progress=not args.quiet,
             variants=variants,
             max_size=max_size,

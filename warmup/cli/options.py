@@ -70,14 +70,28 @@ def engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def jobs_option(p: argparse.ArgumentParser) -> None:
-    """``--jobs N``: compile worker processes (default ``min(2, cpus)``), for
-    ``warmup`` and ``tune``."""
+    """``--jobs N``: compile worker processes, for ``warmup`` and ``tune``
+    (:func:`jobs_of` gives the number to use)."""
     p.add_argument(
         "--jobs",
         type=int,
-        default=min(2, os.cpu_count() or 1),
-        help="compile worker processes (default min(2, cpus))",
+        default=None,
+        help="compile worker processes (default $KERNEL_CACHE_JOBS, else min(2, cpus))",
     )
+
+
+def jobs_of(args) -> int:
+    """The worker count: ``--jobs``, else ``KERNEL_CACHE_JOBS``, else ``min(2, cpus)``.
+
+    Raises:
+        KernelCacheError: ``--jobs`` below 1 (the variable is checked by its setting).
+    """
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+        return args.jobs
+    env = settings.get("jobs")
+    return env if env is not None else min(2, os.cpu_count() or 1)
 
 
 def trust_option(p: argparse.ArgumentParser) -> None:

@@ -20,13 +20,11 @@ PREFILL_TILE_OPTIONS = {
 
 def cmd_tune(args) -> int:
     """``kernel-cache tune``: see the module docstring."""
-    from kernel_cache.errors import KernelCacheError
     from kernel_cache.plan.buckets import parse_bucket_list
-    from warmup.cli.options import _cache_dir, config_from_args
+    from warmup.cli.options import _cache_dir, config_from_args, jobs_of
 
     cfg = config_from_args(args)
-    if args.jobs < 1:
-        raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+    jobs = jobs_of(args)
     variants = [
         KernelVariant.parse(t, "--variants") for a in args.variants for t in a.split(",") if t
     ]
@@ -50,7 +48,7 @@ def cmd_tune(args) -> int:
     check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
-        cfg, variants, _cache_dir(args), settings, jobs=args.jobs, progress=not args.json,
+        cfg, variants, _cache_dir(args), settings, jobs=jobs, progress=not args.json,
         echo=echo,
     )  # fmt: skip
     out = write_table(report["table"], args.out)
