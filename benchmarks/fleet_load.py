@@ -104,7 +104,7 @@ def run(args) -> dict:
             }
             cmds.append([sys.executable, __file__, "--engine", json.dumps(spec)])
         # engines that warm themselves publish unsigned entries: the explicit
-        # insecure opt-out, unless the caller set keys (docs/sharing.md, Signed artifacts)
+        # insecure opt-out, unless the caller set keys (docs/trust.md, Signed artifacts)
         env = dict(os.environ)
         if not (env.get("KERNEL_CACHE_SIGNING_KEY_FILE") or env.get("KERNEL_CACHE_TRUSTED_KEYS")):
             env.setdefault("KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED", "1")

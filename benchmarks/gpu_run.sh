@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's runs, as they were made on the H200 machine (docs/benchmarks.md).
+# The GPU session's runs, as they were made on the H200 machine (docs/benchmarks/, GPU pages).
 # Run from the checkout root with python3 = the image's torch, diskcache and pydantic
 # importable, and OUT set to a folder for logs and JSON:
 #   bash benchmarks/gpu_run.sh probe    # environment + compilers, kernel sweep, the GPU test suite

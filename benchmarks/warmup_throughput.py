@@ -66,7 +66,7 @@ from warmup.cli.main import config_from_args, engine_options
 
 CHILD = str(Path(__file__).with_name("_compile_child.py"))
 
-#: Candidate option sets tried by default (see docs/benchmarks.md for the result).
+#: Candidate option sets tried by default (see docs/benchmarks/compile.md for the result).
 DEFAULT_CANDIDATES = (
     "{}",
     '{"aot_inductor.compile_wrapper_opt_level": "O0"}',

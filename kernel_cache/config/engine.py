@@ -150,7 +150,7 @@ class EngineConfig(BaseModel):
         description="KV bucket ladder: pow2 doubles (the shipped kernels read only real KV, "
         "so finer buckets would only add variants); 4/3 grows by a third up to "
         "--kv-dense-cap, then doubles (for kernels that read their whole bucket; "
-        "docs/benchmarks.md, 'Padding')",
+        "docs/benchmarks/padding.md)",
     )
     kv_dense_cap: int = Field(
         4096, description="tokens where the 4/3 ladder starts doubling; 0 means no cap"

@@ -39,7 +39,7 @@ from kernel_cache.errors import ConfigError
 #:
 #: - ``aot_inductor.enable_line_tables: False`` drops the ``-g1`` line tables
 #:   from the package's ``.so``: measured with torch 2.13, gcc 12 on the CPU
-#:   (docs/benchmarks.md, warmup throughput), 1.63 MB -> 0.47 MB, identical
+#:   (docs/benchmarks/compile.md, warmup throughput), 1.63 MB -> 0.47 MB, identical
 #:   disassembly, half the CPU time to verify and load a variant.
 #: - ``aot_inductor.debug_compile``, ``max_autotune``: pinned off, so that
 #:   ``AOT_INDUCTOR_DEBUG_COMPILE=1`` (``-O0 -g``) or
@@ -163,7 +163,7 @@ CPU_TARGET_NAMES = (*CPU_TARGETS, NATIVE)
 
 #: The default ``--cpu-target``. x86-64-v3 (AVX2) runs on every x86-64 server
 #: CPU of the last decade; its kernel speed against ``native`` on an AVX-512
-#: CPU is measured in docs/benchmarks.md ("CPU target").
+#: CPU is measured in docs/benchmarks/cpu-kernels.md ("CPU target").
 DEFAULT_CPU_TARGET = "x86-64-v3"
 
 

@@ -266,7 +266,7 @@ class RealKVPagedAttention(PagedAttention):
     No boolean mask is built. K and V of each call are copied from the pool
     straight into a head-major ``[1, num_kv_heads, length, head_dim]`` buffer
     in the cache's dtype (the CPU flash kernel reads a token-major view about
-    15 % slower; ``docs/benchmarks.md``). Blocks past ``seq_len`` are not read.
+    15 % slower; ``docs/benchmarks/cpu-kernels.md``). Blocks past ``seq_len`` are not read.
     Run eagerly (``verify``'s oracle) or on another device it is the plain
     :class:`PagedAttention`, so that ``verify`` compares the artifact with an
     independent formulation.
@@ -376,7 +376,7 @@ class RealKVPagedAttention(PagedAttention):
 #: Fewest query rows per chunk of a full bucket in the CPU prefill's causal part
 #: (:meth:`RealKVPagedAttention.real_blocks`): ATen's CPU flash kernel takes
 #: 64-row query tiles from 192 rows on and 32-row tiles below. Measured at
-#: granite geometry, one thread: docs/benchmarks.md ("Kernel speed").
+#: granite geometry, one thread: docs/benchmarks/cpu-kernels.md ("Kernel speed").
 _PREFILL_CHUNK_ROWS = 192
 
 #: Query rows of one flex head are kept below this: torch 2.13's CPU flex template

@@ -15,7 +15,7 @@ from __future__ import annotations
 #: programs per launch (8 per streaming multiprocessor on a 132-SM H100/H200), but
 #: never split below ``MIN_SPLIT_TOKENS`` tokens per program. A pure function of
 #: the variant's shape, so the artifact does not depend on which GPU warmed it.
-#: (Picked on an H200: docs/benchmarks.md, "GPU (H200)", kernel sweep.)
+#: (Picked on an H200: docs/benchmarks/gpu-decode.md, kernel sweep.)
 TARGET_PROGRAMS = 1024
 MIN_SPLIT_TOKENS = 256
 
@@ -37,7 +37,7 @@ def cuda_default_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, block
 #: sweep of benchmarks/gpu_engine.py, granite-3.3-8b bf16: 128 x 128 tiles, 8
 #: warps, 3 stages took 0.112 ms at 512 query tokens over 4096 KV tokens and
 #: 0.653 ms at 2048 over 8192, the fastest of 12 configurations at 2048 @ 8192
-#: and 2-4% behind the fastest at 512 @ 4096; docs/benchmarks.md, "Prefill kernel").
+#: and 2-4% behind the fastest at 512 @ 4096; docs/benchmarks/gpu-prefill.md).
 PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8

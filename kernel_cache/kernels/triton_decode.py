@@ -45,7 +45,7 @@ from torch.library import triton_op, wrap_triton
 
 from kernel_cache.kernels.tiles import cuda_default_splits
 
-#: Launch parameters, picked on an H200 (docs/benchmarks.md, "GPU (H200)",
+#: Launch parameters, picked on an H200 (docs/benchmarks/gpu-decode.md,
 #: kernel sweep): tokens per inner step, warps per program, pipeline stages.
 BLOCK_N = 64
 NUM_WARPS = 4

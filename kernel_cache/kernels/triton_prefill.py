@@ -4,9 +4,9 @@ The plain-PyTorch :class:`kernel_cache.kernels.builtin.PagedAttention` gathers e
 block of the bucket into float32 copies and materialises the whole score
 matrix; through AOTInductor it ran a 512-token chunk over 4096 KV tokens of
 granite-3.3-8b in about 1.1 ms on an H200, 9x slower than flash SDPA on
-contiguous KV (docs/benchmarks.md, "GPU (H200)"). This kernel streams the KV
-blocks straight from the paged cache with an online softmax and never reads a
-token at or past ``seq_len``.
+contiguous KV (docs/benchmarks/gpu-dispatch.md, "Kernel speed per variant").
+This kernel streams the KV blocks straight from the paged cache with an online
+softmax and never reads a token at or past ``seq_len``.
 
 Semantics (exactly :class:`~kernel_cache.kernels.builtin.PagedAttention`'s): the chunk's
 ``real_query_len`` real rows are the last tokens of the sequence; row ``i`` sits
@@ -29,7 +29,7 @@ Gimelshein, 2018), grid ``(ceil(query_len / block_q), num_kv_heads)``:
   takes one block-table entry, a scalar, instead of one per token, and its rows
   are 32-bit offsets from one 64-bit page pointer: fewer address registers,
   15-17% less time at 512 @ 4096 and 2048 @ 8192 on an H200 than one entry
-  and one 64-bit address per token (docs/benchmarks.md, "Prefill kernel").
+  and one 64-bit address per token (docs/benchmarks/gpu-prefill.md).
   Tiles entirely below the program's causal diagonal run without masks (the
   softmax scale folded into one multiply-add per score); the remaining tiles up
   to the last visible position are masked.

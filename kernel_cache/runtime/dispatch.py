@@ -90,7 +90,7 @@ class AttentionRuntime(InputChecks):
         #: CPU only: check every block id against the pool before a kernel reads
         #: it (an id outside the pool aborts the process inside the kernel). One
         #: reduction over the padded table: about 2 us of a decode call's host
-        #: time here (docs/benchmarks.md, "Dispatch overhead"). An engine that
+        #: time here (docs/benchmarks/dispatch.md, "Dispatch overhead"). An engine that
         #: builds its block tables itself may set it to False.
         self.check_block_ids = True
         #: CUDA only: kernels read each call's host lengths from a pinned staging

@@ -101,7 +101,8 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     On the CPU, a package that holds only its ``.so``, metadata and source
     (:func:`_cpu_library`) skips the loader: only the ``.so``, read from
     ``data``, is written and loaded (:func:`_load_cpu_library`; 1.7 ms per
-    variant against 2.3 ms through the loader, docs/benchmarks.md).
+    variant against 2.3 ms through the loader; docs/benchmarks/engine-start.md,
+    "`load_plan` alone").
 
     On CUDA the runner is created in AOTInductor's single-threaded mode
     (``AOTIModelPackageLoader(path, model_name, run_single_threaded=True,

@@ -3,7 +3,7 @@
 The ``sources`` key component follows the imports of the compile path's files
 (:func:`kernel_cache.plan.sources.source_files`), which takes an
 ``ast.parse`` of each file: about half of ``load_plan``'s time on a 2-core
-CPU (docs/benchmarks.md). What a scan finds depends only on the file's bytes,
+CPU (docs/benchmarks/engine-start.md). What a scan finds depends only on the file's bytes,
 its module name, the scanning code and the Python version, so warmup keeps
 the scans in ``<cache>/imports.json`` and engine start reads them::
 

@@ -38,7 +38,7 @@ written there, and a copy of a shared entry keeps its signature and its
 HMAC signing (``KERNEL_CACHE_SIGNING_KEY``, ``alg: hmac-sha256``) is retired:
 every engine needed the secret that signs, so any engine could publish code the
 fleet runs. Setting it is a :class:`SigningKeyError` that says how to migrate;
-see docs/architecture.md (Trust).
+see docs/trust.md ("Signed artifacts").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def cfg(**kw):
 
 def test_the_default_ladder_is_pow2():
     """The shipped kernels read only real KV, so the default ladder only decides
-    how many variants are compiled (docs/benchmarks.md, "Padding")."""
+    how many variants are compiled (docs/benchmarks/padding.md)."""
     assert make_config("llama-3.2-1b").kv_ladder == "pow2"
     assert Bucketer(make_config("llama-3.2-1b")).kv_buckets == (128, 256, 512, 1024)
 
