@@ -123,6 +123,32 @@ def attribute(owner: Any, dotted: str, table: dict[str, PrivateAPI] | None = Non
         raise drift(dotted, "is missing", table) from None
 
 
+def resolve(dotted: str, table: dict[str, PrivateAPI] | None = None) -> Any:
+    """The object a dotted name of the tables names (a module, a class, a
+    function, a variable, an operator), importing modules on the way: for tests
+    and for checking a new torch against :data:`RUNTIME_API` and
+    :data:`warmup.torch_compat.BUILD_API` (it may import the compile stack).
+
+    Raises:
+        TorchAPIDriftError: a part of the name is missing.
+    """
+    import importlib
+
+    parts = dotted.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], 2):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            continue
+        except ImportError:
+            pass
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise drift(dotted, "is missing", table) from None
+    return obj
+
+
 def _aoti(name: str) -> Any:
     import torch
 
