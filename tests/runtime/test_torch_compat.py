@@ -187,6 +187,16 @@ def test_every_listed_name_resolves_in_this_torch():
         assert torch.__version__.startswith(("2.11", "2.13"))
 
 
+def test_the_architecture_page_lists_every_name():
+    from warmup import torch_compat as build_compat
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## Torch's private API") :].split("\n## ")[0]
+    for api in runtime_compat.RUNTIME_API + build_compat.BUILD_API:
+        assert f"`{api.name}`" in section or f"`{api.name.rpartition('.')[2]}`" in section
+        assert ", ".join(api.checked) in section
+
+
 # -- drift of the runtime's names -------------------------------------------------------
 
 
