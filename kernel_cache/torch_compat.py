@@ -34,8 +34,9 @@ class PrivateAPI(NamedTuple):
 
 
 #: The torch versions this project is checked with: 2.11 (the GPU host's image;
-#: names read from its wheel's sources and stubs, and run on the GPU host) and
-#: 2.13 (CI; every name run by the test suite).
+#: every name and signature found in that release's wheel: its Python sources,
+#: type stubs and operator list) and 2.13 (CI: every name resolved and used by
+#: the test suite).
 CHECKED = ("2.11", "2.13")
 
 #: Every private torch name the runtime uses.
