@@ -372,3 +372,27 @@ def test_engine_start_stops_where_the_capture_guard_would_be_lost():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kernel_cache.errors.TorchAPIDriftError: torch ")
     assert "torch._C._cuda_isCurrentStreamCapturing is missing" in last
+
+
+def test_warmups_load_check_reports_drift_as_such(tmp_path):
+    """The check process that loads each new artifact before it is published
+    (warmup/build/loadcheck.py), run with the loader taken away: the artifact
+    is refused with the drift error's text, not the loader's "rejected"."""
+    art = tmp_path / "a.pt2"
+    art.write_bytes(FOR_THE_LOADER)
+    listing = tmp_path / "list.json"
+    listing.write_text(json.dumps([{"index": 0, "variant": "v", "path": str(art)}]))
+    code = (
+        "import sys, torch\n"
+        "del torch._C._aoti.AOTIModelPackageLoader\n"
+        "from warmup.build.loadcheck import _child_main\n"
+        f"sys.exit(_child_main(['--device', 'cpu', {str(listing)!r}]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (rejected,) = [e for e in events if e["event"] == "rejected"]
+    assert "torch._C._aoti.AOTIModelPackageLoader is missing" in rejected["error"]
+    assert "pin torch to a checked version" in rejected["error"]
