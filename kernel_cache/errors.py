@@ -106,6 +106,31 @@ class CorruptEntryError(KernelCacheError):
         super().__init__(f"cache entry {key[:16]}{loc} is corrupt: {reason}")
 
 
+class TorchAPIDriftError(KernelCacheError):
+    """A private torch name kernel-cache uses is missing or has another form in
+    the installed torch (:mod:`kernel_cache.torch_compat`, the one place such
+    names are reached). Names the torch version, the API's dotted name, what
+    differs, the torch versions it was checked on and the fix (pin torch to one
+    of them, or upgrade kernel-cache). Never a statement about a cache entry:
+    the entry that was being loaded is left as it is."""
+
+    def __init__(self, api: str, why: str, torch_version: str, checked: tuple[str, ...]):
+        self.api = api
+        self.why = why
+        self.torch_version = torch_version
+        self.checked = tuple(checked)
+        from kernel_cache import __version__
+
+        on = ", ".join(self.checked)
+        super().__init__(
+            f"torch {torch_version}: {api} {why}. kernel-cache {__version__} reaches this "
+            f"private torch API and was checked with torch {on}; the cache entries are not "
+            f"at fault. Fix: pin torch to a checked version (pip install 'torch=="
+            f"{self.checked[-1]}.*') or upgrade kernel-cache to a release that supports "
+            f"torch {torch_version}"
+        )
+
+
 class CompileError(KernelCacheError):
     """torch.export or AOTInductor failed for a variant."""
 

@@ -245,7 +245,9 @@ class EngineConfig(BaseModel):
     def torch_dtype(self):
         import torch
 
-        return getattr(torch, self.dtype)
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            self.dtype
+        ]
 
 
 def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:

@@ -41,6 +41,7 @@ import math
 import torch
 from torch import nn
 
+from kernel_cache import torch_compat
 from kernel_cache.errors import ConfigError
 
 _NEG = torch.finfo(torch.float32).min
@@ -252,7 +253,7 @@ class RealKVPagedAttention(PagedAttention):
     CPU by ``torch.export`` or ``torch.compile`` (:meth:`real_blocks`) it reads
     the first ``ceil(seq_len / block_size)`` blocks of ``block_table`` (a
     data-dependent count: unbacked sizes under ``torch.export``, bounded by
-    ``torch._check``) and only the real query rows ``r = min(real_query_len,
+    :func:`kernel_cache.torch_compat.check`) and only the real query rows ``r = min(real_query_len,
     seq_len)``, with ``start = seq_len - r`` the position of row 0. The rows
     are cut in ``max(1, q_len // 192)`` chunks (``_PREFILL_CHUNK_ROWS``); each
     chunk ``[a, e)`` takes two calls of the CPU flash kernel (GQA native),
@@ -299,11 +300,11 @@ class RealKVPagedAttention(PagedAttention):
         # start (the absolute position of query row 0) is its own unbacked size,
         # so that Inductor knows the slices below start at or after 0.
         start, rows = (kv_t - rows_t).item(), rows_t.item()
-        torch._check(start >= 0)
-        torch._check(rows >= 1)
-        torch._check(rows <= q_len)
+        torch_compat.check(start >= 0)
+        torch_compat.check(rows >= 1)
+        torch_compat.check(rows <= q_len)
         kv_len = start + rows
-        torch._check(kv_len <= nb * bs)
+        torch_compat.check(kv_len <= nb * bs)
         n = (kv_len + (bs - 1)) // bs
         idx = block_table[:n].long()
         # Head-major [1, kvh, n * block_size, d] (the reshape alone is a token-major
@@ -312,7 +313,7 @@ class RealKVPagedAttention(PagedAttention):
         k = key_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
         v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
         q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        flash = torch_compat.cpu_flash_attention()
         fresh = kv_t == rows_t  # a fresh prompt: nothing before row 0
         # The rows in n_chunks chunks (a fixed count per query bucket: a full
         # bucket's chunks have at least _PREFILL_CHUNK_ROWS rows, from which the
@@ -330,9 +331,9 @@ class RealKVPagedAttention(PagedAttention):
             b0, b1 = (j * rows) // n_chunks, ((j + 1) * rows) // n_chunks
             a = torch.sym_min(b0, rows - 1)
             e = torch.sym_max(b1, a + 1)
-            torch._check(a >= 0)
-            torch._check(e > a)
-            torch._check(e <= rows)
+            torch_compat.check(a >= 0)
+            torch_compat.check(e > a)
+            torch_compat.check(e <= rows)
             qa = q[:, :, a:e]
             diag, lse_d = flash(
                 qa,

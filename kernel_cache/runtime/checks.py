@@ -82,7 +82,7 @@ class InputChecks:
                 # A lazy negation or conjugation view: the kernels read the memory
                 # as it is, without the pending operation.
                 raise ShapeError(
-                    f"{name} is a negated or conjugated view (torch._neg_view / conj): "
+                    f"{name} is a negated or conjugated view (is_neg() or is_conj() is True): "
                     "the kernels read its memory as stored; pass .resolve_neg() / "
                     ".resolve_conj() of it"
                 )

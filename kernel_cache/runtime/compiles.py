@@ -1,17 +1,21 @@
 """Compiles this process ran, read from torch's own counters without importing
 torch's compile stack.
 
-Torch keeps its compile counters in ``torch._dynamo.utils`` (imported by Dynamo
-and by every Inductor compile, ``torch.compile`` and AOTInductor alike); this
-module reads them only where that module is already in ``sys.modules``, so
-asking imports nothing. Where it is not, this process has compiled nothing
-through torch's compile stack.
+Torch keeps its compile counters in Dynamo's utilities module (imported by
+Dynamo and by every Inductor compile, ``torch.compile`` and AOTInductor alike);
+:func:`kernel_cache.torch_compat.compile_counters` reads them only where that
+module is already imported, so asking imports nothing. Where it is not, this
+process has compiled nothing through torch's compile stack. Where it is and a
+counter is missing, that raises
+:class:`~kernel_cache.errors.TorchAPIDriftError`: a renamed counter is never
+read as 0 compiles.
 
 What is counted (torch 2.13):
 
 - ``compiles``: Inductor graph compiles, the entries Inductor's
-  ``compile_fx_inner`` appends to ``torch._dynamo.utils.compilation_time_metrics``
-  when it finishes a graph. ``torch.compile`` with the default backend adds one
+  ``compile_fx_inner`` appends to the compile-time metrics
+  (:attr:`~kernel_cache.torch_compat.CompileCounters.metrics`) when it finishes
+  a graph. ``torch.compile`` with the default backend adds one
   per graph it compiles (two for a training graph: forward and backward),
   AOTInductor (``aoti_compile_and_package``, what warmup runs) one per package,
   an FX-graph-cache hit one too (the compile stack ran, no C++ compiler did).
@@ -19,7 +23,7 @@ What is counted (torch 2.13):
   (``counters["aot_autograd"]["autograd_cache_hit"]``), which skip
   ``compile_fx_inner``: a second process's ``torch.compile`` with a warm
   ``TORCHINDUCTOR_CACHE_DIR`` counts one per graph, as the first did.
-  ``torch._dynamo.reset()`` empties that dict; :class:`CompileCounter` keeps
+  Dynamo's ``reset()`` empties the metrics; :class:`CompileCounter` keeps
   every list (and counter) it has seen, so a reset between two reads loses
   nothing (two resets between two reads lose the compiles between them).
 - ``dynamo_graphs``: graphs Dynamo captured (``counters["stats"]["unique_graphs"]``),
@@ -31,12 +35,11 @@ from __future__ import annotations
 
 import sys
 
-#: Modules whose presence in ``sys.modules`` means torch's compile stack was
-#: imported: Dynamo and Inductor's compiler (the AOTInductor runtime loader
-#: that engine start uses imports none of them).
-COMPILE_STACK = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codegen")
+from kernel_cache.torch_compat import COMPILE_STACK, compile_counters
 
-#: The ``compilation_time_metrics`` entry Inductor appends to once per graph compile.
+__all__ = ["COMPILE_STACK", "CompileCounter", "compile_stack_loaded"]
+
+#: The metrics entry Inductor appends to once per graph compile.
 _INDUCTOR_COMPILE = "compile_fx_inner"
 
 
@@ -45,35 +48,26 @@ def compile_stack_loaded() -> list[str]:
     return [m for m in COMPILE_STACK if m in sys.modules]
 
 
-def _torch_counters():
-    """``torch._dynamo.utils`` if this process imported it, else None (never imports)."""
-    return sys.modules.get("torch._dynamo.utils")
-
-
 def _inductor_runs() -> list | None:
     """Inductor's list of graph-compile times (one float per compile), or None
     where no Inductor compile has run since the last reset (or ever)."""
-    utils = _torch_counters()
-    if utils is None:
-        return None
-    return getattr(utils, "compilation_time_metrics", {}).get(_INDUCTOR_COMPILE)
+    found = compile_counters()
+    return None if found is None else found.metrics.get(_INDUCTOR_COMPILE)
 
 
 def _autograd_cache() -> dict | None:
     """Torch's ``counters["aot_autograd"]`` (it holds ``autograd_cache_hit``), or None
     where it does not exist yet (never creates it)."""
-    utils = _torch_counters()
-    if utils is None:
-        return None
-    return getattr(utils, "counters", {}).get("aot_autograd")
+    found = compile_counters()
+    return None if found is None else found.counters.get("aot_autograd")
 
 
 def _dynamo_graphs() -> int:
     """Graphs Dynamo captured in this process (0 where Dynamo was never imported)."""
-    utils = _torch_counters()
-    if utils is None:
+    found = compile_counters()
+    if found is None:
         return 0
-    stats = getattr(utils, "counters", {}).get("stats")  # .get: the defaultdict is not grown
+    stats = found.counters.get("stats")  # .get: the defaultdict is not grown
     return int(stats.get("unique_graphs", 0)) if stats else 0
 
 
@@ -82,7 +76,7 @@ class CompileCounter:
 
     :meth:`read` is process-wide: a compile in any thread of this process
     counts. Inductor's list of compile times is replaced by an empty one at
-    each ``torch._dynamo.reset()``; every list seen (at the baseline or at a
+    each reset of Dynamo; every list seen (at the baseline or at a
     read) is kept and summed, so only a list made and dropped between two
     reads (two resets between them) goes uncounted.
     """

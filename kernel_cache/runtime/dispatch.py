@@ -24,10 +24,12 @@ from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer,
 from kernel_cache.runtime.buffers import RING, VariantSlot, mapped_pinned_reads
 from kernel_cache.runtime.checks import InputChecks
 from kernel_cache.runtime.compiles import CompileCounter
+from kernel_cache.torch_compat import stream_capture_query
 
 #: torch.cuda.is_current_stream_capturing without its Python frame (hot path);
-#: False on a torch built without CUDA.
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+#: False on a torch built without CUDA. A torch built with CUDA that lacks it
+#: fails here (TorchAPIDriftError) rather than run without the capture guard.
+_capturing = stream_capture_query()
 
 #: Rows of a staging ring's half (:data:`~kernel_cache.runtime.buffers.RING`):
 #: the host waits for the GPU at most once per half.

@@ -1,8 +1,8 @@
 """Engine start: find, check and load every artifact of a plan, with zero compiles.
 
 :func:`load_plan` loads every variant of a plan through AOTInductor's package
-loader (``torch._C._aoti.AOTIModelPackageLoader``), which imports neither
-Dynamo nor Inductor's compiler, and returns the dispatcher,
+loader (:func:`kernel_cache.torch_compat.load_aoti_package`), which imports
+neither Dynamo nor Inductor's compiler, and returns the dispatcher,
 :class:`~kernel_cache.runtime.dispatch.AttentionRuntime`.
 """
 
@@ -27,6 +27,7 @@ from kernel_cache.errors import (
     CorruptEntryError,
     CpuTargetError,
     MissingVariantsError,
+    TorchAPIDriftError,
 )
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
@@ -116,8 +117,13 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
 
     Raises:
         CorruptEntryError: the loader rejected the package.
+        TorchAPIDriftError: the installed torch's loader is missing or takes
+            other arguments (:mod:`kernel_cache.torch_compat`); the entry is not
+            at fault and is left as it is.
     """
     import torch  # here, not at module top: listings and ``explain`` need no torch
+
+    from kernel_cache import torch_compat
 
     if device == "cpu":
         library = _cpu_library(data, where, key)
@@ -131,9 +137,15 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         device_index = torch.cuda.current_device() if device == "cuda" else -1
         try:
             with _tmpdir(where_to):
-                return torch._C._aoti.AOTIModelPackageLoader(
-                    path, "model", device == "cuda", 1, device_index
+                return torch_compat.load_aoti_package(
+                    path,
+                    model_name="model",
+                    run_single_threaded=device == "cuda",
+                    num_runners=1,
+                    device_index=device_index,
                 )
+        except TorchAPIDriftError:
+            raise  # torch's API, not this file
         except Exception as e:  # the loader raises RuntimeError for bad zips
             raise CorruptEntryError(
                 key, f"the AOTInductor loader rejected it: {e}", where
@@ -208,15 +220,18 @@ def _load_cpu_library(library: bytes, where: str, key: str):
 
     Raises:
         CorruptEntryError: the library does not load.
+        TorchAPIDriftError: as :func:`load_package`'s.
     """
-    import torch
+    from kernel_cache import torch_compat
 
     fd, path = tempfile.mkstemp(suffix=".so", prefix="kernel_cache-", dir=load_dir())
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(library)
         try:
-            return torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1)
+            return torch_compat.load_cpu_runner(path, num_models=1)
+        except TorchAPIDriftError:
+            raise  # torch's API, not this file
         except Exception as e:  # dlopen or a missing symbol: RuntimeError
             raise CorruptEntryError(
                 key, f"the AOTInductor loader rejected it: {e}", where

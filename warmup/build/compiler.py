@@ -34,7 +34,7 @@ from kernel_cache.config.recipe import (
     device_arch,
     resolve_cpu_target,
 )
-from kernel_cache.errors import CompileError
+from kernel_cache.errors import CompileError, TorchAPIDriftError
 from kernel_cache.kernels.builtin import build_module
 from kernel_cache.kernels.slots import check_output, kernel_path
 from kernel_cache.plan import traced as traced_files
@@ -42,10 +42,11 @@ from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.launch import launch_for, variant_defaults
 from kernel_cache.plan.traced import Manifest, manifest_of
 from kernel_cache.runtime.inputs import make_inputs
+from warmup import torch_compat
 from warmup.build.normalize import build_paths_mapped, normalize_package
 
 #: Modules that read the pinned environment variables when first imported.
-_READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
+_READS_ENV_AT_IMPORT = torch_compat.READS_ENV_AT_IMPORT
 #: Pinned variables Inductor reads when it uses them, not at import: setting
 #: them later takes effect.
 _READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
@@ -136,11 +137,7 @@ def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     target = resolve_cpu_target(config.cpu_target)
     if target.capability is None:
         return
-    from torch._inductor import config as inductor_config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    with inductor_config.patch({k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}):
-        chosen = str(pick_vec_isa())
+    chosen = torch_compat.chosen_vec_isa(options)
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
     if chosen != want:
         raise CompileError(
@@ -185,7 +182,8 @@ def _first_lines(e: Exception) -> str:
 
 
 def _has_option(cfg, dotted: str) -> bool:
-    """Whether ``torch._inductor.config`` has the option ``dotted`` (``a.b``)."""
+    """Whether Inductor's configuration ``cfg``
+    (:func:`warmup.torch_compat.inductor_config`) has the option ``dotted`` (``a.b``)."""
     *parents, name = dotted.split(".")
     for p in parents:
         cfg = getattr(cfg, p, None)
@@ -259,39 +257,25 @@ def _host_march(march: str | None):
     in the key either way (:func:`kernel_cache.config.recipe.compile_options`).
 
     Raises:
-        CompileError: this torch's builder has no ``_get_optimization_cflags``
-            to set it through (a torch this recipe does not know).
+        TorchAPIDriftError: this torch's builder has no such hook to set it
+            through (:func:`warmup.torch_compat.optimization_cflags_wrapped`).
     """
     if march is None:
         yield
         return
-    from torch._inductor import cpp_builder
-
-    original = getattr(cpp_builder, "_get_optimization_cflags", None)
-    if original is None:
-        raise CompileError(
-            f"torch {_torch_version()} has neither cpp.march nor the C++ builder hook to "
-            f"build host code for -march={march}; use torch 2.11 to 2.13"
-        )
 
     def swap(fl):
         return [f"march={march}" if str(f).startswith("march=") else f for f in fl]
 
-    def flags(*args, **kwargs):  # a list of flags, or (cflags, ldflags) in newer torch
-        out = original(*args, **kwargs)
-        return (swap(out[0]), *out[1:]) if isinstance(out, tuple) else swap(out)
+    def wrap(original):
+        def flags(*args, **kwargs):  # a list of flags, or (cflags, ldflags) in newer torch
+            out = original(*args, **kwargs)
+            return (swap(out[0]), *out[1:]) if isinstance(out, tuple) else swap(out)
 
-    cpp_builder._get_optimization_cflags = flags
-    try:
+        return flags
+
+    with torch_compat.optimization_cflags_wrapped(wrap):
         yield
-    finally:
-        cpp_builder._get_optimization_cflags = original
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def compile_with_options(
@@ -319,8 +303,7 @@ def compile_with_options(
     # A built-in option this torch does not have (enable_line_tables is new in
     # 2.13) is left out. The torch version is in the key, so one key always
     # means one set of options.
-    from torch._inductor import config as inductor_config
-
+    inductor_config = torch_compat.inductor_config()
     opts = {
         k: v for k, v in opts.items() if k not in BASE_OPTIONS or _has_option(inductor_config, k)
     }
@@ -332,28 +315,25 @@ def compile_with_options(
     return _export_and_compile(config, variant, opts, launch, march, window, pch_dir)
 
 
-#: torch's process-global settings a compile reads (``torch._inductor.config``
+#: torch's process-global settings a compile reads (Inductor's configuration
 #: holds graph passes too): a kernel's code that changes one builds code its key
 #: does not describe, and would build it for every later variant of the worker.
 #: Compared around the factory and the export only: AOTInductor itself adds to
 #: ``aot_inductor.metadata`` in place.
-_CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+_CONFIG_MODULES = torch_compat.CONFIG_MODULES
 
 
 def _global_configs() -> dict:
-    import importlib
-
-    return {n: importlib.import_module(n).get_config_copy() for n in _CONFIG_MODULES}
+    return {n: m.get_config_copy() for n, m in torch_compat.config_modules().items()}
 
 
 def _config_changes(before: dict) -> list[str]:
     """The settings that differ from ``before`` (:func:`_global_configs`), each
     put back to its value there."""
-    import importlib
-
+    modules = torch_compat.config_modules()
     changed = []
     for name, old in before.items():
-        module = importlib.import_module(name)
+        module = modules[name]
         now = module.get_config_copy()
         keys = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
         if keys:
@@ -366,8 +346,8 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
     """The export (in ``window``) and the AOTInductor compile of
     :func:`compile_with_options`."""
     import torch
-    import torch._inductor
 
+    compile_and_package = torch_compat.aoti_compile_and_package()
     t0 = time.perf_counter()
     before = _global_configs()
     try:
@@ -397,9 +377,9 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
         path = os.path.join(tmp, "model.pt2")
         try:
             with torch.no_grad(), _host_march(march), build_paths_mapped(tmp, pch_dir) as paths:
-                torch._inductor.aoti_compile_and_package(
-                    ep, package_path=path, inductor_configs=opts
-                )
+                compile_and_package(ep, package_path=path, inductor_configs=opts)
+        except TorchAPIDriftError:
+            raise  # torch's API, not this variant
         except Exception as e:
             raise CompileError(
                 f"AOTInductor failed for {variant}{_impl(config, variant)}: {type(e).__name__}: {e}"

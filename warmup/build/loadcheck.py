@@ -421,7 +421,7 @@ def _child_main(argv=None) -> int:
 
     import torch  # as in an engine process: torch (and its libstdc++) loaded first
 
-    from kernel_cache.errors import CorruptEntryError
+    from kernel_cache.errors import CorruptEntryError, TorchAPIDriftError
     from kernel_cache.runtime.load import load_package
 
     if args.device == "cuda":
@@ -437,6 +437,9 @@ def _child_main(argv=None) -> int:
             load_package(Path(it["path"]).read_bytes(), args.device, "warmup check")
         except CorruptEntryError as e:
             emit(event="rejected", index=it["index"], error=e.reason)
+            continue
+        except TorchAPIDriftError as e:  # not the artifact's fault; it is not published
+            emit(event="rejected", index=it["index"], error=str(e))
             continue
         emit(event="ok", index=it["index"])
     return 0

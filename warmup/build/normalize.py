@@ -74,15 +74,18 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     of that header removes the temporary file left.
 
     Inductor has no option for extra compiler flags or the headers' folder: its
-    one function that runs a compile command
-    (``torch._inductor.cpp_builder._run_compile_cmd``) is wrapped, and its
-    headers' folder (``torch._inductor.codecache._HEADER_DIR``, read when a
-    header is built) is set, for the duration and restored after.
+    one function that runs a compile command is wrapped
+    (:func:`warmup.torch_compat.compile_command_wrapped`), and its headers'
+    folder is set (:func:`warmup.torch_compat.header_dir`), for the duration
+    and restored after.
+
+    Raises:
+        TorchAPIDriftError: the installed torch lacks either (names it).
     """
     import glob
     import shlex
 
-    from torch._inductor import codecache, cpp_builder
+    from warmup import torch_compat
 
     build = os.path.join(os.path.abspath(tmp), "inductor")
     os.makedirs(build, exist_ok=True)
@@ -91,37 +94,35 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     os.makedirs(pch, mode=0o700, exist_ok=True)
     pairs = build_path_map(build, pch)
     flags = " ".join(shlex.quote(f"-ffile-prefix-map={p}={n}") for p, n in pairs)
-    run = cpp_builder._run_compile_cmd
 
-    def mapped(cmd_line: str, cwd: str) -> None:
-        compiler, _, rest = cmd_line.partition(" ")
-        args = shlex.split(rest)
-        out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
-        if out is None or not out.endswith(".gch"):
-            return run(f"{compiler} {flags} {rest}", cwd)
-        # Inductor holds the header's lock here: any other part is a killed builder's
-        for stale in glob.glob(f"{glob.escape(out)}.*.part"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
-        part = f"{out}.{os.getpid()}.part"
-        args[args.index("-o") + 1] = part
-        try:
-            run(f"{compiler} {flags} {shlex.join(args)}", cwd)
-            os.replace(part, out)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(part)
+    def wrap(run):
+        def mapped(cmd_line: str, cwd: str) -> None:
+            compiler, _, rest = cmd_line.partition(" ")
+            args = shlex.split(rest)
+            out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
+            if out is None or not out.endswith(".gch"):
+                return run(f"{compiler} {flags} {rest}", cwd)
+            # Inductor holds the header's lock here: any other part is a killed builder's
+            for stale in glob.glob(f"{glob.escape(out)}.*.part"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+            part = f"{out}.{os.getpid()}.part"
+            args[args.index("-o") + 1] = part
+            try:
+                run(f"{compiler} {flags} {shlex.join(args)}", cwd)
+                os.replace(part, out)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+
+        return mapped
 
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    saved_pch = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = build
-    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = pch, os.path.join(pch, "locks")
-    cpp_builder._run_compile_cmd = mapped
     try:
-        yield pairs
+        with torch_compat.header_dir(pch), torch_compat.compile_command_wrapped(wrap):
+            yield pairs
     finally:
-        cpp_builder._run_compile_cmd = run
-        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved_pch
         if saved is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:

@@ -44,6 +44,7 @@ from kernel_cache.errors import (
     CorruptEntryError,
     KernelCacheError,
     LockTimeoutError,
+    TorchAPIDriftError,
     UntrustedCacheError,
 )
 from kernel_cache.plan.buckets import KernelVariant
@@ -380,7 +381,7 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
         res.status, res.error = Status.FAILED, f"not published: {e}"
     except CompileError as e:
         res.status, res.error = Status.FAILED, str(e)
-    except CacheWriteError as e:
+    except (CacheWriteError, TorchAPIDriftError) as e:  # every later variant would fail too
         res.status, res.error, res.fatal = Status.FAILED, str(e), True
     except Exception as e:  # report it with the variant; the other variants go on
         res.status, res.error = Status.FAILED, f"{type(e).__name__}: {e}"

@@ -1,0 +1,104 @@
+"""The build's private torch names (warmup/torch_compat.py) taken away from the
+real torch modules: each raises TorchAPIDriftError naming the torch version,
+the name and the fix, leaves torch's state as it was, and is never reported as
+one variant's compile error. Nothing is compiled."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch._inductor import codecache, cpp_builder
+
+from kernel_cache.errors import CompileError, TorchAPIDriftError
+from kernel_cache.plan.buckets import Bucketer
+from warmup import torch_compat
+from warmup.build.compiler import _host_march, compile_with_options
+from warmup.build.normalize import build_paths_mapped
+
+
+def assert_drift(e: TorchAPIDriftError, api: str, why: str = "is missing") -> None:
+    msg = str(e)
+    assert not isinstance(e, CompileError)
+    assert e.api == api and f"torch {torch.__version__}: {api} {why}" in msg
+    assert "checked with torch 2.11, 2.13" in msg
+    assert "pin torch to a checked version" in msg and "upgrade kernel-cache" in msg
+
+
+def test_a_missing_compile_command_hook_stops_the_build_and_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/before")
+    headers = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
+    monkeypatch.delattr(cpp_builder, "_run_compile_cmd")
+    with pytest.raises(TorchAPIDriftError) as e:
+        with build_paths_mapped(str(tmp_path / "build"), str(tmp_path / "pch")):
+            raise AssertionError("never entered")
+    assert_drift(e.value, "torch._inductor.cpp_builder._run_compile_cmd")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/before"
+    assert (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR) == headers
+    assert not hasattr(cpp_builder, "_run_compile_cmd")  # nothing set in its place
+
+
+def test_a_compile_command_hook_with_other_parameters_is_drift(monkeypatch):
+    def run(cmd: list, cwd: str, env: dict) -> None:  # a later torch's, say
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", run)
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.compile_command_wrapped(lambda f: f):
+            pass
+    assert_drift(
+        e.value,
+        "torch._inductor.cpp_builder._run_compile_cmd",
+        "takes (cmd, cwd, env), not (cmd_line, cwd)",
+    )
+    assert cpp_builder._run_compile_cmd is run
+
+
+def test_a_missing_headers_folder_is_drift_not_a_silent_new_variable(tmp_path, monkeypatch):
+    lock = codecache._HEADER_LOCK_DIR
+    monkeypatch.delattr(codecache, "_HEADER_DIR")
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.header_dir(str(tmp_path)):
+            pass
+    assert_drift(e.value, "torch._inductor.codecache._HEADER_DIR")
+    assert not hasattr(codecache, "_HEADER_DIR") and codecache._HEADER_LOCK_DIR == lock
+
+
+def test_a_missing_march_hook_is_drift(monkeypatch):
+    monkeypatch.delattr(cpp_builder, "_get_optimization_cflags")
+    assert not torch_compat.has_optimization_cflags()
+    with pytest.raises(TorchAPIDriftError) as e:
+        with _host_march("x86-64-v2"):
+            pass
+    assert_drift(e.value, "torch._inductor.cpp_builder._get_optimization_cflags")
+
+
+def test_a_missing_vec_isa_picker_is_drift(monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.delattr(cpu_vec_isa, "pick_vec_isa")
+    with pytest.raises(TorchAPIDriftError) as e:
+        torch_compat.chosen_vec_isa({})
+    assert_drift(e.value, "torch._inductor.cpu_vec_isa.pick_vec_isa")
+
+
+def test_a_missing_config_module_is_drift(monkeypatch):
+    assert set(torch_compat.config_modules()) == set(torch_compat.CONFIG_MODULES)
+    monkeypatch.setitem(sys.modules, "torch._functorch.config", None)  # import fails
+    with pytest.raises(TorchAPIDriftError) as e:
+        torch_compat.config_modules()
+    assert_drift(e.value, "torch._functorch.config", "is missing (no such module)")
+
+
+def test_a_missing_aoti_compile_is_drift_not_a_variant_compile_error(tiny_config, monkeypatch):
+    """Resolved before the export: the variant's build stops with the drift
+    error, not ``CompileError("AOTInductor failed for ...")``."""
+    import torch._inductor
+
+    monkeypatch.delattr(torch._inductor, "aoti_compile_and_package")
+    variant = Bucketer(tiny_config).variants[0]
+    with pytest.raises(TorchAPIDriftError) as e:
+        compile_with_options(tiny_config, variant, {})
+    assert_drift(e.value, "torch._inductor.aoti_compile_and_package")

@@ -1,0 +1,234 @@
+"""The build's one door to torch's private API (Inductor's and Dynamo's).
+
+Every private torch name that ``warmup`` reaches is reached here, and listed
+in :data:`BUILD_API` with the torch versions it was checked on; the runtime's
+are in :mod:`kernel_cache.torch_compat`, whose error this module raises: a
+name missing or of another form in the installed torch is a
+:class:`~kernel_cache.errors.TorchAPIDriftError` naming the torch version, the
+name and the fix, never a compile error of one variant. The compile options
+passed to ``aoti_compile_and_package`` by name (``cpp.vec_isa_ok``,
+``aot_inductor.*``: :mod:`kernel_cache.config.recipe`) are Inductor's
+documented configuration and are left out of the table; the configuration
+modules themselves are in it.
+
+Torch's compile stack is imported inside the functions, never at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from kernel_cache.errors import TorchAPIDriftError
+from kernel_cache.torch_compat import CHECKED, PrivateAPI, attribute, drift
+
+#: The modules whose import reads the compile environment (``TORCHINDUCTOR_*``):
+#: one imported before the environment is pinned has read another.
+READS_ENV_AT_IMPORT = ("torch._inductor.config", "torch._dynamo.config")
+#: torch's process-global compiler settings (``get_config_copy`` / ``load_config``).
+CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+
+_RUN = "torch._inductor.cpp_builder._run_compile_cmd"
+_CFLAGS = "torch._inductor.cpp_builder._get_optimization_cflags"
+_HEADER_DIR = "torch._inductor.codecache._HEADER_DIR"
+_HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
+_PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
+_AOTI = "torch._inductor.aoti_compile_and_package"
+
+#: Every private torch name the build uses.
+BUILD_API: tuple[PrivateAPI, ...] = (
+    PrivateAPI(
+        _AOTI,
+        "build/compiler.py: (exported_program, *, package_path, inductor_configs)",
+        CHECKED,
+    ),
+    *(
+        PrivateAPI(
+            m,
+            "build/compiler.py: its settings (get_config_copy, load_config, patch, and "
+            "attribute reads of option names) and its import reading TORCHINDUCTOR_*",
+            CHECKED,
+        )
+        for m in CONFIG_MODULES
+    ),
+    PrivateAPI(_PICK, "build/compiler.py: the vector ISA Inductor chose", CHECKED),
+    PrivateAPI(
+        _RUN,
+        "build/normalize.py: wrapped, (cmd_line: str, cwd: str), to add -ffile-prefix-map",
+        CHECKED,
+    ),
+    PrivateAPI(
+        _CFLAGS,
+        "build/compiler.py: wrapped to replace -march=native (torch without cpp.march)",
+        CHECKED,
+    ),
+    PrivateAPI(_HEADER_DIR, "build/normalize.py: the precompiled headers' folder", CHECKED),
+    PrivateAPI(_HEADER_LOCK_DIR, "build/normalize.py: its lock folder", CHECKED),
+)
+
+_BY_NAME = {api.name: api for api in BUILD_API}
+
+
+def _module(name: str) -> ModuleType:
+    """Import torch module ``name``.
+
+    Raises:
+        TorchAPIDriftError: there is no such module.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise drift(name, "is missing (no such module)", _BY_NAME) from None
+        raise
+
+
+def _get(dotted: str) -> Any:
+    """The object ``dotted`` names (``module.attribute``, module imported).
+
+    Raises:
+        TorchAPIDriftError: the module or the attribute is missing.
+    """
+    return attribute(_module(dotted.rpartition(".")[0]), dotted, _BY_NAME)
+
+
+def _function(dotted: str, params: tuple[str, ...]) -> Callable:
+    """The function ``dotted`` names, whose parameters start with ``params``.
+
+    Raises:
+        TorchAPIDriftError: missing, or other parameters.
+    """
+    fn = _get(dotted)
+    try:
+        have = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        raise drift(dotted, "is not a Python function", _BY_NAME) from None
+    if have[: len(params)] != params:
+        raise drift(dotted, f"takes ({', '.join(have)}), not ({', '.join(params)})", _BY_NAME)
+    return fn
+
+
+def inductor_config() -> ModuleType:
+    """Inductor's configuration module (``patch``, ``get_config_copy``, options
+    as attributes).
+
+    Raises:
+        TorchAPIDriftError: torch has no such module.
+    """
+    return _module(CONFIG_MODULES[0])
+
+
+def config_modules() -> dict[str, ModuleType]:
+    """``{name: module}`` of :data:`CONFIG_MODULES`, each with ``get_config_copy``
+    and ``load_config``.
+
+    Raises:
+        TorchAPIDriftError: a module or one of those methods is missing.
+    """
+    out = {}
+    for name in CONFIG_MODULES:
+        module = _module(name)
+        for method in ("get_config_copy", "load_config"):
+            attribute(module, f"{name}.{method}", _BY_NAME)
+        out[name] = module
+    return out
+
+
+def chosen_vec_isa(options: dict) -> str:
+    """The vector ISA Inductor picks (``str`` of ``pick_vec_isa()``:
+    ``avx512``, ``avx2``, ``INVALID_VEC_ISA``...) under ``options``'
+    ``cpp.vec_isa_ok`` (the other options are ignored).
+
+    Raises:
+        TorchAPIDriftError: ``pick_vec_isa`` is missing.
+    """
+    pick = _function(_PICK, ())
+    with inductor_config().patch({k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}):
+        return str(pick())
+
+
+def aoti_compile_and_package() -> Callable:
+    """AOTInductor's ``aoti_compile_and_package(exported_program, *,
+    package_path, inductor_configs)``, resolved (call it with those keywords).
+
+    Raises:
+        TorchAPIDriftError: it is missing or lacks one of those parameters.
+    """
+    fn = _function(_AOTI, ())
+    have = inspect.signature(fn).parameters
+    lacking = [p for p in ("package_path", "inductor_configs") if p not in have]
+    if lacking:
+        raise drift(_AOTI, f"has no parameter {', '.join(lacking)}", _BY_NAME)
+    return fn
+
+
+@contextlib.contextmanager
+def compile_command_wrapped(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inductor's one function that runs a C++ compile command
+    (``_run_compile_cmd(cmd_line: str, cwd: str)``) replaced by ``wrap(original)``
+    for the block, and put back after.
+
+    Raises:
+        TorchAPIDriftError: the function is missing or takes other parameters.
+    """
+    original = _function(_RUN, ("cmd_line", "cwd"))
+    builder = _module(_RUN.rpartition(".")[0])
+    builder._run_compile_cmd = wrap(original)
+    try:
+        yield
+    finally:
+        builder._run_compile_cmd = original
+
+
+def has_optimization_cflags() -> bool:
+    """Whether Inductor's C++ builder has ``_get_optimization_cflags`` (the
+    hook for ``-march`` on a torch without ``cpp.march``)."""
+    try:
+        _get(_CFLAGS)
+    except TorchAPIDriftError:  # the builder or the function missing: no hook
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def optimization_cflags_wrapped(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """The C++ builder's ``_get_optimization_cflags(cpp_compiler, ...)``
+    (returns the flags without ``-``: a list, or ``(cflags, ldflags)``)
+    replaced by ``wrap(original)`` for the block, and put back after.
+
+    Raises:
+        TorchAPIDriftError: the function is missing or takes other parameters.
+    """
+    original = _function(_CFLAGS, ("cpp_compiler",))
+    builder = _module(_CFLAGS.rpartition(".")[0])
+    builder._get_optimization_cflags = wrap(original)
+    try:
+        yield
+    finally:
+        builder._get_optimization_cflags = original
+
+
+@contextlib.contextmanager
+def header_dir(path: str) -> Iterator[None]:
+    """Inductor's precompiled headers' folder (read when a header is built) set
+    to ``path`` (its locks in ``path/locks``) for the block, and put back after.
+
+    Raises:
+        TorchAPIDriftError: the folder's variables are missing (setting them
+            would have no effect) or are not strings.
+    """
+    codecache = _module(_HEADER_DIR.rpartition(".")[0])
+    saved = tuple(attribute(codecache, n, _BY_NAME) for n in (_HEADER_DIR, _HEADER_LOCK_DIR))
+    for n, v in zip((_HEADER_DIR, _HEADER_LOCK_DIR), saved, strict=True):
+        if not isinstance(v, str):
+            raise drift(n, f"is a {type(v).__name__}, not a folder's path", _BY_NAME)
+    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = path, os.path.join(path, "locks")
+    try:
+        yield
+    finally:
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved
