@@ -27,6 +27,7 @@ CASES = {
     "max_size": ("1.5K", 1536, "2X"),
     "insecure_allow_shared_dir": ("Yes", True, "ture"),
     "keep_scratch": ("on", True, "2"),
+    "jobs": ("3", 3, "0"),
     "pch_dir": ("/var/cache/kc-pch", Path("/var/cache/kc-pch"), None),
     "shards": ("4", 4, "0"),
     "signing_key": ("k" * 32, "k" * 32, None),

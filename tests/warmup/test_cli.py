@@ -324,9 +324,7 @@ def test_explain_names_each_changed_compile_option_with_both_values_uncut():
     ("flag", "env", "jobs"),
     [(None, None, min(2, os.cpu_count() or 1)), (None, "3", 3), (["--jobs", "2"], "1", 2)],
 )
-def test_jobs_come_from_the_flag_then_kernel_cache_jobs_then_the_cpus(
-    monkeypatch, flag, env, jobs
-):
+def test_jobs_come_from_the_flag_then_kernel_cache_jobs_then_the_cpus(monkeypatch, flag, env, jobs):
     from warmup.cli.options import jobs_of
 
     monkeypatch.delenv("KERNEL_CACHE_JOBS", raising=False)
