@@ -12,7 +12,7 @@ kernel that the CUDA artifacts hold, launched directly: the same code):
    difference is what the padded blocks cost this kernel, which stops reading at
    ``seq_len``.
 2. Trace-weighted decode time of the ``pow2`` and ``4/3`` ladders: the Azure
-   conversation trace's first N requests (``warmup.trace.schedule``: waves
+   conversation trace's first N requests (``warmup.request_lengths.schedule``: waves
    of max_num_seqs 64, each decode step one call), a uniform random sample of K
    decode calls, each timed as dispatch would run it (rows padded to the
    num_seqs bucket with ``seq_len`` 0, the block table padded to the KV bucket)
@@ -46,7 +46,7 @@ from gpu_common import GRANITE, ROOT, device_info, time_cuda, write_json
 from kernel_cache import make_config
 from kernel_cache.kernels.triton_decode import launch_decode
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
-from warmup.trace import kv_blocks_read, read_trace, schedule
+from warmup.request_lengths import kv_blocks_read, read_trace, schedule
 
 DEFAULT_TRACE = ROOT.parent / "shared/data/azure-llm-trace-2023/conv.csv"
 BLOCK_SIZE = 16

@@ -8,8 +8,8 @@ real KV block, per KV ladder and per kernel.
 Replays the request lengths of a trace (default: the Azure LLM inference trace,
 conversation, 2023, ``../shared/data/azure-llm-trace-2023/conv.csv``; any CSV
 with ``ContextTokens,GeneratedTokens`` columns) through the engine schedule of
-:func:`warmup.trace.schedule` (prefill chunks, then batched decode in waves
-of max_num_seqs) and counts, with :func:`warmup.trace.kv_blocks_read`,
+:func:`warmup.request_lengths.schedule` (prefill chunks, then batched decode in waves
+of max_num_seqs) and counts, with :func:`warmup.request_lengths.kv_blocks_read`,
 the KV blocks each bucketed kernel call reads and the blocks it really needs.
 No kernel runs: the count is exact.
 
@@ -57,7 +57,7 @@ from _common import DEFAULT_TRACE, OUT_DIR, ROOT, header, machine, print_table, 
 from kernel_cache.config.engine import make_config
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, parse_bucket_list
-from warmup.trace import fit_request, kv_blocks_read, read_trace, schedule
+from warmup.request_lengths import fit_request, kv_blocks_read, read_trace, schedule
 
 #: Bins of the trace panel holding less than this share of the real blocks read
 #: are left out of the plot (too few calls to say anything).

@@ -52,7 +52,7 @@ from kernel_cache import MissingVariantsError, load_plan
 from kernel_cache.config.engine import config_to_cli
 from kernel_cache.errors import KernelCacheError
 from warmup.cli.options import CACHE_DIR_HELP, _cache_dir, config_from_args, engine_options
-from warmup.trace import read_trace
+from warmup.request_lengths import read_trace
 
 ATTN_NAME = "kernel_cache"
 VOCAB = 1024
@@ -189,7 +189,7 @@ def make_requests(trace, count, start, max_model_len, max_new=None, seed=0) -> l
     out = []
     for i, r in enumerate(read_trace(trace, limit=count, start=start)):
         ctx, gen, notes = r.context_tokens, max(1, r.generated_tokens), []
-        if ctx < 1:  # a request has at least one prompt token (as warmup.trace.fit_request)
+        if ctx < 1:  # at least one prompt token (as warmup.request_lengths.fit_request)
             ctx, notes = 1, ["prompt raised to 1 token"]
         if max_new is not None and gen > max_new:
             gen, notes = max_new, [f"output clipped to --max-new-tokens {max_new}"]

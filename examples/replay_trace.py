@@ -38,7 +38,7 @@ from warmup.cli.main import (
     engine_options,
     quiet_on_closed_stdout,
 )
-from warmup.trace import fit_request, kv_blocks_read, read_trace, schedule
+from warmup.request_lengths import fit_request, kv_blocks_read, read_trace, schedule
 
 #: The trace's place relative to the repository (the root is this file's parent's parent).
 TRACE_IN_REPO = "../shared/data/azure-llm-trace-2023/conv.csv"

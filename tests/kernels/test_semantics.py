@@ -63,7 +63,7 @@ def test_replays_padded_reads_are_batch_padding_not_rounding():
     default (pow2) plan and the 4/3 ladder; most of what the bucket shapes read
     beyond the real blocks is batch padding, not each sequence's rounding."""
     from kernel_cache import Bucketer, make_config
-    from warmup.trace import kv_blocks_read, read_trace, schedule
+    from warmup.request_lengths import kv_blocks_read, read_trace, schedule
 
     for ladder, total, rounding in (("pow2", 0.535, 0.112), ("4/3", 0.501, 0.009)):
         b = Bucketer(make_config("llama-3.2-1b", kv_ladder=ladder))

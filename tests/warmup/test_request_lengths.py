@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kernel_cache.errors import ConfigError
-from warmup.trace import Request, read_trace
+from warmup.request_lengths import Request, read_trace
 
 
 def test_a_trace_is_read_by_its_two_columns(tmp_path):

@@ -1,6 +1,7 @@
-"""Real request lengths: read a trace, turn it into the kernel calls an engine makes.
+"""Real request lengths: read the Azure LLM inference CSV, turn it into the kernel
+calls an engine makes.
 
-Trace format: the Azure LLM inference trace CSV (``ContextTokens`` and
+Format: the Azure LLM inference trace CSV (``ContextTokens`` and
 ``GeneratedTokens`` columns; other columns ignored). A request's prefill has
 ``ContextTokens`` query tokens over the same number of KV tokens, split into
 chunks of at most ``min(max_num_batched_tokens, max_model_len)`` tokens; its
