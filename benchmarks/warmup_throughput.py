@@ -28,7 +28,7 @@ compile options.
    directory (precompiled headers built in it). ``CXX`` is a wrapper that records
    each compiler run's CPU seconds by output file. Reported per side: CPU seconds
    per variant (the warmup's process tree: ``getrusage`` of children), and the
-   phase table: export (the factory and ``torch.export`` in the trace window) and
+   phase table: export (the factory and ``torch.export`` in the run recorder) and
    AOTInductor from the worker's timings (wall), and the compiler's CPU seconds
    on the precompiled headers, the wrapper, the kernels and the link; the
    after/before ratio of CPU seconds per variant.

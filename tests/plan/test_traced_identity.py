@@ -513,7 +513,7 @@ def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
     it: the second manifest must list it all the same (it did not, so an edit of
     ``GAIN`` left the decode entries loading with the old value)."""
     from kernel_cache.kernels.slots import kernel_path
-    from warmup.build.compiler import TraceWindow, export_variant
+    from warmup.build.compiler import RunRecorder, export_variant
 
     site = tmp_path / "site5"
     (site / "userkern5").mkdir(parents=True)
@@ -534,7 +534,7 @@ def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
     try:
         for slot in ("paged_attention", BATCHED_DECODE):  # one worker, one after the other
             v = next(v for v in variants if v.kernel == slot)
-            window = TraceWindow(kernel_path(cfg, slot))
+            window = RunRecorder(kernel_path(cfg, slot))
             with window:
                 export_variant(cfg, v)
             assert "userkern5/consts.py" in window.manifest().files, slot
@@ -619,7 +619,7 @@ def test_code_from_bytecode_of_an_earlier_version_of_its_file_is_refused(tmp_pat
         assert helper.gain() == 2.0  # Python ran the old bytecode
         with pytest.raises(CompileError, match=r"stalepyc/helper\.py ran from .*helper\..*\.pyc"):
             manifest_of([helper.gain.__code__.co_filename])
-        # a module imported before the trace window is found among the loaded ones
+        # a module imported before the run recorder is found among the loaded ones
         assert (str(src), pyc) in stale_loaded_modules()
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
         del sys.modules["stalepyc.helper"]
@@ -696,7 +696,7 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
         lib = importlib.import_module("memohelp.lib")
         manifests = []
         for _ in range(2):
-            with compiler.TraceWindow("memohelp.kern:K") as w:
+            with compiler.RunRecorder("memohelp.kern:K") as w:
                 assert lib.gain() == 2.0
             manifests.append(w.manifest())
         assert ["memohelp/lib.py" in m.files for m in manifests] == [True, True]
@@ -726,7 +726,7 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     if how == "sourceless":
         py_compile.compile(str(knob), cfile=str(pkg / "knob.pyc"), doraise=True)
         knob.write_text("GAIN = 1.0\n")
-    with compiler.TraceWindow("knobpkg.kern:K") as w:
+    with compiler.RunRecorder("knobpkg.kern:K") as w:
         if how == "runpy":
             gain = runpy.run_path(str(knob))["GAIN"]
         else:
@@ -750,12 +750,12 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
     from warmup.build import compiler
 
     _fresh_memos(monkeypatch)
-    with compiler.TraceWindow("textpkg.kern:K"):
+    with compiler.RunRecorder("textpkg.kern:K"):
         dataclasses.make_dataclass("Point", ["x", "y"])(1, 2)  # stdlib exec: fine
     ns: dict = {}
     line = sys._getframe().f_lineno + 3
     with pytest.raises(CompileError, match=rf"exec or eval of a string, at .*{__file__}:{line}"):
-        with compiler.TraceWindow("textpkg.kern:K"):
+        with compiler.RunRecorder("textpkg.kern:K"):
             exec("GAIN = 3.0", ns)  # the text of a helper file, read by the kernel
     assert ns["GAIN"] == 3.0
 
@@ -767,7 +767,7 @@ def test_code_compiled_from_text_with_an_empty_file_name_is_refused(monkeypatch)
 
     _fresh_memos(monkeypatch)
     with pytest.raises(CompileError, match="exec or eval of a string"):
-        with compiler.TraceWindow("textpkg.kern:K"):
+        with compiler.RunRecorder("textpkg.kern:K"):
             exec(compile("GAIN = 3.0", "", "exec"), {})
 
 
@@ -793,11 +793,11 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     monkeypatch.setitem(traced._LOADED_BYTES, path, data)
     ns: dict = {}
     exec(compile(data, path, "exec"), ns)  # the file's own code: fine
-    with compiler.TraceWindow("namepkg.kern:K") as w:
+    with compiler.RunRecorder("namepkg.kern:K") as w:
         assert ns["gain"]() == 1.0
     assert "namepkg/kern.py" in w.manifest().files
     exec(compile("def gain():\n    return 3.0\n", path, "exec"), ns)  # other text
-    with compiler.TraceWindow("namepkg.kern:K") as w:
+    with compiler.RunRecorder("namepkg.kern:K") as w:
         assert ns["gain"]() == 3.0
     with pytest.raises(CompileError, match=r"namepkg/kern\.py is not that file's contents"):
         w.manifest()
@@ -819,7 +819,7 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
     _fresh_memos(monkeypatch)
     own = tmp_path / "own_helper.py"
     own.write_text("GAIN = 1.0\n")
-    with compiler.TraceWindow("namepkg.kern:K"):
+    with compiler.RunRecorder("namepkg.kern:K"):
         exec(compile(own.read_bytes(), str(own), "exec"), {})
     name = {
         "stdlib": os_module.__file__,
@@ -827,7 +827,7 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
         "missing": str(tmp_path / "no_such_helper.py"),
     }[where]
     with pytest.raises(CompileError, match=f"module code under the name {name} .* not that"):
-        with compiler.TraceWindow("namepkg.kern:K"):
+        with compiler.RunRecorder("namepkg.kern:K"):
             exec(compile("GAIN = 3.0\n", name, "exec"), {})
 
 
@@ -846,7 +846,7 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
     _fresh_memos(monkeypatch)
     text, name = "GAIN = 3.0\n", os_module.__file__
     with pytest.raises(CompileError, match="module code under the name .*os.py"):
-        with compiler.TraceWindow("namepkg.kern:K"):
+        with compiler.RunRecorder("namepkg.kern:K"):
             if how == "renamed":
                 exec(compile(text, name, "exec").replace(co_name="x"), {})
             elif how == "runpy":
@@ -854,7 +854,7 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
             else:
                 code_module.InteractiveInterpreter({}).runsource(text, name, "exec")
     with pytest.raises(CompileError, match="code compiled from text with no file name"):
-        with compiler.TraceWindow("namepkg.kern:K"):
+        with compiler.RunRecorder("namepkg.kern:K"):
             exec(compile(text, "<string>", "exec").replace(co_name="x"), {})
 
 
@@ -867,7 +867,7 @@ def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, mon
     f.parent.mkdir()
     f.write_text("1.0 * 2\n")
     monkeypatch.syspath_prepend(str(f.parent))
-    with compiler.TraceWindow("namepkg.kern:K") as w:
+    with compiler.RunRecorder("namepkg.kern:K") as w:
         assert eval(compile(f.read_text(), str(f), "eval")) == 2.0
     assert "kc_eval_gain.py" in w.manifest().files
 
@@ -883,7 +883,7 @@ def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     _fresh_memos(monkeypatch)
     before = sys.getprofile()
     with pytest.raises(CompileError, match="profile hook .* was replaced while it was traced"):
-        with compiler.TraceWindow("profpkg.kern:K"):
+        with compiler.RunRecorder("profpkg.kern:K"):
             prof = cProfile.Profile()
             prof.enable()
             sum(range(10))
@@ -910,9 +910,9 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
     try:
         first = importlib.import_module("poolpkg.first")
         second = importlib.import_module("poolpkg.second")
-        with compiler.TraceWindow("poolpkg.kern:K") as w1:
+        with compiler.RunRecorder("poolpkg.kern:K") as w1:
             assert pool.submit(first.gain).result() == 1.0  # starts the pool's thread
-        with compiler.TraceWindow("poolpkg.kern:K") as w2:
+        with compiler.RunRecorder("poolpkg.kern:K") as w2:
             assert pool.submit(second.gain).result() == 2.0  # runs in that thread
         assert str(pkg / "first.py") in w1.files
         assert str(pkg / "second.py") in w2.files
@@ -943,14 +943,14 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
     (pkg / "only.py").write_text("def once():\n    return 1\n\nONCE = once()\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     try:
-        with compiler.TraceWindow("seenpkg.kern:K") as w1:
+        with compiler.RunRecorder("seenpkg.kern:K") as w1:
             user = importlib.import_module("seenpkg.user")  # runs gain() inside an import
             importlib.import_module("seenpkg.only")
             assert user.run() == 3.0  # and again outside one
         helper, only = str(pkg / "helper.py"), str(pkg / "only.py")
         assert helper in w1.imported and helper in w1.files
         assert only in w1.imported and only not in w1.files
-        with compiler.TraceWindow("seenpkg.kern:K") as w2:
+        with compiler.RunRecorder("seenpkg.kern:K") as w2:
             assert user.run() == 3.0
         assert helper in w2.files and str(pkg / "user.py") in w2.files
     finally:
@@ -972,7 +972,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     (pkg / "late.py").write_text("def late():\n    return 5\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     before = sys.getprofile()
-    a, b = compiler.TraceWindow("orderpkg.kern:K"), compiler.TraceWindow("orderpkg.kern:K")
+    a, b = compiler.RunRecorder("orderpkg.kern:K"), compiler.RunRecorder("orderpkg.kern:K")
     try:
         a.__enter__()
         b.__enter__()

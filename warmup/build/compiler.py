@@ -223,7 +223,7 @@ def compile_variant(
     Returns:
         (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in
         seconds, the manifest of the files whose code ran while the kernel was
-        built and exported: :class:`TraceWindow`)
+        built and exported: :class:`RunRecorder`)
 
     Raises:
         CompileError: export or AOTInductor failed (the message names the variant
@@ -238,7 +238,7 @@ def compile_variant(
     _check_vec_isa(config, opts)
     if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
         opts["kernel_cache_test_no_such_option"] = True
-    window = TraceWindow(kernel_path(config, variant.kernel))
+    window = RunRecorder(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(
         config, variant, opts, launch, window=window, pch_dir=pch_dir
     )
@@ -284,12 +284,12 @@ def compile_with_options(
     options: dict,
     launch: dict | None = None,
     *,
-    window: TraceWindow | None = None,
+    window: RunRecorder | None = None,
     pch_dir: str | None = None,
 ) -> tuple[bytes, dict]:
     """:func:`compile_variant` with other Inductor ``options`` and the caller's
     environment: for benchmarks comparing options, never for the cache (the key
-    would not describe the artifact). ``window``: a :class:`TraceWindow` the
+    would not describe the artifact). ``window``: a :class:`RunRecorder` the
     kernel is built and exported in; ``pch_dir``: as :func:`compile_variant`'s.
 
     Raises:
@@ -393,7 +393,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
 
 #: Per kernel import path: the source files (outside the standard library,
 #: torch and the installed distributions) whose import ran inside one of its
-#: :class:`TraceWindow` in this process. A module's body runs once per process,
+#: :class:`RunRecorder` in this process. A module's body runs once per process,
 #: so a later window would not see it run (a module-level constant read at trace
 #: time); it is added to later windows: of the same kernel, and of every engine
 #: kernel (not a built-in one), since two engine kernels may share a module
@@ -440,11 +440,11 @@ def _own_source(filename: str) -> bool:
     return kind == traced_files.SITE and traced_files.dist_of(traced_files._norm(filename)) is None
 
 
-#: The open :class:`TraceWindow` s, innermost last (one at a time in a compile).
+#: The open :class:`RunRecorder` s, innermost last (one at a time in a compile).
 _OPEN: list = []
 #: The innermost open window, which :func:`_dispatch` records into; None outside one.
 _WINDOW = None
-#: That window's :attr:`TraceWindow.seen` (empty outside one).
+#: That window's :attr:`RunRecorder.seen` (empty outside one).
 _SEEN: set[int] = set()
 
 
@@ -456,7 +456,7 @@ def _set_window() -> None:
 
 
 def _dispatch(frame, event, arg, _id=id) -> None:
-    """The profile function of every :class:`TraceWindow` (``sys.setprofile``):
+    """The profile function of every :class:`RunRecorder` (``sys.setprofile``):
     records into the window open now; outside one it does nothing.
 
     Python calls it for every call and return, C calls included (about 15
@@ -476,7 +476,7 @@ def _dispatch(frame, event, arg, _id=id) -> None:
             window._depth -= 1
 
 
-class TraceWindow:
+class RunRecorder:
     """A context in which every Python function called (the factory's import,
     the factory, ``torch.export``), in this thread and in threads started
     inside it, has its file recorded.
@@ -620,7 +620,7 @@ class TraceWindow:
                 "was read from, which is hashed)"
             )
 
-    def __enter__(self) -> TraceWindow:
+    def __enter__(self) -> RunRecorder:
         import sys
         import threading
 
