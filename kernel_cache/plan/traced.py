@@ -429,6 +429,30 @@ def _hash_checked(path: str, ran, data: bytes | None = None) -> str:
     return digest
 
 
+def is_own_source(filename: str) -> bool:
+    """Whether code that ran inside an import from ``filename`` counts: a file
+    classified :data:`OTHER`, or one in a site folder that no distribution lists
+    with its sha256 (a module copied there, an ``.egg-info``'s), which no version
+    stands for either."""
+    kind = classify(filename)
+    if kind == OTHER:
+        return True
+    return kind == SITE and dist_of(_norm(filename)) is None
+
+
+def code_is_files(code, filename: str) -> bool:
+    """Whether module code ``code``, run under the name ``filename``, is that
+    file's: compiled from the bytes imported (:data:`LOADED_SOURCES`), else from
+    those on disk. False where neither can be read."""
+    path = _norm(filename)
+    data = _LOADED_BYTES.get(path)
+    try:
+        data = Path(path).read_bytes() if data is None else data
+    except OSError:
+        return False
+    return code in _compiled(path, hashlib.sha256(data).hexdigest(), data)
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled(path: str, digest: str, data: bytes) -> frozenset:
     """Every code object of ``data`` (file ``path``, sha256 ``digest``) compiled as

@@ -116,13 +116,13 @@ def write_kernels(site: Path) -> None:
 
 
 def _fresh_memos(monkeypatch) -> None:
-    """Empty the compiler's per-process memos for one test (the files earlier
+    """Empty the recorder's per-process memos for one test (the files earlier
     windows ran and imported, which later windows add, and the code objects
     the manifest checks), so its windows record only what they see."""
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     for name in ("_RAN", "_IMPORTED", "_CODES"):
-        monkeypatch.setattr(compiler, name, {})
+        monkeypatch.setattr(recorder, name, {})
 
 
 def _forget_modules(*prefixes: str) -> None:
@@ -681,10 +681,10 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
     first)."""
     import importlib
 
-    from warmup.build import compiler
+    from warmup.build import recorder
 
-    monkeypatch.setattr(compiler, "_RAN", {})
-    monkeypatch.setattr(compiler, "_IMPORTED", {})
+    monkeypatch.setattr(recorder, "_RAN", {})
+    monkeypatch.setattr(recorder, "_IMPORTED", {})
     pkg = tmp_path / "site" / "memohelp"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -696,7 +696,7 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
         lib = importlib.import_module("memohelp.lib")
         manifests = []
         for _ in range(2):
-            with compiler.RunRecorder("memohelp.kern:K") as w:
+            with recorder.RunRecorder("memohelp.kern:K") as w:
                 assert lib.gain() == 2.0
             manifests.append(w.manifest())
         assert ["memohelp/lib.py" in m.files for m in manifests] == [True, True]
@@ -715,7 +715,7 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     import runpy
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "knobpkg"
@@ -726,7 +726,7 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     if how == "sourceless":
         py_compile.compile(str(knob), cfile=str(pkg / "knob.pyc"), doraise=True)
         knob.write_text("GAIN = 1.0\n")
-    with compiler.RunRecorder("knobpkg.kern:K") as w:
+    with recorder.RunRecorder("knobpkg.kern:K") as w:
         if how == "runpy":
             gain = runpy.run_path(str(knob))["GAIN"]
         else:
@@ -747,15 +747,15 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
     import dataclasses
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
-    with compiler.RunRecorder("textpkg.kern:K"):
+    with recorder.RunRecorder("textpkg.kern:K"):
         dataclasses.make_dataclass("Point", ["x", "y"])(1, 2)  # stdlib exec: fine
     ns: dict = {}
     line = sys._getframe().f_lineno + 3
     with pytest.raises(CompileError, match=rf"exec or eval of a string, at .*{__file__}:{line}"):
-        with compiler.RunRecorder("textpkg.kern:K"):
+        with recorder.RunRecorder("textpkg.kern:K"):
             exec("GAIN = 3.0", ns)  # the text of a helper file, read by the kernel
     assert ns["GAIN"] == 3.0
 
@@ -763,11 +763,11 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
 def test_code_compiled_from_text_with_an_empty_file_name_is_refused(monkeypatch):
     """``compile(text, "", "exec")``: no file name either."""
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     with pytest.raises(CompileError, match="exec or eval of a string"):
-        with compiler.RunRecorder("textpkg.kern:K"):
+        with recorder.RunRecorder("textpkg.kern:K"):
             exec(compile("GAIN = 3.0", "", "exec"), {})
 
 
@@ -778,7 +778,7 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     and reads another) is refused, naming the file, not recorded as that file."""
     from kernel_cache.errors import CompileError
     from kernel_cache.plan import traced
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "namepkg"
@@ -793,11 +793,11 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     monkeypatch.setitem(traced._LOADED_BYTES, path, data)
     ns: dict = {}
     exec(compile(data, path, "exec"), ns)  # the file's own code: fine
-    with compiler.RunRecorder("namepkg.kern:K") as w:
+    with recorder.RunRecorder("namepkg.kern:K") as w:
         assert ns["gain"]() == 1.0
     assert "namepkg/kern.py" in w.manifest().files
     exec(compile("def gain():\n    return 3.0\n", path, "exec"), ns)  # other text
-    with compiler.RunRecorder("namepkg.kern:K") as w:
+    with recorder.RunRecorder("namepkg.kern:K") as w:
         assert ns["gain"]() == 3.0
     with pytest.raises(CompileError, match=r"namepkg/kern\.py is not that file's contents"):
         w.manifest()
@@ -814,12 +814,12 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
     import torch
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     own = tmp_path / "own_helper.py"
     own.write_text("GAIN = 1.0\n")
-    with compiler.RunRecorder("namepkg.kern:K"):
+    with recorder.RunRecorder("namepkg.kern:K"):
         exec(compile(own.read_bytes(), str(own), "exec"), {})
     name = {
         "stdlib": os_module.__file__,
@@ -827,7 +827,7 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
         "missing": str(tmp_path / "no_such_helper.py"),
     }[where]
     with pytest.raises(CompileError, match=f"module code under the name {name} .* not that"):
-        with compiler.RunRecorder("namepkg.kern:K"):
+        with recorder.RunRecorder("namepkg.kern:K"):
             exec(compile("GAIN = 3.0\n", name, "exec"), {})
 
 
@@ -841,12 +841,12 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
     import runpy
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     text, name = "GAIN = 3.0\n", os_module.__file__
     with pytest.raises(CompileError, match="module code under the name .*os.py"):
-        with compiler.RunRecorder("namepkg.kern:K"):
+        with recorder.RunRecorder("namepkg.kern:K"):
             if how == "renamed":
                 exec(compile(text, name, "exec").replace(co_name="x"), {})
             elif how == "runpy":
@@ -854,20 +854,20 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
             else:
                 code_module.InteractiveInterpreter({}).runsource(text, name, "exec")
     with pytest.raises(CompileError, match="code compiled from text with no file name"):
-        with compiler.RunRecorder("namepkg.kern:K"):
+        with recorder.RunRecorder("namepkg.kern:K"):
             exec(compile(text, "<string>", "exec").replace(co_name="x"), {})
 
 
 def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, monkeypatch):
     """``eval(compile(text, path, "eval"))`` of a file holding an expression."""
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     f = tmp_path / "site" / "kc_eval_gain.py"
     f.parent.mkdir()
     f.write_text("1.0 * 2\n")
     monkeypatch.syspath_prepend(str(f.parent))
-    with compiler.RunRecorder("namepkg.kern:K") as w:
+    with recorder.RunRecorder("namepkg.kern:K") as w:
         assert eval(compile(f.read_text(), str(f), "eval")) == 2.0
     assert "kc_eval_gain.py" in w.manifest().files
 
@@ -878,12 +878,12 @@ def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     import cProfile
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     before = sys.getprofile()
     with pytest.raises(CompileError, match="profile hook .* was replaced while it was traced"):
-        with compiler.RunRecorder("profpkg.kern:K"):
+        with recorder.RunRecorder("profpkg.kern:K"):
             prof = cProfile.Profile()
             prof.enable()
             sum(range(10))
@@ -897,7 +897,7 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
     import concurrent.futures
     import importlib
 
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "poolpkg"
@@ -910,9 +910,9 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
     try:
         first = importlib.import_module("poolpkg.first")
         second = importlib.import_module("poolpkg.second")
-        with compiler.RunRecorder("poolpkg.kern:K") as w1:
+        with recorder.RunRecorder("poolpkg.kern:K") as w1:
             assert pool.submit(first.gain).result() == 1.0  # starts the pool's thread
-        with compiler.RunRecorder("poolpkg.kern:K") as w2:
+        with recorder.RunRecorder("poolpkg.kern:K") as w2:
             assert pool.submit(second.gain).result() == 2.0  # runs in that thread
         assert str(pkg / "first.py") in w1.files
         assert str(pkg / "second.py") in w2.files
@@ -930,7 +930,7 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
     file only an import ran is in ``imported`` only."""
     import importlib
 
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "seenpkg"
@@ -943,14 +943,14 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
     (pkg / "only.py").write_text("def once():\n    return 1\n\nONCE = once()\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     try:
-        with compiler.RunRecorder("seenpkg.kern:K") as w1:
+        with recorder.RunRecorder("seenpkg.kern:K") as w1:
             user = importlib.import_module("seenpkg.user")  # runs gain() inside an import
             importlib.import_module("seenpkg.only")
             assert user.run() == 3.0  # and again outside one
         helper, only = str(pkg / "helper.py"), str(pkg / "only.py")
         assert helper in w1.imported and helper in w1.files
         assert only in w1.imported and only not in w1.files
-        with compiler.RunRecorder("seenpkg.kern:K") as w2:
+        with recorder.RunRecorder("seenpkg.kern:K") as w2:
             assert user.run() == 3.0
         assert helper in w2.files and str(pkg / "user.py") in w2.files
     finally:
@@ -963,7 +963,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     import importlib
 
     from kernel_cache.errors import CompileError
-    from warmup.build import compiler
+    from warmup.build import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "orderpkg"
@@ -972,22 +972,22 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     (pkg / "late.py").write_text("def late():\n    return 5\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     before = sys.getprofile()
-    a, b = compiler.RunRecorder("orderpkg.kern:K"), compiler.RunRecorder("orderpkg.kern:K")
+    a, b = recorder.RunRecorder("orderpkg.kern:K"), recorder.RunRecorder("orderpkg.kern:K")
     try:
         a.__enter__()
         b.__enter__()
         a.__exit__(None, None, None)
         with pytest.raises(CompileError, match="was replaced"):  # a put its saved hook back
             b.__exit__(None, None, None)
-        assert sys.getprofile() is compiler._dispatch  # b put back the hook it found
-        assert compiler._WINDOW is None and not compiler._OPEN
+        assert sys.getprofile() is recorder._dispatch  # b put back the hook it found
+        assert recorder._WINDOW is None and not recorder._OPEN
         late = importlib.import_module("orderpkg.late")
         assert late.late() == 5
         assert not any("orderpkg" in f for f in a.files | a.imported | b.files | b.imported)
     finally:
         sys.setprofile(before)
-        compiler._OPEN.clear()
-        compiler._set_window()
+        recorder._OPEN.clear()
+        recorder._set_window()
         _forget_modules("orderpkg")
 
 

@@ -1,0 +1,276 @@
+"""The files a kernel's code came from: :class:`RunRecorder` records, while a
+kernel's factory and ``torch.export`` run in a compile worker, the file of every
+Python function called, as a :class:`~kernel_cache.plan.traced.Manifest` the
+entry's key and record carry. The build half of the traced files; the check at
+engine start is :mod:`kernel_cache.plan.traced`, whose public names are all this
+module uses. docs/keys.md says what is recorded and what is not seen.
+"""
+
+from __future__ import annotations
+
+from kernel_cache.errors import CompileError
+from kernel_cache.plan import traced as traced_files
+from kernel_cache.plan.traced import Manifest, manifest_of
+
+# -- the files a kernel's code came from ---------------------------------------------
+
+#: Per kernel import path: the source files (outside the standard library,
+#: torch and the installed distributions) whose import ran inside one of its
+#: :class:`RunRecorder` in this process. A module's body runs once per process,
+#: so a later window would not see it run (a module-level constant read at trace
+#: time); it is added to later windows: of the same kernel, and of every engine
+#: kernel (not a built-in one), since two engine kernels may share a module
+#: loaded by a computed name (``importlib.import_module``) and the second one's
+#: window sees no code of it run. The cost is over-invalidation: an edit to such
+#: a file rebuilds the other engine kernel's variants too.
+_IMPORTED: dict[str, set[str]] = {}
+#: Files whose code ran outside imports in a window of this process, by kernel
+#: import path, added to later windows as :data:`_IMPORTED` is: a trace may
+#: reuse what an earlier one computed without running its code again (a
+#: ``functools.cache`` of a library function, a module-level memo), and the
+#: later entry depends on that code as much as the first.
+_RAN: dict[str, set[str]] = {}
+#: The code objects of the engine's and the project's source files
+#: (:func:`_own_source`) that ran in a window of this process, by file: the
+#: manifest checks them against the file it hashes
+#: (:func:`kernel_cache.plan.traced.manifest_of`).
+_CODES: dict[str, dict[int, object]] = {}
+
+
+def _find_and_load_code():
+    """The code object of the import system's ``_find_and_load`` (every import
+    of a module not yet in ``sys.modules`` runs it)."""
+    import importlib._bootstrap
+
+    return importlib._bootstrap._find_and_load.__code__
+
+
+#: ``co_flags`` a function's code has (CO_OPTIMIZED, CO_NEWLOCALS) and a module's,
+#: a class body's or exec'd code has not.
+_FUNCTION_FLAGS = 0x1 | 0x2
+#: Frames looked through for the engine's own above code run under a file's name.
+_CALLER_DEPTH = 64
+
+
+_own_source = traced_files.is_own_source
+
+
+#: The open :class:`RunRecorder` s, innermost last (one at a time in a compile).
+_OPEN: list = []
+#: The innermost open window, which :func:`_dispatch` records into; None outside one.
+_WINDOW = None
+#: That window's :attr:`RunRecorder.seen` (empty outside one).
+_SEEN: set[int] = set()
+
+
+def _set_window() -> None:
+    """Point :data:`_WINDOW` and :data:`_SEEN` at the innermost open window."""
+    global _WINDOW, _SEEN
+    _WINDOW = _OPEN[-1] if _OPEN else None
+    _SEEN = _WINDOW.seen if _WINDOW is not None else set()
+
+
+def _dispatch(frame, event, arg, _id=id) -> None:
+    """The profile function of every :class:`RunRecorder` (``sys.setprofile``):
+    records into the window open now; outside one it does nothing.
+
+    Python calls it for every call and return, C calls included (about 15
+    million events in the export of one variant of the tiny plan), so the common
+    cases cost one or two set lookups here and no further call: a function
+    already seen outside an import, and, inside an import, one already seen
+    inside an import (``_id``: ``id`` bound once, not looked up per call)."""
+    if event == "call":
+        cid = _id(frame.f_code)
+        if cid not in _SEEN:
+            window = _WINDOW
+            if window is not None and not (window._depth and cid in window.seen_in_import):
+                window._call(frame.f_code, frame)
+    elif event == "return":
+        window = _WINDOW
+        if window is not None and frame.f_code is window._import:
+            window._depth -= 1
+
+
+class RunRecorder:
+    """A context in which every Python function called (the factory's import,
+    the factory, ``torch.export``), in this thread and in threads started
+    inside it, has its file recorded.
+
+    Code run by an import (finders, module and class bodies) is told apart by
+    the import system's ``_find_and_load`` frame: of it only files classified
+    :data:`~kernel_cache.plan.traced.OTHER` and site files no distribution
+    lists are kept (the engine's modules, whose module-level values a trace
+    may read: :func:`_own_source`), also for every later window
+    of the same kernel import path ``kernel`` and, for an engine kernel, of
+    every engine kernel (:data:`_IMPORTED`); a distribution counts only where its
+    code ran outside an import (so the setuptools and editable-install import
+    hooks, and the libraries torch's export stack imports on first use, do not).
+
+    Uses ``sys.setprofile``/``threading.setprofile`` with one module-level
+    function (:func:`_dispatch`) that records into the open window: a thread
+    started in an earlier window keeps that function, so its code is recorded
+    in the window open when it runs. A previous profile function is restored
+    on exit. Measured on the tiny plan's three variants (Python 3.11, the
+    project's 2-core CPU, idle, ``perf_counter`` around ``export_variant``):
+    2.0-4.3 s untraced, 5.0-9.7 s traced, of which about 4 s is what any
+    Python profile function costs for the 15 million events of such an export
+    (one that does nothing: 6.8 s against 2.8 s untraced).
+
+    Refused with :class:`~kernel_cache.errors.CompileError` on exit, since the
+    record would be incomplete: the profile hook was replaced during the window
+    (cProfile, ``torch.profiler`` with ``with_stack``, a tool that sets
+    ``sys.setprofile``), or the engine's code ran code compiled from a string
+    (``exec``/``eval`` of text with no file name), whose source no file holds,
+    or module code under a file's name that is not that file's (checked for
+    every file, the standard library's, torch's and distributions' included).
+    Not seen: a thread started before the process's first window (Python
+    before 3.12 cannot hook a running thread), and a replacement that put the
+    hook back before the window closed.
+    """
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.files: set[str] = set()  # code that ran outside imports
+        self.imported: set[str] = set()  # code that ran inside imports
+        self.codes: dict[int, object] = {}  # every code object that ran, by id
+        self.seen: set[int] = set()  # ids of functions that ran outside imports
+        self.seen_in_import: set[int] = set()  # ids of functions that ran inside imports
+        self.from_text: list[str] = []  # "file:line" of the engine's exec/eval of text
+        self.module_runs: list[tuple] = []  # (file name, code, "file:line") exec'd by it
+        self._own: dict[str, bool] = {}  # _own_source by file name, for this window
+        self._depth = 0
+        self._import = _find_and_load_code()
+
+    def _call(self, code, frame) -> None:
+        """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
+        of a function outside imports and the first inside imports, every call
+        of the import system's ``_find_and_load``, and every run of module or
+        class-body code (checked by :meth:`_module_run` each time)."""
+        self.codes[id(code)] = code
+        if code is self._import:
+            self._depth += 1
+            return
+        if self._depth:
+            self.imported.add(code.co_filename)
+        else:
+            self.files.add(code.co_filename)
+        if not code.co_flags & _FUNCTION_FLAGS:  # module or class body: exec'd code
+            self._module_run(code, frame.f_back)
+        elif self._depth:  # recorded in imported: later calls inside imports change nothing
+            self.seen_in_import.add(id(code))
+        else:  # recorded in files: later calls change nothing (an import's call of it
+            # is not added to imported, which the manifest only adds to files)
+            self.seen.add(id(code))
+
+    def _module_run(self, code, caller) -> None:
+        """Code that is not a function's (a module's or a class body: what
+        ``exec``/``eval`` run, whatever its ``co_name``) started. Text with no file
+        name is kept in :attr:`from_text` when the engine's own code started it
+        directly (the standard library's and torch's generated code, dataclass
+        methods say, is theirs). Code under a file's name is kept in
+        :attr:`module_runs`, to be checked against that file, when an engine
+        frame is found above it before the import system's (``runpy``,
+        ``code.InteractiveInterpreter`` and the like run it for the engine; the
+        import system runs modules' own code)."""
+        name = code.co_filename
+        if not name or name.startswith("<"):
+            if caller is not None and _own_source(caller.f_code.co_filename):
+                self.from_text.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+            return
+        frame = caller
+        for _ in range(_CALLER_DEPTH):
+            if frame is None:
+                return
+            filename = frame.f_code.co_filename
+            if filename.startswith("<frozen importlib"):
+                return
+            own = self._own.get(filename)
+            if own is None:
+                own = self._own[filename] = _own_source(filename)
+            if own:
+                self.module_runs.append((name, code, f"{filename}:{frame.f_lineno}"))
+                return
+            frame = frame.f_back
+
+    def _check_module_runs(self) -> None:
+        """Module code the engine ran under a file's name must be that file's (the
+        bytes imported, else those on disk), whatever the file is: a standard
+        library, torch or distribution file is recorded by its version, not
+        hashed, so code compiled from other text under its name would go unseen."""
+        for name, code, where in self.module_runs:
+            if not traced_files.code_is_files(code, name):
+                raise CompileError(
+                    f"kernel {self.kernel}: its code ran module code under the name {name} "
+                    f"(at {where}) that is not that file's contents: the entry would "
+                    "record that file, not the code that ran; compile a file's text "
+                    "under its own path"
+                )
+
+    def _refuse_incomplete(self, intact: bool, hook) -> None:
+        """Raise :class:`CompileError` where the window's record cannot be trusted
+        (class docstring): the hook replaced, module code that is not its file's,
+        code compiled from text with no file name."""
+        if not intact:
+            raise CompileError(
+                f"kernel {self.kernel}: the profile hook that records the files the "
+                f"kernel's code runs was replaced while it was traced (now {hook!r}: a "
+                "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
+                "that calls sys.setprofile), so the record of the files it ran is "
+                "incomplete and the build is refused; build the kernel without it"
+            )
+        self._check_module_runs()
+        if self.from_text:
+            raise CompileError(
+                f"kernel {self.kernel}: its code ran code compiled from text with no file "
+                f"name (exec or eval of a string, at {', '.join(sorted(set(self.from_text)))}),"
+                " whose source no file holds, so the cache key cannot cover it; run it from "
+                "its file (import it, or exec(compile(text, path, 'exec')) with the path it "
+                "was read from, which is hashed)"
+            )
+
+    def __enter__(self) -> RunRecorder:
+        import sys
+        import threading
+
+        self._saved = (sys.getprofile(), threading.getprofile())
+        _OPEN.append(self)
+        _set_window()
+        threading.setprofile(_dispatch)
+        sys.setprofile(_dispatch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import sys
+        import threading
+
+        hook = sys.getprofile()
+        intact = hook is _dispatch and threading.getprofile() is _dispatch
+        sys.setprofile(self._saved[0])
+        threading.setprofile(self._saved[1])
+        _OPEN.remove(self)
+        _set_window()
+        if exc[0] is None:
+            self._refuse_incomplete(intact, hook)
+        own = {f for f in self.imported if _own_source(f)}
+        _IMPORTED.setdefault(self.kernel, set()).update(own)
+        _RAN.setdefault(self.kernel, set()).update(self.files)
+        mine = {f for f in {c.co_filename for c in self.codes.values()} if _own_source(f)}
+        for code in self.codes.values():
+            if code.co_filename in mine:
+                _CODES.setdefault(code.co_filename, {})[id(code)] = code
+        self.codes, self.seen, self.seen_in_import = {}, set(), set()
+
+    def manifest(self) -> Manifest:
+        """The recorded files, with the source files imported in this or an
+        earlier window of this process (:data:`_IMPORTED`), as a
+        :class:`~kernel_cache.plan.traced.Manifest`."""
+        from kernel_cache.kernels.slots import builtin_paths
+
+        builtins = builtin_paths()
+        if self.kernel in builtins:
+            imported = _IMPORTED.get(self.kernel, set()) | _RAN.get(self.kernel, set())
+        else:
+            earlier = [f for d in (_IMPORTED, _RAN) for k, f in d.items() if k not in builtins]
+            imported = set().union(*earlier)
+        files = self.files | imported
+        return manifest_of(files, ran={f: list(_CODES[f].values()) for f in files if f in _CODES})
