@@ -205,37 +205,7 @@ def warmup(
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     if writable:  # for the engine starts that read this cache
         imports_memo.save(cache_dir, allow_shared=allow_shared)
-    rtier = remote.tier() if remote is not None else None
-    publish = {
-        "remote": rtier.location if rtier is not None else None,
-        "signed_by": secret.key_id if secret is not None else None,
-        "held_back": None,
-    }
-    if rtier is not None and secret is None and keyring is None and not allow_unsigned():
-        # no key at all: nothing from the remote can be checked, nothing made
-        # here may be published; the remote is left alone
-        publish["held_back"] = (
-            f"no signing key ({ENV_SIGNING_KEY_FILE}) and no trusted key ({ENV_TRUSTED_KEYS}): "
-            f"{rtier.location} was neither read nor published to; builders set "
-            f"{ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} (kernel-cache keygen DIR)"
-        )
-        log.warning("building locally in %s only: %s", cache_dir, publish["held_back"])
-        rtier.close()
-        rtier = remote = None
-    elif rtier is not None and secret is None and keyring is not None:
-        publish["held_back"] = (
-            f"no private key ({ENV_SIGNING_KEY_FILE}): entries compiled here stay in "
-            f"{cache_dir} and are not published to {rtier.location}, whose engines trust "
-            f"only signed entries ({ENV_TRUSTED_KEYS}); publish from a builder that holds "
-            "the private key"
-        )
-        log.warning("%s", publish["held_back"])
-    elif rtier is not None and secret is None:
-        log.warning(
-            "publishing unsigned entries to %s (%s=1): anyone who can write it can run "
-            "code on the engines that load from it",
-            rtier.location, ENV_ALLOW_UNSIGNED,
-        )  # fmt: skip
+    rtier, remote, publish = _remote_policy(remote, secret, keyring, cache_dir)
     fetched, uploaded = [], 0
     if rtier is not None:
         todo, fetched, uploaded = _remote_precheck(
@@ -276,6 +246,46 @@ def warmup(
         gc_report = _gc_after(first, cache_dir, max_size, keep, allow_shared)
         out["gc"] = GcSummary.model_validate(gc_report).model_dump()
     return out
+
+
+def _remote_policy(remote, secret, keyring, cache_dir) -> tuple[Tier | None, Any, dict]:
+    """The shared tier a warmup may read and publish to, given the keys it holds:
+    ``(tier or None, remote settings or None, the report's publish fields)``. With
+    no key at all (and unsigned not allowed) the remote is left alone; with trusted
+    keys but no private key, compiled entries stay local; unsigned publishing is
+    warned about."""
+    rtier = remote.tier() if remote is not None else None
+    publish = {
+        "remote": rtier.location if rtier is not None else None,
+        "signed_by": secret.key_id if secret is not None else None,
+        "held_back": None,
+    }
+    if rtier is not None and secret is None and keyring is None and not allow_unsigned():
+        # no key at all: nothing from the remote can be checked, nothing made
+        # here may be published; the remote is left alone
+        publish["held_back"] = (
+            f"no signing key ({ENV_SIGNING_KEY_FILE}) and no trusted key ({ENV_TRUSTED_KEYS}): "
+            f"{rtier.location} was neither read nor published to; builders set "
+            f"{ENV_SIGNING_KEY_FILE}=DIR/{PRIVATE_NAME} (kernel-cache keygen DIR)"
+        )
+        log.warning("building locally in %s only: %s", cache_dir, publish["held_back"])
+        rtier.close()
+        rtier = remote = None
+    elif rtier is not None and secret is None and keyring is not None:
+        publish["held_back"] = (
+            f"no private key ({ENV_SIGNING_KEY_FILE}): entries compiled here stay in "
+            f"{cache_dir} and are not published to {rtier.location}, whose engines trust "
+            f"only signed entries ({ENV_TRUSTED_KEYS}); publish from a builder that holds "
+            "the private key"
+        )
+        log.warning("%s", publish["held_back"])
+    elif rtier is not None and secret is None:
+        log.warning(
+            "publishing unsigned entries to %s (%s=1): anyone who can write it can run "
+            "code on the engines that load from it",
+            rtier.location, ENV_ALLOW_UNSIGNED,
+        )  # fmt: skip
+    return rtier, remote, publish
 
 
 def _close_remote(rtier: Tier | None, results: list[VariantResult], plan_keys) -> None:
