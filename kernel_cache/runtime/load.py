@@ -28,6 +28,7 @@ from kernel_cache.errors import (
     CpuTargetError,
     MissingVariantsError,
 )
+from kernel_cache.plan.keys import environment
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.store.disk_tier import (
@@ -297,14 +298,16 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     return Lookup(sources)
 
 
-def _take_import_memo(cache_dir, allow_shared: bool | None) -> None:
+def _take_import_memo(cache_dir, allow_shared: bool | None) -> str | None:
     """Read the local cache's memo of import scans, if any, before the keys are
-    computed (:mod:`kernel_cache.store.imports_memo`; engine start only reads it)."""
+    computed (:mod:`kernel_cache.store.imports_memo`; engine start only reads it).
+    Returns the ``cxx`` key component it records (warmup's compiler), or None."""
     from kernel_cache.store import imports_memo
     from kernel_cache.trust.permissions import resolve_allow_shared
 
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
-    imports_memo.load(directory, allow_shared=resolve_allow_shared(allow_shared))
+    memo, _ = imports_memo.take(directory, allow_shared=resolve_allow_shared(allow_shared))
+    return memo.cxx if memo is not None and memo.cxx else None
 
 
 def default_tiers(
@@ -374,7 +377,10 @@ def load_plan(
     Lookup (:class:`kernel_cache.store.lookup.Lookup`): each tier in order, the exact
     key first, then an entry equal in every runtime component that was built
     with another C++ compiler (``cxx`` is build-only; the accepted values are
-    logged at INFO and reported in ``stats()["build_only_accepted"]``).
+    logged at INFO and reported in ``stats()["build_only_accepted"]``). No
+    program is run: the keys take the ``cxx`` that warmup recorded in the local
+    cache (:mod:`kernel_cache.store.imports_memo`), else ``"none"``, instead of
+    asking the compiler (:func:`kernel_cache.plan.keys.environment`).
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
@@ -417,9 +423,11 @@ def load_plan(
         else Lookup(tiers)
     )
     if plan is None:
-        if tiers is None:  # the import scans warmup kept in the local cache
-            _take_import_memo(cache_dir, allow_shared_dir)
-        plan = Plan.build(config)
+        cxx = None
+        if tiers is None:  # the import scans and compiler warmup kept in the local cache
+            cxx = _take_import_memo(cache_dir, allow_shared_dir)
+        # no compiler is run: 'cxx' is build-only (kernel_cache.plan.keys)
+        plan = Plan.build(config, environment(config, cxx=cxx or "none"))
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 
@@ -529,7 +537,7 @@ def signature_note(keyring) -> str:
 def _log_accepted(accepted: dict) -> None:
     for name, a in accepted.items():
         log.info(
-            "build-only component %s: accepted %s recorded at build time (this process: %s)",
+            "build-only component %s: accepted %s recorded at build time (looked up first: %s)",
             name,
             ", ".join(map(repr, a["stored"])),
             repr(a["here"]),

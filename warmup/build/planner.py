@@ -204,7 +204,7 @@ def warmup(
     keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     if writable:  # for the engine starts that read this cache
-        imports_memo.save(cache_dir, allow_shared=allow_shared)
+        imports_memo.save(cache_dir, allow_shared=allow_shared, cxx=plan.env["cxx"])
     rtier = remote.tier() if remote is not None else None
     publish = {
         "remote": rtier.location if rtier is not None else None,
