@@ -9,12 +9,10 @@ Dynamo nor Inductor's compiler, and returns the dispatcher,
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,10 +56,11 @@ def _remove_own_load_dir(path: str, owner: int) -> None:
 def load_dir() -> str:
     """This process's directory for unpacked packages, made on first use.
 
-    AOTInductor's loader unpacks each package (its ``.so`` and data) into a new
-    ``aotinductor_*`` directory under ``$TMPDIR`` and never removes it: a start
-    of a 26-variant plan left 26 such directories behind. Loads therefore unpack
-    into ``$TMPDIR/kernel_cache-load-<pid>-*``, removed when the process exits;
+    AOTInductor's loader, given a ``.pt2`` file, unpacks it (its ``.so`` and
+    data) into a new ``aotinductor_*`` directory under ``$TMPDIR`` and never
+    removes it: a start of a 26-variant plan left 26 such directories behind.
+    Loads therefore unpack into ``$TMPDIR/kernel_cache-load-<pid>-*`` themselves
+    (:func:`load_package`), removed when the process exits;
     directories of processes that died without exiting (SIGKILL) are removed by
     the next process that loads. A process holds an ``flock`` in its directory
     while it lives (:func:`kernel_cache.store.locks.private_temp_dir`), so
@@ -93,11 +92,13 @@ def load_dir() -> str:
 def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     """Load verified ``.pt2`` bytes with the AOTInductor runtime loader.
 
-    The bytes go to a private temporary file in :func:`load_dir` (never the
-    cache directory, which may be read-only), are loaded, and the file is
-    removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
-    which is pointed there for the call only: :func:`_tmpdir`), so nothing is
-    left behind at exit.
+    The package is unpacked into a new folder of :func:`load_dir` (never the
+    cache directory, which may be read-only), and the loader is given that
+    folder: AOTInductor's ``AOTIModelPackageLoader`` loads an unpacked package
+    in place (torch 2.13), so it creates nothing under ``$TMPDIR`` and no
+    environment variable is changed for it. The folder stays while the
+    process runs (on CUDA the runner reads its kernels' cubin files from it)
+    and goes with :func:`load_dir` at exit.
 
     On the CPU, a package that holds only its ``.so``, metadata and source
     (:func:`_cpu_library`) skips the loader: only the ``.so``, read from
@@ -116,6 +117,8 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
 
     Raises:
         CorruptEntryError: the loader rejected the package.
+        ConfigError: the package cannot be unpacked into the load directory
+            (a full or unwritable ``$TMPDIR``; names it).
     """
     import torch  # here, not at module top: listings and ``explain`` need no torch
 
@@ -123,23 +126,44 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         library = _cpu_library(data, where, key)
         if library is not None:
             return _load_cpu_library(library, where, key)
-    where_to = load_dir()
-    fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-", dir=where_to)
+    path = _unpack(data, where, key)
+    device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        device_index = torch.cuda.current_device() if device == "cuda" else -1
-        try:
-            with _tmpdir(where_to):
-                return torch._C._aoti.AOTIModelPackageLoader(
-                    path, "model", device == "cuda", 1, device_index
-                )
-        except Exception as e:  # the loader raises RuntimeError for bad zips
-            raise CorruptEntryError(
-                key, f"the AOTInductor loader rejected it: {e}", where
-            ) from None
-    finally:
-        Path(path).unlink(missing_ok=True)
+        return torch._C._aoti.AOTIModelPackageLoader(
+            path, "model", device == "cuda", 1, device_index
+        )
+    except Exception as e:  # the loader raises RuntimeError for a bad package
+        shutil.rmtree(path, ignore_errors=True)
+        raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {e}", where) from None
+
+
+def _unpack(data: bytes, where: str, key: str) -> str:
+    """The package ``data`` unpacked into a new folder of :func:`load_dir`
+    (its path). :mod:`zipfile` writes no file outside that folder (absolute
+    names and ``..`` are dropped) and makes no link.
+
+    Raises:
+        CorruptEntryError: ``data`` is not a zip archive, or cannot be unpacked.
+    """
+    import io
+    import zipfile
+
+    out = tempfile.mkdtemp(prefix="kernel_cache-", dir=load_dir())
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            z.extractall(out)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
+        shutil.rmtree(out, ignore_errors=True)
+        raise CorruptEntryError(
+            key, f"the AOTInductor loader rejected it: not a package ({e})", where
+        ) from None
+    except OSError as e:  # the load directory, not the entry: a full or unwritable TMPDIR
+        shutil.rmtree(out, ignore_errors=True)
+        raise ConfigError(
+            f"cannot unpack entry {key[:16]} ({len(data)} bytes packed) into the load "
+            f"directory {out}: {e}; free space there or set TMPDIR to a folder with room"
+        ) from None
+    return out
 
 
 #: A CPU package's model files, under its archive's top folder (``model/``).
@@ -223,37 +247,6 @@ def _load_cpu_library(library: bytes, where: str, key: str):
             ) from None
     finally:
         Path(path).unlink(missing_ok=True)
-
-
-_TMPDIR_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _tmpdir(path: str):
-    """``$TMPDIR`` set to ``path`` for the duration, then restored.
-
-    The package loader unpacks into ``$TMPDIR`` and takes no directory argument
-    (``AOTIModelPackageLoader(path, model_name, run_single_threaded,
-    num_runners, device_index)`` in torch 2.13). The container runner that
-    takes an unpacked ``.so`` and a cubin directory is bound to Python as
-    ``AOTIModelContainerRunnerCuda(so_path, num_models[, device[, cubin_dir]])``
-    (``torch/csrc/inductor/aoti_runner/pybind.cpp``): without the
-    single-threaded mode, so its calls wait for the GPU and cannot be captured.
-    So the variable is changed, for this process, only around the loader call,
-    and a lock keeps two loading threads from restoring each other's value. A
-    thread that creates a temporary file during that call puts it in
-    :func:`load_dir`, which is removed at exit.
-    """
-    with _TMPDIR_LOCK:
-        saved = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = path
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved
 
 
 def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None):
