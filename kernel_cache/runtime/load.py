@@ -481,16 +481,16 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
     config, out = plan.config, _Found()
     for item in plan:
         v = item.variant
-        try:
-            hit = lookup.find(item.key)
-        except CorruptEntryError as e:
-            fix = lookup.failed_in.repair_hint(config, cache_dir)
-            raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
+        result = lookup.search(item.key)
+        if result.failed is not None:
+            e, fix = result.failed.error, result.failed.tier.repair_hint(config, cache_dir)
+            raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where)
+        hit = result.found
         if hit is None:
             out.missing.append(v)
-            out.why[v] = lookup.why_missing(item.key)
-            if lookup.rejected:
-                out.refused[str(v)] = refused_reason(lookup, config, cache_dir)
+            out.why[v] = lookup.why_missing(item.key, result.changes)
+            if result.rejected:
+                out.refused[str(v)] = refused_reason(result, config, cache_dir)
             continue
         entry = hit.entry
         check_cpu_features(config, v, entry)
@@ -501,15 +501,15 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
     return out
 
 
-def refused_reason(lookup, config, cache_dir) -> tuple[str, str]:
-    """``(why, repair)`` for a miss of ``lookup`` whose entry was refused: the
-    last refusal (the furthest tier: a remote after a refused local copy;
-    untrusted: a signature; else corrupt) and its tier's repair, which names
-    the tier (a remote by its URL)."""
+def refused_reason(result, config, cache_dir) -> tuple[str, str]:
+    """``(why, repair)`` for a miss whose entry was refused (``result``, a
+    :class:`~kernel_cache.store.lookup.Search`): the last refusal (the
+    furthest tier: a remote after a refused local copy; untrusted: a
+    signature; else corrupt) and its tier's repair, which names the tier (a
+    remote by its URL)."""
     from kernel_cache.trust.signing import SignatureError
 
-    e = lookup.rejected[-1]
-    tier = lookup.rejected_in[id(e)]
+    e, tier = result.rejected[-1].error, result.rejected[-1].tier
     kind = "untrusted" if isinstance(e, SignatureError) else "corrupt"
     return (
         f"their entries in {tier.location} are {kind} ({e.reason})",

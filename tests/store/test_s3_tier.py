@@ -201,9 +201,8 @@ def test_a_corrupt_object_is_rejected_and_a_warmup_put_replaces_it(s3, tiny_conf
     raw = pack(data[:-10] + b"y" * 10, json.dumps(meta).encode())  # other bytes, same record
     obstore.put(tier.store, f"entries/{key.hexdigest}", raw, mode="create")
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        lookup = Lookup([tier])
-        assert lookup.find(key) is None
-    assert len(lookup.rejected) == 1 and "sha256" in caplog.text
+        result = Lookup([tier]).search(key)
+    assert result.found is None and len(result.rejected) == 1 and "sha256" in caplog.text
     assert tier.put(key.hexdigest, data, meta).outcome is PutOutcome.STORED
     assert tier.get(key.hexdigest).data == data
 
