@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import errno
 import functools
+import importlib
 import importlib.abc
+import importlib.util
 import os
 import sys
 import threading
@@ -126,9 +128,15 @@ def _patch_s3(module) -> None:
 def _patch_pool(module) -> None:
     executor = module.ProcessPoolExecutor
 
+    first = [True]
+
     class Executor(executor):
         def shutdown(self, *args, **kwargs):
-            hook("pool-shutdown")
+            # the point is the run's wait for its workers: the first shutdown only
+            # (an interrupted run's clean-up shuts the pools down again)
+            if first[0]:
+                first[0] = False
+                hook("pool-shutdown")
             return super().shutdown(*args, **kwargs)
 
     module.ProcessPoolExecutor = Executor
@@ -160,7 +168,9 @@ def _patch_compiler(module) -> None:
     module.build_paths_mapped = count_then_map
 
 
-#: module -> what wraps its points, applied once it is imported
+#: module -> what wraps its points. The modules that import no torch are
+#: imported and wrapped when the hooks are installed; ``warmup.build.compiler``
+#: (which imports torch) when it is imported (:class:`_PatchOnImport`).
 PATCHES = {
     "kernel_cache.store.safe_disk": _patch_safe_disk,
     "kernel_cache.store.disk_tier": _patch_disk_tier,
@@ -168,43 +178,47 @@ PATCHES = {
     "warmup.build.pool": _patch_pool,
     "warmup.build.compiler": _patch_compiler,
 }
+LAZY = "warmup.build.compiler"
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies :data:`PATCHES` to a module right after its code has run."""
+    """Wraps :data:`LAZY` right after its code has run, then leaves
+    ``sys.meta_path``: a compile worker imports it at its start, so no code of
+    this file runs inside a compile's trace window (which would record it
+    among the files the kernel's code came from, docs/keys.md)."""
 
     kc_testhooks = True  # marks this finder, whichever copy of the module made it
 
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        if name != LAZY:
             return None
-        for finder in sys.meta_path:
-            if getattr(finder, "kc_testhooks", False) or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None:
             return None
         exec_module = spec.loader.exec_module
 
         def exec_then_patch(module):
             exec_module(module)
-            PATCHES[name](module)
+            _patch_compiler(module)
 
         spec.loader.exec_module = exec_then_patch
         return spec
 
 
 def install() -> None:
-    """Wrap the points above: in modules imported already, now; in the
-    others when they are imported. Once per process, even where this module
-    is imported under two names (``kc_testhooks`` by ``sitecustomize``,
-    ``tests.hooks.kc_testhooks`` by the suite's conftest); the hooks stay
-    inert until a variable of :data:`VARIABLES` is set."""
-    if any(getattr(f, "kc_testhooks", False) for f in sys.meta_path):
+    """Wrap the points above: now, or for :data:`LAZY` when it is imported.
+    Once per process, even where this module is imported under two names
+    (``kc_testhooks`` by ``sitecustomize``, ``tests.hooks.kc_testhooks`` by the
+    suite's conftest: a flag on ``sys``); the hooks stay inert until a
+    variable of :data:`VARIABLES` is set."""
+    if getattr(sys, "_kc_testhooks_installed", False):
         return
+    sys._kc_testhooks_installed = True
     for name, patch in PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-    sys.meta_path.insert(0, _PatchOnImport())
+        if name != LAZY:
+            patch(importlib.import_module(name))
+    if LAZY in sys.modules:
+        _patch_compiler(sys.modules[LAZY])
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
