@@ -143,7 +143,8 @@ def _unpack(data: bytes, where: str, key: str) -> str:
     names and ``..`` are dropped) and makes no link.
 
     Raises:
-        CorruptEntryError: ``data`` is not a zip archive, or cannot be unpacked.
+        CorruptEntryError: ``data`` is not a zip archive.
+        ConfigError: writing into the load directory failed (full, unwritable).
     """
     import io
     import zipfile
