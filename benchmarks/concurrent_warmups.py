@@ -2,8 +2,9 @@
 
 Counts the compiler runs independently of warmup's reports: a ``CXX`` wrapper
 logs every link of a package's ``wrapper.so`` (one per compile), and the
-test-only compile log (``KERNEL_CACHE_TEST_COMPILE_LOG``) records every
-``compile_variant`` call. Then checks the reports against those counts.
+test suite's compile log (``KERNEL_CACHE_TEST_COMPILE_LOG``, written by
+``tests/hooks/kc_testhooks.py``) records every AOTInductor compile. Then
+checks the reports against those counts.
 
 Usage (the tests' tiny plan, 16 processes; takes minutes on 2 cores)::
 
@@ -62,7 +63,10 @@ def _run(n: int, tmp: Path, jobs: int) -> dict:
         **os.environ,
         "CXX": str(_wrapper(tmp, links)),
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        # the test suite's hooks (tests/hooks/sitecustomize.py) write the compile log
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT / "tests" / "hooks"), str(ROOT), os.environ.get("PYTHONPATH")) if p
+        ),
     }
     cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *TINY, "--cache-dir", str(cache)]
     cmd += ["--jobs", str(jobs), "--json", "--quiet"]

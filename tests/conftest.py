@@ -30,7 +30,18 @@ from filelock import FileLock
 
 from kernel_cache.config.engine import make_config
 
+from .hooks import kc_testhooks
+
 ROOT = Path(__file__).resolve().parents[1]
+
+#: The suite's fault injection (tests/hooks/kc_testhooks.py): installed here for
+#: the test process, and by tests/hooks/sitecustomize.py in every Python
+#: process a test starts with one of its KERNEL_CACHE_TEST_* variables set.
+HOOKS_DIR = Path(__file__).resolve().parent / "hooks"
+if str(HOOKS_DIR) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HOOKS_DIR), os.environ.get("PYTHONPATH")) if p
+    )
 TRACE = ROOT.parent / "shared" / "data" / "azure-llm-trace-2023" / "conv.csv"
 
 TINY_GEOMETRY = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -127,6 +138,9 @@ ENV_JOBS = "KERNEL_CACHE_JOBS"
 #: then the full one): the folder the runs share (the caller makes it empty and
 #: removes it), so the tiny plan is compiled once for all of them.
 ENV_SHARED_WARM_DIR = "KERNEL_CACHE_TEST_SHARED_WARM_DIR"
+
+
+kc_testhooks.install()  # inert until a test sets a KERNEL_CACHE_TEST_* variable
 
 
 def pytest_configure(config):

@@ -142,3 +142,41 @@ def test_test_folders_mirror_the_packages():
     assert folders <= packages | {"warmup", "e2e"}, sorted(folders - packages)
     at_top = sorted(p.name for p in tests.glob("test_*.py"))
     assert at_top == ["test_imports.py", "test_layout.py"], at_top
+
+
+def test_no_product_module_reaches_a_test_hook():
+    """Fault injection lives in the test suite (``tests/hooks/kc_testhooks.py``,
+    installed by the tests into their own processes): no module of
+    ``kernel_cache`` or ``warmup`` imports a test-hook or test module (function-level
+    imports included) or names a ``KERNEL_CACHE_TEST_*`` variable, so no setting
+    can make a production process pause or fail."""
+    import ast
+
+    found = []
+    for pkg in ("kernel_cache", "warmup"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    if "KERNEL_CACHE_TEST_" in node.value:
+                        found.append(f"{f.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
+                for n in names:
+                    if "testhook" in n.lower() or n.split(".")[0] in ("tests", "conftest"):
+                        found.append(f"{f.relative_to(ROOT)}:{node.lineno} imports {n}")
+    assert found == []
+    assert not (ROOT / "kernel_cache" / "_testhooks.py").exists()
+
+
+def test_the_test_hook_scan_finds_an_import(tmp_path):
+    import ast
+
+    tree = ast.parse("def f():\n    from kernel_cache import _testhooks\n")
+    names = [
+        f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    ]  # fmt: skip
+    assert any("testhook" in n for n in names)

@@ -23,10 +23,6 @@ base), and :func:`get` validates one picked-out variable with that field's
 type, constraints and parsers (a cached ``TypeAdapter``, about a microsecond):
 that is what lets it take ``environ``, and engine start never imports
 pydantic-settings.
-
-The ``KERNEL_CACHE_TEST_*`` fault-injection hooks (:mod:`kernel_cache._testhooks`,
-:mod:`warmup.build.compiler`) are test-only and not in the model; see
-:data:`TEST_ONLY`.
 """
 
 from __future__ import annotations
@@ -61,15 +57,6 @@ from kernel_cache.config.parsers import (  # noqa: F401 - callers use them as se
 from kernel_cache.errors import ConfigError
 
 PREFIX = "KERNEL_CACHE_"
-
-#: Test-only variables (fault injection for the test suite), not part of the model.
-TEST_ONLY: dict[str, str] = {
-    "KERNEL_CACHE_TEST_PAUSE_AT": "point[,point]: pause at named points (_testhooks.py)",
-    "KERNEL_CACHE_TEST_PAUSE_MARKER": "file written when a pause point is reached",
-    "KERNEL_CACHE_TEST_FAULT": "enospc@point: raise ENOSPC at a named point",
-    "KERNEL_CACHE_TEST_COMPILE_LOG": "file each compiler run appends `pid variant` to",
-    "KERNEL_CACHE_TEST_BAD_COMPILE": "variant whose compile is made to fail (compiler.py)",
-}
 
 
 class SettingError(ConfigError):
@@ -498,15 +485,12 @@ def _default_text(f) -> str:
 
 
 def markdown_table(model: type[BaseModel] = SettingsFields) -> str:
-    """The table of docs/settings.md: one row per field of ``model``, then the
-    test-only variables."""
+    """The table of docs/settings.md: one row per field of ``model``."""
     rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for name, f in model.model_fields.items():
         extra = f.json_schema_extra or {}
         typ = extra["type"] + (f" ({extra['unit']})" if extra.get("unit") else "")
         rows.append(f"| `{PREFIX}{name.upper()}` | {typ} | {_default_text(f)} | {f.description} |")
-    for variable, meaning in TEST_ONLY.items():
-        rows.append(f"| `{variable}` | test-only | unset | {meaning} |")
     return "\n".join(rows)
 
 

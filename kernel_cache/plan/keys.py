@@ -40,12 +40,19 @@ AOTInductor ran. It shapes the artifact's bytes, so it is in the key and a
 builder with another compiler compiles afresh; but loading an artifact needs
 no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
 returns ``"none"`` there), so a loader cannot reproduce it. Engine start
-therefore looks a key up exactly first and, on a miss, accepts a stored entry
-whose every *other* component equals its own (the runtime digest,
-:attr:`CacheKey.runtime_digest`), taking the build-only values the entry
-records and logging them. Every other component is computed at runtime and
-must match: ``compile_options`` included, since the options are fixed by the
-installed code (:func:`kernel_cache.config.recipe.compile_options`), so a
+therefore runs no compiler (nor any other program): it computes its keys with
+the ``cxx`` value warmup recorded in the local cache
+(:mod:`kernel_cache.store.imports_memo`), else that recorded by the plan's first
+entry found, else ``"none"`` (:func:`environment` with ``cxx``;
+:func:`kernel_cache.runtime.load.load_plan`), looks that key up exactly first and, on a
+miss, accepts a stored entry whose every *other* component equals its own (the
+runtime digest, :attr:`CacheKey.runtime_digest`), taking the build-only values
+the entry records and logging them. Whether an artifact runs here is decided
+by runtime components and by the entry's recorded ``cpu_features``, read from
+``/proc/cpuinfo`` (:func:`kernel_cache.runtime.load.check_cpu_features`).
+Every other component is computed at runtime and must match:
+``compile_options`` included, since the options are fixed by the installed
+code (:func:`kernel_cache.config.recipe.compile_options`), so a
 runtime computes them exactly and a release that changes an option misses.
 
 What accepting ``cxx`` does not cover: an artifact built against another C++
@@ -271,17 +278,22 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
-def environment(config_or_device) -> dict[str, str]:
+def environment(config_or_device, *, cxx: str | None = None) -> dict[str, str]:
     """The environment components of a key, as strings, for an
     :class:`EngineConfig` (its device and CPU target) or a device name (the
-    default CPU target)."""
+    default CPU target).
+
+    ``cxx``: the build-only ``cxx`` value to use; None probes the C++ compiler
+    (:func:`cxx_compiler_id`, four compiler runs on a process's first call).
+    Engine start passes a value, so it runs no program (module docstring).
+    """
     device, target = _target_of(config_or_device)
     return {
         "device": device,
         "device_arch": device_arch(device, target),
         "torch": torch_version(),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "cxx": cxx_compiler_id(),
+        "cxx": cxx_compiler_id() if cxx is None else cxx,
     }
 
 

@@ -9,12 +9,10 @@ neither Dynamo nor Inductor's compiler, and returns the dispatcher,
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from kernel_cache.errors import (
     MissingVariantsError,
     TorchAPIDriftError,
 )
+from kernel_cache.plan.keys import environment
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.store.disk_tier import (
@@ -58,10 +57,11 @@ def _remove_own_load_dir(path: str, owner: int) -> None:
 def load_dir() -> str:
     """This process's directory for unpacked packages, made on first use.
 
-    AOTInductor's loader unpacks each package (its ``.so`` and data) into a new
-    ``aotinductor_*`` directory under ``$TMPDIR`` and never removes it: a start
-    of a 26-variant plan left 26 such directories behind. Loads therefore unpack
-    into ``$TMPDIR/kernel_cache-load-<pid>-*``, removed when the process exits;
+    AOTInductor's loader, given a ``.pt2`` file, unpacks it (its ``.so`` and
+    data) into a new ``aotinductor_*`` directory under ``$TMPDIR`` and never
+    removes it: a start of a 26-variant plan left 26 such directories behind.
+    Loads therefore unpack into ``$TMPDIR/kernel_cache-load-<pid>-*`` themselves
+    (:func:`load_package`), removed when the process exits;
     directories of processes that died without exiting (SIGKILL) are removed by
     the next process that loads. A process holds an ``flock`` in its directory
     while it lives (:func:`kernel_cache.store.locks.private_temp_dir`), so
@@ -93,11 +93,13 @@ def load_dir() -> str:
 def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     """Load verified ``.pt2`` bytes with the AOTInductor runtime loader.
 
-    The bytes go to a private temporary file in :func:`load_dir` (never the
-    cache directory, which may be read-only), are loaded, and the file is
-    removed; the loader unpacks into :func:`load_dir` too (it reads ``$TMPDIR``,
-    which is pointed there for the call only: :func:`_tmpdir`), so nothing is
-    left behind at exit.
+    The package is unpacked into a new folder of :func:`load_dir` (never the
+    cache directory, which may be read-only), and the loader is given that
+    folder: AOTInductor's ``AOTIModelPackageLoader`` loads an unpacked package
+    in place (torch 2.13), so it creates nothing under ``$TMPDIR`` and no
+    environment variable is changed for it. The folder stays while the
+    process runs (on CUDA the runner reads its kernels' cubin files from it)
+    and goes with :func:`load_dir` at exit.
 
     On the CPU, a package that holds only its ``.so``, metadata and source
     (:func:`_cpu_library`) skips the loader: only the ``.so``, read from
@@ -120,6 +122,8 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         TorchAPIDriftError: the installed torch's loader is missing or takes
             other arguments (:mod:`kernel_cache.torch_compat`); the entry is not
             at fault and is left as it is.
+        ConfigError: the package cannot be unpacked into the load directory
+            (a full or unwritable ``$TMPDIR``; names it).
     """
     import torch  # here, not at module top: listings and ``explain`` need no torch
 
@@ -129,29 +133,52 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         library = _cpu_library(data, where, key)
         if library is not None:
             return _load_cpu_library(library, where, key)
-    where_to = load_dir()
-    fd, path = tempfile.mkstemp(suffix=".pt2", prefix="kernel_cache-", dir=where_to)
+    path = _unpack(data, where, key)
+    device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        device_index = torch.cuda.current_device() if device == "cuda" else -1
-        try:
-            with _tmpdir(where_to):
-                return torch_compat.load_aoti_package(
-                    path,
-                    model_name="model",
-                    run_single_threaded=device == "cuda",
-                    num_runners=1,
-                    device_index=device_index,
-                )
-        except TorchAPIDriftError:
-            raise  # torch's API, not this file
-        except Exception as e:  # the loader raises RuntimeError for bad zips
-            raise CorruptEntryError(
-                key, f"the AOTInductor loader rejected it: {e}", where
-            ) from None
-    finally:
-        Path(path).unlink(missing_ok=True)
+        return torch_compat.load_aoti_package(
+            path,
+            model_name="model",
+            run_single_threaded=device == "cuda",
+            num_runners=1,
+            device_index=device_index,
+        )
+    except TorchAPIDriftError:
+        shutil.rmtree(path, ignore_errors=True)
+        raise  # torch's API, not this entry
+    except Exception as e:  # the loader raises RuntimeError for a bad package
+        shutil.rmtree(path, ignore_errors=True)
+        raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {e}", where) from None
+
+
+def _unpack(data: bytes, where: str, key: str) -> str:
+    """The package ``data`` unpacked into a new folder of :func:`load_dir`
+    (its path). :mod:`zipfile` writes no file outside that folder (absolute
+    names and ``..`` are dropped) and makes no link.
+
+    Raises:
+        CorruptEntryError: ``data`` is not a zip archive.
+        ConfigError: writing into the load directory failed (full, unwritable).
+    """
+    import io
+    import zipfile
+
+    out = tempfile.mkdtemp(prefix="kernel_cache-", dir=load_dir())
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            z.extractall(out)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
+        shutil.rmtree(out, ignore_errors=True)
+        raise CorruptEntryError(
+            key, f"the AOTInductor loader rejected it: not a package ({e})", where
+        ) from None
+    except OSError as e:  # the load directory, not the entry: a full or unwritable TMPDIR
+        shutil.rmtree(out, ignore_errors=True)
+        raise ConfigError(
+            f"cannot unpack entry {key[:16]} ({len(data)} bytes packed) into the load "
+            f"directory {out}: {e}; free space there or set TMPDIR to a folder with room"
+        ) from None
+    return out
 
 
 #: A CPU package's model files, under its archive's top folder (``model/``).
@@ -240,37 +267,6 @@ def _load_cpu_library(library: bytes, where: str, key: str):
         Path(path).unlink(missing_ok=True)
 
 
-_TMPDIR_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _tmpdir(path: str):
-    """``$TMPDIR`` set to ``path`` for the duration, then restored.
-
-    The package loader unpacks into ``$TMPDIR`` and takes no directory argument
-    (``AOTIModelPackageLoader(path, model_name, run_single_threaded,
-    num_runners, device_index)`` in torch 2.13). The container runner that
-    takes an unpacked ``.so`` and a cubin directory is bound to Python as
-    ``AOTIModelContainerRunnerCuda(so_path, num_models[, device[, cubin_dir]])``
-    (``torch/csrc/inductor/aoti_runner/pybind.cpp``): without the
-    single-threaded mode, so its calls wait for the GPU and cannot be captured.
-    So the variable is changed, for this process, only around the loader call,
-    and a lock keeps two loading threads from restoring each other's value. A
-    thread that creates a temporary file during that call puts it in
-    :func:`load_dir`, which is removed at exit.
-    """
-    with _TMPDIR_LOCK:
-        saved = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = path
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved
-
-
 def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | None = None):
     """The :class:`~kernel_cache.store.lookup.Lookup` of engine start: bundles
     (``bundles``, i.e. ``--bundle``, then ``$KERNEL_CACHE_BUNDLE``), then the
@@ -313,14 +309,16 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     return Lookup(sources)
 
 
-def _take_import_memo(cache_dir, allow_shared: bool | None) -> None:
+def _take_import_memo(cache_dir, allow_shared: bool | None) -> str | None:
     """Read the local cache's memo of import scans, if any, before the keys are
-    computed (:mod:`kernel_cache.store.imports_memo`; engine start only reads it)."""
+    computed (:mod:`kernel_cache.store.imports_memo`; engine start only reads it).
+    Returns the ``cxx`` key component it records (warmup's compiler), or None."""
     from kernel_cache.store import imports_memo
     from kernel_cache.trust.permissions import resolve_allow_shared
 
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
-    imports_memo.load(directory, allow_shared=resolve_allow_shared(allow_shared))
+    memo, _ = imports_memo.take(directory, allow_shared=resolve_allow_shared(allow_shared))
+    return memo.cxx if memo is not None and memo.cxx else None
 
 
 def default_tiers(
@@ -390,7 +388,11 @@ def load_plan(
     Lookup (:class:`kernel_cache.store.lookup.Lookup`): each tier in order, the exact
     key first, then an entry equal in every runtime component that was built
     with another C++ compiler (``cxx`` is build-only; the accepted values are
-    logged at INFO and reported in ``stats()["build_only_accepted"]``).
+    logged at INFO and reported in ``stats()["build_only_accepted"]``). No
+    program is run: the keys take the ``cxx`` that warmup recorded in the local
+    cache (:mod:`kernel_cache.store.imports_memo`), else the one the plan's first
+    entry found records (:func:`_with_build_cxx`), else ``"none"``, instead of
+    asking the compiler (:func:`kernel_cache.plan.keys.environment`).
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
@@ -421,7 +423,7 @@ def load_plan(
             :mod:`kernel_cache.runtime.threads`).
     """
     from kernel_cache.runtime.dispatch import AttentionRuntime  # imports torch
-    from kernel_cache.store.lookup import Lookup
+    from kernel_cache.store.lookup import Lookup, merge_accepted
 
     t0 = time.perf_counter()
     compiles = CompileCounter()  # stats() reports torch's compiles from here on
@@ -432,10 +434,15 @@ def load_plan(
         if tiers is None
         else Lookup(tiers)
     )
+    learned: dict[str, tuple[str, str]] = {}
     if plan is None:
-        if tiers is None:  # the import scans warmup kept in the local cache
-            _take_import_memo(cache_dir, allow_shared_dir)
-        plan = Plan.build(config)
+        cxx = None
+        if tiers is None:  # the import scans and compiler warmup kept in the local cache
+            cxx = _take_import_memo(cache_dir, allow_shared_dir)
+        # no compiler is run: 'cxx' is build-only (kernel_cache.plan.keys)
+        plan = Plan.build(config, environment(config, cxx=cxx or "none"))
+        if cxx is None:
+            plan, learned = _with_build_cxx(plan, lookup)
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 
@@ -443,6 +450,7 @@ def load_plan(
     for tier in lookup.tiers:  # a remote may fetch the plan in one go (S3: its manifest)
         tier.expect([item.hexdigest for item in plan])
     found = _find_plan(plan, lookup, cache_dir)
+    merge_accepted(found.accepted, learned)
     record_lookups(lookup.tiers, found.hits, len(found.missing))
     if found.missing and strict:
         raise MissingVariantsError(
@@ -463,6 +471,24 @@ def load_plan(
         dict(found.sources), signature_note(lookup.keyring),
     )  # fmt: skip
     return rt
+
+
+def _with_build_cxx(plan: Plan, lookup) -> tuple[Plan, dict[str, tuple[str, str]]]:
+    """Without a local record of warmup's compiler, take the ``cxx`` key
+    component from the record of the plan's first entry found (by its runtime
+    components), so the other variants are looked up by their exact keys (a
+    remote's plan manifest, S3's, is named by them) and come from that build.
+    Returns the plan (rebuilt with that value, or as it was) and
+    ``{"cxx": (value looked up first, value taken)}`` (empty if none was taken).
+    The value is the build's record, read, never this machine's compiler."""
+    first = next(iter(plan), None)
+    hit = lookup.search(first.key).found if first is not None else None
+    stored = hit.entry.meta["components"].get("cxx") if hit is not None else None
+    here = plan.env["cxx"]
+    if not isinstance(stored, str) or stored == here:
+        return plan, {}
+    rebuilt = Plan.build(plan.config, {**plan.env, "cxx": stored}, log_launch=False)
+    return rebuilt, {"cxx": (here, stored)}
 
 
 @dataclass
@@ -496,16 +522,16 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
     config, out = plan.config, _Found()
     for item in plan:
         v = item.variant
-        try:
-            hit = lookup.find(item.key)
-        except CorruptEntryError as e:
-            fix = lookup.failed_in.repair_hint(config, cache_dir)
-            raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where) from None
+        result = lookup.search(item.key)
+        if result.failed is not None:
+            e, fix = result.failed.error, result.failed.tier.repair_hint(config, cache_dir)
+            raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where)
+        hit = result.found
         if hit is None:
             out.missing.append(v)
-            out.why[v] = lookup.why_missing(item.key)
-            if lookup.rejected:
-                out.refused[str(v)] = refused_reason(lookup, config, cache_dir)
+            out.why[v] = lookup.why_missing(item.key, result.changes)
+            if result.rejected:
+                out.refused[str(v)] = refused_reason(result, config, cache_dir)
             continue
         entry = hit.entry
         check_cpu_features(config, v, entry)
@@ -516,15 +542,15 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
     return out
 
 
-def refused_reason(lookup, config, cache_dir) -> tuple[str, str]:
-    """``(why, repair)`` for a miss of ``lookup`` whose entry was refused: the
-    last refusal (the furthest tier: a remote after a refused local copy;
-    untrusted: a signature; else corrupt) and its tier's repair, which names
-    the tier (a remote by its URL)."""
+def refused_reason(result, config, cache_dir) -> tuple[str, str]:
+    """``(why, repair)`` for a miss whose entry was refused (``result``, a
+    :class:`~kernel_cache.store.lookup.Search`): the last refusal (the
+    furthest tier: a remote after a refused local copy; untrusted: a
+    signature; else corrupt) and its tier's repair, which names the tier (a
+    remote by its URL)."""
     from kernel_cache.trust.signing import SignatureError
 
-    e = lookup.rejected[-1]
-    tier = lookup.rejected_in[id(e)]
+    e, tier = result.rejected[-1].error, result.rejected[-1].tier
     kind = "untrusted" if isinstance(e, SignatureError) else "corrupt"
     return (
         f"their entries in {tier.location} are {kind} ({e.reason})",
@@ -545,7 +571,7 @@ def signature_note(keyring) -> str:
 def _log_accepted(accepted: dict) -> None:
     for name, a in accepted.items():
         log.info(
-            "build-only component %s: accepted %s recorded at build time (this process: %s)",
+            "build-only component %s: accepted %s recorded at build time (looked up first: %s)",
             name,
             ", ".join(map(repr, a["stored"])),
             repr(a["here"]),

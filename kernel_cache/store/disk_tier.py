@@ -327,7 +327,6 @@ class DiskTier(Tier):
                 no file or row of this entry behind.
             CacheBusyError: the index stayed locked for ``timeout`` seconds.
         """
-        from kernel_cache import _testhooks
         from kernel_cache.store.safe_disk import as_write_error
 
         if self.read_only:
@@ -346,7 +345,6 @@ class DiskTier(Tier):
                 with cache.transact():
                     cache.set("art/" + key, bytes(data))
                     cache.set("meta/" + key, raw_meta)
-                    _testhooks.hook("publish-commit")
             except BaseException:
                 disk.discard_new_files(mark)
                 raise

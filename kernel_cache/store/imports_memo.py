@@ -8,10 +8,19 @@ its module name, the scanning code and the Python version, so warmup keeps
 the scans in ``<cache>/imports.json`` and engine start reads them::
 
     {"python": "3.11", "scanner": "<sha256 of sources.py, 16 hex>",
+     "cxx": "gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30",
      "files": {"<sha256 of the file>:<module>:<m|p>": ["kernel_cache.errors", ...]}}
 
 A later process still reads and hashes every file (the key needs the
 hashes); only the parse of a file whose bytes it has seen is skipped.
+
+The memo also names the C++ compiler warmup built with (``cxx``, the
+build-only key component: :func:`kernel_cache.plan.keys.cxx_compiler_id`,
+``"gcc 12.2.0 (build 5d1c33a0); libstdc++ 6.0.30"``). Engine start runs no
+compiler: it looks up first the keys with that value, which an entry warmed
+into this cache by that compiler has, and accepts another value as it
+accepts any build-only one (:mod:`kernel_cache.store.lookup`). A memo
+without it means ``"none"`` (what a runtime image without a compiler has).
 
 The memo is read only from the local cache directory, which engine start
 already trusts for the code it loads, and only as a regular file owned by
@@ -49,13 +58,16 @@ MAX_BYTES = 8 << 20
 
 class ImportsMemo(BaseModel):
     """A local cache's ``imports.json`` (see the module docstring): ``python``
-    (major.minor), ``scanner`` (:func:`kernel_cache.plan.sources.scanner`) and
-    ``files`` (``{scan key: module names}``, :func:`kernel_cache.plan.sources.scan_key`)."""
+    (major.minor), ``scanner`` (:func:`kernel_cache.plan.sources.scanner`),
+    ``cxx`` (the ``cxx`` key component of the warmup that wrote it; ``""``:
+    not recorded) and ``files`` (``{scan key: module names}``,
+    :func:`kernel_cache.plan.sources.scan_key`)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
 
     python: str
     scanner: str
+    cxx: str = ""
     files: dict[str, list[str]] = {}
 
 
@@ -95,11 +107,14 @@ def _read(directory: Path, allow_shared: bool) -> ImportsMemo | None:
     return memo
 
 
-def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
+def take(
+    directory: str | os.PathLike, *, allow_shared: bool = False
+) -> tuple[ImportsMemo | None, int]:
     """Take the scans of ``<directory>/imports.json`` for this process's key
     computations (:func:`kernel_cache.plan.sources.remember_imports`).
-    Returns how many were taken; 0 where there is no usable memo, or the
-    directory fails the cache's trust checks
+    Returns ``(memo, scans new here)``: the memo gives engine start its
+    ``cxx``; ``(None, 0)`` where there is no usable memo, or the directory
+    fails the cache's trust checks
     (:func:`kernel_cache.trust.permissions.check_cache_dir`, which the caller's
     own reads then report). Never raises."""
     from kernel_cache.errors import KernelCacheError
@@ -108,9 +123,14 @@ def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
     try:
         check_cache_dir(directory, allow_shared=allow_shared)
     except (KernelCacheError, OSError):
-        return 0
+        return None, 0
     memo = _read(Path(directory), allow_shared)
-    return 0 if memo is None else sources.remember_imports(memo.files)
+    return memo, 0 if memo is None else sources.remember_imports(memo.files)
+
+
+def load(directory: str | os.PathLike, *, allow_shared: bool = False) -> int:
+    """:func:`take`; returns how many scans were taken (0 without a usable memo)."""
+    return take(directory, allow_shared=allow_shared)[1]
 
 
 def remove(directory: str | os.PathLike) -> bool:
@@ -124,26 +144,31 @@ def remove(directory: str | os.PathLike) -> bool:
         return False
 
 
-def save(directory: str | os.PathLike, *, allow_shared: bool = False) -> bool:
+def save(directory: str | os.PathLike, *, allow_shared: bool = False, cxx: str = "") -> bool:
     """Write the scans this process used into ``<directory>/imports.json`` if it
     parsed one the memo lacks, merged with the memo's (up to
-    :data:`MAX_SCANS`). Returns True if the file was written; False if nothing
-    was new, the directory is missing or read-only, or writing failed (logged
-    at debug level). Never raises."""
+    :data:`MAX_SCANS`), or if ``cxx`` (this warmup's ``cxx`` key component;
+    ``""``: keep the memo's) differs from the memo's. Returns True if the file
+    was written; False if nothing was new, the directory is missing or
+    read-only, or writing failed (logged at debug level). Never raises."""
     from kernel_cache.store.usage import writable
 
     scans, parsed = sources.scans_to_keep()
     d = Path(directory)
-    if not parsed or not writable(d) or os.path.islink(d / MEMO_FILE):
+    if not writable(d) or os.path.islink(d / MEMO_FILE):
         return False
     old = _read(d, allow_shared)
+    new_cxx = bool(cxx) and (old is None or old.cxx != cxx)
     if old is not None:
-        if all(k in old.files for k in parsed):
+        if all(k in old.files for k in parsed) and not new_cxx:
             return False
         if len(old.files) + len(parsed) <= MAX_SCANS:
             scans = {**old.files, **scans}
+        cxx = cxx or old.cxx
+    elif not parsed and not new_cxx:
+        return False
     files = dict(sorted(scans.items()))
-    doc = ImportsMemo(python=_python(), scanner=sources.scanner(), files=files)
+    doc = ImportsMemo(python=_python(), scanner=sources.scanner(), cxx=cxx, files=files)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".imports-", suffix=".tmp", dir=d)

@@ -15,7 +15,7 @@ Every entry also records the files its code came from (``traced``:
 here: :func:`current_entry`, the one function through which engine start,
 verify, explain, export and warmup find a key's artifact, follows a mismatch
 to the key derived from the files' state here (docs/keys.md), and names the
-changed files (:attr:`Lookup.changes`) when nothing is stored there.
+changed files (:attr:`Search.changes`) when nothing is stored there.
 
 A compatible candidate is used only if its recorded key is the hash of its
 recorded components (for a derived entry, through its recorded ``derived``
@@ -31,7 +31,7 @@ refused when it is made (:func:`kernel_cache.trust.signing.shared_keyring`).
 Each entry of such a source must pass
 :func:`kernel_cache.trust.signing.check_untrusted` (its signature). One that
 fails is refused and never returned: a signature refusal is logged once per
-tier and reason (:attr:`Lookup.rejected` keeps each), other damage once per
+tier and reason (:attr:`Search.rejected` keeps each), other damage once per
 entry; a source whose ``corrupt_is_miss`` is True (Redis, S3: shared caches
 that warmup repairs) then counts as a miss and the lookup goes on, other
 sources raise. A hit is copied into the lookup's ``promote_into`` tier
@@ -42,6 +42,10 @@ it locally. The copy keeps its signature and records where it came from
 source was wherever keys are set, and one refused then is a miss. A copy that
 is refused or fails is logged and the hit is returned all the same
 (:attr:`Found.promoted` holds the :class:`~kernel_cache.store.disk_tier.PutResult`).
+
+:meth:`Lookup.search` returns what one lookup found and why (:class:`Search`);
+a :class:`Lookup` keeps no state of a lookup for its caller to read afterwards,
+so one lookup's answer never depends on another's, in any order or thread.
 """
 
 from __future__ import annotations
@@ -83,6 +87,32 @@ class Found:
     accepted: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: the copy into the promotion tier, or None where there is none
     promoted: PutResult | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An entry a lookup refused: the error (its key, reason and where) and its tier."""
+
+    error: CorruptEntryError
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class Search:
+    """What one :meth:`Lookup.search` found and why.
+
+    ``found``: the verified entry, or None; ``rejected``: the entries refused
+    and skipped on the way (untrusted sources, a refused local copy), in
+    order; ``failed``: the entry whose refusal ended the lookup (a source
+    whose ``corrupt_is_miss`` is False: :meth:`Lookup.find` raises its error),
+    else None; ``changes``: for a miss, how the traced files here differ from
+    those the plan key's stored entry records (:attr:`Current.changes`).
+    """
+
+    found: Found | None
+    rejected: tuple[Refusal, ...] = ()
+    failed: Refusal | None = None
+    changes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,16 +263,7 @@ class Lookup:
         for s in self.sources:  # a record the keys refuse: its artifact is never read
             if not s.trusted and self.keyring is not None:
                 s.tier.check_records(functools.partial(_check_record, s.tier, self.keyring))
-        #: entries the last :meth:`find` refused (and skipped)
-        self.rejected: list[CorruptEntryError] = []
-        #: the tier each of :attr:`rejected` was in: ``{id(error): tier}``
-        self.rejected_in: dict[int, Tier] = {}
-        self._reported: set[tuple[str, str]] = set()
-        #: the tier whose entry made the last :meth:`find` raise, or None
-        self.failed_in: Tier | None = None
-        #: for a miss of the last :meth:`find`: how the traced files here differ
-        #: from those the plan key's stored entry records (:attr:`Current.changes`)
-        self.changes: tuple[str, ...] = ()
+        self._reported: set[tuple[str, str]] = set()  # signature refusals logged once
         self._by: dict[tuple[int, str], Callable[[str], list[dict]]] = {}
 
     def _records(self, tier: Tier, index: str, value: str) -> list[dict]:
@@ -259,31 +280,43 @@ class Lookup:
         return [s.tier for s in self.sources]
 
     def find(self, key: CacheKey) -> Found | None:
-        """The first verified entry for ``key`` (exact, else compatible), or None.
+        """The first verified entry for ``key`` (exact, else compatible), or None
+        (:meth:`search`'s ``found``).
 
         Raises:
             CorruptEntryError: the entry found fails verification (it is never
-                returned, so its code is never loaded); :attr:`failed_in` is
-                its tier.
+                returned, so its code is never loaded); :meth:`search` gives
+                its tier (:attr:`Search.failed`).
         """
-        self.rejected, self.rejected_in, self.failed_in, self.changes = [], {}, None, ()
+        result = self.search(key)
+        if result.failed is not None:
+            raise result.failed.error
+        return result.found
+
+    def search(self, key: CacheKey) -> Search:
+        """What a lookup of ``key`` finds, and why (:class:`Search`): the first
+        verified entry (exact, else compatible), the entries refused on the way,
+        the refusal that ended it, the traced files that changed. Raises no
+        :class:`CorruptEntryError` (it is :attr:`Search.failed`)."""
+        rejected: list[Refusal] = []
+        changes: tuple[str, ...] = ()
         for src in self.sources:
             tier = src.tier
             try:
-                found = self._find_in(src, key)
+                found, missed = self._find_in(src, key)
             except CorruptEntryError as e:
                 refused_copy = src.trusted and isinstance(e, SignatureError)
                 if not src.trusted or refused_copy:
                     self._report(tier, e)
-                    self.rejected.append(e)
-                    self.rejected_in[id(e)] = tier
+                    rejected.append(Refusal(e, tier))
                     if src.corrupt_is_miss or refused_copy:
                         continue
-                self.failed_in = tier
-                raise
+                return Search(None, tuple(rejected), Refusal(e, tier), changes)
+            changes = changes or missed
             if found is not None:
-                return self._promote(found, self.promote_into or src.promote_into, src)
-        return None
+                found = self._promote(found, self.promote_into or src.promote_into, src)
+                return Search(found, tuple(rejected), None, changes)
+        return Search(None, tuple(rejected), None, changes)
 
     def _report(self, tier: Tier, e: CorruptEntryError) -> None:
         """Log a refused entry: a signature refusal as untrusted, once per tier
@@ -326,16 +359,17 @@ class Lookup:
         if not src.trusted or (self.keyring is not None and entry.meta.get("imported_from")):
             check_untrusted(entry, self.keyring, digest=digest)
 
-    def _find_in(self, src: Source, key: CacheKey) -> Found | None:
-        """The verified (and for an untrusted source, checked) entry in one tier."""
+    def _find_in(self, src: Source, key: CacheKey) -> tuple[Found | None, tuple[str, ...]]:
+        """The verified (and for an untrusted source, checked) entry in one tier,
+        or None, and how the traced files of the key's stored entry differ here
+        (:attr:`Current.changes`)."""
         tier = src.tier
         mine = key.as_dict()
         cur = current_entry(tier.get, key.hexdigest, lambda e: self._check(src, e))
         if cur.entry is not None:
-            return Found(cur.entry, tier)
-        self.changes = self.changes or cur.changes
+            return Found(cur.entry, tier), ()
         if self.exact:
-            return None
+            return None, cur.changes
         for meta in self._records(tier, "runtime", key.runtime_digest):
             entry = tier.get(meta["key"])
             if entry is None:  # removed since the index was built
@@ -353,12 +387,13 @@ class Lookup:
                 continue  # built from other files than these
             stored = entry.meta["components"]
             accepted = {n: (mine[n], stored[n]) for n in BUILD_ONLY if stored.get(n) != mine.get(n)}
-            return Found(entry, tier, accepted)
-        return None
+            return Found(entry, tier, accepted), cur.changes
+        return None, cur.changes
 
-    def why_missing(self, key: CacheKey) -> str | None:
-        """Why ``key``, just missed by :meth:`find`, has no artifact, where a
-        changed file says it: the traced files that changed (:attr:`changes`:
+    def why_missing(self, key: CacheKey, changes: Sequence[str] = ()) -> str | None:
+        """Why ``key``, just missed by :meth:`search`, has no artifact, where a
+        changed file says it: the traced files that changed (``changes``, its
+        :attr:`Search.changes`:
         ``"traced files changed since its entry was built: userkern2/dyn_helper.py
         changed (sha256 be17c317808bafd0 stored, c1e54ca660e12271 here)"``),
         else the ``sources`` files that differ from the newest stored entry
@@ -368,8 +403,8 @@ class Lookup:
         only if it passes :func:`~kernel_cache.trust.signing.check_untrusted`
         (the file names of an unsigned record are a writer's text). Lists each
         tier's metadata once per lookup."""
-        if self.changes:
-            return "traced files changed since its entry was built: " + "; ".join(self.changes)
+        if changes:
+            return "traced files changed since its entry was built: " + "; ".join(changes)
         mine = key.as_dict()
         near = _without_sources(mine)
         keyring = self.keyring

@@ -799,12 +799,9 @@ class S3Tier(RemoteTier):
         one failing its checks is deleted and written again); ``failed``
         (fail-open) with the S3 error.
         """
-        from kernel_cache import _testhooks
-
         raw_meta = json.dumps(meta, sort_keys=True).encode()
         body = pack(data, raw_meta)
         path = f"entries/{key}"
-        _testhooks.hook("s3-put")
         result = self._create(path, body)
         if result.outcome is not PutOutcome.FAILED:
             self._index(key, meta)

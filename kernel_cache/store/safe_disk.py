@@ -46,7 +46,6 @@ from typing import TypeVar
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
-from kernel_cache import _testhooks
 from kernel_cache.config import settings
 from kernel_cache.errors import CacheBusyError, CacheWriteError, DamagedIndexError
 from kernel_cache.store.nofollow import (
@@ -231,11 +230,7 @@ class SafeDisk(diskcache.Disk):
             raise refuse_link("cache entry folder", e.path, "rm {p} (the link only)") from None
         try:
             try:
-                view = memoryview(data)
-                half = len(view) // 2
-                write_all(fd, view[:half])
-                _testhooks.hook("publish-write")
-                write_all(fd, view[half:])
+                write_all(fd, memoryview(data))
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -193,12 +193,19 @@ def test_doc_table_is_the_generated_one():
     assert _doc_table() == settings.markdown_table()
 
 
-def test_doc_table_rows_are_the_model_variables_plus_test_only_ones():
+def test_doc_table_rows_are_the_model_variables():
     rows = re.findall(r"^\| `(KERNEL_CACHE_[A-Z0-9_]+)` \|", _doc_table(), re.M)
-    assert sorted(rows) == sorted([*VARIABLES.values(), *settings.TEST_ONLY])
+    assert sorted(rows) == sorted(VARIABLES.values())
 
 
-def test_every_variable_named_in_the_code_is_in_the_model_or_test_only():
+def test_the_settings_have_no_test_hook():
+    """Fault injection lives in the test suite (tests/hooks/kc_testhooks.py), not
+    in the settings: no field or module name of settings.py is a test hook."""
+    assert not [v for v in VARIABLES.values() if v.startswith("KERNEL_CACHE_TEST_")]
+    assert not [n for n in vars(settings) if "test" in n.lower() and not n.startswith("__")]
+
+
+def test_every_variable_named_in_the_code_is_in_the_model():
     """A variable read by kernel_cache/ or warmup/ that the model does not know fails here."""
     root = Path(__file__).resolve().parents[2]
     named = set()
@@ -207,8 +214,7 @@ def test_every_variable_named_in_the_code_is_in_the_model_or_test_only():
             named |= set(
                 re.findall(r"KERNEL_CACHE_[A-Z][A-Z0-9_]*[A-Z](?![A-Z0-9_*])", path.read_text())
             )
-    known = {*VARIABLES.values(), *settings.TEST_ONLY}
-    assert named - known == set()
+    assert named - set(VARIABLES.values()) == set()
 
 
 def test_the_table_follows_the_model():

@@ -260,10 +260,11 @@ def test_a_changed_traced_file_leads_to_a_derived_key_and_back(site, tiny_config
         assert Lookup([tier]).find(key).entry.data == b"first"
         rel = edit(site, "dyn_helper")
         lookup = Lookup([tier])
-        assert lookup.find(key) is None
-        assert len(lookup.changes) == 1 and lookup.changes[0].startswith(f"{rel} changed")
-        assert lookup.why_missing(key) == (
-            f"traced files changed since its entry was built: {lookup.changes[0]}"
+        result = lookup.search(key)
+        assert result.found is None
+        assert len(result.changes) == 1 and result.changes[0].startswith(f"{rel} changed")
+        assert lookup.why_missing(key, result.changes) == (
+            f"traced files changed since its entry was built: {result.changes[0]}"
         )
         cur = current_entry(tier.get, key.hexdigest)
         assert cur.entry is None and cur.key != key.hexdigest and len(cur.derived) == 1
@@ -320,8 +321,9 @@ def test_a_changed_static_source_is_named_by_the_lookup(site, tiny_model, tmp_pa
         source_files.cache_clear()
         now = build_key(cfg, v)
         lookup = Lookup([tier])
-        assert lookup.find(now) is None and lookup.changes == ()
-        assert lookup.why_missing(now) == (
+        result = lookup.search(now)
+        assert result.found is None and result.changes == ()
+        assert lookup.why_missing(now, result.changes) == (
             f"sources differ from entry {key.hexdigest[:16]} in {tier.location}: "
             "nc_outside_helper.py changed"
         )

@@ -53,39 +53,72 @@ def test_no_unpacked_packages_left_after_exit_or_sigkill(warm_cache, tiny_model,
     assert os.listdir(tmpdir) == []
 
 
-def test_tmpdir_is_pointed_at_the_load_dir_for_one_loader_call_at_a_time(monkeypatch):
-    """Two threads loading at once: the second waits until the first has
-    restored $TMPDIR, so neither restores the other's value."""
-    import threading
-    import time
+#: Engine start through AOTInductor's package loader (every CPU package sent
+#: there, as a CUDA package or a CPU one with weights is), while a thread reads
+#: $TMPDIR as Python and as C code see it; prints a JSON line.
+THROUGH_THE_LOADER = r"""
+import ctypes, json, os, sys, threading
+import torch
+from kernel_cache import load_plan, make_config
+from kernel_cache.runtime import load
 
-    from kernel_cache.runtime.load import _tmpdir
+calls = []
+loader = torch._C._aoti.AOTIModelPackageLoader
+def counted(path, *args):
+    calls.append(os.path.isdir(path))
+    return loader(path, *args)
+torch._C._aoti.AOTIModelPackageLoader = counted
+load._cpu_library = lambda data, where, key: None  # no CPU shortcut: the package loader
 
-    monkeypatch.setenv("TMPDIR", "/original")
-    inside, release, seen = threading.Event(), threading.Event(), []
+getenv = ctypes.CDLL(None).getenv
+getenv.restype = ctypes.c_char_p
+before, tmpdir = dict(os.environ), os.environ["TMPDIR"]
+seen, stop = set(), threading.Event()
+def read():
+    while not stop.is_set():
+        seen.add(os.environ.get("TMPDIR"))
+        seen.add((getenv(b"TMPDIR") or b"").decode())
+reader = threading.Thread(target=read)
+reader.start()
+rt = load_plan(make_config(sys.argv[1], **eval(sys.argv[2])), sys.argv[3])
+stop.set()
+reader.join()
+kc = torch.randn(9, 16, 2, 8)
+out = rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int32), [5, 17, 32])
+print(json.dumps({
+    "loads": rt.stats()["loads"], "loader_calls": calls, "out_shape": list(out.shape),
+    "environ_same": dict(os.environ) == before, "seen": sorted(seen), "tmpdir": tmpdir,
+    "in_tmpdir": sorted(os.listdir(tmpdir)), "in_load_dir": sorted(os.listdir(load.load_dir())),
+}))
+"""
 
-    def first():
-        with _tmpdir("/load-a"):
-            inside.set()
-            release.wait(10)
-            seen.append(("a", os.environ["TMPDIR"]))
 
-    def second():
-        inside.wait(10)
-        with _tmpdir("/load-b"):
-            seen.append(("b", os.environ["TMPDIR"]))
+def test_engine_start_changes_no_environment_variable(warm_cache, tiny_model, tmp_path):
+    """AOTInductor's package loader is given the unpacked package: os.environ is
+    the same after engine start, a thread reading $TMPDIR (through os.environ
+    and C's getenv) during it only ever sees its value, and the loader
+    unpacks nothing into $TMPDIR itself (no ``aotinductor_*`` folder)."""
+    import json
 
-    ta, tb = threading.Thread(target=first), threading.Thread(target=second)
-    ta.start()
-    tb.start()
-    inside.wait(10)
-    time.sleep(0.2)  # the second thread is now at the lock
-    assert os.environ["TMPDIR"] == "/load-a"
-    release.set()
-    ta.join(10)
-    tb.join(10)
-    assert seen == [("a", "/load-a"), ("b", "/load-b")]
-    assert os.environ["TMPDIR"] == "/original"
+    from ..conftest import TINY_LIMITS
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0])]
+    proc = subprocess.run(
+        [sys.executable, "-c", THROUGH_THE_LOADER, *args],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert doc["loader_calls"] == [True] * N_TINY  # the loader ran, on unpacked folders
+    assert doc["environ_same"] and doc["seen"] == [str(tmpdir)]
+    assert [n.startswith("kernel_cache-load-") for n in doc["in_tmpdir"]] == [True]
+    unpacked = [n for n in doc["in_load_dir"] if n != ".owner.lock"]  # the directory's flock
+    assert len(unpacked) == N_TINY and all(n.startswith("kernel_cache-") for n in unpacked)
+    assert os.listdir(tmpdir) == []  # removed at exit
 
 
 def test_a_noexec_tmpdir_is_named_not_reported_as_corrupt_entries(warm_cache, tiny_model, tmp_path):

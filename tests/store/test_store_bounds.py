@@ -307,8 +307,9 @@ def test_a_record_naming_a_file_outside_the_roots_is_corrupt_and_nothing_it_name
     meta["traced"] = {"files": {path: "0" * 64}, "dists": {}}  # past the model, as a writer can
     _redis_entry(tier, key.hexdigest, json.dumps(meta).encode(), b"code")
     lookup = Lookup([tier])
-    assert lookup.find(key) is None
-    assert len(lookup.rejected) == 1 and "must be relative" in str(lookup.rejected[0])
+    result = lookup.search(key)
+    assert result.found is None and result.failed is None
+    assert len(result.rejected) == 1 and "must be relative" in str(result.rejected[0].error)
     assert secret.stat().st_atime == 1_000_000
     tier.close()
 

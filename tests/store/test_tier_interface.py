@@ -123,12 +123,48 @@ def test_lookup_policy_decides_trust_not_the_tier(tmp_path, tiny_config, caplog,
         Lookup([tier]).find(key)
     lookup = Lookup([Source(tier, trusted=False, corrupt_is_miss=True)])
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        assert lookup.find(key) is None
-    assert len(lookup.rejected) == 1 and "rejected disk entry" in caplog.text
+        result = lookup.search(key)
+    assert result.found is None and result.failed is None
+    assert len(result.rejected) == 1 and result.rejected[0].tier is tier
+    assert "rejected disk entry" in caplog.text
     strict = Lookup([Source(tier, trusted=False)])
     with pytest.raises(CorruptEntryError):
         strict.find(key)
-    assert strict.failed_in is tier
+    failed = strict.search(key).failed  # the refusal that ended the lookup, with its tier
+    assert failed.tier is tier and isinstance(failed.error, CorruptEntryError)
+
+
+def test_a_lookup_answer_depends_on_no_earlier_lookup(tmp_path, tiny_config, monkeypatch):
+    """:meth:`Lookup.search` returns what it found and why; nothing of one lookup
+    is left on the Lookup for the next: a refused entry, then a good one, then a
+    missing key, from two threads at once, each answer the same as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernel_cache.plan.buckets import Bucketer
+    from kernel_cache.plan.keys import build_key
+
+    monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")
+    bad, good, missing = (build_key(tiny_config, v) for v in Bucketer(tiny_config).variants[:3])
+    tier = DiskTier(tmp_path)
+    tier.put(bad.hexdigest, DATA + b"!", make_meta(bad, "v", DATA, 1.0))
+    tier.put(good.hexdigest, DATA, make_meta(good, "v", DATA, 1.0))
+    lookup = Lookup([Source(tier, trusted=False, corrupt_is_miss=True)])
+
+    def answer(key):
+        r = lookup.search(key)
+        return (r.found is not None, len(r.rejected), r.failed is None, r.changes)
+
+    alone = {k.hexdigest: answer(k) for k in (bad, good, missing)}
+    assert alone == {
+        bad.hexdigest: (False, 1, True, ()),
+        good.hexdigest: (True, 0, True, ()),
+        missing.hexdigest: (False, 0, True, ()),
+    }
+    order = [bad, good, missing] * 20
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(answer, order))
+    assert got == [alone[k.hexdigest] for k in order]
+    tier.close()
 
 
 # -- the models of the JSON formats --------------------------------------------------------

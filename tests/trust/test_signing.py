@@ -349,9 +349,10 @@ def test_untrusted_tier_forged_entry_rejected_logged_not_promoted(
     shared.put(key, data, {**signed, "cpu_features": []})
     lookup = Lookup([local, promoted])
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        assert lookup.find(_ckey(tiny_config)) is None
+        result = lookup.search(_ckey(tiny_config))
+    assert result.found is None
     assert "rejected shared entry" in caplog.text and "cpu_features changed" in caplog.text
-    assert len(lookup.rejected) == 1 and isinstance(lookup.rejected[0], SignatureError)
+    assert len(result.rejected) == 1 and isinstance(result.rejected[0].error, SignatureError)
     assert local.get(key) is None
 
     shared.put(key, data, signed)  # the genuine signed entry is used and promoted
@@ -377,8 +378,8 @@ def test_untrusted_tier_without_keys_is_refused_unless_the_insecure_opt_out(
     monkeypatch.setenv(ENV_ALLOW_UNSIGNED, "1")
     assert Lookup([_as_shared(shared)]).find(_ckey(tiny_config)).entry.data == data
     shared.put(key, data + b"x", meta)  # wrong size: rejected as a miss, not raised
-    lookup = Lookup([_as_shared(shared)])
-    assert lookup.find(_ckey(tiny_config)) is None and "size" in lookup.rejected[0].reason
+    result = Lookup([_as_shared(shared)]).search(_ckey(tiny_config))
+    assert result.found is None and "size" in result.rejected[0].error.reason
 
 
 # -- one signed plan, tampered field by field -------------------------------------

@@ -20,7 +20,6 @@ import time
 import warnings
 from pathlib import Path
 
-from kernel_cache import _testhooks
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.config.recipe import (
     BASE_OPTIONS,
@@ -196,11 +195,6 @@ def _has_option(cfg, dotted: str) -> bool:
     return True
 
 
-#: TEST-ONLY: compile the named variant (``str(variant)``) with an Inductor
-#: option that does not exist, so that a real compiler error is reported.
-ENV_TEST_BAD_COMPILE = "KERNEL_CACHE_TEST_BAD_COMPILE"
-
-
 def compile_variant(
     config: EngineConfig,
     variant: KernelVariant,
@@ -236,8 +230,6 @@ def compile_variant(
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = compile_options(config.device, config.cpu_target)
     _check_vec_isa(config, opts)
-    if os.environ.get(ENV_TEST_BAD_COMPILE) == str(variant):
-        opts["kernel_cache_test_no_such_option"] = True
     window = RunRecorder(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(
         config, variant, opts, launch, window=window, pch_dir=pch_dir
@@ -371,8 +363,6 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
             "(kernel_cache.config.recipe)"
         )
     t1 = time.perf_counter()
-    _testhooks.record_compile(str(variant))  # TEST-ONLY count (inert unless a test sets it)
-    _testhooks.hook("compile")  # TEST-ONLY pause point (inert unless a test sets it)
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:

@@ -204,7 +204,7 @@ def warmup(
     keyring = load_trusted_keys()
     cached, todo, bad, writable = _precheck(config, items, cache_dir, allow_shared)
     if writable:  # for the engine starts that read this cache
-        imports_memo.save(cache_dir, allow_shared=allow_shared)
+        imports_memo.save(cache_dir, allow_shared=allow_shared, cxx=plan.env["cxx"])
     rtier, remote, publish = _remote_policy(remote, secret, keyring, cache_dir)
     fetched, uploaded = [], 0
     if rtier is not None:

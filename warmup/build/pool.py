@@ -17,7 +17,6 @@ import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from kernel_cache._testhooks import hook
 from kernel_cache.config import settings
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.config.recipe import HASH_SEED
@@ -215,7 +214,6 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
         raise _stopped(e, pool, todo, results) from None
     finally:
         try:
-            hook("pool-shutdown")
             for p in pool.pools:
                 p.shutdown(wait=True, cancel_futures=True)
         except (KeyboardInterrupt, _Interrupt) as e:  # a signal while the workers exit

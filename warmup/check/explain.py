@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kernel_cache.errors import CorruptEntryError, ShapeError, shown
+from kernel_cache.errors import ShapeError, shown
 from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
@@ -124,7 +124,11 @@ def explain(
             r.update(status="not_in_plan", reason=not_in_plan(plan.bucketer, item.variant))
             results.append(r)
             continue
-        found = _find(lookup, item, r)
+        result = lookup.search(item.key)
+        if result.failed is not None:  # a corrupt entry: noted, and counted as a miss
+            e = result.failed.error
+            r.update(status="corrupt", where=e.where, reason=e.reason)
+        found = result.found
         if found is not None:
             hits += 1
             if variants is not None:
@@ -133,7 +137,7 @@ def explain(
                 results.append(r)
             continue
         r.setdefault("status", "miss")
-        r["traced"] = list(lookup.changes)
+        r["traced"] = list(result.changes)
         if stored is None:
             stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
         r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
@@ -147,16 +151,6 @@ def explain(
         "tiers": [t.location for t in tiers],
         "results": results,
     }
-
-
-def _find(lookup: Lookup, item, r: dict):
-    """Engine start's lookup of ``item``'s key; a corrupt entry is noted in ``r``
-    (status, where, reason) and counts as a miss (None)."""
-    try:
-        return lookup.find(item.key)
-    except CorruptEntryError as e:
-        r.update(status="corrupt", where=e.where, reason=e.reason)
-        return None
 
 
 def nearest_entries(here: dict, v: KernelVariant, stored: list, nearest: int) -> list[dict]:

@@ -228,9 +228,12 @@ def _load_item(config: EngineConfig, item: PlanItem, lookup: Lookup, report: dic
     or unrunnable."""
     v = item.variant
     try:
-        found = lookup.find(item.key)
-        if found is None and lookup.rejected:  # Redis held a bad or unsigned entry
-            raise lookup.rejected[-1]
+        result = lookup.search(item.key)
+        if result.failed is not None:
+            raise result.failed.error
+        found = result.found
+        if found is None and result.rejected:  # Redis held a bad or unsigned entry
+            raise result.rejected[-1].error
         if found is None:
             report["missing"].append(str(v))
             return None, None

@@ -1,0 +1,137 @@
+"""Engine start touches nothing global: it runs no program.
+
+Counted twice, by what actually ran: a ``PATH`` folder of recording wrappers
+(every program a start might run: the C++ compiler and its parts, ``nvcc``,
+``uname``, ``ldconfig``, ...; ``CXX`` names the wrapped ``g++``), each
+appending its name to a log and then running the real program; and, in the
+engine's process, a CPython audit hook on every process-creating event
+(``subprocess.Popen``, ``os.exec``, ``os.posix_spawn``, ``os.fork``, ...),
+which also sees a program started by its absolute path. A positive control in
+the same process after the start (warmup's compiler probe and one ``uname``)
+must show up in both, so neither counter is a constant.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kernel_cache.plan.keys import cxx_compiler_id
+from kernel_cache.store.imports_memo import MEMO_FILE
+
+from ..conftest import N_TINY, ROOT
+
+#: Programs a start could run (a compiler probe, a CPU or GPU query, a
+#: library search), wrapped where this machine has them.
+WRAPPED = (
+    "c++", "g++", "gcc", "cc", "cpp", "clang", "clang++", "ld", "ld.bfd", "ld.gold", "as",
+    "collect2", "nvcc", "ptxas", "nvidia-smi", "which", "uname", "ldconfig", "lscpu", "getconf",
+    "sh", "bash", "cat", "ls", "find",
+)  # fmt: skip
+
+#: The engine: an audit hook records every process-creating event, then the
+#: tiny plan loads and runs once; a marker line, then the positive control.
+ENGINE = r"""
+import json, os, sys
+SPAWNS = []
+EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+          "os.fork", "os.forkpty", "pty.spawn")
+def _audit(event, args):
+    if event in EVENTS:
+        SPAWNS.append(f"{event} {args[0] if args else ''}"[:200])
+sys.addaudithook(_audit)
+import torch
+from kernel_cache import load_plan, make_config
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, kv_buckets=(32,))
+rt = load_plan(cfg, sys.argv[2])
+kc = torch.randn(9, 16, 2, 8)
+out = rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int32), [5, 17, 32])
+doc = {"start": list(SPAWNS), "stats": rt.stats(), "out_shape": list(out.shape)}
+with open(sys.argv[3], "a") as f:
+    f.write("-- control --\n")
+SPAWNS.clear()
+from kernel_cache.plan.keys import cxx_compiler_id
+import subprocess
+doc["cxx"] = cxx_compiler_id()
+subprocess.run(["uname", "-m"], check=True, capture_output=True)
+doc["control"] = list(SPAWNS)
+print(json.dumps(doc))
+"""
+
+
+def _wrappers(folder, log) -> dict[str, str]:
+    """A recording wrapper in ``folder`` for each of :data:`WRAPPED` found on
+    ``PATH``; returns ``{name: real path}``."""
+    folder.mkdir()
+    found = {}
+    for name in WRAPPED:
+        real = shutil.which(name)
+        if real is None:
+            continue
+        found[name] = real
+        w = folder / name
+        w.write_text(f'#!/bin/sh\necho "{name} $*" >> "{log}"\nexec "{real}" "$@"\n')
+        w.chmod(0o755)
+    return found
+
+
+def _start(cache, model, tmp_path) -> tuple[dict, list[str], list[str]]:
+    """Engine start over ``cache`` with every program recorded: ``(doc, log
+    lines of the start, log lines of the control)``."""
+    log = tmp_path / "exec.log"
+    log.touch()
+    wrapped = _wrappers(tmp_path / "bin", log)
+    assert "g++" in wrapped and "uname" in wrapped, wrapped
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNEL_CACHE_")}
+    env.update(
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        CXX=str(tmp_path / "bin" / "g++"),
+        KERNEL_CACHE_DIR=str(cache),
+        TMPDIR=str(tmp_path),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model), str(cache), str(log)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    start, _, control = log.read_text().partition("-- control --\n")
+    return doc, start.splitlines(), control.splitlines()
+
+
+@pytest.mark.compile
+def test_engine_start_runs_no_program(cache_copy, tiny_model, tmp_path):
+    doc, start, control = _start(cache_copy, tiny_model, tmp_path)
+    assert doc["stats"]["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert start == [] and doc["start"] == []  # no program, by PATH or by absolute path
+    # the control: warmup's compiler probe runs the wrapped g++ (four times), uname once
+    assert sum(line.startswith("g++ ") for line in control) >= 4, control
+    assert "uname -m" in control
+    assert sum(e.startswith("subprocess.Popen") for e in doc["control"]) >= 5, doc["control"]
+    # the memo named the compiler warmup used: an exact hit, nothing accepted
+    assert doc["stats"]["build_only_accepted"] == {}
+
+
+@pytest.mark.compile
+def test_engine_start_without_warmup_s_record_runs_no_program(cache_copy, tiny_model, tmp_path):
+    (cache_copy / MEMO_FILE).unlink()  # a cache without warmup's memo (copied entries only)
+    doc, start, control = _start(cache_copy, tiny_model, tmp_path)
+    assert start == [] and doc["start"] == []
+    assert "uname -m" in control and doc["control"]
+    assert doc["stats"]["loads"] == N_TINY
+    accepted = doc["stats"]["build_only_accepted"]["cxx"]  # found by the runtime components
+    assert accepted == {"here": "none", "stored": [doc["cxx"]]}
+
+
+@pytest.mark.compile
+def test_warmup_records_its_compiler_for_engine_start(warm_cache):
+    memo = json.loads((warm_cache[0] / MEMO_FILE).read_text())
+    assert memo["cxx"] == cxx_compiler_id() != "none"
