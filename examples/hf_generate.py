@@ -51,7 +51,7 @@ from replay_trace import DEFAULT_TRACE, TRACE_IN_REPO, TRACE_SOURCE, check_trace
 from kernel_cache import MissingVariantsError, load_plan
 from kernel_cache.config.engine import config_to_cli
 from kernel_cache.errors import KernelCacheError
-from warmup.cli.options import CACHE_DIR_HELP, _cache_dir, config_from_args, engine_options
+from warmup.cli.options import CACHE_DIR_HELP, cache_dir_of, config_from_args, engine_options
 from warmup.request_lengths import read_trace
 
 ATTN_NAME = "kernel_cache"
@@ -316,7 +316,7 @@ def timed(fn, *args):
 
 
 def run(args) -> dict:
-    cfg, cache_dir = config_from_args(args), _cache_dir(args)
+    cfg, cache_dir = config_from_args(args), cache_dir_of(args)
     check_trace(args.trace)
     requests = make_requests(
         args.trace, args.requests, args.start, cfg.max_model_len, args.max_new_tokens

@@ -33,7 +33,7 @@ from kernel_cache.errors import KernelCacheError
 from kernel_cache.plan.buckets import PAGED_ATTENTION
 from warmup.cli.main import (
     CACHE_DIR_HELP,
-    _cache_dir,
+    cache_dir_of,
     config_from_args,
     engine_options,
     quiet_on_closed_stdout,
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        cfg, cache = config_from_args(args), _cache_dir(args)
+        cfg, cache = config_from_args(args), cache_dir_of(args)
         report = replay(cfg, cache, args.trace, args.limit, args.start)
     except KernelCacheError as e:
         print(f"replay_trace: error: {e}", file=sys.stderr)

@@ -180,3 +180,58 @@ def test_the_test_hook_scan_finds_an_import(tmp_path):
         for a in n.names
     ]  # fmt: skip
     assert any("testhook" in n for n in names)
+
+
+def _private_reaches(files: dict[str, str]) -> list[str]:
+    """``module: line: what`` for each private name (``_x``, not dunder) that a
+    module of ``files`` (module name -> source) takes from another module of
+    ``files``: ``from m import _x``, or ``m._x`` where ``m`` was imported."""
+    import ast
+
+    found = []
+    for name, text in files.items():
+        tree = ast.parse(text)
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    if node.module in files and node.module != name and a.name[:1] == "_":
+                        if not a.name.startswith("__"):
+                            found.append(
+                                f"{name}:{node.lineno}: from {node.module} import {a.name}"
+                            )
+                    if f"{node.module}.{a.name}" in files:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in files:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id)
+                if target and target != name and node.attr[:1] == "_":
+                    if not node.attr.startswith("__"):
+                        found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """What one module of ``kernel_cache`` or ``warmup`` uses of another is that
+    module's public surface: no ``from m import _x`` and no ``m._x`` between
+    them (a test may; the product may not)."""
+    files = {}
+    for pkg in ("kernel_cache", "warmup"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = f.read_text()
+    assert _private_reaches(files) == []
+
+
+def test_the_private_name_scan_finds_both_forms():
+    files = {
+        "pkg.a": "def _x():\n    pass\n",
+        "pkg.b": "from pkg.a import _x\n",
+        "pkg.c": "from pkg import a\n\na._x()\n",
+        "pkg.d": "from pkg.a import __doc__\nfrom pkg import a\n\na.__name__\n",
+    }
+    assert _private_reaches(files) == ["pkg.b:1: from pkg.a import _x", "pkg.c:3: a._x"]

@@ -155,13 +155,13 @@ def test_free_form_values_are_checked_where_used(tmp_path, monkeypatch):
     a_file = tmp_path / "file"
     a_file.write_text("")
     monkeypatch.setenv("KERNEL_CACHE_DIR", str(a_file))
-    from warmup.cli.options import _cache_dir
+    from warmup.cli.options import cache_dir_of
 
     class Args:
         cache_dir = None
 
     with pytest.raises(KernelCacheError, match=r"\$KERNEL_CACHE_DIR.*not a directory"):
-        _cache_dir(Args())
+        cache_dir_of(Args())
 
 
 def test_engine_start_names_a_cache_dir_that_is_a_file(tmp_path, monkeypatch):

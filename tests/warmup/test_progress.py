@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from warmup.build.report import Status, VariantResult, _Reporter, eta_seconds
+from warmup.build.report import Reporter, Status, VariantResult, eta_seconds
 
 
 def test_eta_is_the_remaining_work_by_kernel_over_the_workers():
@@ -29,7 +29,7 @@ def test_the_last_variant_running_alone_is_not_shared_by_idle_workers():
 
 def test_the_reporter_counts_only_compiled_variants_and_names_only_those_running():
     todo = ["paged_attention:1:2:1", "paged_attention:32:2:1", "batched_decode:1:2:4"]
-    rep = _Reporter(len(todo), 0, enabled=False, todo=todo)
+    rep = Reporter(len(todo), 0, enabled=False, todo=todo)
     rep.running(todo[:2], jobs=2)
     assert set(rep.started) == set(todo[:2])
     assert rep.eta(2) is None  # nothing compiled yet

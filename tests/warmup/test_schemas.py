@@ -101,14 +101,14 @@ def test_bundled_launch_tables_validate():
 def test_the_warmup_report_is_its_model(tiny_config, tmp_path):
     """The report ``warmup`` builds validates (and a wrong row does not)."""
     from kernel_cache.plan.plan import Plan
-    from warmup.build.report import Status, VariantResult, VariantRow, WarmupReport, _report
+    from warmup.build.report import Status, VariantResult, VariantRow, WarmupReport, make_report
 
     plan = Plan.build(tiny_config)
     items = list(plan)
     v = plan.variants
     rows = [VariantResult(str(v[0]), Status.FAILED, error="boom", timings={"total_s": 1.0})]
     rows += [VariantResult(str(x), Status.CACHED) for x in v[1:]]
-    out = _report(tiny_config, tmp_path, plan, items, rows, time.perf_counter(), None, {}, 0)
+    out = make_report(tiny_config, tmp_path, plan, items, rows, time.perf_counter(), None, {}, 0)
     report = WarmupReport.model_validate(json.loads(json.dumps(out)))
     assert report.failed[0].error == "boom" and report.repair
     assert [r.status for r in report.results][:2] == [Status.FAILED, Status.CACHED]

@@ -47,18 +47,18 @@ from kernel_cache.trust.signing import (
     may_publish,
     sign_meta,
 )
-from warmup.build.pool import ENV_KEEP_SCRATCH, _Interrupt, _run_pool
+from warmup.build.pool import ENV_KEEP_SCRATCH, PoolInterrupt, run_pool
 from warmup.build.report import (
     GcSummary,
+    Reporter,
     Status,
     VariantResult,
     VariantRow,
     WarmupInterrupted,
     WarmupReport,
-    _report,
-    _Reporter,
+    make_report,
 )
-from warmup.build.worker import _cpu_features, build_variant, check_cached, locate
+from warmup.build.worker import build_variant, check_cached, locate, recorded_cpu_features
 
 __all__ = [
     "ENV_KEEP_SCRATCH",
@@ -93,7 +93,7 @@ def _precheck(config, plan: list[PlanItem], cache_dir, allow_shared):
         write_error = e
         tier = DiskTier(cache_dir, read_only=True, allow_shared=allow_shared)
     cached, todo, bad = [], [], {}
-    features = _cpu_features(config)
+    features = recorded_cpu_features(config)
     try:
         for item in plan:
             why = check_cached(tier, locate(tier, item.key).key, config.device, features)
@@ -223,15 +223,17 @@ def warmup(
     }
 
     def report(results) -> dict:
-        return _report(config, cache_dir, plan, items, results, t0, rtier, bad, uploaded, publish)
+        return make_report(
+            config, cache_dir, plan, items, results, t0, rtier, bad, uploaded, publish
+        )
 
-    reporter = _Reporter(
+    reporter = Reporter(
         len(items), len(items) - len(todo), progress, [str(i.variant) for i in todo]
     )
     try:
         if todo:
-            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
-    except _Interrupt as e:
+            results += run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except PoolInterrupt as e:
         results += e.results
         if rtier is not None:
             rtier.close()
@@ -335,11 +337,11 @@ def compile_items(
     cached, todo, _, _ = _precheck(config, items, cache_dir, allow_shared)
     results = [VariantResult(str(i.variant), Status.CACHED) for i in cached]
     options = {"lock_timeout": settings.get("lock_timeout"), "allow_shared": allow_shared}
-    reporter = _Reporter(len(items), len(cached), progress, [str(i.variant) for i in todo])
+    reporter = Reporter(len(items), len(cached), progress, [str(i.variant) for i in todo])
     try:
         if todo:
-            results += _run_pool(config, todo, str(cache_dir), jobs, reporter, options)
-    except _Interrupt as e:
+            results += run_pool(config, todo, str(cache_dir), jobs, reporter, options)
+    except PoolInterrupt as e:
         raise KernelCacheError(f"interrupted by {signal.Signals(e.signum).name}") from None
     finally:
         reporter.close()

@@ -1,9 +1,9 @@
-"""The worker pool of a warmup (:func:`_run_pool`): ``jobs`` spawned worker
+"""The worker pool of a warmup (:func:`run_pool`): ``jobs`` spawned worker
 processes run :func:`warmup.build.worker.build_variant` per variant, a worker
 that dies is replaced once, and SIGINT/SIGTERM stop every worker
-(:class:`_Interrupt` carries the rows so far). ``jobs=0`` builds in this
+(:class:`PoolInterrupt` carries the rows so far). ``jobs=0`` builds in this
 process (:func:`_in_process`). Each warmup compiles in a private scratch
-directory (:func:`_new_scratch`).
+directory (:func:`new_scratch`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kernel_cache.config.recipe import HASH_SEED
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import PlanItem
 from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
-from warmup.build.report import Status, VariantResult, _Reporter
-from warmup.build.worker import _init_worker, build_variant
+from warmup.build.report import Reporter, Status, VariantResult
+from warmup.build.worker import build_variant, init_worker
 
 log = logging.getLogger("kernel_cache.warmup")
 
@@ -33,8 +33,8 @@ log = logging.getLogger("kernel_cache.warmup")
 ENV_KEEP_SCRATCH = settings.var("keep_scratch")
 
 
-class _Interrupt(Exception):
-    """SIGINT/SIGTERM reached :func:`_run_pool`; ``results`` are its rows so far
+class PoolInterrupt(Exception):
+    """SIGINT/SIGTERM reached :func:`run_pool`; ``results`` are its rows so far
     (unfinished variants as ``not started``)."""
 
     def __init__(self, signum: int, results: list[VariantResult]):
@@ -55,7 +55,7 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
             HASH_SEED,
             HASH_SEED,
         )
-    scratch = _new_scratch()
+    scratch = new_scratch()
     saved = dict(os.environ)
     results, busy = [], []
     try:
@@ -73,22 +73,22 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        _drop_scratch(scratch)
+        drop_scratch(scratch)
     return results
 
 
 _SCRATCH_PREFIX = "kernel_cache-inductor-"
 
 
-def _new_scratch() -> str:
+def new_scratch() -> str:
     """A private directory under the system temp dir for one warmup's compiles
-    (Inductor's scratch and temp files), removed by :func:`_drop_scratch`.
+    (Inductor's scratch and temp files), removed by :func:`drop_scratch`.
     Those of warmups that died (SIGKILL) are removed here first: the pid is
     in the name."""
     return private_temp_dir(_SCRATCH_PREFIX)
 
 
-def _drop_scratch(scratch: str) -> None:
+def drop_scratch(scratch: str) -> None:
     if settings.get("keep_scratch"):
         log.warning("kept the compile scratch directory %s (%s=1)", scratch, ENV_KEEP_SCRATCH)
         return
@@ -111,11 +111,11 @@ def _item_options(item: PlanItem, options: dict, blocking: bool) -> dict:
 
 
 def _raise_interrupt(signum, frame):
-    raise _Interrupt(signum, [])
+    raise PoolInterrupt(signum, [])
 
 
 class _Pool:
-    """The worker pools of :func:`_run_pool`: a new pool replaces one a dying
+    """The worker pools of :func:`run_pool`: a new pool replaces one a dying
     worker broke; each future remembers its item and the pool it went to."""
 
     def __init__(self, config: EngineConfig, cache_dir: str, jobs: int, scratch: str, options):
@@ -131,14 +131,14 @@ class _Pool:
         return ProcessPoolExecutor(
             max_workers=self.jobs,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
+            initializer=init_worker,
             initargs=(os.getpid(), self.config.device, self.config.cpu_target, self.scratch),
         )
 
     def submit(self, item: PlanItem, blocking: bool):
         opts = _item_options(item, self.options, blocking)
         v_json = item.variant.model_dump_json()
-        with _sigint_ignored(), _hash_seed_pinned():  # the submit may spawn a worker
+        with _sigint_ignored(), hash_seed_pinned():  # the submit may spawn a worker
             f = self.pools[-1].submit(build_variant, self.cfg_json, v_json, self.cache_dir, opts)
         self.futs[f], self.pool_of[f] = item, len(self.pools) - 1
         return f
@@ -173,7 +173,7 @@ class _Pool:
         return r
 
 
-def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> list[VariantResult]:
+def run_pool(config, todo, cache_dir, jobs, reporter: Reporter, options) -> list[VariantResult]:
     """Build ``todo`` (:class:`~kernel_cache.plan.plan.PlanItem` s) in ``jobs``
     worker processes.
 
@@ -182,12 +182,12 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
     only a variant whose second try also dies is reported failed.
 
     Raises:
-        _Interrupt: SIGINT or SIGTERM; the workers are stopped first (their
+        PoolInterrupt: SIGINT or SIGTERM; the workers are stopped first (their
             finished artifacts are published already).
     """
     if jobs == 0:
         return _in_process(config, todo, cache_dir, reporter, options)
-    scratch = _new_scratch()
+    scratch = new_scratch()
     results: list[VariantResult] = []
     pool = _Pool(config, cache_dir, jobs, scratch, options)
     old = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
@@ -210,35 +210,35 @@ def _run_pool(config, todo, cache_dir, jobs, reporter: _Reporter, options) -> li
                     pool.fatal = r.error
                     for p in pending:
                         p.cancel()
-    except (KeyboardInterrupt, _Interrupt) as e:
+    except (KeyboardInterrupt, PoolInterrupt) as e:
         raise _stopped(e, pool, todo, results) from None
     finally:
         try:
             for p in pool.pools:
                 p.shutdown(wait=True, cancel_futures=True)
-        except (KeyboardInterrupt, _Interrupt) as e:  # a signal while the workers exit
+        except (KeyboardInterrupt, PoolInterrupt) as e:  # a signal while the workers exit
             raise _stopped(e, pool, todo, results) from None
         finally:
             if old is not None:
                 signal.signal(signal.SIGTERM, old)
-            _drop_scratch(scratch)
+            drop_scratch(scratch)
     return results
 
 
-def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) -> _Interrupt:
-    """The :class:`_Interrupt` to raise for the signal ``e`` (KeyboardInterrupt is
+def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) -> PoolInterrupt:
+    """The :class:`PoolInterrupt` to raise for the signal ``e`` (KeyboardInterrupt is
     SIGINT): every worker of ``pool`` stopped, and ``results`` completed with a
     ``not started`` row for each item of ``todo`` that has none."""
-    signum = e.signum if isinstance(e, _Interrupt) else signal.SIGINT
+    signum = e.signum if isinstance(e, PoolInterrupt) else signal.SIGINT
     for p in pool.pools:
         _stop_workers(p)
     seen = {r.variant for r in results}
     left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
-    return _Interrupt(signum, results + [r for r in left if r.variant not in seen])
+    return PoolInterrupt(signum, results + [r for r in left if r.variant not in seen])
 
 
 @contextlib.contextmanager
-def _hash_seed_pinned():
+def hash_seed_pinned():
     """``PYTHONHASHSEED`` set to the recipe's for the block: a worker spawned
     meanwhile starts with that string-hash seed (Python reads it only at start;
     with a random one, Inductor's runtime-assert messages name their symbols in

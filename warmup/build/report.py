@@ -1,7 +1,7 @@
 """A warmup's report: the row of each variant (:class:`VariantResult`), the
 report's schema (:class:`WarmupReport`, ``docs/schemas/warmup-report.schema.json``),
-the report built from the rows (:func:`_report`), and the progress shown on
-stderr while it runs (:class:`_Reporter`).
+the report built from the rows (:func:`make_report`), and the progress shown on
+stderr while it runs (:class:`Reporter`).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class WarmupInterrupted(KernelCacheError):
         )
 
 
-def _report(
+def make_report(
     config, cache_dir, plan: Plan, items, results, t0, rtier, bad, uploaded, publish=None
 ) -> dict:
     """The JSON report of :func:`warmup` (see there) from its result rows;
@@ -300,7 +300,7 @@ def _published(results, rtier, uploaded: int, publish: dict) -> dict:
     }
 
 
-class _Reporter:
+class Reporter:
     """Progress on stderr: a rich progress bar in a terminal (the variants
     being compiled, elapsed time, an ETA from the variants compiled so far,
     :func:`eta_seconds`), one line per finished variant otherwise, nothing when

@@ -110,7 +110,7 @@ def locate(tier, key) -> Current:
     return current_entry(tier.get, key.hexdigest, stop_on=(CorruptEntryError, UntrustedCacheError))
 
 
-def _cpu_features(config: EngineConfig) -> list[str] | None:
+def recorded_cpu_features(config: EngineConfig) -> list[str] | None:
     """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
     from warmup.build.compiler import required_cpu_features
 
@@ -158,7 +158,7 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
+def init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None:
     """Compile worker initializer: die with the warmup process, leave Ctrl-C to
     it, give up a remote build lease on SIGTERM, and pin the compile environment
     before torch's compile stack is imported."""
@@ -191,7 +191,7 @@ def _claim(lock: KeyLock, blocking: bool, timeout: float, res: VariantResult) ->
 
 def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantResult) -> bool:
     """Step 2: True if a verified entry is cached; a bad one is quarantined."""
-    why = check_cached(tier, key, config.device, _cpu_features(config))
+    why = check_cached(tier, key, config.device, recorded_cpu_features(config))
     if why is None:
         res.status = Status.CACHED
         return True

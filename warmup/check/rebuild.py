@@ -106,8 +106,8 @@ def rebuild_variant(
         ConfigError: ``variant`` is not in the plan (names the plan's variants).
         CompileError: the rebuild failed.
     """
-    from warmup.build.pool import _drop_scratch, _hash_seed_pinned, _new_scratch
-    from warmup.build.worker import _init_worker
+    from warmup.build.pool import drop_scratch, hash_seed_pinned, new_scratch
+    from warmup.build.worker import init_worker
 
     plan = Plan.build(config)
     item = plan.find(variant)
@@ -128,21 +128,21 @@ def rebuild_variant(
         out.update(where=None, identical=False, stored_sha256=None, rebuilt_sha256=None, **empty)
         return RebuildReport.model_validate(out).model_dump()
     stored = found.entry  # checksum (and for Redis, signature) checked by the lookup
-    scratch = _new_scratch()
+    scratch = new_scratch()
     t0 = time.perf_counter()
     try:
         with ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
+            initializer=init_worker,
             initargs=(os.getpid(), config.device, config.cpu_target, scratch),
         ) as pool:
             args = (config.model_dump_json(), item.variant.model_dump_json(), item.launch)
-            with _hash_seed_pinned():  # the submit spawns the worker
+            with hash_seed_pinned():  # the submit spawns the worker
                 fut = pool.submit(_rebuild_worker, *args)
             rebuilt = fut.result()
     finally:
-        _drop_scratch(scratch)
+        drop_scratch(scratch)
     out.update(
         where=found.tier.location,
         stored_sha256=hashlib.sha256(stored.data).hexdigest(),

@@ -13,11 +13,11 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.launch import describe_plan, format_plan
 from warmup.cli.options import (
     Parents,
-    _cache_dir,
-    _remote_settings,
+    cache_dir_of,
     config_from_args,
     fleet_options,
     jobs_of,
+    remote_settings_of,
     require_publish,
     shard_options,
 )
@@ -108,7 +108,7 @@ def cmd_warmup(args) -> int:
         else settings.get("max_size")
     )
     load_trusted_keys(required=args.require_signed or None)
-    remote = _remote_settings(args)
+    remote = remote_settings_of(args)
     must_publish = require_publish(args)
     if must_publish and remote is None:
         raise KernelCacheError(
@@ -118,7 +118,7 @@ def cmd_warmup(args) -> int:
     try:
         report = warmup(
             cfg,
-            _cache_dir(args),
+            cache_dir_of(args),
             jobs=jobs,
             progress=not args.quiet,
             variants=variants,
@@ -141,7 +141,7 @@ def cmd_warmup(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_warmup(report, _cache_dir(args), shard)
+        _print_warmup(report, cache_dir_of(args), shard)
     status = _warmup_status(report)
     if must_publish and report["not_published"]:
         print(

@@ -22,7 +22,7 @@ from kernel_cache.config.engine import EngineConfig
 from kernel_cache.errors import KernelCacheError
 from warmup.cli.options import (
     Parents,
-    _cache_dir,
+    cache_dir_of,
     config_from_args,
     engine_options,
     require_publish,
@@ -39,7 +39,7 @@ def _existing_disk(args, *, read_only: bool = False):
     (housekeeping never creates a cache)."""
     from kernel_cache.store.disk_tier import DiskTier
 
-    d = Path(_cache_dir(args))
+    d = Path(cache_dir_of(args))
     if not d.is_dir():
         raise KernelCacheError(
             f"no cache at {str(d)!r} (--cache-dir / $KERNEL_CACHE_DIR); warm one with "
@@ -51,7 +51,7 @@ def _existing_disk(args, *, read_only: bool = False):
 def _tiers(args):
     from kernel_cache.runtime.load import default_tiers
 
-    return default_tiers(_cache_dir(args), args.bundle)
+    return default_tiers(cache_dir_of(args), args.bundle)
 
 
 def _sources(args):
@@ -59,7 +59,7 @@ def _sources(args):
     into the local cache)."""
     from kernel_cache.runtime.load import default_lookup
 
-    return default_lookup(_cache_dir(args), args.bundle).sources
+    return default_lookup(cache_dir_of(args), args.bundle).sources
 
 
 # -- export / import ---------------------------------------------------------
@@ -91,7 +91,7 @@ def cmd_import(args) -> int:
     from kernel_cache.store.disk_tier import DiskTier
     from kernel_cache.store.housekeeping import format_size
 
-    disk = DiskTier(_cache_dir(args))
+    disk = DiskTier(cache_dir_of(args))
     try:
         report = import_bundle(args.dir, disk)
     finally:
@@ -101,7 +101,7 @@ def cmd_import(args) -> int:
     else:
         print(
             f"import: {report['imported']} entries copied ({format_size(report['bytes'])}), "
-            f"{report['present']} already present -> {_cache_dir(args)}"
+            f"{report['present']} already present -> {cache_dir_of(args)}"
         )
     return 0
 
@@ -146,7 +146,7 @@ def _rows(args):
     if args.bundle:
         tier = BundleTier(args.bundle)
         return tier.location, list_entries(tier)
-    d = Path(_cache_dir(args))
+    d = Path(cache_dir_of(args))
     if not d.is_dir():
         return str(d), []
     tier = _existing_disk(args, read_only=True)
@@ -238,7 +238,7 @@ def _ls_cells(r: dict) -> list[str]:
 def cmd_stats(args) -> int:
     from kernel_cache.store.housekeeping import cache_stats, empty_stats, format_size
 
-    d = Path(_cache_dir(args))
+    d = Path(cache_dir_of(args))
     if d.is_dir():
         tier = _existing_disk(args, read_only=True)
         try:

@@ -25,9 +25,9 @@ import sys
 from kernel_cache.errors import KernelCacheError
 from warmup.cli.options import (  # noqa: F401 - re-exported: benchmarks and examples import them here
     CACHE_DIR_HELP,
-    _cache_dir,
     apply_unsigned_flag,
     bundle_option,
+    cache_dir_of,
     config_from_args,
     engine_options,
     jobs_option,

@@ -163,7 +163,7 @@ CACHE_DIR_HELP = (
 )
 
 
-def _cache_dir(args) -> str:
+def cache_dir_of(args) -> str:
     """The cache directory of ``--cache-dir`` or :func:`default_cache_dir`.
 
     Raises:
@@ -193,7 +193,7 @@ def bundle_option(p: argparse.ArgumentParser) -> None:
 
 
 def cache_dir_option(p: argparse.ArgumentParser) -> None:
-    """``--cache-dir DIR`` (read with :func:`_cache_dir`)."""
+    """``--cache-dir DIR`` (read with :func:`cache_dir_of`)."""
     p.add_argument("--cache-dir", default=None, metavar="DIR", help=CACHE_DIR_HELP)
 
 
@@ -323,7 +323,7 @@ def remote_url_arg(args) -> str | None:
     return new or old
 
 
-def _remote_settings(args):
+def remote_settings_of(args):
     """The remote tier's settings: the object store (``--remote-url`` /
     ``KERNEL_CACHE_REMOTE_URL``, or the older ``--s3-url`` / ``KERNEL_CACHE_S3_URL``),
     else Redis; None for neither.

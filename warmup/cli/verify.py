@@ -10,10 +10,10 @@ import sys
 
 from warmup.cli.options import (
     Parents,
-    _cache_dir,
-    _remote_settings,
+    cache_dir_of,
     config_from_args,
     fleet_options,
+    remote_settings_of,
     remote_url_arg,
 )
 
@@ -27,12 +27,12 @@ def cmd_verify(args) -> int:
     tiers = None
     remote_url = remote_url_arg(args)
     if args.redis_url or remote_url:  # coverage: the remote alone must hold the whole plan
-        tiers = [_remote_settings(args).tier(fail_open=False)]
+        tiers = [remote_settings_of(args).tier(fail_open=False)]
     if args.rebuild:
         return _verify_rebuild(args, cfg, tiers)
     report = verify_plan(
         cfg,
-        _cache_dir(args),
+        cache_dir_of(args),
         bundles=args.bundle,
         tiers=tiers,
         allow_shared_dir=args.insecure_allow_shared_dir or None,
@@ -58,7 +58,7 @@ def _verify_rebuild(args, cfg, tiers) -> int:
         rebuild_variant(
             cfg,
             v,
-            _cache_dir(args),
+            cache_dir_of(args),
             tiers=tiers,
             bundles=args.bundle,
             allow_shared_dir=args.insecure_allow_shared_dir or None,

@@ -8,7 +8,7 @@ import json
 from kernel_cache.config.recipe import device_arch
 from kernel_cache.plan.buckets import KernelVariant
 from warmup.tune.candidates import TuneSettings
-from warmup.tune.run import _check_variants, tune
+from warmup.tune.run import check_variants, tune
 from warmup.tune.table import check_out, print_summary, write_table
 
 #: The prefill tile options of ``tune`` and their defaults (:class:`TuneSettings`).
@@ -21,7 +21,7 @@ PREFILL_TILE_OPTIONS = {
 def cmd_tune(args) -> int:
     """``kernel-cache tune``: see the module docstring."""
     from kernel_cache.plan.buckets import parse_bucket_list
-    from warmup.cli.options import _cache_dir, config_from_args, jobs_of
+    from warmup.cli.options import cache_dir_of, config_from_args, jobs_of
 
     cfg = config_from_args(args)
     jobs = jobs_of(args)
@@ -41,14 +41,14 @@ def cmd_tune(args) -> int:
         min_gain=args.min_gain,
     )
     settings.check()
-    _check_variants(cfg, variants)
+    check_variants(cfg, variants)
     # a device that cannot be used (cuda without a GPU) is refused before --out's
     # directories are created
     device_arch(cfg.device, cfg.cpu_target)
     check_out(args.out)  # before any compiling and timing, which can take hours
     echo = None if args.json else (lambda m: print(m, flush=True))
     report = tune(
-        cfg, variants, _cache_dir(args), settings, jobs=jobs, progress=not args.json,
+        cfg, variants, cache_dir_of(args), settings, jobs=jobs, progress=not args.json,
         echo=echo,
     )  # fmt: skip
     out = write_table(report["table"], args.out)

@@ -18,10 +18,10 @@ from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.disk_tier import DiskTier
 from warmup.tune.candidates import TUNE_FORMAT, TuneSettings, candidates, result_key
 from warmup.tune.measure import measure_variant
-from warmup.tune.table import _fmt_cfg, make_table
+from warmup.tune.table import fmt_cfg, make_table
 
 
-def _check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None:
+def check_variants(config: EngineConfig, variants: list[KernelVariant]) -> None:
     """Raises ConfigError: a variant not in the plan, or a ``paged_attention``
     variant on the CPU (whose kernel takes no launch parameters)."""
     b = Bucketer(config)
@@ -110,7 +110,7 @@ def tune(
     settings = TuneSettings() if settings is None else settings
     settings.check()
     variants = list(dict.fromkeys(variants))
-    _check_variants(config, variants)
+    check_variants(config, variants)
     echo = echo or (lambda msg: None)
     plan = Plan.build(config, log_launch=False)
     cands = {
@@ -135,7 +135,7 @@ def tune(
             r = measure_variant(config, cands[v], art, settings)
             save_result(results_dir, keys[v], r)
             done[v] = {**r, "from_cache": False}
-            echo(f"measured {v}: kept {_fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
+            echo(f"measured {v}: kept {fmt_cfg(r['config'])}, x{r['speedup']:.3f}")
     finally:
         art.close()
     ordered = [done[v] for v in variants]

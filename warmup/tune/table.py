@@ -17,7 +17,7 @@ from kernel_cache.plan.tables import TABLE_FORMAT, arch_family, parse_table
 from warmup.tune.candidates import RULE
 
 
-def _fmt_cfg(cfg: dict) -> str:
+def fmt_cfg(cfg: dict) -> str:
     if "num_kv_splits" not in cfg:  # the prefill tiles
         return " ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
     return f"splits={cfg['num_kv_splits']} chunk={cfg['blocks_per_chunk']}"
@@ -28,7 +28,7 @@ def _row(r: dict) -> str:
     src = " (cached)" if r.get("from_cache") else ""
     return (
         f"  {r['variant']:<24} default {d[0]:8.3f} ms [{d[1]:.3f}-{d[2]:.3f}]  kept "
-        f"{_fmt_cfg(r['config']):<20} {k[0]:8.3f} ms [{k[1]:.3f}-{k[2]:.3f}]  "
+        f"{fmt_cfg(r['config']):<20} {k[0]:8.3f} ms [{k[1]:.3f}-{k[2]:.3f}]  "
         f"x{r['speedup']:.3f}{src}"
     )
 
