@@ -8,7 +8,7 @@ string), ``source`` (a file holding that revision's
 ``kernel_cache/kernels/builtin.py``), ``out`` (the ``.pt2`` to write).
 
 The recipe is the shipped one: this fresh process pins the compile environment
-first (``warmup.build.compiler.pin_environment``), then
+first (``warmup.builder.compiler.pin_environment``), then
 ``compile_with_options`` exports (``export_variant``: bucket static,
 ``num_pool_blocks`` dynamic) and compiles with the recipe's options
 (``kernel_cache.config.recipe.compile_options``); only the module is swapped,
@@ -27,7 +27,7 @@ def main() -> None:
     from kernel_cache.config.engine import EngineConfig
     from kernel_cache.config.recipe import compile_options
     from kernel_cache.plan.buckets import KernelVariant
-    from warmup.build import compiler
+    from warmup.builder import compiler
 
     cfg = EngineConfig.model_validate(spec["config"])
     variant = KernelVariant.parse(spec["variant"])

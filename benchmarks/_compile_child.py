@@ -9,7 +9,7 @@ SPEC: ``config`` (EngineConfig JSON), ``variants`` (variant strings),
 
 Phases of one compile (seconds), measured by wrapping Inductor's own functions:
 
-* ``export``: ``torch.export`` (``warmup.build.compiler.compile_variant``'s export_s);
+* ``export``: ``torch.export`` (``warmup.builder.compiler.compile_variant``'s export_s);
 * ``cxx``: time inside ``torch._inductor.cpp_builder.CppBuilder.build``: every
   C++ compiler and linker run, precompiled headers included;
 * ``packaging``: time inside ``torch._inductor.package.package_aoti`` (the .pt2 zip);
@@ -60,7 +60,7 @@ def main() -> None:
     from kernel_cache.plan.buckets import KernelVariant
     from kernel_cache.runtime.inputs import make_inputs
     from kernel_cache.runtime.load import load_package
-    from warmup.build.compiler import compile_with_options, pin_environment
+    from warmup.builder.compiler import compile_with_options, pin_environment
 
     import_s = time.perf_counter() - t0
     spent = {"cxx": 0.0, "packaging": 0.0, "cxx_runs": 0, "cxx_cpu": 0.0}

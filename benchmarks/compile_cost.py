@@ -7,7 +7,7 @@ compiler processes it waited for (``resource.getrusage``), with Inductor's
 compile threads set to 1 so all the work is counted and Inductor's caches off
 so nothing is a cache hit. It fits ``cpu_s = base[kernel] + per_doubling *
 log2(work)`` by least squares, ``work = query_len * num_seqs * num_blocks *
-block_size``: the form of :data:`warmup.build.shard.COST_MODEL`. CPU seconds are
+block_size``: the form of :data:`warmup.builder.shard.COST_MODEL`. CPU seconds are
 fitted because wall seconds on a shared machine mostly measure the other users.
 Only the ratios matter to the shard split.
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     # Inductor's own caches (shared under /tmp/torchinductor_$USER) would turn a
     # repeat into a cache hit; a fresh builder compiles from scratch.
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    from warmup.build.compiler import compile_variant
+    from warmup.builder.compiler import compile_variant
 
     cfg = config_from_args(args)
     plan = list(Bucketer(cfg).variants)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from kernel_cache.runtime.inputs import make_inputs
     from kernel_cache.runtime.load import load_package
     from kernel_cache.store.disk_tier import DiskTier
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
     targets = args.targets.split(",")
     wanted = []

@@ -59,7 +59,7 @@ from _common import (
 
 from kernel_cache import AttentionRuntime, load_plan
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 
 TARGET_US = 20.0

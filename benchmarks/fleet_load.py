@@ -41,7 +41,7 @@ def engine_main(spec_json: str) -> int:
     from kernel_cache import load_plan
     from kernel_cache.store.disk_tier import DiskTier
     from kernel_cache.store.redis import RedisSettings, RedisTier
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
     ready = engine_ready(spec_json)
     if ready is None:

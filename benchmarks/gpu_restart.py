@@ -90,7 +90,7 @@ if mode == "aoti":
             calls[v] = lambda q=q, bt=bt, n=lens: rt.decode(q, kc, vc, bt, n)
         calls[v]()
 else:
-    from warmup.build.compiler import module_for
+    from warmup.builder.compiler import module_for
     for v in variants:
         q, bt, lens = inputs[v]
         m = torch.compile(module_for(cfg, v), dynamic=False, fullgraph=True)

@@ -61,7 +61,7 @@ diag() {
     echo "cc1plus -> $("$c" -print-prog-name=cc1plus)"
   done
   ls -la /opt/gcc /opt/gcc/lib64 2>&1 | grep -iE "stdc|total|lib" | head -20
-  python3 -c "import torch; from warmup.build.loadcheck import loaded_libstdcxx; print('torch process maps:', loaded_libstdcxx())"
+  python3 -c "import torch; from warmup.builder.loadcheck import loaded_libstdcxx; print('torch process maps:', loaded_libstdcxx())"
   d=$(mktemp -d)
   cat > "$d/re.cpp" <<'CPP'
 #include <regex>

@@ -74,7 +74,7 @@ from kernel_cache import load_plan
 from kernel_cache.kernels.builtin import build_module
 from kernel_cache.kernels.reference import gather_kv
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 
 

@@ -66,7 +66,7 @@ from kernel_cache import load_plan
 from kernel_cache.kernels.reference import gather_kv
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
 from kernel_cache.runtime.load import load_package
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 
 

@@ -60,7 +60,7 @@ from _common import (
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 
 CHILD = str(Path(__file__).with_name("_restart_child.py"))

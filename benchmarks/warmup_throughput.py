@@ -13,7 +13,7 @@ compile options.
    also pays the imports and the precompiled headers (once per machine and
    set of compiler flags); the later ones are the steady state. Each compiled kernel
    is timed (median us per call) so a faster compile that slows the kernel shows.
-2. Jobs: ``warmup.build.planner.warmup`` (the code ``kernel-cache warmup`` runs)
+2. Jobs: ``warmup.builder.planner.warmup`` (the code ``kernel-cache warmup`` runs)
    compiles N variants into an empty kernel_cache directory with ``--jobs J``
    worker processes, for each J; the Inductor cache directory is the one the
    current options' phase run left behind, temp dir included (precompiled
@@ -61,7 +61,7 @@ from _common import (
 
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import recipe_options
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 
 CHILD = str(Path(__file__).with_name("_compile_child.py"))

@@ -122,7 +122,7 @@ def _start_warm_build() -> None:
 
 _OWN_DIR = pytest.StashKey[tuple[str, bool]]()
 _OWN_PCH = pytest.StashKey[bool]()
-#: The compile workers' precompiled headers (warmup.build.worker.pch_dir): one
+#: The compile workers' precompiled headers (warmup.builder.worker.pch_dir): one
 #: folder in the run's shared folder, so they are built once a run, not once a
 #: test's cache directory.
 ENV_PCH_DIR = "KERNEL_CACHE_PCH_DIR"

@@ -88,7 +88,7 @@ def test_the_public_names_resolve_lazily_and_unknown_ones_fail():
 def test_warmup_package_resolves_its_entry_point_lazily():
     assert imported_by("import warmup") == []
     code = (
-        "import warmup\nfrom warmup.build.planner import warmup as w\n"
+        "import warmup\nfrom warmup.builder.planner import warmup as w\n"
         "assert warmup.warmup is w\nfrom warmup import warmup as w2\nassert w2 is w"
     )
     imported_by(code)

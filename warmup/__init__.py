@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
 __all__ = ["warmup"]
 
@@ -18,7 +18,7 @@ __all__ = ["warmup"]
 def __getattr__(name: str):
     if name != "warmup":
         raise AttributeError(f"module 'warmup' has no attribute {name!r}")
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
     globals()["warmup"] = warmup  # the next access is a plain attribute
     return warmup

@@ -26,7 +26,7 @@ SCHEMA_DIR = ROOT / "docs" / "schemas"
 #: rows), the verify report.
 MODELS: tuple[str, ...] = (
     "kernel_cache.plan.tables:LaunchTableDoc",
-    "warmup.build.report:WarmupReport",
+    "warmup.builder.report:WarmupReport",
     "warmup.check.verify:VerifyReport",
     "warmup.check.rebuild:RebuildReport",
     "kernel_cache.store.entry:EntryMeta",
@@ -46,7 +46,7 @@ def load(spec: str):
 
 
 def schema_name(spec: str) -> str:
-    """``"warmup.build.report:WarmupReport"`` -> ``"warmup-report"``."""
+    """``"warmup.builder.report:WarmupReport"`` -> ``"warmup-report"``."""
     name = spec.partition(":")[2]
     return re.sub(r"(?<!^)(?=[A-Z][a-z])", "-", name).lower().removesuffix("-doc")
 

@@ -44,31 +44,31 @@ _AOTI = "torch._inductor.aoti_compile_and_package"
 BUILD_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(
         _AOTI,
-        "build/compiler.py: (exported_program, *, package_path, inductor_configs)",
+        "builder/compiler.py: (exported_program, *, package_path, inductor_configs)",
         CHECKED,
     ),
     *(
         PrivateAPI(
             m,
-            "build/compiler.py: its settings (get_config_copy, load_config, patch, and "
+            "builder/compiler.py: its settings (get_config_copy, load_config, patch, and "
             "attribute reads of option names) and its import reading TORCHINDUCTOR_*",
             CHECKED,
         )
         for m in CONFIG_MODULES
     ),
-    PrivateAPI(_PICK, "build/compiler.py: the vector ISA Inductor chose", CHECKED),
+    PrivateAPI(_PICK, "builder/compiler.py: the vector ISA Inductor chose", CHECKED),
     PrivateAPI(
         _RUN,
-        "build/normalize.py: wrapped, (cmd_line: str, cwd: str), to add -ffile-prefix-map",
+        "builder/normalize.py: wrapped, (cmd_line: str, cwd: str), to add -ffile-prefix-map",
         CHECKED,
     ),
     PrivateAPI(
         _CFLAGS,
-        "build/compiler.py: wrapped to replace -march=native (torch without cpp.march)",
+        "builder/compiler.py: wrapped to replace -march=native (torch without cpp.march)",
         CHECKED,
     ),
-    PrivateAPI(_HEADER_DIR, "build/normalize.py: the precompiled headers' folder", CHECKED),
-    PrivateAPI(_HEADER_LOCK_DIR, "build/normalize.py: its lock folder", CHECKED),
+    PrivateAPI(_HEADER_DIR, "builder/normalize.py: the precompiled headers' folder", CHECKED),
+    PrivateAPI(_HEADER_LOCK_DIR, "builder/normalize.py: its lock folder", CHECKED),
 )
 
 _BY_NAME = {api.name: api for api in BUILD_API}

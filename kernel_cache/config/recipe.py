@@ -54,7 +54,7 @@ from kernel_cache.errors import ConfigError
 #: - ``aot_inductor.precompile_headers: True`` (on the CPU; :func:`compile_options`
 #:   turns it off on CUDA): the wrapper's and the CPU kernels' torch headers
 #:   are parsed once per compiler, torch and flags into precompiled headers
-#:   kept beside the cache (``warmup.build.normalize``:
+#:   kept beside the cache (``warmup.builder.normalize``:
 #:   their folder and hashed file names are mapped to fixed names in the
 #:   package, so the bytes stay the same; the object code is unchanged).
 #:   Measured with torch 2.13, gcc 12 on the CPU (docs/reproducible.md, cost):
@@ -70,7 +70,7 @@ BASE_OPTIONS: dict = {
 
 #: The fixed names a build's own directories are given in the artifact: the
 #: compiler maps each to its name (``-ffile-prefix-map``) and the package's
-#: C++ comments are rewritten with them (``warmup.build.compiler``), so no
+#: C++ comments are rewritten with them (``warmup.builder.compiler``), so no
 #: builder path (scratch, temp, home, the venv or the Python install) is in
 #: the bytes and two builders of one key write identical packages.
 BUILD_PATH_NAMES: dict[str, str] = {

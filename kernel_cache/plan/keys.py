@@ -32,7 +32,7 @@ installed; see :func:`cxx_toolchain`). They count because a package's
 ``wrapper.so`` is native code that another toolchain can make crash on load
 (seen on a CUDA image with ``CXX=/opt/gcc/bin/g++``: SIGSEGV in
 ``std::regex``; warmup also loads every new artifact once in a fresh
-process before publishing it, see :mod:`warmup.build.loadcheck`). The name ``cxx`` is
+process before publishing it, see :mod:`warmup.builder.loadcheck`). The name ``cxx`` is
 stable (a build-only component, below).
 
 Build-only components (:data:`BUILD_ONLY`): ``cxx``, the C++ compiler that
@@ -61,7 +61,7 @@ error of the AOTInductor loader (reported by
 :func:`kernel_cache.runtime.load.load_package` as a corrupt entry) or, as reported
 for a CUDA image whose ``CXX`` did not match its libstdc++, as a crash inside
 the package. ``warmup`` loads each new artifact once in a fresh process before
-publishing it (:mod:`warmup.build.loadcheck`), which catches such a crash on the
+publishing it (:mod:`warmup.builder.loadcheck`), which catches such a crash on the
 builder's own runtime; build and runtime stages should share one base image, as
 ``examples/Dockerfile`` does.
 """
@@ -403,7 +403,7 @@ def build_key(
 
 def source_changes(here: str, stored: str) -> str | None:
     """For the ``sources`` component (JSON ``{path: digest}``), which files differ:
-    ``"warmup/build/compiler.py changed; kernel_cache/helper.py new"``; None if either
+    ``"warmup/builder/compiler.py changed; kernel_cache/helper.py new"``; None if either
     side is not such a mapping or none differs. ``stored`` may come from an
     unchecked record of a shared tier: anything unreadable (nested too deep for
     the parser too) is None."""

@@ -23,7 +23,7 @@ from kernel_cache.plan.traced import is_outside_module
 #: Where the compile path starts: the module that exports and compiles a
 #: variant. :func:`source_files` follows its imports, function-level ones
 #: included, through these top-level packages.
-COMPILE_ROOTS = ("warmup.build.compiler",)
+COMPILE_ROOTS = ("warmup.builder.compiler",)
 HASHED_PACKAGES = ("kernel_cache", "warmup")
 
 
@@ -170,7 +170,7 @@ def source_files(
 ) -> dict[str, str]:
     """Every source file of ``packages`` the compile path can run: ``roots``
     and, transitively, what they import within ``packages`` (function-level
-    imports included), as ``{"warmup/build/compiler.py": sha256 hex (16
+    imports included), as ``{"warmup/builder/compiler.py": sha256 hex (16
     chars)}``, sorted by path. With ``outside``, imports of other top-level
     modules that are neither the standard library, torch nor an installed
     distribution's files (:func:`kernel_cache.plan.traced.is_outside_module`:

@@ -6,7 +6,7 @@ A key's ``sources`` component is found by reading imports
 way (a module loaded by a computed name, a helper module read through an
 attribute) is not in it. So warmup also records, for each artifact, the files
 whose Python code ran while the kernel was built and exported
-(:func:`manifest_of`, called by :mod:`warmup.build.compiler`), and engine start
+(:func:`manifest_of`, called by :mod:`warmup.builder.compiler`), and engine start
 checks that record against the files on disk (:func:`changes`). The design
 (keys derived from a changed record, what is not covered) is in docs/keys.md.
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from kernel_cache.plan.buckets import Bucketer
-from warmup.build.shard import resolve_shard, split_plan
+from warmup.builder.shard import resolve_shard, split_plan
 from warmup.cli.main import build_parser, config_from_args, parse_args
 
 from ..conftest import ROOT, run_cli, tiny_args

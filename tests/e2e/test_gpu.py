@@ -336,7 +336,7 @@ import json, sys
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32, device="cuda", cpu_target=sys.argv[3])
 v = [v for v in Bucketer(cfg).variants if str(v) == "batched_decode:1:2:4"][0]

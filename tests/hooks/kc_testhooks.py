@@ -24,13 +24,13 @@ variables set (warmup, its compile workers, an engine).
 
 Points, and the product function wrapped for each: ``compile`` (between
 ``torch.export`` and AOTInductor, the lock held: entering
-``warmup.build.compiler.build_paths_mapped``, which opens the AOTInductor
+``warmup.builder.compiler.build_paths_mapped``, which opens the AOTInductor
 compile), ``publish-write`` (half of the artifact file written, inside the
 index transaction: ``kernel_cache.store.safe_disk.write_all``, which writes it),
 ``publish-commit`` (both rows written, before ``COMMIT``: after
 ``diskcache.Cache.set`` of an entry's ``meta/`` row), ``pool-shutdown``
 (warmup's process, every variant done, before it waits for its compile
-workers to exit: ``ProcessPoolExecutor.shutdown`` of ``warmup.build.pool``),
+workers to exit: ``ProcessPoolExecutor.shutdown`` of ``warmup.builder.pool``),
 ``s3-put`` (before an entry's PUT to S3: ``S3Tier.put``).
 """
 
@@ -169,16 +169,16 @@ def _patch_compiler(module) -> None:
 
 
 #: module -> what wraps its points. The modules that import no torch are
-#: imported and wrapped when the hooks are installed; ``warmup.build.compiler``
+#: imported and wrapped when the hooks are installed; ``warmup.builder.compiler``
 #: (which imports torch) when it is imported (:class:`_PatchOnImport`).
 PATCHES = {
     "kernel_cache.store.safe_disk": _patch_safe_disk,
     "kernel_cache.store.disk_tier": _patch_disk_tier,
     "kernel_cache.store.s3": _patch_s3,
-    "warmup.build.pool": _patch_pool,
-    "warmup.build.compiler": _patch_compiler,
+    "warmup.builder.pool": _patch_pool,
+    "warmup.builder.compiler": _patch_compiler,
 }
-LAZY = "warmup.build.compiler"
+LAZY = "warmup.builder.compiler"
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

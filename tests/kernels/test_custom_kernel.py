@@ -265,7 +265,7 @@ def bad_kernels(tmp_path, monkeypatch) -> Path:
 def test_a_bad_factory_fails_before_export_naming_slot_and_path(
     bad_kernels, tiny_model, path, says
 ):
-    from warmup.build.compiler import compile_with_options
+    from warmup.builder.compiler import compile_with_options
 
     cfg = make_config(str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": path})
     v = Bucketer(cfg).variants[-1]
@@ -277,7 +277,7 @@ def test_a_bad_factory_fails_before_export_naming_slot_and_path(
 
 
 def test_a_kernel_that_does_not_export_gets_the_exporters_first_lines(bad_kernels, tiny_model):
-    from warmup.build.compiler import EXPORT_LINES, compile_with_options
+    from warmup.builder.compiler import EXPORT_LINES, compile_with_options
 
     cfg = make_config(
         str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": "kc_bad_kernels:NoExport"}

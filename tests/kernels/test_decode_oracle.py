@@ -243,7 +243,7 @@ RATIOS = {(4, 4): ("decode", "prefill"), (64, 1): ("decode",)}
 def ratio_runtimes(tmp_path_factory):
     """``{(H, KVH): (config, runtime)}``, each warmed with only its variants."""
     from kernel_cache.runtime.load import load_plan
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
     out = {}
     for (h, kvh), slots in RATIOS.items():
@@ -289,7 +289,7 @@ def test_decode_graph_has_no_pool_sized_tensor_but_the_caches(tiny_config):
     CPU template checks; it is never written or read)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from warmup.build.compiler import export_variant
+    from warmup.builder.compiler import export_variant
 
     v = KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=2, num_seqs=4)
     ep = export_variant(tiny_config, v)

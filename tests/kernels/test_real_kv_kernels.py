@@ -186,7 +186,7 @@ def _check_runner(cfg, v, runner, seed):
 @pytest.mark.parametrize("bs,dtype", [(16, "bfloat16"), (192, "float32")])
 def test_compiled_plan_matches_reference_and_verifies(tmp_path, bs, dtype):
     from kernel_cache.runtime.load import load_plan
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
     from warmup.check.verify import verify_plan
 
     cfg = _config(tmp_path, bs, dtype)

@@ -46,7 +46,7 @@ import json, sys
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.keys import build_key
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=32, kv_buckets=(32,), cpu_target=sys.argv[3])
 v = [v for v in Bucketer(cfg).variants if str(v) == "batched_decode:1:2:4"][0]
@@ -175,7 +175,7 @@ def test_linker_variables_that_reach_the_package_are_pinned():
 def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_config):
     """Export a variant under a profiler and record every file of kernel_cache/
     and warmup/ whose code ran: each must be hashed into the key."""
-    from warmup.build.compiler import export_variant, module_for
+    from warmup.builder.compiler import export_variant, module_for
 
     ran: set[str] = set()
     roots = {str(ROOT / "kernel_cache"), str(ROOT / "warmup")}
@@ -192,7 +192,7 @@ def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_confi
             export_variant(tiny_config, v)
         finally:
             sys.setprofile(None)
-    assert "kernel_cache/kernels/builtin.py" in ran and "warmup/build/compiler.py" in ran
+    assert "kernel_cache/kernels/builtin.py" in ran and "warmup/builder/compiler.py" in ran
     missing = sorted(ran - set(source_files()))
     assert missing == [], f"files the compile ran but the key does not hash: {missing}"
 

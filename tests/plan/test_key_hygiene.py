@@ -83,7 +83,7 @@ def test_a_changed_component_misses_and_explain_names_it(cache_copy, tiny_config
         here = build_key(tiny_config, Bucketer(tiny_config).variants[0]).as_dict()[component]
         if component == "sources":  # explain lists the files that differ
             assert best["lines"][0].startswith("sources: kernel_cache/kernels/builtin.py changed; ")
-            assert "warmup/build/compiler.py new" in best["lines"][0]
+            assert "warmup/builder/compiler.py new" in best["lines"][0]
         elif component == "compile_options":  # field by field, both values
             assert best["lines"][0].startswith("compile_options: ")
             assert "max_autotune: false != true" in best["lines"][0]
@@ -134,7 +134,7 @@ def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny
     [
         None,
         "kernel_cache/kernels/builtin.py",  # the kernel
-        "warmup/build/compiler.py",  # the compile recipe (export and Inductor settings)
+        "warmup/builder/compiler.py",  # the compile recipe (export and Inductor settings)
         "kernel_cache/config/recipe.py",  # the declared options, pinned environment, CPU targets
     ],
 )
@@ -181,8 +181,8 @@ def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
     from kernel_cache.plan.sources import source_files
 
     files = source_files()
-    assert "kernel_cache/kernels/builtin.py" in files and "warmup/build/compiler.py" in files
-    assert "warmup/check/explain.py" not in files and "warmup/build/planner.py" not in files
+    assert "kernel_cache/kernels/builtin.py" in files and "warmup/builder/compiler.py" in files
+    assert "warmup/check/explain.py" not in files and "warmup/builder/planner.py" not in files
 
 
 def test_compile_options_this_torch_lacks_are_left_out():
@@ -190,7 +190,7 @@ def test_compile_options_this_torch_lacks_are_left_out():
     it there, not fail every compile."""
     from torch._inductor import config as inductor_config
 
-    from warmup.build.compiler import _has_option
+    from warmup.builder.compiler import _has_option
 
     assert _has_option(inductor_config, "max_autotune")
     assert not _has_option(inductor_config, "aot_inductor.no_such_option")
@@ -200,7 +200,7 @@ def test_compile_options_this_torch_lacks_are_left_out():
 _REPIN = r"""
 import os, sys
 from kernel_cache.errors import ConfigError
-from warmup.build import compiler
+from warmup.builder import compiler
 
 if sys.argv[1] == "repin":
     compiler.pin_environment("cpu", "x86-64-v3")

@@ -153,7 +153,7 @@ def test_a_sourceless_module_in_site_packages_outside_a_distribution_is_refused(
 
 IMPORTED_IN_A_WINDOW = r"""
 import importlib, json
-from warmup.build.recorder import RunRecorder
+from warmup.builder.recorder import RunRecorder
 window = RunRecorder("kcstray_kernel:Decode")
 with window:
     importlib.import_module("kcstray").GAIN  # a module-level value, no function runs

@@ -119,7 +119,7 @@ def _fresh_memos(monkeypatch) -> None:
     """Empty the recorder's per-process memos for one test (the files earlier
     windows ran and imported, which later windows add, and the code objects
     the manifest checks), so its windows record only what they see."""
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     for name in ("_RAN", "_IMPORTED", "_CODES"):
         monkeypatch.setattr(recorder, name, {})
@@ -515,7 +515,7 @@ def test_a_module_two_kernels_load_by_a_computed_name_is_in_both_manifests(
     it: the second manifest must list it all the same (it did not, so an edit of
     ``GAIN`` left the decode entries loading with the old value)."""
     from kernel_cache.kernels.slots import kernel_path
-    from warmup.build.compiler import RunRecorder, export_variant
+    from warmup.builder.compiler import RunRecorder, export_variant
 
     site = tmp_path / "site5"
     (site / "userkern5").mkdir(parents=True)
@@ -683,7 +683,7 @@ def test_code_a_later_trace_reuses_from_an_earlier_one_is_in_both_manifests(tmp_
     first)."""
     import importlib
 
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     monkeypatch.setattr(recorder, "_RAN", {})
     monkeypatch.setattr(recorder, "_IMPORTED", {})
@@ -717,7 +717,7 @@ def test_code_read_outside_imports_must_be_the_file_the_manifest_hashes(tmp_path
     import runpy
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "knobpkg"
@@ -749,7 +749,7 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
     import dataclasses
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     with recorder.RunRecorder("textpkg.kern:K"):
@@ -765,7 +765,7 @@ def test_code_the_engine_runs_from_text_with_no_file_name_is_refused(monkeypatch
 def test_code_compiled_from_text_with_an_empty_file_name_is_refused(monkeypatch):
     """``compile(text, "", "exec")``: no file name either."""
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     with pytest.raises(CompileError, match="exec or eval of a string"):
@@ -780,7 +780,7 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     and reads another) is refused, naming the file, not recorded as that file."""
     from kernel_cache.errors import CompileError
     from kernel_cache.plan import traced
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "namepkg"
@@ -816,7 +816,7 @@ def test_module_code_run_under_another_files_name_is_refused(tmp_path, monkeypat
     import torch
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     own = tmp_path / "own_helper.py"
@@ -843,7 +843,7 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
     import runpy
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     text, name = "GAIN = 3.0\n", os_module.__file__
@@ -862,7 +862,7 @@ def test_module_code_under_another_name_is_refused_however_it_is_started(monkeyp
 
 def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, monkeypatch):
     """``eval(compile(text, path, "eval"))`` of a file holding an expression."""
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     f = tmp_path / "site" / "kc_eval_gain.py"
@@ -880,7 +880,7 @@ def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
     import cProfile
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     before = sys.getprofile()
@@ -899,7 +899,7 @@ def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeyp
     import concurrent.futures
     import importlib
 
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "poolpkg"
@@ -932,7 +932,7 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
     file only an import ran is in ``imported`` only."""
     import importlib
 
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "seenpkg"
@@ -965,7 +965,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     import importlib
 
     from kernel_cache.errors import CompileError
-    from warmup.build import recorder
+    from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
     pkg = tmp_path / "site" / "orderpkg"
@@ -1000,7 +1000,7 @@ def test_a_change_to_torchs_global_compiler_settings_is_named_and_put_back():
     back (``compile_with_options`` then refuses the variant)."""
     import torch._inductor.config as inductor_config
 
-    from warmup.build import compiler
+    from warmup.builder import compiler
 
     before = compiler._global_configs()
     assert compiler._config_changes(before) == []

@@ -236,7 +236,7 @@ FOR_THE_RUNNER = package(
 def fake_cache(directory: Path, plan: Plan, data: bytes) -> None:
     """Every key of ``plan`` holding ``data``, with valid metadata (the CPU
     target and features warmup would record)."""
-    from warmup.build.compiler import required_cpu_features
+    from warmup.builder.compiler import required_cpu_features
 
     config = plan.config
     tier = DiskTier(directory)
@@ -293,8 +293,8 @@ def test_a_missing_loader_is_drift_not_a_corrupt_entry(
     assert_drift(e.value, api)
     assert "is missing" in str(e.value)
     # warmup's check of a cached entry (which quarantines a corrupt one) says the same
-    from warmup.build.report import Status, VariantResult
-    from warmup.build.worker import _check_local
+    from warmup.builder.report import Status, VariantResult
+    from warmup.builder.worker import _check_local
 
     item = tiny_plan.items[0]
     res = VariantResult(str(item.variant), Status.FAILED, key=item.hexdigest)
@@ -376,7 +376,7 @@ def test_engine_start_stops_where_the_capture_guard_would_be_lost():
 
 def test_warmups_load_check_reports_drift_as_such(tmp_path):
     """The check process that loads each new artifact before it is published
-    (warmup/build/loadcheck.py), run with the loader taken away: the artifact
+    (warmup/builder/loadcheck.py), run with the loader taken away: the artifact
     is refused with the drift error's text, not the loader's "rejected"."""
     art = tmp_path / "a.pt2"
     art.write_bytes(FOR_THE_LOADER)
@@ -385,7 +385,7 @@ def test_warmups_load_check_reports_drift_as_such(tmp_path):
     code = (
         "import sys, torch\n"
         "del torch._C._aoti.AOTIModelPackageLoader\n"
-        "from warmup.build.loadcheck import _child_main\n"
+        "from warmup.builder.loadcheck import _child_main\n"
         f"sys.exit(_child_main(['--device', 'cpu', {str(listing)!r}]))\n"
     )
     proc = subprocess.run(

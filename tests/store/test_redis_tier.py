@@ -40,7 +40,7 @@ from kernel_cache.trust.signing import (
     load_trusted_keys,
     sign_meta,
 )
-from warmup.build.planner import warmup
+from warmup.builder.planner import warmup
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..kc_helpers import wait_for_pause

@@ -693,7 +693,7 @@ def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse
     local entries are not uploaded, what it compiles stays local (one compile,
     counted by the compiler hook), and it says so. A builder holding the
     private key then publishes the plan signed, and the engine loads it."""
-    from warmup.build.planner import warmup
+    from warmup.builder.planner import warmup
 
     a = keys["a"]
     url = redis_db.location

@@ -100,7 +100,7 @@ def test_linked_entry_is_corrupt_for_readers_and_writers_never_followed(tmp_path
         tier.close()
 
     # warmup's check finds it bad; quarantine moves the link itself, not its target
-    from warmup.build.worker import check_cached
+    from warmup.builder.worker import check_cached
 
     tier = DiskTier(cache)
     why = check_cached(tier, key, "cpu")

@@ -7,7 +7,7 @@ import os
 import pytest
 from torch._inductor import config, cpp_builder
 
-from warmup.build.compiler import _host_march
+from warmup.builder.compiler import _host_march
 
 
 def _march_flags() -> list[str]:
@@ -35,7 +35,7 @@ def test_a_header_left_half_built_by_a_killed_builder_is_removed_when_built_agai
     ``<header>.gch.<pid>.part`` (as a SIGKILLed warmup did, 16 KiB of a 140 MB
     header): the next build of that header (Inductor holds its lock) removes it,
     and the header is compiled by the real compiler (files read back)."""
-    from warmup.build.normalize import build_paths_mapped
+    from warmup.builder.normalize import build_paths_mapped
 
     pch = tmp_path / "pch"
     pch.mkdir()
@@ -53,7 +53,7 @@ def test_a_refused_precompiled_headers_folder_is_named_by_its_setting(tmp_path, 
     """KERNEL_CACHE_PCH_DIR writable by others: the refusal names the setting,
     the folder, the mode and both fixes (a newcomer did not set a "cache directory")."""
     from kernel_cache.errors import UntrustedCacheError
-    from warmup.build.worker import pch_dir
+    from warmup.builder.worker import pch_dir
 
     folder = tmp_path / "pch"
     folder.mkdir()
@@ -72,7 +72,7 @@ def test_a_file_given_as_the_precompiled_headers_folder_is_named_by_its_setting(
     """KERNEL_CACHE_PCH_DIR naming a file (or a folder under a file): a clear error
     naming the setting, the path and the fix, not an OSError from inside a check."""
     from kernel_cache.errors import ConfigError
-    from warmup.build.worker import pch_dir
+    from warmup.builder.worker import pch_dir
 
     afile = tmp_path / "pch"
     afile.write_text("x")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernel_cache.store.disk_tier import DiskTier
-from warmup.build.loadcheck import Staged, check_loadable
+from warmup.builder.loadcheck import Staged, check_loadable
 
 from ..conftest import run_cli, tiny_args
 

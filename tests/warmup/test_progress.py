@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from warmup.build.report import Reporter, Status, VariantResult, eta_seconds
+from warmup.builder.report import Reporter, Status, VariantResult, eta_seconds
 
 
 def test_eta_is_the_remaining_work_by_kernel_over_the_workers():

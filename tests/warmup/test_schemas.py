@@ -83,7 +83,7 @@ def test_a_bad_file_names_the_file_field_and_problem(tmp_path):
     assert not isinstance(e.value, ValidationError)
     path.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        schemas.validate_file("warmup.build.report:WarmupReport", path)
+        schemas.validate_file("warmup.builder.report:WarmupReport", path)
 
 
 def test_bundled_launch_tables_validate():
@@ -101,7 +101,7 @@ def test_bundled_launch_tables_validate():
 def test_the_warmup_report_is_its_model(tiny_config, tmp_path):
     """The report ``warmup`` builds validates (and a wrong row does not)."""
     from kernel_cache.plan.plan import Plan
-    from warmup.build.report import Status, VariantResult, VariantRow, WarmupReport, make_report
+    from warmup.builder.report import Status, VariantResult, VariantRow, WarmupReport, make_report
 
     plan = Plan.build(tiny_config)
     items = list(plan)

@@ -12,7 +12,7 @@ from kernel_cache.config.engine import make_config
 from kernel_cache.config.settings import SettingError
 from kernel_cache.errors import ConfigError
 from kernel_cache.plan.buckets import Bucketer
-from warmup.build.shard import (
+from warmup.builder.shard import (
     COST_MODEL,
     expected_compile_seconds,
     parse_shard,

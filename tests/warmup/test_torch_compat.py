@@ -15,8 +15,8 @@ from torch._inductor import codecache, cpp_builder
 from kernel_cache.errors import CompileError, TorchAPIDriftError
 from kernel_cache.plan.buckets import Bucketer
 from warmup import torch_compat
-from warmup.build.compiler import _host_march, compile_with_options
-from warmup.build.normalize import build_paths_mapped
+from warmup.builder.compiler import _host_march, compile_with_options
+from warmup.builder.normalize import build_paths_mapped
 
 
 def assert_drift(e: TorchAPIDriftError, api: str, why: str = "is missing") -> None:

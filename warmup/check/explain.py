@@ -80,7 +80,7 @@ def field_changes(here: str, stored: str) -> str | None:
 
 def format_difference(d: dict) -> str:
     """``"torch: 2.13.0 != 2.14.1"``; for ``sources``, the files that differ
-    (``"sources: warmup/build/compiler.py changed"``); for a component that is a
+    (``"sources: warmup/builder/compiler.py changed"``); for a component that is a
     JSON object, the fields that differ with both values."""
     tag = " (build-only: accepted at load)" if d["build_only"] else ""
     diff = (source_changes if d["component"] == "sources" else field_changes)(

@@ -55,7 +55,7 @@ class RebuildReport(BaseModel):
 
 def _rebuild_worker(config_json: str, variant_json: str, launch: dict) -> bytes:
     """Worker body: compile one variant as warmup does; the package bytes."""
-    from warmup.build.compiler import compile_variant
+    from warmup.builder.compiler import compile_variant
 
     config = EngineConfig.model_validate_json(config_json)
     variant = KernelVariant.model_validate_json(variant_json)
@@ -106,8 +106,8 @@ def rebuild_variant(
         ConfigError: ``variant`` is not in the plan (names the plan's variants).
         CompileError: the rebuild failed.
     """
-    from warmup.build.pool import drop_scratch, hash_seed_pinned, new_scratch
-    from warmup.build.worker import init_worker
+    from warmup.builder.pool import drop_scratch, hash_seed_pinned, new_scratch
+    from warmup.builder.worker import init_worker
 
     plan = Plan.build(config)
     item = plan.find(variant)

@@ -1,6 +1,6 @@
 """``kernel-cache plan`` and ``kernel-cache warmup``: show a plan (its buckets,
 variants, kernels, launch configs, a shard of it) and compile what it misses
-(:func:`warmup.build.planner.warmup`)."""
+(:func:`warmup.builder.planner.warmup`)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _plan_launch(cfg, bucketer):
 def cmd_warmup(args) -> int:
     from kernel_cache.config import settings
     from kernel_cache.trust.signing import load_trusted_keys
-    from warmup.build.planner import WarmupInterrupted, warmup
+    from warmup.builder.planner import WarmupInterrupted, warmup
 
     cfg = config_from_args(args)
     variants, shard = _shard_of(cfg, args.shard, args.shards)
@@ -156,14 +156,14 @@ def cmd_warmup(args) -> int:
 def _shard_of(cfg, spec: str | None, shards: int | None) -> tuple[list | None, dict | None]:
     """``(variants, shard report)`` of ``--shard I/N|auto`` and ``--shards N``
     (``(None, None)`` without ``--shard``; see
-    :func:`warmup.build.shard.resolve_shard`).
+    :func:`warmup.builder.shard.resolve_shard`).
 
     Raises:
         ConfigError: a bad ``--shard`` / ``--shards`` / ``JOB_COMPLETION_INDEX`` /
             ``KERNEL_CACHE_SHARDS``, or ``--shards`` without ``--shard``.
     """
     from kernel_cache.errors import ConfigError
-    from warmup.build.shard import resolve_shard, shard_costs, split_plan
+    from warmup.builder.shard import resolve_shard, shard_costs, split_plan
 
     if spec is None:
         if shards is not None:

@@ -104,7 +104,7 @@ def tune(
             variant on the CPU, or bad settings.
         CompileError: a candidate failed to compile.
     """
-    from warmup.build.planner import compile_items
+    from warmup.builder.planner import compile_items
 
     t0 = time.perf_counter()
     settings = TuneSettings() if settings is None else settings

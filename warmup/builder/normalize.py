@@ -2,7 +2,7 @@
 compile commands (:func:`build_paths_mapped`) and out of the ``.pt2`` package,
 whose bytes are made equal across builders of one key (:func:`normalize_package`).
 
-Part of the ``sources`` key component: :mod:`warmup.build.compiler` imports it,
+Part of the ``sources`` key component: :mod:`warmup.builder.compiler` imports it,
 so it is hashed into every key (:func:`kernel_cache.plan.sources.source_files`).
 """
 

@@ -3,10 +3,10 @@
 :func:`warmup` sorts the plan into cached and to-do (:func:`_precheck`; with a
 remote tier, :func:`_remote_precheck` copies its hits in and publishes what it
 lacks), applies the size limit, builds the to-do items in a worker pool
-(:mod:`warmup.build.pool`), each variant as the steps of
-:func:`warmup.build.worker.build_variant` (claim, check, compile, load check,
+(:mod:`warmup.builder.pool`), each variant as the steps of
+:func:`warmup.builder.worker.build_variant` (claim, check, compile, load check,
 publish, release: one compile per key), and returns the report
-(:mod:`warmup.build.report`).
+(:mod:`warmup.builder.report`).
 
 Each artifact is published as soon as it has passed its check, so an
 interrupted warmup (SIGINT, SIGTERM) keeps every artifact finished before the
@@ -47,8 +47,8 @@ from kernel_cache.trust.signing import (
     may_publish,
     sign_meta,
 )
-from warmup.build.pool import ENV_KEEP_SCRATCH, PoolInterrupt, run_pool
-from warmup.build.report import (
+from warmup.builder.pool import ENV_KEEP_SCRATCH, PoolInterrupt, run_pool
+from warmup.builder.report import (
     GcSummary,
     Reporter,
     Status,
@@ -58,7 +58,7 @@ from warmup.build.report import (
     WarmupReport,
     make_report,
 )
-from warmup.build.worker import build_variant, check_cached, locate, recorded_cpu_features
+from warmup.builder.worker import build_variant, check_cached, locate, recorded_cpu_features
 
 __all__ = [
     "ENV_KEEP_SCRATCH",

@@ -19,7 +19,7 @@ Two ways to run the check:
   fed one artifact at a time as soon as it is built (``--serve``: paths on
   standard input); after a crash the next artifact gets a new process. Warmup
   uses it, so a new artifact is published seconds after its compile, while the
-  worker still holds the key's lock (:mod:`warmup.build.worker`).
+  worker still holds the key's lock (:mod:`warmup.builder.worker`).
 - :func:`check_loadable`: a list of artifacts, one process per batch.
 
 Protocol: each artifact is a file in a private staging directory; a request is
@@ -28,7 +28,7 @@ event (``start`` with the libstdc++ it loaded, ``loading``, ``ok``,
 ``rejected``) and flushes after each, so a crash is pinned to the artifact being
 loaded.
 
-Run as ``python -m warmup.build.loadcheck --device cpu|cuda (LIST.json | --serve)`` (the child).
+Run as ``python -m warmup.builder.loadcheck --device cpu|cuda (LIST.json | --serve)`` (the child).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def check_loadable(
 def _run_child(listing: Path, device: str, timeout: float) -> tuple[str, str, int, bool]:
     """Run one check child over ``listing``: ``(stdout, stderr, returncode,
     timed_out)``; a child past ``timeout`` seconds is killed (returncode -9)."""
-    cmd = [sys.executable, "-m", "warmup.build.loadcheck", "--device", device, str(listing)]
+    cmd = [sys.executable, "-m", "warmup.builder.loadcheck", "--device", device, str(listing)]
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=_child_env()
@@ -271,7 +271,7 @@ class LoadChecker:
         self._buf = b""
 
     def _start(self) -> None:
-        cmd = [sys.executable, "-m", "warmup.build.loadcheck", "--device", self.device, "--serve"]
+        cmd = [sys.executable, "-m", "warmup.builder.loadcheck", "--device", self.device, "--serve"]
         # stderr goes to a file: a pipe nobody reads would block a chatty child.
         self._err = Path(self._tmp.name) / f"stderr{self.started}.txt"
         with open(self._err, "wb") as err:

@@ -1,5 +1,5 @@
 """The worker pool of a warmup (:func:`run_pool`): ``jobs`` spawned worker
-processes run :func:`warmup.build.worker.build_variant` per variant, a worker
+processes run :func:`warmup.builder.worker.build_variant` per variant, a worker
 that dies is replaced once, and SIGINT/SIGTERM stop every worker
 (:class:`PoolInterrupt` carries the rows so far). ``jobs=0`` builds in this
 process (:func:`_in_process`). Each warmup compiles in a private scratch
@@ -23,8 +23,8 @@ from kernel_cache.config.recipe import HASH_SEED
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.plan import PlanItem
 from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
-from warmup.build.report import Reporter, Status, VariantResult
-from warmup.build.worker import build_variant, init_worker
+from warmup.builder.report import Reporter, Status, VariantResult
+from warmup.builder.worker import build_variant, init_worker
 
 log = logging.getLogger("kernel_cache.warmup")
 
@@ -45,7 +45,7 @@ class PoolInterrupt(Exception):
 
 def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
     """``jobs=0``: a pass that never waits, then one that does, in this process."""
-    from warmup.build.compiler import pin_environment
+    from warmup.builder.compiler import pin_environment
 
     if sys.flags.hash_randomization:
         log.warning(
@@ -279,7 +279,7 @@ def _main_thread() -> bool:
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """SIGTERM every worker of this process (their check processes follow them:
-    :func:`warmup.build.loadcheck.die_with_parent`) and cancel what is queued."""
+    :func:`warmup.builder.loadcheck.die_with_parent`) and cancel what is queued."""
     pool.shutdown(wait=False, cancel_futures=True)
     for p in multiprocessing.active_children():
         p.terminate()

@@ -2,7 +2,7 @@
 
 This is the only module of the project that imports torch's compile stack, and
 it does so lazily, inside :func:`compile_variant` (with
-:mod:`warmup.build.normalize`, which it calls there). It is the root of the
+:mod:`warmup.builder.normalize`, which it calls there). It is the root of the
 ``sources`` key component (:func:`kernel_cache.plan.sources.source_files`): it and
 every project module it imports are hashed into every key, so an edit to the
 recipe below misses every cached artifact. The options and the environment a
@@ -41,8 +41,8 @@ from kernel_cache.plan.launch import launch_for, variant_defaults
 from kernel_cache.plan.traced import Manifest
 from kernel_cache.runtime.inputs import make_inputs
 from warmup import torch_compat
-from warmup.build.normalize import build_paths_mapped, normalize_package
-from warmup.build.recorder import RunRecorder
+from warmup.builder.normalize import build_paths_mapped, normalize_package
+from warmup.builder.recorder import RunRecorder
 
 #: Modules that read the pinned environment variables when first imported.
 _READS_ENV_AT_IMPORT = torch_compat.READS_ENV_AT_IMPORT
@@ -141,7 +141,7 @@ def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     if chosen != want:
         raise CompileError(
             f"cpu_target={target.name}: Inductor chose the {chosen} vector ISA, not {want}; "
-            "was the compile environment pinned (warmup.build.compiler.pin_environment)?"
+            "was the compile environment pinned (warmup.builder.compiler.pin_environment)?"
         )
 
 
@@ -212,7 +212,7 @@ def compile_variant(
     ``launch`` is the variant's resolved launch config (the one in its key;
     :func:`kernel_cache.plan.launch.resolve_plan`); None resolves it here.
     ``pch_dir``: the folder of the precompiled headers, kept for later compiles
-    (:func:`warmup.build.normalize.build_paths_mapped`; None: this compile's own).
+    (:func:`warmup.builder.normalize.build_paths_mapped`; None: this compile's own).
 
     Returns:
         (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in

@@ -8,11 +8,11 @@
    accepts it) ends the work as ``cached``; a bad one is moved to
    ``quarantine/``. With Redis, a verified Redis hit is copied in (``fetched``),
    else the key's Redis build lock is taken as well.
-3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.build.compiler`) in
+3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.builder.compiler`) in
    the worker, whose environment the recipe pinned
    (:func:`kernel_cache.config.recipe.compile_environment`).
 4. **load check**: the new artifact is loaded once in a check process that has
-   only what an engine has (:class:`warmup.build.loadcheck.LoadChecker`); one that
+   only what an engine has (:class:`warmup.builder.loadcheck.LoadChecker`); one that
    kills that process or is rejected is reported and never published.
 5. **publish**: to the local cache, then to Redis.
 6. **release** the locks.
@@ -61,8 +61,8 @@ from kernel_cache.trust.signing import (
     may_publish,
     sign_meta,
 )
-from warmup.build.loadcheck import LoadChecker, die_with_parent
-from warmup.build.report import Status, VariantResult
+from warmup.builder.loadcheck import LoadChecker, die_with_parent
+from warmup.builder.report import Status, VariantResult
 
 
 def check_cached(
@@ -112,7 +112,7 @@ def locate(tier, key) -> Current:
 
 def recorded_cpu_features(config: EngineConfig) -> list[str] | None:
     """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
-    from warmup.build.compiler import required_cpu_features
+    from warmup.builder.compiler import required_cpu_features
 
     return required_cpu_features(config)
 
@@ -163,7 +163,7 @@ def init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None
     it, give up a remote build lease on SIGTERM, and pin the compile environment
     before torch's compile stack is imported."""
     from kernel_cache.plan.traced import record_imports
-    from warmup.build.compiler import pin_environment
+    from warmup.builder.compiler import pin_environment
 
     record_imports()  # before the engine's modules are imported
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -284,7 +284,7 @@ def _compile(
     """Step 3: run the compiler (precompiled headers kept in ``pch``);
     returns the package bytes and its metadata, keyed by ``key`` followed
     through ``derived`` (:attr:`Current.derived`)."""
-    from warmup.build.compiler import compile_variant, required_cpu_features
+    from warmup.builder.compiler import compile_variant, required_cpu_features
 
     res.compiler_ran = True
     data, timings, traced = compile_variant(config, variant, launch=launch, pch_dir=pch)
