@@ -63,6 +63,10 @@ class AttentionRuntime(InputChecks):
         runners: dict,
         load_seconds=0.0,
         compile_counter: CompileCounter | None = None,
+        *,
+        sources: dict[str, int] | None = None,
+        build_only_accepted: dict[str, dict] | None = None,
+        launch: dict | None = None,
     ):
         self.config = config
         self._compile_counter = compile_counter or CompileCounter()
@@ -71,12 +75,12 @@ class AttentionRuntime(InputChecks):
         self._slots: dict = {}
         self.load_seconds = load_seconds
         #: Where the variants came from: ``{tier location: count}``.
-        self.sources: dict[str, int] = {}
+        self.sources: dict[str, int] = dict(sources or {})
         #: Build-only components taken from stored records (see keys.BUILD_ONLY):
         #: ``{name: {"here": value, "stored": [values]}}``.
-        self.build_only_accepted: dict[str, dict] = {}
+        self.build_only_accepted: dict[str, dict] = dict(build_only_accepted or {})
         #: ``{variant: resolved launch config}`` the loaded artifacts were compiled with.
-        self.launch: dict = {}
+        self.launch: dict = dict(launch or {})
         self._device = torch.device(config.device)
         self._dtype = config.torch_dtype()
         c = config

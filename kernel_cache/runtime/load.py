@@ -460,11 +460,15 @@ def load_plan(
             found.refused,
         )
     rt = AttentionRuntime(
-        config, plan.bucketer, found.runners, time.perf_counter() - t0, compile_counter=compiles
+        config,
+        plan.bucketer,
+        found.runners,
+        time.perf_counter() - t0,
+        compile_counter=compiles,
+        sources=found.sources,
+        build_only_accepted=found.accepted,
+        launch={i.variant: i.launch for i in plan},
     )
-    rt.launch = {i.variant: i.launch for i in plan}
-    rt.sources = dict(found.sources)
-    rt.build_only_accepted = found.accepted
     _log_accepted(found.accepted)
     log.info(
         "loaded %d variants in %.3f s from %s; %s", len(found.runners), rt.load_seconds,
@@ -524,7 +528,7 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
         v = item.variant
         result = lookup.search(item.key)
         if result.failed is not None:
-            e, fix = result.failed.error, result.failed.tier.repair_hint(config, cache_dir)
+            e, fix = result.failed.error, repair_hint(result.failed.tier, config, cache_dir)
             raise CorruptEntryError(e.key, f"{e.reason} (variant {v}); {fix}", e.where)
         hit = result.found
         if hit is None:
@@ -542,6 +546,23 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
     return out
 
 
+def repair_hint(tier, config, cache_dir=None) -> str:
+    """The command that replaces a bad entry of ``tier`` (by its
+    :attr:`~kernel_cache.store.base.Tier.repair`), for error messages
+    (``config``: the EngineConfig; ``cache_dir``: the local cache given, if any)."""
+    from kernel_cache.config.engine import config_to_cli
+    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE
+
+    if tier.repair == "export":
+        return f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
+    if tier.repair == "publish":
+        return (
+            f"repair with a builder holding {ENV_SIGNING_KEY_FILE}: kernel-cache warmup "
+            f"{config_to_cli(config, cache_dir)} {tier.location_flag} {tier.location}"
+        )
+    return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
+
+
 def refused_reason(result, config, cache_dir) -> tuple[str, str]:
     """``(why, repair)`` for a miss whose entry was refused (``result``, a
     :class:`~kernel_cache.store.lookup.Search`): the last refusal (the
@@ -554,7 +575,7 @@ def refused_reason(result, config, cache_dir) -> tuple[str, str]:
     kind = "untrusted" if isinstance(e, SignatureError) else "corrupt"
     return (
         f"their entries in {tier.location} are {kind} ({e.reason})",
-        tier.repair_hint(config, cache_dir),
+        repair_hint(tier, config, cache_dir),
     )
 
 

@@ -101,6 +101,15 @@ class Tier(abc.ABC):
     #: Default policy: True where an entry failing its checks is a miss rather
     #: than an error (Redis: a shared cache that warmup repairs).
     corrupt_is_miss: bool = False
+    #: How a bad entry here is replaced, for the caller's messages: ``"warmup"``
+    #: (compile it again into this cache), ``"publish"`` (a builder holding the
+    #: private key publishes it again to this shared tier), ``"export"`` (the
+    #: bundle is exported again). :func:`kernel_cache.runtime.load.repair_hint`
+    #: writes the command.
+    repair: str = "warmup"
+    #: The command-line flag that takes :attr:`location` (a shared tier's URL
+    #: flag, for a repair command that names it); empty where none does.
+    location_flag: str = ""
 
     @abc.abstractmethod
     def get(self, key: str) -> Entry | None:
@@ -186,12 +195,10 @@ class Tier(abc.ABC):
         Best effort, never raises."""
         return False
 
-    def repair_hint(self, config, cache_dir=None) -> str:
-        """How a corrupt entry of this tier is replaced, for error messages
-        (``config``: the EngineConfig; ``cache_dir``: the local cache given, if any)."""
-        from kernel_cache.config.engine import config_to_cli
-
-        return f"repair with: kernel-cache warmup {config_to_cli(config, cache_dir)}"
+    def record_size(self, key: str) -> int:
+        """Bytes stored for ``key`` where its record cannot say (a listing's
+        corrupt row); 0 where the tier cannot tell (this default)."""
+        return 0
 
     def expect(self, keys) -> None:  # noqa: B027 - optional hook
         """The keys the caller is about to look up (a plan); a tier may fetch them

@@ -203,6 +203,7 @@ class BundleTier(Tier):
 
     name = "bundle"
     trusted = False  # entries need a valid signature (or the insecure opt-out)
+    repair = "export"
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -249,11 +250,6 @@ class BundleTier(Tier):
     def iter_meta(self) -> Iterator[dict]:
         for e in self.manifest.entries:
             yield e.record()
-
-    def repair_hint(self, config, cache_dir=None) -> str:
-        from kernel_cache.config.engine import config_to_cli
-
-        return f"export the bundle again: kernel-cache export {config_to_cli(config)} --out DIR"
 
 
 def tool_versions() -> dict:

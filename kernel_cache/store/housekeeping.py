@@ -103,7 +103,7 @@ def list_entries(tier: Tier) -> list[dict]:
     rows = []
     for key, m, reason in tier.iter_records():
         if m is None:
-            size = tier.record_size(key) if hasattr(tier, "record_size") else 0
+            size = tier.record_size(key)
             rows.append(_corrupt_row(key, size, reason, last.get(key)))
         else:
             rows.append(_entry_row(m, last.get(m["key"])))

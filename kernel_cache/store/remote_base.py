@@ -144,6 +144,7 @@ class RemoteTier(Tier):
 
     trusted = False
     corrupt_is_miss = True
+    repair = "publish"
     LABEL = "remote"
     #: the fix named when a call fails and the tier is not fail-open
     CHECK = "check the URL and that the server is reachable"
@@ -151,24 +152,13 @@ class RemoteTier(Tier):
     def __init__(self, settings: RemoteSettings, *, fail_open: bool = True, warn=True):
         self.settings = settings
         self.location = env_settings.redact_url(settings.url)
+        self.location_flag = settings.FLAGS.get("url", "--remote-url")
         self.fail_open = fail_open
         self.warn = warn
         #: the first failure ("ConnectionError: ..."), None while all went well
         self.error: str | None = None
         self._warned = False
         self._down_until = 0.0
-
-    def repair_hint(self, config, cache_dir=None) -> str:
-        """How a refused or corrupt entry here is replaced: a builder holding the
-        private key publishes it again to this remote (named by its URL)."""
-        from kernel_cache.config.engine import config_to_cli
-        from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE
-
-        flag = self.settings.FLAGS.get("url", "--remote-url")
-        return (
-            f"repair with a builder holding {ENV_SIGNING_KEY_FILE}: kernel-cache warmup "
-            f"{config_to_cli(config, cache_dir)} {flag} {self.location}"
-        )
 
     def _call(self, fn):
         """``fn`` called with the client (the subclass's form)."""
