@@ -113,7 +113,7 @@ def cmd_warmup(args) -> int:
     if must_publish and remote is None:
         raise KernelCacheError(
             "--require-publish / KERNEL_CACHE_REQUIRE_PUBLISH: no shared tier to publish to; "
-            "set --s3-url / KERNEL_CACHE_S3_URL or --redis-url / KERNEL_CACHE_REDIS_URL"
+            "set --remote-url / KERNEL_CACHE_REMOTE_URL or --redis-url / KERNEL_CACHE_REDIS_URL"
         )
     try:
         report = warmup(
