@@ -42,9 +42,8 @@ no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
 returns ``"none"`` there), so a loader cannot reproduce it. Engine start
 therefore runs no compiler (nor any other program): it computes its keys with
 the ``cxx`` value warmup recorded in the local cache
-(:mod:`kernel_cache.store.imports_memo`), else that recorded by the plan's first
-entry found, else ``"none"`` (:func:`environment` with ``cxx``;
-:func:`kernel_cache.runtime.load.load_plan`), looks that key up exactly first and, on a
+(:mod:`kernel_cache.store.imports_memo`), else ``"none"``
+(:func:`environment` with ``cxx``), looks that key up exactly first and, on a
 miss, accepts a stored entry whose every *other* component equals its own (the
 runtime digest, :attr:`CacheKey.runtime_digest`), taking the build-only values
 the entry records and logging them. Whether an artifact runs here is decided

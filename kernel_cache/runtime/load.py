@@ -390,8 +390,7 @@ def load_plan(
     with another C++ compiler (``cxx`` is build-only; the accepted values are
     logged at INFO and reported in ``stats()["build_only_accepted"]``). No
     program is run: the keys take the ``cxx`` that warmup recorded in the local
-    cache (:mod:`kernel_cache.store.imports_memo`), else the one the plan's first
-    entry found records (:func:`_with_build_cxx`), else ``"none"``, instead of
+    cache (:mod:`kernel_cache.store.imports_memo`), else ``"none"``, instead of
     asking the compiler (:func:`kernel_cache.plan.keys.environment`).
 
     Args:
@@ -423,7 +422,7 @@ def load_plan(
             :mod:`kernel_cache.runtime.threads`).
     """
     from kernel_cache.runtime.dispatch import AttentionRuntime  # imports torch
-    from kernel_cache.store.lookup import Lookup, merge_accepted
+    from kernel_cache.store.lookup import Lookup
 
     t0 = time.perf_counter()
     compiles = CompileCounter()  # stats() reports torch's compiles from here on
@@ -434,15 +433,12 @@ def load_plan(
         if tiers is None
         else Lookup(tiers)
     )
-    learned: dict[str, tuple[str, str]] = {}
     if plan is None:
         cxx = None
         if tiers is None:  # the import scans and compiler warmup kept in the local cache
             cxx = _take_import_memo(cache_dir, allow_shared_dir)
         # no compiler is run: 'cxx' is build-only (kernel_cache.plan.keys)
         plan = Plan.build(config, environment(config, cxx=cxx or "none"))
-        if cxx is None:
-            plan, learned = _with_build_cxx(plan, lookup)
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 
@@ -450,7 +446,6 @@ def load_plan(
     for tier in lookup.tiers:  # a remote may fetch the plan in one go (S3: its manifest)
         tier.expect([item.hexdigest for item in plan])
     found = _find_plan(plan, lookup, cache_dir)
-    merge_accepted(found.accepted, learned)
     record_lookups(lookup.tiers, found.hits, len(found.missing))
     if found.missing and strict:
         raise MissingVariantsError(
@@ -475,24 +470,6 @@ def load_plan(
         dict(found.sources), signature_note(lookup.keyring),
     )  # fmt: skip
     return rt
-
-
-def _with_build_cxx(plan: Plan, lookup) -> tuple[Plan, dict[str, tuple[str, str]]]:
-    """Without a local record of warmup's compiler, take the ``cxx`` key
-    component from the record of the plan's first entry found (by its runtime
-    components), so the other variants are looked up by their exact keys (a
-    remote's plan manifest, S3's, is named by them) and come from that build.
-    Returns the plan (rebuilt with that value, or as it was) and
-    ``{"cxx": (value looked up first, value taken)}`` (empty if none was taken).
-    The value is the build's record, read, never this machine's compiler."""
-    first = next(iter(plan), None)
-    hit = lookup.search(first.key).found if first is not None else None
-    stored = hit.entry.meta["components"].get("cxx") if hit is not None else None
-    here = plan.env["cxx"]
-    if not isinstance(stored, str) or stored == here:
-        return plan, {}
-    rebuilt = Plan.build(plan.config, {**plan.env, "cxx": stored}, log_launch=False)
-    return rebuilt, {"cxx": (here, stored)}
 
 
 @dataclass
