@@ -139,7 +139,7 @@ class S3Server:
                 "-master.volumeSizeLimitMB=64",
                 f"-volume.port={p['volume']}",
                 f"-volume.port.grpc={p['volume.grpc']}",
-                "-volume.max=16",
+                "-volume.max=32",
                 f"-filer.port={p['filer']}",
                 f"-filer.port.grpc={p['filer.grpc']}",
                 "-s3",

@@ -388,10 +388,12 @@ def load_plan(
     Lookup (:class:`kernel_cache.store.lookup.Lookup`): each tier in order, the exact
     key first, then an entry equal in every runtime component that was built
     with another C++ compiler (``cxx`` is build-only; the accepted values are
-    logged at INFO and reported in ``stats()["build_only_accepted"]``). No
-    program is run: the keys take the ``cxx`` that warmup recorded in the local
-    cache (:mod:`kernel_cache.store.imports_memo`), else ``"none"``, instead of
-    asking the compiler (:func:`kernel_cache.plan.keys.environment`).
+    logged at INFO and reported in ``stats()["build_only_accepted"]``). Over a
+    local cache that warmup wrote, no program is run: the keys take the ``cxx``
+    that warmup recorded there (:mod:`kernel_cache.store.imports_memo`). Without
+    that record (a bundle-only or remote-only engine), the C++ compiler is asked
+    once for it (:func:`kernel_cache.plan.keys.cxx_compiler_id`, four short runs),
+    so the keys are the builders' exact keys.
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
@@ -437,8 +439,8 @@ def load_plan(
         cxx = None
         if tiers is None:  # the import scans and compiler warmup kept in the local cache
             cxx = _take_import_memo(cache_dir, allow_shared_dir)
-        # no compiler is run: 'cxx' is build-only (kernel_cache.plan.keys)
-        plan = Plan.build(config, environment(config, cxx=cxx or "none"))
+        # warmup's record of 'cxx' spares the compiler runs (kernel_cache.plan.keys)
+        plan = Plan.build(config, environment(config, cxx=cxx))
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 

@@ -1,4 +1,5 @@
-"""Engine start touches nothing global: it runs no program.
+"""Engine start over a local cache that warmup wrote runs no program; without
+warmup's record of its compiler, it runs only the compiler's ``cxx`` probe.
 
 Counted twice, by what actually ran: a ``PATH`` folder of recording wrappers
 (every program a start might run: the C++ compiler and its parts, ``nvcc``,
@@ -121,14 +122,20 @@ def test_engine_start_runs_no_program(cache_copy, tiny_model, tmp_path):
 
 
 @pytest.mark.compile
-def test_engine_start_without_warmup_s_record_runs_no_program(cache_copy, tiny_model, tmp_path):
-    (cache_copy / MEMO_FILE).unlink()  # a cache without warmup's memo (copied entries only)
+def test_engine_start_without_warmup_s_record_asks_only_the_compiler(
+    cache_copy, tiny_model, tmp_path
+):
+    """A local cache without warmup's record of its compiler (copied entries only,
+    as a bundle-only or remote-only engine has): the start asks the C++ compiler
+    for the ``cxx`` key component and runs nothing else, and the keys are the
+    builder's exact keys."""
+    (cache_copy / MEMO_FILE).unlink()
     doc, start, control = _start(cache_copy, tiny_model, tmp_path)
-    assert start == [] and doc["start"] == []
+    assert start and all(line.startswith("g++ ") for line in start), start
+    assert all(e.startswith("subprocess.Popen") for e in doc["start"]), doc["start"]
     assert "uname -m" in control and doc["control"]
     assert doc["stats"]["loads"] == N_TINY
-    accepted = doc["stats"]["build_only_accepted"]["cxx"]  # found by the runtime components
-    assert accepted == {"here": "none", "stored": [doc["cxx"]]}
+    assert doc["stats"]["build_only_accepted"] == {}  # exact keys: nothing accepted
 
 
 @pytest.mark.compile

@@ -26,7 +26,7 @@ import pytest
 
 from kernel_cache.store.disk_tier import DiskTier
 
-from ..conftest import ROOT, tiny_args
+from ..conftest import HOOKS_DIR, ROOT, tiny_args
 from ..kc_helpers import other_user_kwargs, world_readable_dir
 from ..redis_server import RedisServer, redis_server_binary
 from ..signing_keys import make_keypair
@@ -70,7 +70,8 @@ def _builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Pa
         "TMPDIR": str(dirs["tmp"]),
         "TORCHINDUCTOR_CACHE_DIR": str(dirs["inductor"]),
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(dirs["tmp"] / "compiles.log"),
-        "PYTHONPATH": str(ROOT),  # the checkout, whatever the cwd
+        # the checkout, whatever the cwd, and the suite's hooks (the compile log)
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(HOOKS_DIR)]),
     }
     model_copy = dirs["cwd"] / "config.json"  # each builder its own model path too
     model_copy.write_bytes(model.read_bytes())
