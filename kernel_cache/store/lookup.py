@@ -305,6 +305,10 @@ class Lookup:
             try:
                 found, missed = self._find_in(src, key)
             except CorruptEntryError as e:
+                # kept without its traceback: the traceback holds this frame, whose
+                # `rejected` holds the error, a cycle that would keep every refused
+                # entry's bytes alive until the garbage collector runs
+                e = e.with_traceback(None)
                 refused_copy = src.trusted and isinstance(e, SignatureError)
                 if not src.trusted or refused_copy:
                     self._report(tier, e)
