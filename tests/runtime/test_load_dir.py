@@ -141,3 +141,29 @@ def test_a_noexec_tmpdir_is_named_not_reported_as_corrupt_entries(warm_cache, ti
         subprocess.run(["umount", str(mnt)], check=True)
     assert "ConfigError" in err and "noexec" in err and "set TMPDIR" in err, err
     assert "corrupt" not in err.lower(), err
+
+
+def test_a_full_tmpdir_is_named_not_reported_as_corrupt_entries(cache_copy, tiny_model, tmp_path):
+    """$TMPDIR on a real 64 KiB tmpfs: a CPU variant's ``.so`` (hundreds of KB) does
+    not fit. Engine start fails with a ConfigError naming the directory, the
+    errno and the fix (not an OSError from deep in the loader, not a corrupt
+    entry), leaves nothing on the tmpfs and changes no entry of the cache."""
+    from ..fsutil import tmpfs, tree_state
+
+    def entries():
+        return {k: v for k, v in tree_state(cache_copy).items() if not k.startswith("usage")}
+
+    before = entries()
+    with tmpfs(tmp_path / "full", 64 << 10) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        p = start(tmp_path / "full", tiny_model, cache_copy, stderr=subprocess.PIPE)
+        out, err = p.communicate(timeout=120)
+        left = os.listdir(tmp_path / "full")
+    assert p.returncode == 1, out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: cannot unpack entry"), err
+    assert "No space left" in last and str(tmp_path / "full") in last and "set TMPDIR" in last
+    assert "corrupt" not in err.lower(), err
+    assert left == []
+    assert entries() == before
