@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ log = logging.getLogger("kernel_cache")
 
 _LOAD_PREFIX = "kernel_cache-load-"
 _load_dir: str | None = None
+_load_dir_lock = threading.Lock()
 
 
 def _remove_own_load_dir(path: str, owner: int) -> None:
@@ -74,20 +76,21 @@ def load_dir() -> str:
             entries were corrupt).
     """
     global _load_dir
-    if _load_dir is None:
-        from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
+    with _load_dir_lock:  # engines that start in two threads share one directory
+        if _load_dir is None:
+            from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
 
-        made = private_temp_dir(_LOAD_PREFIX)
-        if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
-            remove_private_temp_dir(made)
-            raise ConfigError(
-                f"the load directory {made} is on a noexec mount (TMPDIR="
-                f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped from "
-                "it; set TMPDIR to a folder on a mount that allows executables"
-            )
-        _load_dir = made
-        atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
-    return _load_dir
+            made = private_temp_dir(_LOAD_PREFIX)
+            if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
+                remove_private_temp_dir(made)
+                raise ConfigError(
+                    f"the load directory {made} is on a noexec mount (TMPDIR="
+                    f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped "
+                    "from it; set TMPDIR to a folder on a mount that allows executables"
+                )
+            _load_dir = made
+            atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
+        return _load_dir
 
 
 def load_package(data: bytes, device: str, where: str = "", key: str = ""):

@@ -167,3 +167,40 @@ def test_a_full_tmpdir_is_named_not_reported_as_corrupt_entries(cache_copy, tiny
     assert "corrupt" not in err.lower(), err
     assert left == []
     assert entries() == before
+
+
+#: Eight engines start at once in eight threads of one process; prints their
+#: loads and what $TMPDIR holds while they live.
+THREADS = r"""
+import json, os, sys, threading
+from kernel_cache import load_plan, make_config
+cfg = make_config(sys.argv[1], **eval(sys.argv[2]))
+go, loads = threading.Barrier(8), []
+def start():
+    go.wait()
+    loads.append(load_plan(cfg, sys.argv[3]).stats()["loads"])
+threads = [threading.Thread(target=start) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({"loads": loads, "tmp": os.listdir(os.environ["TMPDIR"])}))
+"""
+
+
+def test_engines_starting_in_threads_share_one_load_directory(warm_cache, tiny_model, tmp_path):
+    """load_plan in eight threads at once: every engine loads the whole plan, the
+    process makes one load directory (not one per thread that raced to make it),
+    and nothing is left in $TMPDIR after it exits."""
+    import json
+
+    from ..conftest import TINY_LIMITS
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    args = [sys.executable, "-c", THREADS, str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0])]
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["loads"] == [N_TINY] * 8
+    assert len(seen["tmp"]) == 1 and seen["tmp"][0].startswith("kernel_cache-load-"), seen
+    assert os.listdir(tmpdir) == []
