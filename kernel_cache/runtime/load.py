@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ log = logging.getLogger("kernel_cache")
 
 _LOAD_PREFIX = "kernel_cache-load-"
 _load_dir: str | None = None
+_load_dir_lock = threading.Lock()
 
 
 def _remove_own_load_dir(path: str, owner: int) -> None:
@@ -74,20 +76,21 @@ def load_dir() -> str:
             entries were corrupt).
     """
     global _load_dir
-    if _load_dir is None:
-        from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
+    with _load_dir_lock:  # engines that start in two threads share one directory
+        if _load_dir is None:
+            from kernel_cache.store.locks import private_temp_dir, remove_private_temp_dir
 
-        made = private_temp_dir(_LOAD_PREFIX)
-        if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
-            remove_private_temp_dir(made)
-            raise ConfigError(
-                f"the load directory {made} is on a noexec mount (TMPDIR="
-                f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped from "
-                "it; set TMPDIR to a folder on a mount that allows executables"
-            )
-        _load_dir = made
-        atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
-    return _load_dir
+            made = private_temp_dir(_LOAD_PREFIX)
+            if os.statvfs(made).f_flag & getattr(os, "ST_NOEXEC", 0):
+                remove_private_temp_dir(made)
+                raise ConfigError(
+                    f"the load directory {made} is on a noexec mount (TMPDIR="
+                    f"{os.environ.get('TMPDIR', '')!r}): compiled kernels cannot be mapped "
+                    "from it; set TMPDIR to a folder on a mount that allows executables"
+                )
+            _load_dir = made
+            atexit.register(_remove_own_load_dir, _load_dir, os.getpid())
+        return _load_dir
 
 
 def load_package(data: bytes, device: str, where: str = "", key: str = ""):
@@ -163,7 +166,11 @@ def _unpack(data: bytes, where: str, key: str) -> str:
     import io
     import zipfile
 
-    out = tempfile.mkdtemp(prefix="kernel_cache-", dir=load_dir())
+    base = load_dir()
+    try:
+        out = tempfile.mkdtemp(prefix="kernel_cache-", dir=base)
+    except OSError as e:
+        raise _load_dir_error(key, data, base, e) from None
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             z.extractall(out)
@@ -174,11 +181,17 @@ def _unpack(data: bytes, where: str, key: str) -> str:
         ) from None
     except OSError as e:  # the load directory, not the entry: a full or unwritable TMPDIR
         shutil.rmtree(out, ignore_errors=True)
-        raise ConfigError(
-            f"cannot unpack entry {key[:16]} ({len(data)} bytes packed) into the load "
-            f"directory {out}: {e}; free space there or set TMPDIR to a folder with room"
-        ) from None
+        raise _load_dir_error(key, data, out, e) from None
     return out
+
+
+def _load_dir_error(key: str, data: bytes, path: str, e: OSError) -> ConfigError:
+    """The error of a write into the load directory that failed (``e``: ENOSPC,
+    EACCES...): the directory's fault, not the entry's."""
+    return ConfigError(
+        f"cannot unpack entry {key[:16]} ({len(data)} bytes) into the load directory "
+        f"{path}: {e}; free space there or set TMPDIR to a folder with room"
+    )
 
 
 #: A CPU package's model files, under its archive's top folder (``model/``).
@@ -248,13 +261,22 @@ def _load_cpu_library(library: bytes, where: str, key: str):
     Raises:
         CorruptEntryError: the library does not load.
         TorchAPIDriftError: as :func:`load_package`'s.
+        ConfigError: the library cannot be written into the load directory (a
+            full ``$TMPDIR``; names it).
     """
     from kernel_cache import torch_compat
 
-    fd, path = tempfile.mkstemp(suffix=".so", prefix="kernel_cache-", dir=load_dir())
+    base = load_dir()
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(library)
+        fd, path = tempfile.mkstemp(suffix=".so", prefix="kernel_cache-", dir=base)
+    except OSError as e:
+        raise _load_dir_error(key, library, base, e) from None
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(library)
+        except OSError as e:  # a full TMPDIR: the load directory's fault, not the entry's
+            raise _load_dir_error(key, library, base, e) from None
         try:
             return torch_compat.load_cpu_runner(path, num_models=1)
         except TorchAPIDriftError:

@@ -141,3 +141,66 @@ def test_a_noexec_tmpdir_is_named_not_reported_as_corrupt_entries(warm_cache, ti
         subprocess.run(["umount", str(mnt)], check=True)
     assert "ConfigError" in err and "noexec" in err and "set TMPDIR" in err, err
     assert "corrupt" not in err.lower(), err
+
+
+def test_a_full_tmpdir_is_named_not_reported_as_corrupt_entries(cache_copy, tiny_model, tmp_path):
+    """$TMPDIR on a real 64 KiB tmpfs: a CPU variant's ``.so`` (hundreds of KB) does
+    not fit. Engine start fails with a ConfigError naming the directory, the
+    errno and the fix (not an OSError from deep in the loader, not a corrupt
+    entry), leaves nothing on the tmpfs and changes no entry of the cache."""
+    from ..fsutil import tmpfs, tree_state
+
+    def entries():
+        return {k: v for k, v in tree_state(cache_copy).items() if not k.startswith("usage")}
+
+    before = entries()
+    with tmpfs(tmp_path / "full", 64 << 10) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        p = start(tmp_path / "full", tiny_model, cache_copy, stderr=subprocess.PIPE)
+        out, err = p.communicate(timeout=120)
+        left = os.listdir(tmp_path / "full")
+    assert p.returncode == 1, out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: cannot unpack entry"), err
+    assert "No space left" in last and str(tmp_path / "full") in last and "set TMPDIR" in last
+    assert "corrupt" not in err.lower(), err
+    assert left == []
+    assert entries() == before
+
+
+#: Eight engines start at once in eight threads of one process; prints their
+#: loads and what $TMPDIR holds while they live.
+THREADS = r"""
+import json, os, sys, threading
+from kernel_cache import load_plan, make_config
+cfg = make_config(sys.argv[1], **eval(sys.argv[2]))
+go, loads = threading.Barrier(8), []
+def start():
+    go.wait()
+    loads.append(load_plan(cfg, sys.argv[3]).stats()["loads"])
+threads = [threading.Thread(target=start) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({"loads": loads, "tmp": os.listdir(os.environ["TMPDIR"])}))
+"""
+
+
+def test_engines_starting_in_threads_share_one_load_directory(warm_cache, tiny_model, tmp_path):
+    """load_plan in eight threads at once: every engine loads the whole plan, the
+    process makes one load directory (not one per thread that raced to make it),
+    and nothing is left in $TMPDIR after it exits."""
+    import json
+
+    from ..conftest import TINY_LIMITS
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    args = [sys.executable, "-c", THREADS, str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0])]
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["loads"] == [N_TINY] * 8
+    assert len(seen["tmp"]) == 1 and seen["tmp"][0].startswith("kernel_cache-load-"), seen
+    assert os.listdir(tmpdir) == []

@@ -343,3 +343,17 @@ def test_a_bad_kernel_cache_jobs_is_named_before_anything_compiles(tmp_path, env
     assert says in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not cache.exists() or not any(cache.rglob("*.pt2"))
+
+
+@pytest.mark.parametrize("cmd", ["warmup", "tune"])
+@pytest.mark.parametrize("jobs", ["0", "1025", "99999999999999999999"])
+def test_a_jobs_flag_out_of_the_variables_range_is_refused_with_its_fix(tmp_path, cmd, jobs):
+    """``--jobs`` has the limits of ``KERNEL_CACHE_JOBS`` (1..1024): a huge count is
+    refused before any worker starts or any file is written, not passed to the pool."""
+    cache = tmp_path / "cache"
+    extra = ["--variants", "batched_decode:1:32:4", "--out", str(tmp_path / "t.json")]
+    proc = run_cli(cmd, "--cache-dir", cache, "--jobs", jobs, *(extra if cmd == "tune" else []))
+    assert proc.returncode == 2, proc.stderr
+    assert f"--jobs {jobs}" in proc.stderr and "<= 1024" in proc.stderr, proc.stderr
+    assert "fix:" in proc.stderr and "Traceback" not in proc.stderr
+    assert not cache.exists() and not (tmp_path / "t.json").exists()

@@ -84,11 +84,17 @@ def jobs_of(args) -> int:
     """The worker count: ``--jobs``, else ``KERNEL_CACHE_JOBS``, else ``min(2, cpus)``.
 
     Raises:
-        KernelCacheError: ``--jobs`` below 1 (the variable is checked by its setting).
+        KernelCacheError: ``--jobs`` below 1 or above the limit of ``KERNEL_CACHE_JOBS``
+            (1024; the variable is checked by its setting).
     """
     if args.jobs is not None:
-        if args.jobs < 1:
-            raise KernelCacheError(f"--jobs {args.jobs}: must be >= 1")
+        top = next(m.le for m in settings.SettingsFields.model_fields["jobs"].metadata
+                   if getattr(m, "le", None) is not None)  # fmt: skip
+        if not 1 <= args.jobs <= top:
+            raise KernelCacheError(
+                f"--jobs {args.jobs}: expected an integer >= 1 and <= {top}; fix: pass "
+                "e.g. --jobs 2, or leave it out for $KERNEL_CACHE_JOBS, else min(2, CPUs)"
+            )
         return args.jobs
     env = settings.get("jobs")
     return env if env is not None else min(2, os.cpu_count() or 1)
