@@ -146,6 +146,10 @@ RedisUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else ch
 RemoteUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else check_remote_url(v))]
 
 
+#: The most compile workers ``KERNEL_CACHE_JOBS`` and ``--jobs`` accept.
+JOBS_MAX = 1024
+
+
 class SettingsFields(BaseModel):
     """The fields of :class:`Settings`, as a plain pydantic model: :func:`get`
     validates with them without importing pydantic-settings (about 20-40 ms of
@@ -215,8 +219,8 @@ class SettingsFields(BaseModel):
     jobs: int | None = _f(
         None, "compile worker processes of warmup and tune (--jobs wins); a machine that "
         "runs several warmups at once, such as a test suite, sets 1",
-        type="int", expected="an integer >= 1 and <= 1024", example="1",
-        shown_default="min(2, CPUs)", ge=1, le=1024,
+        type="int", expected=f"an integer >= 1 and <= {JOBS_MAX}", example="1",
+        shown_default="min(2, CPUs)", ge=1, le=JOBS_MAX,
     )  # fmt: skip
     pch_dir: Path | None = _f(
         None, "where compile workers keep the C++ precompiled headers they build once per "

@@ -88,8 +88,7 @@ def jobs_of(args) -> int:
             (1024; the variable is checked by its setting).
     """
     if args.jobs is not None:
-        top = next(m.le for m in settings.SettingsFields.model_fields["jobs"].metadata
-                   if getattr(m, "le", None) is not None)  # fmt: skip
+        top = settings.JOBS_MAX
         if not 1 <= args.jobs <= top:
             raise KernelCacheError(
                 f"--jobs {args.jobs}: expected an integer >= 1 and <= {top}; fix: pass "
