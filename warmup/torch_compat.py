@@ -139,17 +139,35 @@ def config_modules() -> dict[str, ModuleType]:
     return out
 
 
-def chosen_vec_isa(options: dict) -> str:
+def chosen_vec_isa(options: dict, probe_dir: str | None = None) -> str:
     """The vector ISA Inductor picks (``str`` of ``pick_vec_isa()``:
     ``avx512``, ``avx2``, ``INVALID_VEC_ISA``...) under ``options``'
     ``cpp.vec_isa_ok`` (the other options are ignored).
+
+    The first pick of a process builds Inductor's probes of the ISAs this CPU
+    lists (a dry compile of a few lines each, named by a hash of the compiler's
+    version, the ISA's flags and torch's version; ``cpp.vec_isa_ok`` does not
+    skip those of AVX-512 VNNI, BF16 and AMX) and keeps the result for the
+    process. ``probe_dir``: the folder Inductor keeps those builds in for that
+    pick (its ``TORCHINDUCTOR_CACHE_DIR``), so that later processes reuse them
+    instead of compiling them again; None: the environment's.
 
     Raises:
         TorchAPIDriftError: ``pick_vec_isa`` is missing.
     """
     pick = _function(_PICK, ())
-    with inductor_config().patch({k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}):
-        return str(pick())
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if probe_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = probe_dir
+    try:
+        patch = {k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}
+        with inductor_config().patch(patch):
+            return str(pick())
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 def aoti_compile_and_package() -> Callable:

@@ -129,14 +129,24 @@ def required_cpu_features(config: EngineConfig) -> list[str]:
     return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
-def _check_vec_isa(config: EngineConfig, options: dict) -> None:
+def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
-    wrapper's), chosen under the recipe's ``options`` (``cpp.vec_isa_ok``)."""
+    wrapper's), chosen under the recipe's ``options`` (``cpp.vec_isa_ok``).
+
+    Inductor's ISA probes are built once per builder, in ``pch_dir/vec-isa``
+    (:func:`warmup.torch_compat.chosen_vec_isa`; about 2 s of ``g++`` a worker
+    process otherwise): under a portable target their outcome cannot change the
+    ISA, which ``ATEN_CPU_CAPABILITY`` names, and this check refuses any other.
+    ``native`` keeps them in each compile's own folder."""
     target = resolve_cpu_target(config.cpu_target)
     if target.capability is None:
         return
-    chosen = torch_compat.chosen_vec_isa(options)
+    probes = None
+    if pch_dir is not None:
+        probes = os.path.join(os.path.abspath(pch_dir), "vec-isa")
+        os.makedirs(probes, mode=0o700, exist_ok=True)
+    chosen = torch_compat.chosen_vec_isa(options, probes)
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
     if chosen != want:
         raise CompileError(
@@ -229,7 +239,7 @@ def compile_variant(
     traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = compile_options(config.device, config.cpu_target)
-    _check_vec_isa(config, opts)
+    _check_vec_isa(config, opts, pch_dir)
     window = RunRecorder(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(
         config, variant, opts, launch, window=window, pch_dir=pch_dir
