@@ -344,9 +344,12 @@ def compile_options(device: str, cpu_target: str) -> dict:
         )
     else:
         opts["cpp.march"] = target.march
-        # Unmeasured on a GPU builder, where the packages' bytes are not yet the
-        # same across builders either (docs/reproducible.md): off there.
+        # Unmeasured on a GPU builder: off there.
         opts["aot_inductor.precompile_headers"] = False
+        # The kernels' cubins linked into the package's .so, loaded from memory:
+        # otherwise the wrapper loads each by the path it had on the builder,
+        # a string in wrapper.cpp's code and wrapper.so (docs/reproducible.md).
+        opts["aot_inductor.embed_kernel_binary"] = True
     return opts
 
 
@@ -410,7 +413,12 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "where Triton keeps compiled kernels, keyed by their own source and options",
     ),
     EnvRule("TRITON_HOME", IGNORED, "where Triton keeps its cache (a path)"),
-    EnvRule("TRITON_*", PINNED, "Triton code generation and ptxas switches"),
+    EnvRule(
+        "TRITON_*",
+        PINNED,
+        "Triton code generation and ptxas switches; on CUDA warmup sets "
+        "TRITON_DISABLE_LINE_INFO=1 (no builder path in a cubin)",
+    ),
     EnvRule("CUTLASS_*", PINNED, "Inductor's CUTLASS template switches"),
     EnvRule("CUTEDSL_*", PINNED, "Inductor's CuTe DSL switches"),
     EnvRule("ENABLE_*TMA*", PINNED, "Inductor's TMA template switches"),
@@ -479,7 +487,8 @@ def compile_environment(
     pinned variable, plus the recipe's own values (``ATEN_CPU_CAPABILITY`` from
     the CPU target; ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR`` set to
     ``scratch``, warmup's private directory for everything a compile writes;
-    ``PYTHONHASHSEED`` :data:`HASH_SEED`, for the processes the worker starts).
+    ``PYTHONHASHSEED`` :data:`HASH_SEED`, for the processes the worker starts;
+    on CUDA ``TRITON_DISABLE_LINE_INFO=1``, so that no builder path is in a cubin).
     ``ATEN_CPU_CAPABILITY`` is set on CUDA too: it picks the vector ISA of the
     package's C++ wrapper (recorded as ``AOTI_CPU_ISA`` in the package).
 
@@ -491,6 +500,11 @@ def compile_environment(
     if target.capability is not None:
         env["ATEN_CPU_CAPABILITY"] = target.capability
     env["PYTHONHASHSEED"] = HASH_SEED
+    if device == "cuda":
+        # No line tables in the cubins: they name the kernels' source files, by
+        # the paths they have on the builder (Inductor's generated kernels under
+        # its scratch folder, the engine's Triton kernels wherever they live).
+        env["TRITON_DISABLE_LINE_INFO"] = "1"
     if scratch is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = scratch
         env["TMPDIR"] = scratch

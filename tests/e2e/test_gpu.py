@@ -398,6 +398,40 @@ def test_gpu_package_host_code_is_built_for_the_cpu_target_not_native(tmp_path, 
     assert isas and set(isas) == {"AVX2"}, isas
 
 
+def test_gpu_two_builders_write_identical_bytes_and_a_rebuild_is_identical(tiny_model):
+    """Two cold CUDA builds of the tiny plan's two kernels (one variant each),
+    every builder path different (HOME, cwd, TMPDIR, the cache, the user as
+    root): the same bytes under each key and no builder path in any member;
+    then ``verify --rebuild`` compiles one again and finds it identical."""
+    from ..kc_helpers import other_user_kwargs, world_readable_dir
+    from ..warmup import test_reproducible as repro
+
+    user_kwargs, user_env = other_user_kwargs()
+    with world_readable_dir() as root:
+        a = repro.make_builder(root, "builder-a", {}, {"PYTHONHASHSEED": "1"}, tiny_model)
+        b = repro.make_builder(
+            root, "builder-b", user_kwargs, {**user_env, "PYTHONHASHSEED": "2"}, tiny_model
+        )
+        for x in (a, b):
+            report = repro.warmup_as(x, *GPU)
+            assert report["compiled"] == repro.N and report["failed"] == []
+        ea, eb = repro.entries_of(a["cache"]), repro.entries_of(b["cache"])
+        assert sorted(ea) == sorted(eb) and len(ea) == repro.N
+        repro.assert_same_bytes_and_no_builder_path(a, b, ea, eb)
+        proc = subprocess.run(
+            [sys.executable, "-m", "warmup.cli.main", "verify", *tiny_args(a["model"]), *GPU]
+            + [*repro.SUBSET, "--cache-dir", str(a["cache"]), "--json"]
+            + ["--rebuild", "batched_decode:1:2:4"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr
+        (r,) = json.loads(proc.stdout)
+        assert r["identical"] and r["differs"] == [], r
+
+
 def test_gpu_float16_plan_warms_and_verifies(tmp_path, tiny_model):
     cache = tmp_path / "cache"
     args = [*tiny_args(tiny_model), *SMALL, *GPU, "--dtype", "float16", "--cache-dir", cache]

@@ -66,7 +66,14 @@ def test_cuda_compile_options_and_environment_name_the_cpu_target(target):
         assert env["ATEN_CPU_CAPABILITY"] == "avx2" and opts["cpp.vec_isa_ok"] is True
     else:  # native: the best this CPU has (probed), as on the CPU
         assert "ATEN_CPU_CAPABILITY" not in env and "cpp.vec_isa_ok" not in opts
-    assert compile_environment({}, "cuda", target) == compile_environment({}, "cpu", target)
+    # The same but for the cubins' line tables, which name builder paths.
+    cuda_env, cpu_env = (
+        compile_environment({}, "cuda", target),
+        compile_environment({}, "cpu", target),
+    )
+    assert cuda_env == {**cpu_env, "TRITON_DISABLE_LINE_INFO": "1"}
+    assert opts["aot_inductor.embed_kernel_binary"] is True
+    assert "aot_inductor.embed_kernel_binary" not in compile_options("cpu", target)
 
 
 _WRAPPER_COMMAND = r"""

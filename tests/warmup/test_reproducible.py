@@ -39,7 +39,7 @@ SUBSET = ("--query-buckets", "32")
 N = 2
 
 
-def _warmup(builder: dict, *extra: str) -> dict:
+def warmup_as(builder: dict, *extra: str) -> dict:
     """``kernel-cache warmup`` of the tiny plan as ``builder`` (its env, cwd,
     user); the JSON report."""
     proc = subprocess.run(
@@ -56,7 +56,7 @@ def _warmup(builder: dict, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def _builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Path) -> dict:
+def make_builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Path) -> dict:
     base = root / name
     dirs = {d: base / d for d in ("home", "cwd", "tmp", "inductor", "cache-parent")}
     for d in dirs.values():
@@ -102,7 +102,7 @@ def _variants(cache: Path) -> list[str]:
         tier.close()
 
 
-def _entries(cache: Path) -> dict[str, bytes]:
+def entries_of(cache: Path) -> dict[str, bytes]:
     tier = DiskTier(cache, read_only=True, allow_shared=True)
     try:
         return {m["key"]: tier.get(m["key"]).data for m in tier.iter_meta()}
@@ -117,12 +117,12 @@ def builders(tiny_model):
     user_kwargs, user_env = other_user_kwargs()
     with world_readable_dir() as root:
         # Each its own string-hash seed too: the recipe pins the compile workers'.
-        a = _builder(root, "builder-a", {}, {"PYTHONHASHSEED": "1"}, tiny_model)
-        b = _builder(
+        a = make_builder(root, "builder-a", {}, {"PYTHONHASHSEED": "1"}, tiny_model)
+        b = make_builder(
             root, "builder-b", user_kwargs, {**user_env, "PYTHONHASHSEED": "2"}, tiny_model
         )
         for x in (a, b):
-            x["report"] = _warmup(x)
+            x["report"] = warmup_as(x)
         yield a, b
 
 
@@ -131,20 +131,44 @@ def test_two_cold_builders_write_identical_bytes_without_builder_paths(builders)
     for x in (a, b):
         assert x["report"]["compiled"] == N
         assert len(x["log"].read_text().splitlines()) == N  # the compiler really ran
-    ea, eb = _entries(a["cache"]), _entries(b["cache"])
+    ea, eb = entries_of(a["cache"]), entries_of(b["cache"])
     assert sorted(ea) == sorted(eb) and len(ea) == N
     assert sorted(_variants(a["cache"])) == ["batched_decode:1:2:4", "paged_attention:32:2:1"]
-    differ = [k[:16] for k in ea if ea[k] != eb[k]]
-    assert differ == [], f"keys whose bytes differ between the builders: {differ}"
+    assert_same_bytes_and_no_builder_path(a, b, ea, eb)
+
+
+def assert_same_bytes_and_no_builder_path(a: dict, b: dict, ea: dict, eb: dict) -> None:
+    """Builders ``a`` and ``b`` stored the same bytes under each key (``ea``,
+    ``eb``: their entries), and no member of a package holds a path of either
+    builder; on failure, every differing member and every path found, with
+    the bytes around it."""
     builder_paths = {*a["paths"], *b["paths"], sys.prefix, str(ROOT), os.path.realpath(ROOT)}
     builder_paths |= {str(Path(p).resolve()) for p in builder_paths}
-    for key, data in ea.items():
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            for name in z.namelist():
-                body = z.read(name)
-                found = [p for p in builder_paths if p.encode() in body]
-                assert not found, f"{key[:16]} {name} holds {found}"
-                assert b"torchinductor_" not in body, f"{key[:16]} {name} names a user"
+    found = []
+    for entries in (ea, eb):
+        for key, data in entries.items():
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                for name in z.namelist():
+                    body = z.read(name)
+                    for p in [*builder_paths, "torchinductor_"]:
+                        at = body.find(p.encode())
+                        if at >= 0:
+                            ctx = body[max(0, at - 60) : at + len(p) + 60]
+                            found.append(f"{key[:12]} {name}: {p!r} in {ctx!r}")
+    differ = []
+    for k in ea:
+        if ea[k] != eb.get(k):
+            with zipfile.ZipFile(io.BytesIO(ea[k])) as za, zipfile.ZipFile(io.BytesIO(eb[k])) as zb:
+                names = sorted(set(za.namelist()) | set(zb.namelist()))
+                bad = [
+                    n
+                    for n in names
+                    if n not in za.namelist() or n not in zb.namelist() or za.read(n) != zb.read(n)
+                ]
+            differ.append(f"{k[:12]}: {bad}")
+    assert not found and not differ, "\n".join(
+        ["members that differ between the builders:", *differ, "builder paths found:", *found]
+    )
 
 
 def _with_signing_key(builder: dict, keys) -> dict:
@@ -179,7 +203,7 @@ def test_alternating_builders_upload_nothing_after_the_first(builders, tmp_path)
         hsets, other, uploaded = [], [], []
         for x in (a, b, a, b):
             before = writes()
-            r = _warmup(signed[x["cwd"]], "--redis-url", url)
+            r = warmup_as(signed[x["cwd"]], "--redis-url", url)
             after = writes()
             hsets.append(after["hset"] - before["hset"])
             other.append(sum(after.values()) - sum(before.values()) - hsets[-1])
@@ -223,7 +247,7 @@ def test_compare_packages_names_the_member_that_differs(builders):
     from warmup.check.rebuild import compare_packages
 
     a, _ = builders
-    data = next(iter(_entries(a["cache"]).values()))
+    data = next(iter(entries_of(a["cache"]).values()))
     buf = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(buf, "w") as dst:
         for info in src.infolist():
