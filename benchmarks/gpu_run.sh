@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh probe    # environment + compilers, kernel sweep, the GPU test suite
 #   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
+#   bash benchmarks/gpu_run.sh repro    # two CUDA builders, byte for byte; warm, verify, engine start
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 #   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
@@ -127,6 +128,14 @@ case "${1:-probe}" in
     env_report 2>&1 | tee "$OUT/env.txt"
     timeout 300 python3 benchmarks/gpu_prefill_pipeline.py --out "$OUT" 2>&1 | tee "$OUT/pipeline.log"
     ;;
+  repro)
+    # Two CUDA builders of one key give the same bytes, verify --rebuild agrees; then the
+    # tiny plan's warmup, verify in a fresh process and engine start (packages loaded).
+    env_report 2>&1 | tee "$OUT/env.txt"
+    SUITE_K="two_builders" SUITE_TIMEOUT=${REPRO_TIMEOUT:-300} suite 2>&1 | tee "$OUT/pytest_repro.log"
+    SUITE_K="gpu_warmup_compiles or gpu_verify_in_fresh or engine_start_dispatch" \
+      SUITE_TIMEOUT=${LOAD_TIMEOUT:-200} suite 2>&1 | tee "$OUT/pytest_load.log"
+    ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
       2>&1 | tee "$OUT/env.txt"
@@ -147,7 +156,7 @@ case "${1:-probe}" in
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|tune|engine|prefill|pipeline" >&2
+    echo "usage: $0 probe|bench|suite|repro|tune|engine|prefill|pipeline|fp8" >&2
     exit 2
     ;;
 esac
