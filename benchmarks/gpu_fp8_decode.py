@@ -20,7 +20,11 @@ of every token, ``gpu_common.kv_bytes`` with 2 or 1 bytes per element) over the
 time, as a fraction of the device-to-device copy bandwidth
 (``gpu_common.copy_bandwidth``); the speedup of fp8 over bf16 per mode; and the
 fp8 output's error against the float32 reference on the dequantized pool (two
-sequences). Writes ``gpu_fp8_decode.json`` to ``--out``.
+sequences). Also the Triton decode kernel launched directly (a CUDA graph of
+``launch_decode``, the code the artifacts hold) for each pool at ``block_n`` 64
+(the default) and 128, the tokens per step: with one byte per element a step
+of 64 tokens moves half the bytes it moves in bf16. Writes
+``gpu_fp8_decode.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -109,6 +113,35 @@ def capture(call):
     return g
 
 
+def kernel_block_n(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
+    """The decode kernel launched directly, graph-replayed, per pool and block_n."""
+    from kernel_cache.kernels.triton_decode import launch_decode
+
+    rows = []
+    for name, (kc, vc, scales) in pools.items():
+        sc = (scales["k_scale"], scales["v_scale"]) if scales else (None, None)
+        nbytes = kv_bytes([KV] * S, itemsize=kc.element_size())
+        for block_n in (64, 128):
+
+            def call(kc=kc, vc=vc, sc=sc, block_n=block_n):
+                return launch_decode(
+                    q, kc, vc, bt, lens, D**-0.5, None, *sc, block_n=block_n, wrap=_identity
+                )
+
+            t = time_cuda(call, reps=reps, graph=True)
+            tbs = nbytes / (t["median_ms"] * 1e-3) / 1e12
+            rows.append({"pool": name, "block_n": block_n, **t, "of_copy_bw": tbs / ceiling})
+            print(
+                f"kernel {name:9s} block_n {block_n:3d}: {t['median_ms']:.3f} ms "
+                f"({tbs / ceiling:.0%} of copy bw)"
+            )
+    return rows
+
+
+def _identity(f):
+    return f
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -171,6 +204,7 @@ def main(argv=None) -> int:
             f"{row['graph']['median_ms']:.3f} ms ({row['graph_of_copy_bw']:.0%})"
         )
     doc["rows"] = rows
+    doc["kernel_block_n"] = kernel_block_n(pools, q, bt, dev_lens, ceiling, args.reps)
     doc["speedup"] = {
         m: rows["auto"][m]["median_ms"] / rows["fp8_e4m3"][m]["median_ms"]
         for m in ("dispatch", "graph")

@@ -67,11 +67,14 @@ class InputChecks:
                     f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
                 )
             if t.dtype != self._kv_dtype:
+                other = "auto" if t.dtype == dt else "fp8_e4m3" if t.dtype == _FP8 else None
+                hint = (
+                    f", or warm up and load a plan with --kv-cache-dtype {other}" if other else ""
+                )
                 raise ShapeError(
                     f"{name} is {t.dtype}; the plan's KV pool is {self._kv_dtype} "
-                    f"(kv_cache_dtype={self.config.kv_cache_dtype}): pass a pool of that "
-                    "dtype, or warm up and load a plan with --kv-cache-dtype "
-                    f"{'auto' if t.dtype == dt else 'fp8_e4m3' if t.dtype == _FP8 else '...'}"
+                    f"(dtype={self.config.dtype}, kv_cache_dtype={self.config.kv_cache_dtype}): "
+                    f"pass a pool of {self._kv_dtype}{hint}"
                 )
             if not (t.is_cuda if cuda else t.is_cpu):
                 raise ShapeError(

@@ -274,7 +274,8 @@ def test_dispatch_errors_name_the_input_and_the_fix(fp8_cfg, tiny_config):
     with pytest.raises(
         ShapeError,
         match=r"key_cache is torch.float32; the plan's KV pool is "
-        r"torch.float8_e4m3fn \(kv_cache_dtype=fp8_e4m3\).*--kv-cache-dtype auto",
+        r"torch.float8_e4m3fn \(dtype=float32, kv_cache_dtype=fp8_e4m3\): pass a pool of "
+        r"torch.float8_e4m3fn, or warm up and load a plan with --kv-cache-dtype auto",
     ):
         rt.prefill(q, kc.float(), vc.float(), bt, 1, k_scale=ks, v_scale=vs)
     auto, _ = _runtime(tiny_config)
@@ -287,7 +288,7 @@ def test_dispatch_errors_name_the_input_and_the_fix(fp8_cfg, tiny_config):
     with pytest.raises(
         ShapeError,
         match=r"value_cache is torch.float8_e4m3fn; the plan's KV "
-        r"pool is torch.float32 \(kv_cache_dtype=auto\).*--kv-cache-dtype fp8_e4m3",
+        r"pool is torch.float32 \(dtype=float32, kv_cache_dtype=auto\).*--kv-cache-dtype fp8_e4m3",
     ):
         auto.prefill(q, kc.float(), vc, bt, 1)
 
