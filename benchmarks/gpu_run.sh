@@ -134,8 +134,8 @@ case "${1:-probe}" in
     # then decode 32 x 8192 through dispatch with a bf16 and an fp8 pool (two plans
     # warmed into $CACHE/fp8). About 6 minutes on an H200.
     env_report 2>&1 | tee "$OUT/env.txt"
-    SUITE_K=fp8 SUITE_TIMEOUT=${FP8_SUITE_TIMEOUT:-270} suite 2>&1 | tee "$OUT/pytest_fp8.log"
-    timeout "${FP8_BENCH_TIMEOUT:-200}" python3 benchmarks/gpu_fp8_decode.py --out "$OUT" \
+    SUITE_K=fp8 SUITE_TIMEOUT=${FP8_SUITE_TIMEOUT:-290} suite 2>&1 | tee "$OUT/pytest_fp8.log"
+    timeout "${FP8_BENCH_TIMEOUT:-170}" python3 benchmarks/gpu_fp8_decode.py --out "$OUT" \
       --cache-dir "$CACHE/fp8" 2>&1 | tee "$OUT/fp8_decode.log"
     ;;
   suite)
