@@ -1,4 +1,4 @@
-"""The FP8 KV cache (``kv_cache_dtype="fp8_e4m3"``) on the CPU, without compiling.
+"""The FP8 KV cache (``kv_cache_dtype="fp8_e4m3"``) on the CPU.
 
 The kernels read a ``float8_e4m3fn`` pool as ``float(stored) * scale`` (vLLM's
 per-tensor ``k_scale`` and ``v_scale``); each is checked against the float32
@@ -7,7 +7,7 @@ pool blocks. Also: the quantization's own error (what fp8 costs against the
 unquantized values), the key (fp8 and auto plans never share an entry; auto
 keeps the component it always had), ``explain`` naming the change, dispatch's
 errors, and the Triton kernels under Triton's CPU interpreter (skipped without
-triton).
+triton). One test (marker ``compile``) warms, loads and dispatches an fp8 tiny plan.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def _pool(p, seed, k_scale=0.02, v_scale=0.03, d=D):
 
 def test_quantize_is_vllms_semantics_and_its_error_is_fp8s():
     """stored = fp8(x / scale), read = float(stored) * scale: the round trip is
-    within e4m3's half ulp (2**-4 relative) of x; a scale applied the other way
-    (x * scale) would be off by scale**2."""
+    within e4m3's half ulp (2**-4 relative) of x; out-of-range values saturate."""
     x = torch.randn(4096) * 3
     s = 0.05  # |x| / s stays below 448
     stored = fp8_quantize(x, s)
