@@ -258,6 +258,23 @@ def test_dispatch_passes_the_scales_to_the_kernel(fp8_cfg):
     assert {n for r in runners.values() for n in r.seen} == {7, 8}  # 5 + 2, 6 + 2
 
 
+def test_decode_sequence_by_sequence_passes_the_scales(tiny_model):
+    """A plan without decode-batch buckets (max_num_seqs below min_batched_seqs)
+    decodes through prefill, one sequence at a time: the scales go along."""
+    cfg = make_config(
+        str(tiny_model), kv_cache_dtype="fp8_e4m3", **{**TINY_LIMITS, "max_num_seqs": 2}
+    )
+    rt, _ = _runtime(cfg)
+    assert not rt.bucketer.num_seqs_buckets
+    kc, vc, ks, vs, _, _ = _pool(5, seed=17, d=8)
+    g = torch.Generator().manual_seed(18)
+    bt = torch.tensor([[2, 2], [4, 0]], dtype=torch.int32)
+    query = torch.randn(2, 4, 8, generator=g)
+    out = rt.decode(query, kc, vc, bt, [30, 3], k_scale=ks, v_scale=vs)
+    ref = reference_decode(query, dequantize(kc, ks), dequantize(vc, vs), bt, [30, 3])
+    assert (out - ref).abs().max() < ATOL[torch.float32]
+
+
 def test_dispatch_errors_name_the_input_and_the_fix(fp8_cfg, tiny_config):
     rt, _ = _runtime(fp8_cfg)
     kc, vc, ks, vs, _, _ = _pool(3, seed=10, d=8)
