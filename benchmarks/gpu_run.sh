@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 #   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
 #   bash benchmarks/gpu_run.sh pipeline # software-pipelined and longest-first prefill variants, block_size 128
+#   bash benchmarks/gpu_run.sh fp8      # the FP8 KV cache: its GPU tests, then decode bf16 vs fp8 pool
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX (the image's CXX, /opt/gcc/bin/g++ if that is g++ already, or
@@ -135,6 +136,16 @@ case "${1:-probe}" in
     SUITE_K="two_builders" SUITE_TIMEOUT=${REPRO_TIMEOUT:-300} suite 2>&1 | tee "$OUT/pytest_repro.log"
     SUITE_K="gpu_warmup_compiles or gpu_verify_in_fresh or engine_start_dispatch" \
       SUITE_TIMEOUT=${LOAD_TIMEOUT:-200} suite 2>&1 | tee "$OUT/pytest_load.log"
+    ;;
+  fp8)
+    # The fp8 tests of the GPU suite (kernels against the reference on the dequantized
+    # pool; a tiny fp8 plan warmed, dispatched and graph-replayed with new scales),
+    # then decode 32 x 8192 through dispatch with a bf16 and an fp8 pool (two plans
+    # warmed into $CACHE/fp8). About 6 minutes on an H200.
+    env_report 2>&1 | tee "$OUT/env.txt"
+    SUITE_K=fp8 SUITE_TIMEOUT=${FP8_SUITE_TIMEOUT:-290} suite 2>&1 | tee "$OUT/pytest_fp8.log"
+    timeout "${FP8_BENCH_TIMEOUT:-170}" python3 benchmarks/gpu_fp8_decode.py --out "$OUT" \
+      --cache-dir "$CACHE/fp8" 2>&1 | tee "$OUT/fp8_decode.log"
     ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \

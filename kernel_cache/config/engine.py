@@ -36,6 +36,10 @@ ENV_KV_BUCKETS = settings.var("kv_buckets")
 ENV_QUERY_BUCKETS = settings.var("query_buckets")
 ENV_NUM_SEQS_BUCKETS = settings.var("num_seqs_buckets")
 DEVICES = ("cpu", "cuda")
+#: KV-cache element types: ``auto`` (the model dtype) or ``fp8_e4m3`` (vLLM's
+#: name: the pool in ``torch.float8_e4m3fn`` with a per-tensor float32 K and V
+#: scale given at call time; docs/usage.md, "FP8 KV cache").
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 KV_LADDERS = ("4/3", "pow2")
 
 
@@ -138,6 +142,12 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="element type of query and KV (default float32 on cpu, bfloat16 on cuda)",
+    )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="element type of the KV pool: auto (the model dtype) or fp8_e4m3 "
+        "(float8_e4m3fn, with per-tensor float32 k_scale and v_scale passed at call "
+        "time; part of the key)",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the kernels run")
     cpu_target: Literal["x86-64-v3", "native"] = Field(
@@ -243,11 +253,24 @@ class EngineConfig(BaseModel):
         }
 
     def torch_dtype(self):
+        """The model dtype (query and output) as a ``torch.dtype``."""
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             self.dtype
         ]
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV pool is fp8 (``kv_cache_dtype == "fp8_e4m3"``)."""
+        return self.kv_cache_dtype == "fp8_e4m3"
+
+    def kv_torch_dtype(self):
+        """The KV pool's ``torch.dtype``: ``torch.float8_e4m3fn`` for ``fp8_e4m3``,
+        else the model dtype."""
+        import torch
+
+        return torch.float8_e4m3fn if self.kv_fp8 else self.torch_dtype()
 
 
 def geometry_from_hf_config(path: str | os.PathLike) -> ModelGeometry:
@@ -350,6 +373,7 @@ _ACCEPTED = {
     "dtype": DTYPES,
     "device": DEVICES,
     "kv_ladder": KV_LADDERS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 
@@ -392,8 +416,8 @@ def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
     parts = [f"--model {shlex.quote(config.model)}"]
     for field in ENGINE_OPTION_FIELDS:
         value = getattr(config, field)
-        if value is None or value == ():
-            continue
+        if value is None or value == () or (field == "kv_cache_dtype" and value == "auto"):
+            continue  # auto is the default on every device: left out, as before the option
         if field == "kernels":
             parts += [f"{option_flag(field)} {shlex.quote(f'{k}={p}')}" for k, p in value]
             continue

@@ -47,6 +47,13 @@ from kernel_cache.errors import ConfigError
 _NEG = torch.finfo(torch.float32).min
 
 
+def dequant(x, scale):
+    """``x`` (KV gathered from the pool) in float32: ``x.float() * scale`` for an
+    fp8 pool (``scale``: the ``[1]`` float32 per-tensor scale, vLLM's ``k_scale``
+    or ``v_scale``), ``x.float()`` for a pool in the model dtype (``scale`` None)."""
+    return x.float() if scale is None else x.float() * scale
+
+
 class PagedAttention(nn.Module):
     """One sequence's query chunk over its KV blocks, causal.
 
@@ -56,6 +63,10 @@ class PagedAttention(nn.Module):
         block_table: ``[num_blocks]`` int32.
         seq_len: ``[1]`` int32, KV tokens of the sequence including this chunk.
         real_query_len: ``[1]`` int32, real (unpadded) tokens in the chunk.
+        k_scale, v_scale: ``[1]`` float32 for an fp8 pool (``float8_e4m3fn``):
+            a key reads as ``float(stored) * k_scale``, a value as
+            ``float(stored) * v_scale`` (vLLM's per-tensor scales); None for a
+            pool in the model dtype.
 
     Token ``i`` of the chunk sits at absolute position ``seq_len - real_query_len + i``
     and sees KV positions up to and including its own, none at or past ``seq_len``.
@@ -71,14 +82,24 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+    def forward(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len,
+        real_query_len,
+        k_scale=None,
+        v_scale=None,
+    ):
         q_len = query.shape[0]
         nb = block_table.shape[0]
         bs = key_cache.shape[1]
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         idx = block_table.long()
-        k = key_cache[idx].reshape(nb * bs, kvh, d).float()
-        v = value_cache[idx].reshape(nb * bs, kvh, d).float()
+        k = dequant(key_cache[idx].reshape(nb * bs, kvh, d), k_scale)
+        v = dequant(value_cache[idx].reshape(nb * bs, kvh, d), v_scale)
         q = query.reshape(q_len, kvh, g, d).float()
         scores = torch.einsum("qkgd,tkd->kgqt", q, k) * self.scale  # [kvh, g, q, t]
         t = torch.arange(nb * bs, device=query.device, dtype=torch.int32)
@@ -126,6 +147,8 @@ class BatchedDecode(nn.Module):
         seq_lens: ``[num_seqs]`` int32; the query token is at position ``seq_len - 1``
             and sees KV positions ``< seq_len``. Padded rows have ``seq_len == 0``
             and return zeros.
+        k_scale, v_scale: ``[1]`` float32 for an fp8 pool, None otherwise (as in
+            :class:`PagedAttention`).
 
     Launch parameters (set per variant by :mod:`kernel_cache.plan.launch`):
         num_kv_splits: the ``num_blocks`` axis is cut into this many KV splits of
@@ -169,7 +192,9 @@ class BatchedDecode(nn.Module):
         self.blocks_per_chunk = blocks_per_chunk
         self.num_kv_splits = num_kv_splits
 
-    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def forward(
+        self, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None
+    ):
         nb = block_tables.shape[1]
         splits = self.num_kv_splits
         if splits > nb:
@@ -183,17 +208,22 @@ class BatchedDecode(nn.Module):
                 f"blocks_per_chunk={bpc} does not divide the {per_split} blocks of one KV "
                 f"split (num_blocks={nb}, num_kv_splits={splits})"
             )
+        scales = (k_scale, v_scale)
         if splits == 1 and bpc == nb:
-            return self._single_pass(query, key_cache, value_cache, block_tables, seq_lens)
-        return self._split_kv(query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc)
+            return self._single_pass(query, key_cache, value_cache, block_tables, seq_lens, *scales)
+        return self._split_kv(
+            query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc, *scales
+        )
 
-    def _single_pass(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def _single_pass(
+        self, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None
+    ):
         s, nb = block_tables.shape
         bs = key_cache.shape[1]
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         idx = block_tables.long()
-        k = key_cache[idx].reshape(s, nb * bs, kvh, d).float()
-        v = value_cache[idx].reshape(s, nb * bs, kvh, d).float()
+        k = dequant(key_cache[idx].reshape(s, nb * bs, kvh, d), k_scale)
+        v = dequant(value_cache[idx].reshape(s, nb * bs, kvh, d), v_scale)
         q = query.reshape(s, kvh, g, d).float()
         scores = torch.einsum("skgd,stkd->skgt", q, k) * self.scale  # [s, kvh, g, t]
         t = torch.arange(nb * bs, device=query.device, dtype=torch.int32)
@@ -206,7 +236,18 @@ class BatchedDecode(nn.Module):
         out = torch.einsum("skgt,stkd->skgd", probs, v).reshape(s, kvh * g, d)
         return _zero_padded_rows(out, seq_lens).to(query.dtype)
 
-    def _split_kv(self, query, key_cache, value_cache, block_tables, seq_lens, per_split, bpc):
+    def _split_kv(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        per_split,
+        bpc,
+        k_scale=None,
+        v_scale=None,
+    ):
         s, nb = block_tables.shape
         bs = key_cache.shape[1]
         splits = self.num_kv_splits
@@ -226,8 +267,8 @@ class BatchedDecode(nn.Module):
         acc = torch.zeros((s, splits, kvh, g, d), device=query.device)
         for c in range(per_split // bpc):  # online softmax over chunks, all splits at once
             blk = idx[:, :, c * bpc : (c + 1) * bpc]
-            k = key_cache[blk].reshape(s, splits, span, kvh, d).float()
-            v = value_cache[blk].reshape(s, splits, span, kvh, d).float()
+            k = dequant(key_cache[blk].reshape(s, splits, span, kvh, d), k_scale)
+            v = dequant(value_cache[blk].reshape(s, splits, span, kvh, d), v_scale)
             scores = torch.einsum("skgd,sptkd->spkgt", q, k) * self.scale
             pos = first[:, None] + (c * span) + t[None, :]  # [splits, span]
             visible = pos[None] < lens  # [s, splits, span]
@@ -280,14 +321,33 @@ class RealKVPagedAttention(PagedAttention):
     whose visible scores are all NaN or ``-inf``, the reference NaN.
     """
 
-    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+    def forward(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len,
+        real_query_len,
+        k_scale=None,
+        v_scale=None,
+    ):
+        args = (query, key_cache, value_cache, block_table, seq_len, real_query_len)
         if query.device.type != "cpu" or not torch.compiler.is_compiling():
-            return super().forward(
-                query, key_cache, value_cache, block_table, seq_len, real_query_len
-            )
-        return self.real_blocks(query, key_cache, value_cache, block_table, seq_len, real_query_len)
+            return super().forward(*args, k_scale, v_scale)
+        return self.real_blocks(*args, k_scale, v_scale)
 
-    def real_blocks(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+    def real_blocks(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len,
+        real_query_len,
+        k_scale=None,
+        v_scale=None,
+    ):
         """The gather of the real blocks and the chunked flash calls (what is
         compiled for the CPU); callable eagerly. Same inputs and output as
         :meth:`forward`."""
@@ -310,8 +370,11 @@ class RealKVPagedAttention(PagedAttention):
         # Head-major [1, kvh, n * block_size, d] (the reshape alone is a token-major
         # view): the CPU flash kernel reads it faster. Inductor copies only the
         # sliced positions below, straight from the pool.
-        k = key_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
-        v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d).contiguous()
+        k = key_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d)
+        v = value_cache[idx].permute(2, 0, 1, 3).reshape(1, kvh, n * bs, d)
+        if k_scale is not None:  # fp8: the real blocks dequantized into the query's dtype
+            k, v = (dequant(k, k_scale).to(query.dtype), dequant(v, v_scale).to(query.dtype))
+        k, v = k.contiguous(), v.contiguous()
         q = query[:rows].transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]: the real rows
         flash = torch_compat.cpu_flash_attention()
         fresh = kv_t == rows_t  # a fresh prompt: nothing before row 0
@@ -359,15 +422,20 @@ class RealKVPagedAttention(PagedAttention):
         # K/V the plain kernel recomputes the chunk.
         finite = k[:, :, :kv_len].isfinite().all() & v[:, :, :kv_len].isfinite().all()
         finite = finite & q.isfinite().all() & out.isfinite().all()  # NaN query; overflow
-        args = (query, key_cache, value_cache, block_table, seq_len, real_query_len, out)
-        return _cond(~finite, self._recompute, _keep_last, args)
+        args = (query, key_cache, value_cache, block_table, seq_len, real_query_len)
+        if k_scale is not None:
+            args = (*args, k_scale, v_scale)
+        return _cond(~finite, self._recompute, _keep_last, (*args, out))
 
-    def _recompute(self, query, key_cache, value_cache, block_table, seq_len, real_query_len, out):
+    def _recompute(
+        self, query, key_cache, value_cache, block_table, seq_len, real_query_len, *rest
+    ):
         """:meth:`PagedAttention.forward` with its padded rows zeroed, in a tensor of
         ``out``'s sizes (``torch.cond`` traces its branches with symbolic sizes and
         wants both outputs alike)."""
+        *scales, out = rest  # (k_scale, v_scale) for an fp8 pool
         res = PagedAttention.forward(
-            self, query, key_cache, value_cache, block_table, seq_len, real_query_len
+            self, query, key_cache, value_cache, block_table, seq_len, real_query_len, *scales
         )
         real = torch.arange(res.shape[0], device=res.device) < real_query_len
         res = torch.where(real[:, None, None], res, 0)
@@ -431,6 +499,10 @@ class RealKVBatchedDecode(BatchedDecode):
     ``score_mod`` makes every non-finite score ``+inf`` (before the tail's
     bias), which makes the row NaN and so recomputed.
 
+    An fp8 pool (``k_scale`` given) takes the plain kernel compiled as well:
+    ``flex_attention`` wants query, keys and values of one dtype, and an fp8
+    pool converted to the query's dtype would be a copy of the whole pool.
+
     The launch parameters (``num_kv_splits``, ``blocks_per_chunk``) shape only
     the plain path; the compiled flex kernel parallelizes over
     sequences and KV heads itself. Run eagerly (``verify``'s oracle, tests) or on
@@ -458,9 +530,13 @@ class RealKVBatchedDecode(BatchedDecode):
       CPU (it has no scan codegen there).
     """
 
-    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
-        if query.device.type != "cpu" or not torch.compiler.is_compiling():
-            return super().forward(query, key_cache, value_cache, block_tables, seq_lens)
+    def forward(
+        self, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None
+    ):
+        if query.device.type != "cpu" or not torch.compiler.is_compiling() or k_scale is not None:
+            return super().forward(
+                query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale
+            )
         return self._flex(query, key_cache, value_cache, block_tables, seq_lens)
 
     def _flex(self, query, key_cache, value_cache, block_tables, seq_lens):

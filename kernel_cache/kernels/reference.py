@@ -11,6 +11,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: Largest finite ``torch.float8_e4m3fn`` value.
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` stored in an fp8 KV pool with per-tensor ``scale`` (vLLM's
+    semantics): ``float8_e4m3fn(x / scale)``, saturated to +-448."""
+    y = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return y.to(torch.float8_e4m3fn)
+
+
+def dequantize(cache: torch.Tensor, scale=None) -> torch.Tensor:
+    """A pool as the kernels read it, in float32: ``float(stored) * scale`` for an
+    fp8 pool (``scale`` a float or a 1-element tensor), ``cache.float()`` when
+    ``scale`` is None. The reference of an fp8 kernel is computed on this."""
+    if scale is None:
+        return cache.float()
+    s = scale.float().reshape(()).cpu() if isinstance(scale, torch.Tensor) else scale
+    return cache.float() * s.to(cache.device) if isinstance(s, torch.Tensor) else cache.float() * s
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[seq_len, num_kv_heads, head_dim]`` from a paged cache and a 1-D block table."""

@@ -20,6 +20,10 @@ The contract (every slot):
   names below, all on the plan's device) and returns one tensor of
   :attr:`Slot.output` shape in the query's dtype. Scale ``1 / sqrt(D)``; GQA:
   query head ``h`` reads KV head ``h // (H / KVH)``.
+* For a plan whose ``kv_cache_dtype`` is ``fp8_e4m3`` the pools are
+  ``float8_e4m3fn`` and two inputs follow the slot's: ``k_scale`` and
+  ``v_scale``, ``[1]`` float32, read as ``float(stored) * scale`` (vLLM's
+  per-tensor scales; passed at every call, never part of the artifact).
 * The module is exported with ``torch.export`` (non-strict) with every bucket
   dimension static and ``num_pool_blocks`` (dim 0 of the KV caches) dynamic,
   then compiled with AOTInductor. Export runs the forward once on example

@@ -25,6 +25,13 @@ Scores, softmax and accumulators are float32; the probabilities are rounded to
 the KV dtype for the second product (as in FlashAttention); float32 inputs use
 IEEE products (no TF32).
 
+An fp8 pool (``float8_e4m3fn``, vLLM's ``fp8_e4m3`` with per-tensor
+``k_scale`` and ``v_scale``) is read as it is stored, one byte per element, and
+widened in registers to the query's dtype (exact: every e4m3 value is a
+bfloat16, float16 and float32 value); the scales are applied to the float32
+scores (``k_scale``, folded into the softmax scale) and the float32 output
+(``v_scale``), which is ``float(stored) * scale`` moved out of the sums.
+
 The op is registered with :func:`torch.library.triton_op`, so ``torch.export``
 keeps it and AOTInductor compiles both kernels into the variant's ``.pt2``
 package; loading that package needs neither Triton nor this module.
@@ -86,12 +93,17 @@ def split_plan(
 
 
 @triton.jit
-def _online_softmax_step(q, k, v_ptrs, kv_mask, tmask, scale, acc, m_i, l_i):
+def _online_softmax_step(q, k, v_ptrs, kv_mask, tmask, scale, acc, m_i, l_i, KV_FP8: tl.constexpr):
     """One ``BLOCK_N``-token step of the online softmax: ``q`` ``[G_PAD, D_PAD]``,
     ``k`` ``[BLOCK_N, D_PAD]`` (masked tokens loaded as 0, ``tmask`` false), the
     step's V rows ``v_ptrs`` (loaded here, after the scores, as the kernel always
     did), running ``acc`` ``[G_PAD, D_PAD]``, max ``m_i`` and sum ``l_i``
-    ``[G_PAD]``, float32. Returns the updated ``acc``, ``m_i``, ``l_i``."""
+    ``[G_PAD]``, float32. With ``KV_FP8`` the fp8 ``k`` and V rows are widened to
+    the query's dtype (exact) and their scales applied outside (``scale`` holds
+    ``k_scale``; the caller multiplies the output by ``v_scale``). Returns the
+    updated ``acc``, ``m_i``, ``l_i``."""
+    if KV_FP8:
+        k = k.to(q.dtype)
     # AOTInductor passes ``scale`` as fp64: keep the scores float32.
     qk = (tl.dot(q, tl.trans(k), input_precision="ieee") * scale).to(tl.float32)
     qk = tl.where(tmask[None, :], qk, float("-inf"))
@@ -100,6 +112,8 @@ def _online_softmax_step(q, k, v_ptrs, kv_mask, tmask, scale, acc, m_i, l_i):
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_new
 
@@ -114,6 +128,8 @@ def _decode_split_kernel(
     OUT,
     PART_O,
     PART_LSE,
+    K_SCALE,
+    V_SCALE,
     scale,
     stride_qs,
     stride_qh,
@@ -139,6 +155,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,6 +174,10 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    # fp8: q . (k * k_scale) = (q . k) * k_scale, sum p (v * v_scale) = v_scale sum p v
+    qk_scale = scale
+    if KV_FP8:
+        qk_scale = (scale * tl.load(K_SCALE)).to(tl.float32)
     bt_row = BT + s * stride_bts
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
@@ -170,11 +191,13 @@ def _decode_split_kernel(
         v_rows = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
         k = tl.load(k_head + k_rows, mask=kv_mask, other=0.0)
         acc, m_i, l_i = _online_softmax_step(
-            q, k, v_head + v_rows, kv_mask, tmask, scale, acc, m_i, l_i
+            q, k, v_head + v_rows, kv_mask, tmask, qk_scale, acc, m_i, l_i, KV_FP8
         )
 
     # An empty split (start >= seq_len) has l_i == 0: its output is 0, its lse -inf.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     if DIRECT:
         out_rows = OUT + s * stride_os + heads[:, None] * stride_oh
         tl.store(out_rows + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=gd_mask)
@@ -244,6 +267,8 @@ def launch_decode(
     seq_lens: torch.Tensor,
     scale: float,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
@@ -253,7 +278,8 @@ def launch_decode(
     """Launch the kernels; shapes as :class:`TritonBatchedDecode`. ``block_n``,
     ``num_warps`` and ``num_stages`` are exposed for the kernel sweep
     (``benchmarks/gpu_kernel.py``); ``wrap`` is :func:`wrap_triton` inside the
-    op and the identity for a direct launch."""
+    op and the identity for a direct launch. ``k_scale``, ``v_scale``: ``[1]``
+    float32 on the device for an fp8 pool (both), else None."""
     s, h, d = query.shape
     nb = block_tables.shape[1]
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
@@ -267,8 +293,10 @@ def launch_decode(
     po = torch.empty(po_shape, dtype=torch.float32, device=query.device)
     pl = torch.empty(pl_shape, dtype=torch.float32, device=query.device)
     d_pad = _pow2_at_least(d, 16)
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (pl, pl)  # not read without KV_FP8
     wrap(_decode_split_kernel)[(s, kvh, splits)](
-        *(query, key_cache, value_cache, block_tables, seq_lens, out, po, pl, scale),
+        *(query, key_cache, value_cache, block_tables, seq_lens, out, po, pl, ks, vs, scale),
         *query.stride()[:2],
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
@@ -284,6 +312,7 @@ def launch_decode(
         BLOCK_SIZE=bs,
         BLOCK_N=block_n,
         DIRECT=direct,
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -311,14 +340,25 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     num_kv_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.ops.kernel_cache.paged_decode``: decode attention over a paged cache.
 
     Shapes as :class:`TritonBatchedDecode`; ``num_kv_splits`` 0 picks the split
-    count with :func:`split_plan`'s heuristic.
+    count with :func:`split_plan`'s heuristic; ``k_scale``, ``v_scale`` for an
+    fp8 pool.
     """
     return launch_decode(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, num_kv_splits or None
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        num_kv_splits or None,
+        k_scale,
+        v_scale,
     )
 
 
@@ -335,6 +375,9 @@ class TritonBatchedDecode(nn.Module):
         block_tables: ``[num_seqs, num_blocks]`` int32.
         seq_lens: ``[num_seqs]`` int32 on the device, KV tokens per sequence; only
             the first ``seq_len`` tokens' blocks are read.
+        k_scale, v_scale: ``[1]`` float32 on the device for an fp8
+            (``float8_e4m3fn``) pool, else omitted: keys read as
+            ``float(stored) * k_scale``, values as ``float(stored) * v_scale``.
 
     Args:
         num_kv_splits: the split-KV count (1 to ``num_blocks``); default: the
@@ -365,7 +408,9 @@ class TritonBatchedDecode(nn.Module):
         self.scale = 1.0 / math.sqrt(head_dim)
         self.num_kv_splits = num_kv_splits
 
-    def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def forward(
+        self, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None
+    ):
         return paged_decode(
             query,
             key_cache,
@@ -374,4 +419,6 @@ class TritonBatchedDecode(nn.Module):
             seq_lens,
             self.scale,
             self.num_kv_splits or 0,
+            k_scale,
+            v_scale,
         )

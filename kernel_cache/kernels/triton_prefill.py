@@ -40,6 +40,12 @@ Scores, softmax (base 2) and the accumulator are float32; probabilities are
 rounded to the KV dtype for the second product (as in FlashAttention); float32
 inputs use IEEE products (no TF32).
 
+An fp8 pool (``float8_e4m3fn`` with per-tensor ``k_scale`` and ``v_scale``,
+vLLM's ``fp8_e4m3``) is loaded one byte per element and widened in registers to
+the query's dtype (exact); ``k_scale`` multiplies the float32 scores (with the
+softmax scale) and ``v_scale`` the float32 output: ``float(stored) * scale``
+moved out of the sums, as in ``triton_decode.py``.
+
 Launch parameters (``block_m``, ``block_n``, ``num_warps``, ``num_stages``) come
 from :mod:`kernel_cache.plan.launch` (tables, else
 :func:`kernel_cache.kernels.tiles.cuda_prefill_defaults`).
@@ -101,6 +107,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     offs_t = n0 + offs_n
     tmask = offs_t < seq_len
@@ -125,6 +132,8 @@ def _attend_tile(
         k_rows = blk * stride_kb + tok * stride_kt + kv_off
         v_rows = blk * stride_vb + tok * stride_vt + kv_off
     k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
+    if KV_FP8:  # widened exactly; k_scale is in qk_scale
+        k = k.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # raw logits
     if MASKED:
         visible = (offs_t[None, :] <= pos[:, None]) & tmask[None, :]
@@ -138,6 +147,8 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :], tmask, dmask, MASKED, EVEN_D)
+    if KV_FP8:  # widened exactly; v_scale multiplies the output
+        v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
     return acc, m_new, l_i
 
@@ -151,6 +162,8 @@ def _prefill_kernel(
     SEQ_LEN,
     REAL_Q,
     OUT,
+    K_SCALE,
+    V_SCALE,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -170,6 +183,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QK_SCALE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     EVEN_D: tl.constexpr = D == D_PAD
@@ -204,22 +218,28 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    # fp8: q . (k * k_scale) = (q . k) * k_scale, sum p (v * v_scale) = v_scale sum p v
+    qk_scale = QK_SCALE
+    if KV_FP8:
+        qk_scale = QK_SCALE * tl.load(K_SCALE)
     # Every row of the tile sees [0, start + tok0]; tiles below that need no mask.
     full_end = ((start + tok0 + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, start + tok0 + BLOCK_Q)
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, K, V, BT, n0, pos, seq_len, kv_k, offs_n, offs_d, dmask,
-            QK_SCALE, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, BLOCK_N, False, EVEN_D,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, BLOCK_N, False, EVEN_D, KV_FP8,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, K, V, BT, n0, pos, seq_len, kv_k, offs_n, offs_d, dmask,
-            QK_SCALE, stride_kb, stride_kt, stride_vb, stride_vt,
-            BLOCK_SIZE, BLOCK_N, True, EVEN_D,
+            qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, BLOCK_N, True, EVEN_D, KV_FP8,
         )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     o = tl.where((tok < real_q)[:, None], o, 0.0)
     tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=out_mask)
 
@@ -251,12 +271,16 @@ def launch_prefill(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     wrap=wrap_triton,
 ) -> torch.Tensor:
     """Launch the kernel; shapes as :class:`TritonPagedAttention`. ``wrap`` is
     :func:`wrap_triton` inside the op and the identity for a direct launch
-    (benchmarks). Raises ``ValueError`` for tiles :func:`check_tiles` refuses."""
+    (benchmarks). ``k_scale``, ``v_scale``: ``[1]`` float32 on the device for an
+    fp8 pool (both), else None. Raises ``ValueError`` for tiles
+    :func:`check_tiles` refuses."""
     qlen, h, d = query.shape
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
     g = h // kvh
@@ -265,6 +289,7 @@ def launch_prefill(
     out = torch.empty_like(query)
     block_q = block_m // g_pad
     grid = (triton.cdiv(qlen, block_q), kvh)
+    fp8 = k_scale is not None
     wrap(_prefill_kernel)[grid](
         query,
         key_cache,
@@ -273,6 +298,8 @@ def launch_prefill(
         seq_len,
         real_query_len,
         out,
+        k_scale if fp8 else seq_len,  # not read without KV_FP8
+        v_scale if fp8 else seq_len,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -293,6 +320,7 @@ def launch_prefill(
         BLOCK_N=block_n,
         # A compile-time constant: AOTInductor would pass a float argument as fp64.
         QK_SCALE=float(scale) * 1.4426950408889634,  # log2(e): the softmax runs in base 2
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -312,9 +340,12 @@ def paged_prefill(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.ops.kernel_cache.paged_prefill``: causal chunk attention over a paged
-    cache. Shapes as :class:`TritonPagedAttention`."""
+    cache. Shapes as :class:`TritonPagedAttention`; ``k_scale``, ``v_scale`` for an
+    fp8 pool."""
     return launch_prefill(
         query,
         key_cache,
@@ -327,6 +358,8 @@ def paged_prefill(
         block_n,
         num_warps,
         num_stages,
+        k_scale,
+        v_scale,
     )
 
 
@@ -346,6 +379,9 @@ class TritonPagedAttention(nn.Module):
             this chunk (``real_query_len <= seq_len <= num_blocks * block_size``).
         real_query_len: ``[1]`` int32 on the device, real rows of the chunk
             (``1 <= real_query_len <= query_len``).
+        k_scale, v_scale: ``[1]`` float32 on the device for an fp8
+            (``float8_e4m3fn``) pool, else omitted: keys read as
+            ``float(stored) * k_scale``, values as ``float(stored) * v_scale``.
 
     Args:
         block_m: score rows per program (query tokens x the padded GQA group), a
@@ -393,7 +429,17 @@ class TritonPagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, query, key_cache, value_cache, block_table, seq_len, real_query_len):
+    def forward(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_len,
+        real_query_len,
+        k_scale=None,
+        v_scale=None,
+    ):
         return paged_prefill(
             query,
             key_cache,
@@ -406,4 +452,6 @@ class TritonPagedAttention(nn.Module):
             self.block_n,
             self.num_warps,
             self.num_stages,
+            k_scale,
+            v_scale,
         )

@@ -271,7 +271,11 @@ class Bucketer:
     def fingerprint(self) -> str:
         """sha256 (hex, 16 chars) over the config and the ladders it produced."""
         doc = {
-            "config": self.config.model_dump(mode="json"),
+            # kv_cache_dtype auto is left out: a plan's fingerprint is what it was
+            # before the option existed
+            "config": self.config.model_dump(
+                mode="json", exclude={"kv_cache_dtype"} if not self.config.kv_fp8 else None
+            ),
             "num_blocks_buckets": self.num_blocks_buckets,
             "query_buckets": self.query_buckets,
             "num_seqs_buckets": self.num_seqs_buckets,

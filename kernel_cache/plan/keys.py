@@ -12,7 +12,8 @@ own kernel for the variant's slot:
 :func:`kernel_cache.plan.sources.kernel_source_files`), the variant, the import
 path of its slot's implementation (``kernel``: :mod:`kernel_cache.kernels.slots`; the
 built-in factory unless the config names another), its resolved launch config (defaults
-written out; :mod:`kernel_cache.plan.launch`), the geometry, the dtype, the device
+written out; :mod:`kernel_cache.plan.launch`), the geometry, the dtype (and the
+KV cache's where it differs: :func:`dtype_component`), the device
 type and architecture (on the CPU, the instruction-set target:
 :mod:`kernel_cache.config.recipe`), the torch, Python and C++ compiler versions, and
 the compile options.
@@ -359,6 +360,16 @@ def recipe_options(config: EngineConfig) -> dict:
     return compile_options(config.device, config.cpu_target)
 
 
+def dtype_component(config: EngineConfig) -> str:
+    """The ``dtype`` component: the model dtype (``"bfloat16"``), followed by the
+    KV pool's where it is not the model's (``"bfloat16 kv_cache_dtype=fp8_e4m3"``).
+    ``kv_cache_dtype`` ``auto`` leaves the component, and so the key, as it was
+    before the option existed."""
+    if config.kv_cache_dtype == "auto":
+        return config.dtype
+    return f"{config.dtype} kv_cache_dtype={config.kv_cache_dtype}"
+
+
 def build_key(
     config: EngineConfig,
     variant: KernelVariant,
@@ -388,7 +399,7 @@ def build_key(
         "kernel": kernel,
         "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
         "geometry": json.dumps(config.geometry(), sort_keys=True),
-        "dtype": config.dtype,
+        "dtype": dtype_component(config),
         **env,
         "compile_options": json.dumps(opts, sort_keys=True),
     }

@@ -2,8 +2,8 @@
 the query and the KV pool, host lengths against the plan's limits, block ids
 against the pool (CPU), device lengths (CUDA). A mixin of
 :class:`kernel_cache.runtime.dispatch.AttentionRuntime`, whose attributes it
-reads (``_qshape``, ``_kvshape``, ``_dtype``, ``_device``, ``_kv_ok``,
-``_max_len``); every check raises :class:`~kernel_cache.errors.ShapeError`.
+reads (``_qshape``, ``_kvshape``, ``_dtype``, ``_kv_dtype``, ``_kv_fp8``,
+``_device``, ``_kv_ok``, ``_max_len``); every check raises :class:`~kernel_cache.errors.ShapeError`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 from kernel_cache.errors import ShapeError
 from kernel_cache.runtime.buffers import VariantSlot
+
+_FP8 = torch.float8_e4m3fn
 
 
 def _layout(t) -> tuple:
@@ -64,10 +66,20 @@ class InputChecks:
                     f"{name} shape {tuple(t.shape)}: expected [num_pool_blocks, block_size, "
                     f"num_kv_heads, head_dim] = [P, {', '.join(map(str, self._kvshape))}]"
                 )
-            if t.dtype != dt or not (t.is_cuda if cuda else t.is_cpu):
+            if t.dtype != self._kv_dtype:
+                other = "auto" if t.dtype == dt else "fp8_e4m3" if t.dtype == _FP8 else None
+                hint = (
+                    f", or warm up and load a plan with --kv-cache-dtype {other}" if other else ""
+                )
+                raise ShapeError(
+                    f"{name} is {t.dtype}; the plan's KV pool is {self._kv_dtype} "
+                    f"(dtype={self.config.dtype}, kv_cache_dtype={self.config.kv_cache_dtype}): "
+                    f"pass a pool of {self._kv_dtype}{hint}"
+                )
+            if not (t.is_cuda if cuda else t.is_cpu):
                 raise ShapeError(
                     f"{name} is {t.dtype} on {t.device}; the plan is "
-                    f"{self._dtype} on {self._device.type}"
+                    f"{self._kv_dtype} on {self._device.type}"
                 )
             need = (t.storage_offset() + t.numel()) * t.element_size()
             have = t.untyped_storage().nbytes()
@@ -110,6 +122,58 @@ class InputChecks:
             _layout(key_cache),
             _layout(value_cache),
         )
+
+    def _scales(self, k_scale, v_scale) -> tuple:
+        """The kernel's scale arguments: ``(k_scale, v_scale)`` as ``[1]`` float32
+        tensors for an fp8 plan, ``()`` for a plan whose pool is in the model
+        dtype. Metadata only (the values are never read: no GPU sync, and a CUDA
+        graph replays whatever the tensors hold then).
+
+        Raises:
+            ShapeError: a scale missing for an fp8 plan, a scale given to another
+                plan, or one that is not a 1-element float32 tensor on the plan's
+                device (names the input, what it is and the fix).
+        """
+        if not self._kv_fp8:
+            if k_scale is not None or v_scale is not None:
+                name = "k_scale" if k_scale is not None else "v_scale"
+                raise ShapeError(
+                    f"{name} was given, but this plan's KV pool is {self._kv_dtype} "
+                    f"(kv_cache_dtype={self.config.kv_cache_dtype}), which takes no scales: "
+                    "drop k_scale and v_scale, or warm up and load a plan with "
+                    "--kv-cache-dtype fp8_e4m3"
+                )
+            return ()
+        out = []
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None:
+                raise ShapeError(
+                    f"{name} is missing: this plan's KV pool is float8_e4m3fn "
+                    "(kv_cache_dtype=fp8_e4m3) and reads float(stored) * scale; pass "
+                    f"{name}=torch.tensor([s], dtype=torch.float32, "
+                    f"device={self._device.type!r}) with both k_scale and v_scale"
+                )
+            if not isinstance(t, torch.Tensor):
+                raise ShapeError(
+                    f"{name}={t!r} is a {type(t).__name__}; expected a 1-element "
+                    f"torch.float32 tensor on {self._device.type} (a tensor, so that a "
+                    f"CUDA graph reads its value at replay): torch.tensor([{t!r}], "
+                    f"dtype=torch.float32, device={self._device.type!r})"
+                )
+            cuda = self._device.type == "cuda"
+            if (
+                t.numel() != 1
+                or t.dim() > 1
+                or t.dtype != torch.float32
+                or not (t.is_cuda if cuda else t.is_cpu)
+            ):
+                raise ShapeError(
+                    f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected a "
+                    f"0-d or [1] torch.float32 tensor on the plan's device "
+                    f"({self._device.type})"
+                )
+            out.append(t if t.dim() == 1 else t.view(1))
+        return tuple(out)
 
     @staticmethod
     def _check_block_ids(name: str, slot: VariantSlot, key_cache) -> None:

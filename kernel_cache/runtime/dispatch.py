@@ -83,6 +83,8 @@ class AttentionRuntime(InputChecks):
         self.launch: dict = dict(launch or {})
         self._device = torch.device(config.device)
         self._dtype = config.torch_dtype()
+        self._kv_dtype = config.kv_torch_dtype()
+        self._kv_fp8 = config.kv_fp8
         c = config
         self._qshape = (c.num_heads, c.head_dim)
         self._kvshape = (c.block_size, c.num_kv_heads, c.head_dim)
@@ -191,6 +193,8 @@ class AttentionRuntime(InputChecks):
         *,
         device_seq_len=None,
         device_query_len=None,
+        k_scale=None,
+        v_scale=None,
     ):
         """Attention for one sequence's chunk of ``query_len`` new tokens.
 
@@ -207,6 +211,11 @@ class AttentionRuntime(InputChecks):
                 (``seq_len`` and ``query.shape[0]`` still pick the buckets and are
                 checked; the device tensors are never read on the host). For CUDA
                 graphs: see docs/gpu.md, "CUDA graphs".
+            k_scale, v_scale: for an fp8 plan (``kv_cache_dtype="fp8_e4m3"``),
+                required: 0-d or ``[1]`` float32 tensors on the plan's device,
+                the per-tensor scales (a key reads as ``float(stored) *
+                k_scale``); never read on the host, so a CUDA graph replays with
+                their values at replay. For any other plan: None.
 
         Returns: ``[query_len, num_heads, head_dim]``.
 
@@ -215,9 +224,11 @@ class AttentionRuntime(InputChecks):
                 caches, a non-integer ``seq_len``, ``query_len > seq_len``, a length
                 beyond the plan's limits (names the limit), bad device lengths, a
                 CUDA-graph capture without device lengths, or (CPU only) a block
-                id outside the pool.
+                id outside the pool; a missing, extra or malformed ``k_scale`` or
+                ``v_scale``, or a pool whose dtype is not the plan's KV dtype.
         """
         self._check(query, key_cache, value_cache)
+        scales = self._scales(k_scale, v_scale)
         q = query.shape[0]
         seq_len = self._prefill_seq_len(seq_len, q)
         need = -(-seq_len // self._block)
@@ -254,7 +265,7 @@ class AttentionRuntime(InputChecks):
             row[4] = q
             lq, lq2 = self._staged_lens(slot, i)
         slot.calls += 1  # counted when the kernel runs, not for a refused call
-        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2])[0]
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lq, lq2, *scales])[0]
         if i is not None:
             self._staged_done(slot, i)
         return out[:q] if q != qb else out
@@ -276,7 +287,16 @@ class AttentionRuntime(InputChecks):
         return btbuf
 
     def decode(
-        self, query, key_cache, value_cache, block_tables, seq_lens, *, device_seq_lens=None
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        *,
+        device_seq_lens=None,
+        k_scale=None,
+        v_scale=None,
     ):
         """One decode step for a batch of sequences.
 
@@ -292,6 +312,8 @@ class AttentionRuntime(InputChecks):
                 ``device_seq_lens`` is never read on the host). A 0 in it makes
                 that row's output zeros. For CUDA graphs: see docs/gpu.md,
                 "CUDA graphs".
+            k_scale, v_scale: as in :meth:`prefill` (required for an fp8 plan,
+                None otherwise).
 
         Returns: ``[num_seqs, num_heads, head_dim]``.
 
@@ -299,13 +321,14 @@ class AttentionRuntime(InputChecks):
             ShapeError: shapes, dtypes, non-contiguous KV caches, a GPU ``seq_lens``,
                 a length below 1 or not an integer, ``num_seqs > max_num_seqs``,
                 ``seq_len > max_model_len``, a bad ``device_seq_lens``, a CUDA-graph
-                capture without ``device_seq_lens``, or (CPU only) a block id
-                outside the pool.
+                capture without ``device_seq_lens``, (CPU only) a block id
+                outside the pool, or bad scales or pool dtype (as :meth:`prefill`).
 
         Not thread-safe: a runtime reuses its padding buffers across calls; give
         each thread its own runtime (``load_plan``) or serialize calls.
         """
         self._check(query, key_cache, value_cache)
+        scales = self._scales(k_scale, v_scale)
         s = query.shape[0]
         lens_arr, longest = self._decode_seq_lens(seq_lens, s)
         if s > self._max_seqs:
@@ -326,7 +349,9 @@ class AttentionRuntime(InputChecks):
                     "device_seq_lens needs a plan with num_seqs buckets (batched_decode); "
                     "this plan decodes one sequence at a time through prefill"
                 )
-            return self._decode_per_sequence(query, key_cache, value_cache, block_tables, seq_lens)
+            return self._decode_per_sequence(
+                query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale
+            )
         sb = self.bucketer.num_seqs_bucket(s)
         slot = self._slot(BATCHED_DECODE, 1, self.bucketer.blocks_bucket(need), sb)
         if s == sb and query.is_contiguous():
@@ -344,7 +369,7 @@ class AttentionRuntime(InputChecks):
         else:
             lens, i = self._decode_host_lens(slot, seq_lens, lens_arr, s)
         slot.calls += 1
-        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens])[0]
+        out = slot.runner.run([qin, key_cache, value_cache, btbuf, lens, *scales])[0]
         if i is not None:
             self._staged_done(slot, i)
         return out[:s] if s != sb else out
@@ -416,10 +441,13 @@ class AttentionRuntime(InputChecks):
         lens[s:].zero_()
         return lens
 
-    def _decode_per_sequence(self, query, key_cache, value_cache, block_tables, seq_lens):
+    def _decode_per_sequence(
+        self, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale
+    ):
         lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        kw = {"k_scale": k_scale, "v_scale": v_scale}
         outs = [
-            self.prefill(query[i : i + 1], key_cache, value_cache, block_tables[i], n)
+            self.prefill(query[i : i + 1], key_cache, value_cache, block_tables[i], n, **kw)
             for i, n in enumerate(lens)
         ]
         return torch.cat(outs, dim=0)

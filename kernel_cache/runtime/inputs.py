@@ -5,6 +5,11 @@ from __future__ import annotations
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.plan.buckets import PAGED_ATTENTION, KernelVariant
 
+#: The per-tensor scales of an fp8 plan's example pool (standard-normal K and V
+#: stored as ``x / scale``: about +-250 of fp8's +-448 for |x| <= 5). Two values,
+#: so that a kernel that swaps the scales is wrong.
+K_SCALE, V_SCALE = 0.02, 0.03
+
 
 def pool_blocks_for(variant: KernelVariant) -> int:
     """An example KV pool size (blocks) for ``variant``: larger than any of its
@@ -50,8 +55,15 @@ def make_inputs(
     nb = variant.num_blocks
     if p < nb:
         raise ValueError(f"num_pool_blocks={p} is below the variant's num_blocks={nb}")
-    kc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
-    vc = torch.randn(p, bs, kvh, d, generator=g).to(dt)
+    kc = torch.randn(p, bs, kvh, d, generator=g)
+    vc = torch.randn(p, bs, kvh, d, generator=g)
+    scales = ()
+    if config.kv_fp8:  # stored = fp8(x / scale), read = float(stored) * scale (vLLM)
+        scales = (torch.tensor([K_SCALE]), torch.tensor([V_SCALE]))
+        kc = (kc / K_SCALE).to(torch.float8_e4m3fn)
+        vc = (vc / V_SCALE).to(torch.float8_e4m3fn)
+    else:
+        kc, vc = kc.to(dt), vc.to(dt)
     cap = nb * bs
     if variant.kernel == PAGED_ATTENTION:
         q = variant.query_len
@@ -79,4 +91,4 @@ def make_inputs(
         bt = torch.stack([torch.randperm(p, generator=g)[:nb] for _ in range(s)]).to(torch.int32)
         query = torch.randn(s, h, d, generator=g).to(dt)
         args = (query, kc, vc, bt, seq_lens)
-    return tuple(a.to(device) for a in args)
+    return tuple(a.to(device) for a in (*args, *scales))

@@ -155,6 +155,7 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
         max_num_seqs=16,
         max_num_batched_tokens=256,
         dtype="bfloat16",
+        kv_cache_dtype="fp8_e4m3",
         kv_ladder="4/3",
         kv_dense_cap=1024,
         query_step=128,

@@ -23,7 +23,12 @@ import pytest
 import torch
 
 from kernel_cache import MissingVariantsError, load_plan, make_config
-from kernel_cache.kernels.reference import reference_attention, reference_decode
+from kernel_cache.kernels.reference import (
+    dequantize,
+    fp8_quantize,
+    reference_attention,
+    reference_decode,
+)
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, device_arch, diff_components
 from kernel_cache.store.disk_tier import DiskTier
@@ -778,3 +783,136 @@ def test_gpu_decode_of_two_sequences_gets_one_lengths_argument(mapped):
         [[[0] * 256] * 2, [4000, 17]],
         [[[0] * 256] * 2, [3, 0]],
     ]
+
+
+# -- the FP8 KV cache (kv_cache_dtype fp8_e4m3) -------------------------------------
+
+
+def _fp8_pool(p, bs, kvh, d, g):
+    """A standard-normal pool stored in ``float8_e4m3fn`` with per-tensor scales
+    ``amax / 448`` (as vLLM calibrates them), and its dequantized float32 copy:
+    ``(kc, vc, k_scale [1], v_scale [1], kd, vd)``, all on the GPU."""
+    k = torch.randn(p, bs, kvh, d, generator=g, device="cuda")
+    v = torch.randn(p, bs, kvh, d, generator=g, device="cuda")
+    ks, vs = (k.abs().amax() / 448).reshape(1), (v.abs().amax() / 448).reshape(1)
+    kc, vc = fp8_quantize(k, ks), fp8_quantize(v, vs)
+    return kc, vc, ks, vs, dequantize(kc, ks), dequantize(vc, vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h,kvh,d,bs,nb,s", DECODE_CASES)
+def test_triton_decode_fp8_matches_reference(h, kvh, d, bs, nb, s, dtype):
+    """The Triton decode kernel on an fp8 pool (random block tables, repeats
+    included; every split count) against the float32 reference on the
+    dequantized pool, within the bound of the query's dtype; padded rows zeros."""
+    from kernel_cache.kernels.triton_decode import TritonBatchedDecode
+
+    g = torch.Generator(device="cuda").manual_seed(h * 5 + nb)
+    p = nb * s + 5
+    kc, vc, ks, vs, kd, vd = _fp8_pool(p, bs, kvh, d, g)
+    cap = nb * bs
+    lens = [cap, 1, bs, max(1, cap - bs + 1), 0, 7][:s]
+    lens += [0] * (s - len(lens))
+    bt = torch.randint(0, p, (s, nb), generator=g, device="cuda", dtype=torch.int32)
+    bt[:, -1] = bt[:, 0]  # a block listed twice in every row
+    q = torch.randn(s, h, d, generator=g, device="cuda").to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    real = [i for i, n in enumerate(lens) if n > 0]
+    ref = reference_decode(q[real], kd, vd, bt[real], [lens[i] for i in real])
+    for splits in (None, 1, min(3, nb), nb):
+        mod = TritonBatchedDecode(h, kvh, d, num_kv_splits=splits)
+        out = mod(q, kc, vc, bt, seq_lens, ks, vs)
+        assert out.dtype == dtype and out.shape == (s, h, d)
+        err = rel_err(out[real], ref)
+        assert err < REL_TOL[dtype], (splits, err)
+        pad = [i for i, n in enumerate(lens) if n == 0]
+        assert not pad or out[pad].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,kvh,d,bs,nb,qb,cases", PREFILL_CASES)
+def test_triton_prefill_fp8_matches_reference(h, kvh, d, bs, nb, qb, cases, dtype):
+    """The Triton prefill kernel on an fp8 pool, block tables drawn with repeats,
+    default tiles and 128 x 128 tiles (block_size 128: one page per tile; 16: a
+    gathered tile), against the float32 reference on the dequantized pool."""
+    from kernel_cache.kernels.tiles import cuda_prefill_defaults
+    from kernel_cache.kernels.triton_prefill import TritonPagedAttention
+
+    g = torch.Generator(device="cuda").manual_seed(h + nb + 1)
+    p = nb + 7
+    kc, vc, ks, vs, kd, vd = _fp8_pool(p, bs, kvh, d, g)
+    bt = torch.randint(0, p, (nb,), generator=g, device="cuda", dtype=torch.int32)
+    bt[nb // 2] = bt[0]  # a repeated block
+    q = torch.randn(qb, h, d, generator=g, device="cuda").to(dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    tiles = [
+        cuda_prefill_defaults(qb, h // kvh, d, size),
+        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+    ]
+    for seq_len, real_q in cases:
+        ref = reference_attention(q[:real_q], kd, vd, bt, seq_len)
+        lens = [torch.tensor([x], dtype=torch.int32, device="cuda") for x in (seq_len, real_q)]
+        for t in tiles:
+            mod = TritonPagedAttention(h, kvh, d, query_len=qb, itemsize=size, **t)
+            out = mod(q, kc, vc, bt, *lens, ks, vs)
+            assert out.dtype == dtype and out.shape == (qb, h, d)
+            err = rel_err(out[:real_q], ref)
+            assert err < REL_TOL[dtype], (seq_len, real_q, t, err)
+            assert real_q == qb or out[real_q:].abs().max() == 0
+
+
+def test_gpu_fp8_plan_warms_dispatches_and_replays_new_scales(tmp_path, tiny_model):
+    """The tiny plan with --kv-cache-dtype fp8_e4m3 on CUDA: warmup and verify pass;
+    through load_plan's dispatch, prefill and decode on an fp8 pool match the
+    reference on the dequantized pool with zero compiles; a decode captured in a
+    CUDA graph with device lengths and tensor scales, replayed after the scales
+    (and lengths) are rewritten in place, matches the reference for the new
+    scales: the artifact reads them at call time."""
+    cache = tmp_path / "cache"
+    flag = ["--kv-cache-dtype", "fp8_e4m3"]
+    run_cli("warmup", *tiny_args(tiny_model), *GPU, *flag, "--cache-dir", cache, check=True)
+    proc = run_cli("verify", *tiny_args(tiny_model), *GPU, *flag, "--cache-dir", cache, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True, proc.stdout
+    cfg = make_config(str(tiny_model), device="cuda", kv_cache_dtype="fp8_e4m3", **TINY_LIMITS)
+    rt = load_plan(cfg, cache)
+    g = torch.Generator(device="cuda").manual_seed(21)
+    kc, vc, ks, vs, kd, vd = _fp8_pool(11, 16, 2, 8, g)
+    dt = torch.bfloat16
+    for seq_len, n in [(1, 1), (17, 5), (32, 32), (30, 1)]:
+        bt = torch.randint(0, 11, (2,), generator=g, device="cuda", dtype=torch.int32)
+        query = torch.randn(n, 4, 8, generator=g, device="cuda").to(dt)
+        out = rt.prefill(query, kc, vc, bt, seq_len, k_scale=ks, v_scale=vs)
+        assert rel_err(out, reference_attention(query, kd, vd, bt, seq_len)) < REL_TOL[dt]
+    tables = torch.randint(0, 11, (4, 2), generator=g, device="cuda", dtype=torch.int32)
+    tables[:, 1] = tables[:, 0]
+    query = torch.randn(4, 4, 8, generator=g, device="cuda").to(dt)
+    lens = torch.tensor([32, 1, 17, 9], dtype=torch.int32, device="cuda")
+    out = rt.decode(query, kc, vc, tables, lens.tolist(), k_scale=ks, v_scale=vs)
+    assert rel_err(out, reference_decode(query, kd, vd, tables, lens.tolist())) < REL_TOL[dt]
+    k_dev, v_dev = ks.clone(), vs.clone()  # the engine's scale tensors, captured
+    edge = [32] * 4
+
+    def call():
+        return rt.decode(
+            query, kc, vc, tables, edge, device_seq_lens=lens, k_scale=k_dev, v_scale=v_dev
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = call()
+    for kmul, vmul, new_lens in [(1.0, 1.0, [32, 1, 17, 9]), (3.0, 0.5, [5, 32, 2, 16])]:
+        k_dev.copy_(ks * kmul)
+        v_dev.copy_(vs * vmul)
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_decode(
+            query, dequantize(kc, k_dev), dequantize(vc, v_dev), tables, new_lens
+        )
+        assert rel_err(g_out, ref) < REL_TOL[dt], (kmul, vmul)
+    assert rt.stats()["compiles"] == 0

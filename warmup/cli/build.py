@@ -39,6 +39,7 @@ def cmd_plan(args) -> int:
     print(
         f"model {cfg.model}: {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
         f"head_dim {cfg.head_dim}, {cfg.dtype} on {cfg.device}"
+        + (f", KV cache {cfg.kv_cache_dtype}" if cfg.kv_fp8 else "")
     )
     print(f"kv buckets (tokens):   {list(b.kv_buckets)}")
     print(f"kv buckets (blocks):   {list(b.num_blocks_buckets)}")

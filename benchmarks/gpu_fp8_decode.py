@@ -1,0 +1,222 @@
+"""Decode through dispatch with a bf16 KV cache and with an FP8 one.
+
+    python benchmarks/gpu_fp8_decode.py [--out DIR] [--cache-dir DIR] [--reps N]
+
+granite-3.3-8b geometry, bf16 queries, block_size 16, 32 sequences x 8192 tokens
+(every sequence at the bucket's edge), block tables a random permutation of a
+pool of exactly those blocks. Two plans, warmed here with ``kernel-cache
+warmup`` and loaded with ``load_plan``, identical but for ``--kv-cache-dtype``:
+``auto`` (the pool in bf16) and ``fp8_e4m3`` (the pool in ``float8_e4m3fn``,
+the same values quantized with per-tensor scales ``amax / 448``). Both are timed
+the same way, by ``gpu_common.time_cuda`` with L2 flushed before each call:
+
+* ``dispatch``: ``rt.decode(...)`` with host lengths (the scales, for fp8, as
+  ``[1]`` float32 device tensors);
+* ``graph``: the same call with ``device_seq_lens`` captured in a CUDA graph,
+  replayed.
+
+Reported per cache: median ms (min, max), the bytes the step must read (K and V
+of every token, ``gpu_common.kv_bytes`` with 2 or 1 bytes per element) over the
+time, as a fraction of the device-to-device copy bandwidth
+(``gpu_common.copy_bandwidth``); the speedup of fp8 over bf16 per mode; and the
+fp8 output's error against the float32 reference on the dequantized pool (two
+sequences). Also the Triton decode kernel launched directly (a CUDA graph of
+``launch_decode``, the code the artifacts hold) for each pool at ``block_n`` 64
+(the default) and 128, the tokens per step: with one byte per element a step
+of 64 tokens moves half the bytes it moves in bf16. Writes
+``gpu_fp8_decode.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from gpu_common import (
+    GRANITE,
+    ROOT,
+    copy_bandwidth,
+    device_info,
+    kv_bytes,
+    time_cuda,
+    write_json,
+)
+
+from kernel_cache import load_plan, make_config
+from kernel_cache.kernels.reference import dequantize, fp8_quantize, reference_decode
+
+H, KVH, D = GRANITE["num_heads"], GRANITE["num_kv_heads"], GRANITE["head_dim"]
+BS, S, KV = 16, 32, 8192
+PLAN = [
+    "--model", "granite-3.3-8b", "--device", "cuda", "--max-model-len", str(KV),
+    "--block-size", str(BS), "--max-num-seqs", str(S), "--max-num-batched-tokens", "1",
+    "--kv-buckets", str(KV), "--query-buckets", "1", "--num-seqs-buckets", str(S),
+]  # fmt: skip
+LIMITS = dict(
+    max_model_len=KV,
+    block_size=BS,
+    max_num_seqs=S,
+    max_num_batched_tokens=1,
+    kv_buckets=(KV,),
+    query_buckets=(1,),
+    num_seqs_buckets=(S,),
+)
+
+
+def warm(cache_dir: str, kv_cache_dtypes) -> float:
+    """Warm the plans (a prefill variant and the decode variant each), one warmup
+    process per plan, all at once; wall seconds."""
+    t = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "warmup.cli.main",
+                "warmup",
+                *PLAN,
+                "--kv-cache-dtype",
+                kv,
+                "--cache-dir",
+                cache_dir,
+                "--jobs",
+                "2",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for kv in kv_cache_dtypes
+    ]
+    for kv, proc in zip(kv_cache_dtypes, procs, strict=True):
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"warmup of {kv} failed:\n{out[-2000:]}\n{err[-3000:]}")
+    return time.perf_counter() - t
+
+
+def capture(call):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    return g
+
+
+def kernel_block_n(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
+    """The decode kernel launched directly, graph-replayed, per pool and block_n."""
+    from kernel_cache.kernels.triton_decode import launch_decode
+
+    rows = []
+    for name, (kc, vc, scales) in pools.items():
+        sc = (scales["k_scale"], scales["v_scale"]) if scales else (None, None)
+        nbytes = kv_bytes([KV] * S, itemsize=kc.element_size())
+        for block_n in (64, 128):
+
+            def call(kc=kc, vc=vc, sc=sc, block_n=block_n):
+                return launch_decode(
+                    q, kc, vc, bt, lens, D**-0.5, None, *sc, block_n=block_n, wrap=_identity
+                )
+
+            t = time_cuda(call, reps=reps, graph=True)
+            tbs = nbytes / (t["median_ms"] * 1e-3) / 1e12
+            rows.append({"pool": name, "block_n": block_n, **t, "of_copy_bw": tbs / ceiling})
+            print(
+                f"kernel {name:9s} block_n {block_n:3d}: {t['median_ms']:.3f} ms "
+                f"({tbs / ceiling:.0%} of copy bw)"
+            )
+    return rows
+
+
+def _identity(f):
+    return f
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cache-dir", default=os.environ.get("CACHE", "/tmp/kc-gpu-fp8"))
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    info = device_info()
+    bw = copy_bandwidth()
+    ceiling = bw["tb_per_s"]
+    print(f"{info['device']}: copy bandwidth {ceiling:.2f} TB/s (read + write)")
+    doc = {"env": info, "copy_bandwidth": bw, "plan": " ".join(PLAN)}
+    doc["warmup_wall_s"] = warm(args.cache_dir, ("auto", "fp8_e4m3"))
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool = S * (KV // BS)
+    k = torch.randn(pool, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(pool, BS, KVH, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(pool, generator=g, device="cuda").to(torch.int32).reshape(S, -1)
+    q = torch.randn(S, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    host = [KV] * S
+    dev_lens = torch.full((S,), KV, dtype=torch.int32, device="cuda")
+    ks = (k.float().abs().amax() / 448).reshape(1)  # per-tensor scales, on the device
+    vs = (v.float().abs().amax() / 448).reshape(1)
+    pools = {
+        "auto": (k, v, {}),
+        "fp8_e4m3": (fp8_quantize(k, ks), fp8_quantize(v, vs), {"k_scale": ks, "v_scale": vs}),
+    }
+    rows = {}
+    for name, (kc, vc, scales) in pools.items():
+        rt = load_plan(make_config("granite-3.3-8b", device="cuda", kv_cache_dtype=name, **LIMITS),
+                       args.cache_dir)  # fmt: skip
+
+        def call(rt=rt, kc=kc, vc=vc, sc=scales):
+            return rt.decode(q, kc, vc, bt, host, **sc)
+
+        def gcall(rt=rt, kc=kc, vc=vc, sc=scales):
+            return rt.decode(q, kc, vc, bt, host, device_seq_lens=dev_lens, **sc)
+
+        nbytes = kv_bytes(host, itemsize=kc.element_size())
+        row = {"pool_dtype": str(kc.dtype), "bytes_read": nbytes}
+        row["dispatch"] = time_cuda(call, reps=args.reps)
+        graph = capture(gcall)
+        row["graph"] = time_cuda(graph.replay, reps=args.reps)
+        for mode in ("dispatch", "graph"):
+            tbs = nbytes / (row[mode]["median_ms"] * 1e-3) / 1e12
+            row[f"{mode}_tb_per_s"] = tbs
+            row[f"{mode}_of_copy_bw"] = tbs / ceiling
+        if scales:
+            out = call()
+            ref = reference_decode(q[:2], dequantize(kc, ks), dequantize(vc, vs), bt[:2], host[:2])
+            row["rel_err_vs_dequantized_reference"] = float(
+                (out[:2].float() - ref).norm() / ref.norm()
+            )
+        row["compiles"] = rt.stats()["compiles"]
+        rows[name] = row
+        del graph
+        print(
+            f"{name:9s} {row['pool_dtype']:20s} dispatch {row['dispatch']['median_ms']:.3f} ms "
+            f"({row['dispatch_of_copy_bw']:.0%} of copy bw) | graph "
+            f"{row['graph']['median_ms']:.3f} ms ({row['graph_of_copy_bw']:.0%})"
+        )
+    doc["rows"] = rows
+    doc["kernel_block_n"] = kernel_block_n(pools, q, bt, dev_lens, ceiling, args.reps)
+    doc["speedup"] = {
+        m: rows["auto"][m]["median_ms"] / rows["fp8_e4m3"][m]["median_ms"]
+        for m in ("dispatch", "graph")
+    }
+    print(
+        f"fp8 over bf16: dispatch {doc['speedup']['dispatch']:.2f}x, graph "
+        f"{doc['speedup']['graph']:.2f}x; fp8 rel err "
+        f"{rows['fp8_e4m3']['rel_err_vs_dequantized_reference']:.2e}"
+    )
+    write_json(doc, args.out, "gpu_fp8_decode.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
