@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
 #   bash benchmarks/gpu_run.sh repro    # two CUDA builders, byte for byte; warm, verify, engine start
+#   bash benchmarks/gpu_run.sh jobs     # warmup throughput against --jobs on the host's cores
+#   bash benchmarks/gpu_run.sh fp8      # fp8 KV-cache tests and decode against a bf16 pool
 #   bash benchmarks/gpu_run.sh tune     # kernel-cache tune, granite-3.3-8b bf16 decode -> sm_90.json
 #   bash benchmarks/gpu_run.sh engine   # prefill kernel vs SDPA (+ tile sweep), dispatch, graphs
 #   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
@@ -137,6 +139,29 @@ case "${1:-probe}" in
     SUITE_K="gpu_warmup_compiles or gpu_verify_in_fresh or engine_start_dispatch" \
       SUITE_TIMEOUT=${LOAD_TIMEOUT:-200} suite 2>&1 | tee "$OUT/pytest_load.log"
     ;;
+  jobs)
+    # Warmup throughput against --jobs on this host's cores: a 15-variant granite-3.3-8b
+    # CUDA plan into an empty cache (precompiled headers off on CUDA) per worker count;
+    # wall seconds and the CPU seconds of the warmup's process tree (getrusage).
+    env_report 2>&1 | tee "$OUT/env.txt"
+    for j in ${JOBS_LIST:-1 4 15}; do
+      rm -rf "/tmp/kc-jobs-$j"
+      timeout "${JOBS_TIMEOUT:-300}" python3 -c '
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+p = subprocess.run(sys.argv[2:], capture_output=True, text=True)
+wall = time.perf_counter() - t
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+rep = json.loads(p.stdout) if p.returncode == 0 else {}
+print(json.dumps({"jobs": int(sys.argv[1]), "rc": p.returncode, "wall_s": round(wall, 1),
+  "cpu_s": round(r.ru_utime + r.ru_stime, 1), "compiled": rep.get("compiled"),
+  "failed": rep.get("failed"), "stderr_tail": p.stderr[-400:] if p.returncode else ""}))
+' "$j" python3 -m warmup.cli.main warmup --model granite-3.3-8b --device cuda \
+        --dtype bfloat16 --max-model-len 1024 --block-size 16 --max-num-seqs 8 \
+        --kv-buckets 16,32,64 --jobs "$j" --cache-dir "/tmp/kc-jobs-$j" --json -q \
+        2>&1 | tee -a "$OUT/jobs.jsonl"
+    done
+    ;;
   fp8)
     # The fp8 tests of the GPU suite (kernels against the reference on the dequantized
     # pool; a tiny fp8 plan warmed, dispatched and graph-replayed with new scales),
@@ -167,7 +192,7 @@ case "${1:-probe}" in
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|repro|tune|engine|prefill|pipeline|fp8" >&2
+    echo "usage: $0 probe|bench|suite|repro|jobs|tune|engine|prefill|pipeline|fp8" >&2
     exit 2
     ;;
 esac
