@@ -881,7 +881,8 @@ class S3Tier(RemoteTier):
         checks (or cannot be read now: left alone), else None. With no key set
         here its signature cannot be judged: only its checksum is."""
         from kernel_cache.store.disk_tier import verify_entry
-        from kernel_cache.trust.signing import allow_unsigned, check_untrusted, load_trusted_keys
+        from kernel_cache.trust.keys import allow_unsigned, load_trusted_keys
+        from kernel_cache.trust.signing import check_untrusted
 
         try:
             entry = self.get(key)

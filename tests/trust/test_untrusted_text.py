@@ -8,13 +8,8 @@ import hashlib
 
 import pytest
 
-from kernel_cache.trust.signing import (
-    ENV_TRUSTED_KEYS,
-    SignatureError,
-    check_signature,
-    load_trusted_keys,
-    sign_meta,
-)
+from kernel_cache.trust.keys import ENV_TRUSTED_KEYS, load_trusted_keys
+from kernel_cache.trust.signing import SignatureError, check_signature, sign_meta
 
 from ..signing_keys import make_keypair
 
@@ -66,7 +61,7 @@ def test_a_public_key_given_as_the_signing_key_is_named_as_such_without_a_mode_w
 ):
     import logging
 
-    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, SigningKeyError, load_signer
+    from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE, SigningKeyError, load_signer
 
     pair = make_keypair(tmp_path / "a")
     pair.public.chmod(0o644)  # as keygen writes it: a public key is meant to be read
@@ -122,7 +117,7 @@ def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_pa
 
 
 def test_two_public_keys_in_one_file_are_refused_not_one_silently_dropped(tmp_path):
-    from kernel_cache.trust.signing import SigningKeyError
+    from kernel_cache.trust.keys import SigningKeyError
 
     a, b = make_keypair(tmp_path / "a"), make_keypair(tmp_path / "b")
     both = tmp_path / "both.pub"  # as one would for rotation, authorized_keys-style

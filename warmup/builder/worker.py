@@ -54,13 +54,8 @@ from kernel_cache.store.locks import KeyLock, LockBusy
 from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.remote import settings_from_json
-from kernel_cache.trust.signing import (
-    check_untrusted,
-    load_signer,
-    load_trusted_keys,
-    may_publish,
-    sign_meta,
-)
+from kernel_cache.trust.keys import load_signer, load_trusted_keys
+from kernel_cache.trust.signing import check_untrusted, may_publish, sign_meta
 from warmup.builder.loadcheck import LoadChecker, die_with_parent
 from warmup.builder.report import Status, VariantResult
 
