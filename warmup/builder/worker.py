@@ -157,7 +157,7 @@ def init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None
     """Compile worker initializer: die with the warmup process, leave Ctrl-C to
     it, give up a remote build lease on SIGTERM, and pin the compile environment
     before torch's compile stack is imported."""
-    from kernel_cache.plan.traced import record_imports
+    from kernel_cache.plan.traced_build import record_imports
     from warmup.builder.compiler import pin_environment
 
     record_imports()  # before the engine's modules are imported
