@@ -37,7 +37,8 @@ def test_an_oversized_manifest_is_refused_with_the_manifest_limit_not_the_entry_
 ):
     import logging
 
-    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_limit, manifest_name
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+    from kernel_cache.store.s3_objects import manifest_limit, manifest_name
 
     keys = [f"{i:064x}" for i in range(3)]
     path = tmp_path / manifest_name(keys)
@@ -106,7 +107,8 @@ def test_a_folder_planted_as_a_lease_generation_is_taken_over_not_an_outage(tmp_
 
 
 def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_path):
-    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+    from kernel_cache.store.s3_objects import manifest_name
 
     tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
     keys = ["ab" * 32]
