@@ -9,12 +9,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 
 from kernel_cache.trust.keygen import generate_keypair
-from kernel_cache.trust.signing import (
-    ENV_SIGNING_KEY_FILE,
-    ENV_TRUSTED_KEYS,
-    Signer,
-    load_signer,
-)
+from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS, Signer, load_signer
 
 
 @dataclass(frozen=True)

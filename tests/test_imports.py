@@ -158,6 +158,8 @@ def test_engine_start_without_remote_urls_imports_no_remote_tier(tmp_path):
         "import sys\nfrom kernel_cache import load_plan, make_config\n"
         f"load_plan(make_config('llama-3.2-1b'), cache_dir={str(cache)!r}, strict=False)\n"
         "mods = ('kernel_cache.store.redis', 'kernel_cache.store.s3', "
+        "'kernel_cache.store.s3_client', 'kernel_cache.store.s3_objects', "
+        "'kernel_cache.store.s3_manifest', "
         "'kernel_cache.store.remote_base', 'redis', 'boto3')\n"
         "print([m for m in mods if m in sys.modules])"
     )

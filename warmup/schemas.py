@@ -33,7 +33,7 @@ MODELS: tuple[str, ...] = (
     "kernel_cache.store.bundle:BundleManifest",
     "kernel_cache.store.usage:UsageRecord",
     "kernel_cache.store.imports_memo:ImportsMemo",
-    "kernel_cache.store.s3:S3Manifest",
+    "kernel_cache.store.s3_objects:S3Manifest",
     "kernel_cache.store.s3_lease:S3LeaseDoc",
     "kernel_cache.trust.signing:EntrySignature",
 )

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from kernel_cache.errors import ConfigError
-from kernel_cache.plan.traced import is_outside_module
+from kernel_cache.plan.file_origin import is_outside_module
 
 #: Where the compile path starts: the module that exports and compiles a
 #: variant. :func:`source_files` follows its imports, function-level ones

@@ -302,7 +302,7 @@ def export_bundle(
     """
     from kernel_cache.config import settings
     from kernel_cache.plan.plan import Plan
-    from kernel_cache.trust.signing import (
+    from kernel_cache.trust.keys import (
         ENV_SIGNING_KEY_FILE,
         SigningKeyError,
         load_signer,
@@ -367,7 +367,7 @@ def _manifest_entry(variant, hit, signer) -> dict:
     """The manifest record of ``variant``'s artifact (``hit``, a lookup's Found):
     the entry's whole metadata record (every field, so a signature over it
     still holds; ``variant`` filled in if an old record lacks it) plus ``file``,
-    signed now when ``signer`` (a :class:`kernel_cache.trust.signing.Signer`)
+    signed now when ``signer`` (a :class:`kernel_cache.trust.keys.Signer`)
     is given, else with the signature it was built with, if any."""
     from kernel_cache.trust.signing import sign_meta
 
@@ -382,7 +382,8 @@ def _manifest_entry(variant, hit, signer) -> dict:
 def _refuse_untrusted(found: list, entries: list[dict], keyring) -> None:
     """Raises BundleError: an entry the trusted keys set here would refuse (engines
     refuse it too), listing each with the reason and how to sign it."""
-    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, SignatureError, check_signature
+    from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE
+    from kernel_cache.trust.signing import SignatureError, check_signature
 
     bad = []
     for (v, hit), entry in zip(found, entries, strict=True):
@@ -514,7 +515,8 @@ def import_bundle(bundle: str | os.PathLike, disk) -> dict:
             ``KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED``.
     """
     from kernel_cache.store.disk_tier import verify_entry
-    from kernel_cache.trust.signing import check_untrusted, shared_keyring
+    from kernel_cache.trust.keys import shared_keyring
+    from kernel_cache.trust.signing import check_untrusted
 
     tier = BundleTier(bundle)
     keyring = shared_keyring([tier.location])

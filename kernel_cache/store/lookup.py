@@ -27,7 +27,7 @@ The policy for each tier is the lookup's, given as a :class:`Source` (a bare
 tier gets its defaults, :attr:`Tier.trusted <kernel_cache.store.disk_tier.Tier.trusted>`
 and ``corrupt_is_miss``). A lookup over an untrusted source (bundles, Redis,
 S3) needs a key to check signatures, or the insecure opt-out: else it is
-refused when it is made (:func:`kernel_cache.trust.signing.shared_keyring`).
+refused when it is made (:func:`kernel_cache.trust.keys.shared_keyring`).
 Each entry of such a source must pass
 :func:`kernel_cache.trust.signing.check_untrusted` (its signature). One that
 fails is refused and never returned: a signature refusal is logged once per
@@ -67,11 +67,8 @@ from kernel_cache.plan.keys import (
 )
 from kernel_cache.plan.traced import Manifest, chain_key, changes, current, derive_key
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, verify_entry
-from kernel_cache.trust.signing import (
-    SignatureError,
-    check_untrusted,
-    shared_keyring,
-)
+from kernel_cache.trust.keys import shared_keyring
+from kernel_cache.trust.signing import SignatureError, check_untrusted
 
 log = logging.getLogger("kernel_cache")
 

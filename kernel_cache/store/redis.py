@@ -93,7 +93,8 @@ def same_published(have: dict | None, want: dict) -> bool:
         return False
     if not want.get("signature"):
         return True
-    from kernel_cache.trust.signing import SignatureError, check_signature, load_trusted_keys
+    from kernel_cache.trust.keys import load_trusted_keys
+    from kernel_cache.trust.signing import SignatureError, check_signature
 
     keyring = load_trusted_keys(required=False)
     if keyring is None or not have.get("signature"):

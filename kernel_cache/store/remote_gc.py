@@ -19,7 +19,7 @@ last-modified time, never by a date a writer put in a body):
 
 A plan keeps its entries while its manifest is younger than the age: a
 warmup that completes the plan writes the manifest again when it is over a
-day old (:data:`kernel_cache.store.s3.MANIFEST_RENEW_S`), so the age must be
+day old (:data:`kernel_cache.store.s3_objects.MANIFEST_RENEW_S`), so the age must be
 longer than a plan stays in use without a builder warming it
 (docs/shared-storage.md). Manifests read are bounded by
 ``KERNEL_CACHE_S3_MAX_OBJECT``.
@@ -81,7 +81,7 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
     Raises:
         RemoteUnavailableError: the store failed (names it and the fix).
     """
-    from kernel_cache.store.s3 import S3Manifest, walk_dir
+    from kernel_cache.store.s3_objects import S3Manifest, walk_dir
 
     now = time.time() if now is None else now
     cutoff = now - older_than_s

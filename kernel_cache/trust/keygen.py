@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kernel_cache.trust.signing import PRIVATE_NAME, PUBLIC_NAME, SigningKeyError, key_id
+from kernel_cache.trust.keys import PRIVATE_NAME, PUBLIC_NAME, SigningKeyError, key_id
 
 
 def _write_new(path: Path, data: bytes, mode: int, replace: bool) -> None:

@@ -137,7 +137,7 @@ def test_unrelated_variables_are_ignored():
 def test_free_form_values_are_checked_where_used(tmp_path, monkeypatch):
     from kernel_cache.plan.launch import Resolver
     from kernel_cache.store.bundle import read_manifest
-    from kernel_cache.trust.signing import SigningKeyError, load_signer, load_trusted_keys
+    from kernel_cache.trust.keys import SigningKeyError, load_signer, load_trusted_keys
 
     missing = str(tmp_path / "nope.json")
     with pytest.raises(ConfigError, match=f"KERNEL_CACHE_TUNING={re.escape(missing)}"):

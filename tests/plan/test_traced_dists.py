@@ -20,7 +20,8 @@ from ..conftest import ROOT
 
 RECORD_THEN_CHECK = r"""
 import json, sys
-from kernel_cache.plan.traced import Manifest, changes, current, manifest_of
+from kernel_cache.plan.traced import Manifest, changes, current
+from kernel_cache.plan.traced_build import manifest_of
 if sys.argv[1] == "record":
     import kchelp_dist
     print(json.dumps(manifest_of([kchelp_dist.__file__]).record()))
@@ -103,7 +104,7 @@ def test_a_file_a_distribution_lists_without_a_sha256_is_hashed_itself(tmp_path)
 SOURCELESS = r"""
 import json, sys
 from kernel_cache.errors import CompileError
-from kernel_cache.plan.traced import manifest_of
+from kernel_cache.plan.traced_build import manifest_of
 import kcpyc
 try:
     print(json.dumps(manifest_of([kcpyc.gain.__code__.co_filename]).record()))

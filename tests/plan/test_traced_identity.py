@@ -21,18 +21,11 @@ import pytest
 
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer
+from kernel_cache.plan.file_origin import MISSING, dist_version
 from kernel_cache.plan.keys import build_key
 from kernel_cache.plan.sources import source_files
-from kernel_cache.plan.traced import (
-    MISSING,
-    Manifest,
-    changes,
-    current,
-    dist_version,
-    find_file,
-    manifest_of,
-    stale_loaded_modules,
-)
+from kernel_cache.plan.traced import Manifest, changes, current, find_file
+from kernel_cache.plan.traced_build import manifest_of, stale_loaded_modules
 from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source, consistent, current_entry
 
@@ -644,7 +637,7 @@ def test_the_manifest_names_the_bytes_imported_not_an_edit_made_since(tmp_path, 
     from importlib.machinery import SourceFileLoader
 
     from kernel_cache.errors import CompileError
-    from kernel_cache.plan import traced
+    from kernel_cache.plan import traced_build as traced
 
     monkeypatch.setattr(SourceFileLoader, "get_code", SourceFileLoader.get_code)
     monkeypatch.setattr(traced, "LOADED_SOURCES", {})
@@ -779,7 +772,7 @@ def test_other_text_compiled_under_an_imported_files_name_is_refused(tmp_path, m
     name (``compile(text, __file__, "exec")``, or a loader that names one file
     and reads another) is refused, naming the file, not recorded as that file."""
     from kernel_cache.errors import CompileError
-    from kernel_cache.plan import traced
+    from kernel_cache.plan import traced_build as traced
     from warmup.builder import recorder
 
     _fresh_memos(monkeypatch)
@@ -1020,7 +1013,7 @@ def test_a_same_size_edit_that_puts_the_modification_time_back_is_hashed_again(t
     import os
     import time
 
-    from kernel_cache.plan.traced import file_sha256
+    from kernel_cache.plan.file_origin import file_sha256
 
     f = tmp_path / "helper.py"
     f.write_text("GAIN = 1.0\n")

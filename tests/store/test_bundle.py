@@ -17,7 +17,7 @@ from kernel_cache.plan.keys import build_key
 from kernel_cache.runtime.load import default_tiers
 from kernel_cache.store.bundle import MANIFEST, BundleTier, bundle_paths
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome
-from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
+from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..kc_helpers import engine_start, other_user_kwargs, snapshot, world_readable_dir

@@ -14,7 +14,8 @@ import pytest
 
 from kernel_cache.store.disk_tier import PutOutcome, verify_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
-from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+from kernel_cache.store.s3 import S3Settings, S3Tier
+from kernel_cache.store.s3_objects import manifest_name
 
 from ..azurite_server import CONTAINER, AzuriteServer, azurite_binary
 

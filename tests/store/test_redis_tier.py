@@ -32,14 +32,13 @@ from kernel_cache.store.redis import (
     RedisSettings,
     RedisTier,
 )
-from kernel_cache.trust.signing import (
+from kernel_cache.trust.keys import (
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,
     ENV_TRUSTED_KEYS,
-    check_signature,
     load_trusted_keys,
-    sign_meta,
 )
+from kernel_cache.trust.signing import check_signature, sign_meta
 from warmup.builder.planner import warmup
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args

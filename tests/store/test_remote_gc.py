@@ -83,17 +83,18 @@ def test_a_warmup_of_a_plan_renews_its_old_manifest(tmp_path, monkeypatch):
     """A manifest older than MANIFEST_RENEW_S is written again by the next
     publish of its plan (its file's mtime, read from the disk), so gc-remote
     keeps a plan that is still warmed."""
-    from kernel_cache.store import s3 as s3_module
+    from kernel_cache.store import s3_manifest
+    from kernel_cache.store.s3_objects import manifest_name
 
     tier = S3Tier(S3Settings(url=f"file://{tmp_path}"), fail_open=False)
     key = _keys("a")
     obstore.put(tier.store, f"entries/{key}", b"x", mode="create")
     assert tier.publish_manifest([key]).ok
-    path = tmp_path / s3_module.manifest_name([key])
+    path = tmp_path / manifest_name([key])
     os.utime(path, (time.time() - 7200, time.time() - 7200))  # written two hours ago
     assert tier.publish_manifest([key]).ok
     assert time.time() - path.stat().st_mtime > 7000  # younger than a day: left alone
-    monkeypatch.setattr(s3_module, "MANIFEST_RENEW_S", 3600.0)
+    monkeypatch.setattr(s3_manifest, "MANIFEST_RENEW_S", 3600.0)  # where the tier reads it
     assert tier.publish_manifest([key]).ok
     assert time.time() - path.stat().st_mtime < 60  # renewed
     assert json.loads(path.read_text())["keys"] == [key]

@@ -15,7 +15,8 @@ import pytest
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key, environment
 from kernel_cache.store import imports_memo
-from kernel_cache.store.s3 import S3Settings, S3Tier, pack
+from kernel_cache.store.s3 import S3Settings, S3Tier
+from kernel_cache.store.s3_objects import pack
 
 from ..conftest import ROOT
 from . import test_s3_tier

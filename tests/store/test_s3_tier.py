@@ -26,7 +26,8 @@ from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome, make_meta, verify_entry
 from kernel_cache.store.lookup import Lookup
-from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name, pack
+from kernel_cache.store.s3 import S3Settings, S3Tier
+from kernel_cache.store.s3_objects import manifest_name, pack
 
 from ..conftest import ROOT, run_cli, tiny_args
 from ..kc_helpers import check_lease_lifecycle, engine_start, wait_for_pause

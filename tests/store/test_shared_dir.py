@@ -26,7 +26,8 @@ from kernel_cache.store.fs_type import check_local, filesystem_type
 from kernel_cache.store.redis import ACQUIRED, BUSY
 from kernel_cache.store.remote import tiers_from_env
 from kernel_cache.store.remote_base import RemoteUnavailableError
-from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+from kernel_cache.store.s3 import S3Settings, S3Tier
+from kernel_cache.store.s3_objects import manifest_name
 
 from ..conftest import ROOT, run_cli, tiny_args
 from ..fuse_mounts import SharedMounts, fuse_unavailable

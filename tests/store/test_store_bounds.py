@@ -26,7 +26,8 @@ from kernel_cache.store.remote_base import (
     LEASE_SLACK_S,
     lease_is_live,
 )
-from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_limit, manifest_name, pack
+from kernel_cache.store.s3 import S3Settings, S3Tier
+from kernel_cache.store.s3_objects import manifest_limit, manifest_name, pack
 
 from ..conftest import ROOT
 from . import test_redis_tier, test_s3_tier
@@ -430,7 +431,7 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
     import obstore
 
     from kernel_cache import make_config
-    from kernel_cache.store.s3 import PREFETCH
+    from kernel_cache.store.s3_objects import PREFETCH
 
     from .test_s3_tier import _env
 
@@ -467,7 +468,7 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
     import obstore
 
     from kernel_cache import make_config
-    from kernel_cache.store.s3 import PREFETCH
+    from kernel_cache.store.s3_objects import PREFETCH
 
     from ..signing_keys import make_keypair
     from .test_s3_tier import _env

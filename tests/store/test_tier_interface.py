@@ -25,7 +25,7 @@ from kernel_cache.store.disk_tier import (
 )
 from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.redis import RedisSettings, RedisTier
-from kernel_cache.trust.signing import ENV_ALLOW_UNSIGNED
+from kernel_cache.trust.keys import ENV_ALLOW_UNSIGNED
 
 from ..conftest import ROOT
 from ..redis_server import free_port

@@ -28,19 +28,17 @@ from kernel_cache.store.bundle import MANIFEST, export_bundle, import_bundle
 from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source
 from kernel_cache.store.redis import ENV_REDIS_URL, RedisSettings, RedisTier
-from kernel_cache.trust.signing import (
+from kernel_cache.trust.keys import (
     ENV_ALLOW_UNSIGNED,
     ENV_REQUIRE_SIGNED,
     ENV_SIGNING_KEY,
     ENV_SIGNING_KEY_FILE,
     ENV_TRUSTED_KEYS,
-    SignatureError,
     SigningKeyError,
-    check_signature,
     load_signer,
     load_trusted_keys,
-    sign_meta,
 )
+from kernel_cache.trust.signing import SignatureError, check_signature, sign_meta
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
@@ -747,7 +745,7 @@ def test_keygen_never_writes_through_a_planted_file_and_refuses_a_shared_dir(tmp
     is not followed: the private key never lands in a file another user owns. A
     directory others can write is refused (they could swap ``signing.pub``)."""
     from kernel_cache.trust.keygen import generate_keypair
-    from kernel_cache.trust.signing import SigningKeyError
+    from kernel_cache.trust.keys import SigningKeyError
 
     d = tmp_path / "kc"
     d.mkdir(mode=0o700)

@@ -8,13 +8,8 @@ import hashlib
 
 import pytest
 
-from kernel_cache.trust.signing import (
-    ENV_TRUSTED_KEYS,
-    SignatureError,
-    check_signature,
-    load_trusted_keys,
-    sign_meta,
-)
+from kernel_cache.trust.keys import ENV_TRUSTED_KEYS, load_trusted_keys
+from kernel_cache.trust.signing import SignatureError, check_signature, sign_meta
 
 from ..signing_keys import make_keypair
 
@@ -42,7 +37,8 @@ def test_an_oversized_manifest_is_refused_with_the_manifest_limit_not_the_entry_
 ):
     import logging
 
-    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_limit, manifest_name
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+    from kernel_cache.store.s3_objects import manifest_limit, manifest_name
 
     keys = [f"{i:064x}" for i in range(3)]
     path = tmp_path / manifest_name(keys)
@@ -66,7 +62,7 @@ def test_a_public_key_given_as_the_signing_key_is_named_as_such_without_a_mode_w
 ):
     import logging
 
-    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, SigningKeyError, load_signer
+    from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE, SigningKeyError, load_signer
 
     pair = make_keypair(tmp_path / "a")
     pair.public.chmod(0o644)  # as keygen writes it: a public key is meant to be read
@@ -111,7 +107,8 @@ def test_a_folder_planted_as_a_lease_generation_is_taken_over_not_an_outage(tmp_
 
 
 def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_path):
-    from kernel_cache.store.s3 import S3Settings, S3Tier, manifest_name
+    from kernel_cache.store.s3 import S3Settings, S3Tier
+    from kernel_cache.store.s3_objects import manifest_name
 
     tier = S3Tier(S3Settings(url=f"file://{tmp_path}", timeout_s=15))
     keys = ["ab" * 32]
@@ -122,7 +119,7 @@ def test_a_folder_planted_as_a_plan_manifest_is_no_outage_for_the_builder(tmp_pa
 
 
 def test_two_public_keys_in_one_file_are_refused_not_one_silently_dropped(tmp_path):
-    from kernel_cache.trust.signing import SigningKeyError
+    from kernel_cache.trust.keys import SigningKeyError
 
     a, b = make_keypair(tmp_path / "a"), make_keypair(tmp_path / "b")
     both = tmp_path / "both.pub"  # as one would for rotation, authorized_keys-style

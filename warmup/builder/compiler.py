@@ -35,7 +35,7 @@ from kernel_cache.config.recipe import (
 from kernel_cache.errors import CompileError, TorchAPIDriftError
 from kernel_cache.kernels.builtin import build_module
 from kernel_cache.kernels.slots import check_output, kernel_path
-from kernel_cache.plan import traced as traced_files
+from kernel_cache.plan import traced_build as traced_files
 from kernel_cache.plan.buckets import KernelVariant
 from kernel_cache.plan.launch import launch_for, variant_defaults
 from kernel_cache.plan.traced import Manifest
@@ -233,7 +233,7 @@ def compile_variant(
         CompileError: export or AOTInductor failed (the message names the variant
             and carries the compiler's error text); or code of the project or
             the engine ran from a ``.pyc`` of an earlier version of its file
-            (:func:`kernel_cache.plan.traced.stale_bytecode`).
+            (:func:`kernel_cache.plan.traced_build.stale_bytecode`).
         ConfigError: the environment cannot be pinned (see :func:`pin_environment`).
     """
     traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on

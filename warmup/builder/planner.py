@@ -35,8 +35,7 @@ from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.store.disk_tier import DiskTier, PutOutcome, Tier
 from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.redis import RedisSettings
-from kernel_cache.trust.permissions import resolve_allow_shared
-from kernel_cache.trust.signing import (
+from kernel_cache.trust.keys import (
     ENV_ALLOW_UNSIGNED,
     ENV_SIGNING_KEY_FILE,
     ENV_TRUSTED_KEYS,
@@ -44,9 +43,9 @@ from kernel_cache.trust.signing import (
     allow_unsigned,
     load_signer,
     load_trusted_keys,
-    may_publish,
-    sign_meta,
 )
+from kernel_cache.trust.permissions import resolve_allow_shared
+from kernel_cache.trust.signing import may_publish, sign_meta
 from warmup.builder.pool import ENV_KEEP_SCRATCH, PoolInterrupt, run_pool
 from warmup.builder.report import (
     GcSummary,

@@ -1,16 +1,18 @@
 """The files a kernel's code came from: :class:`RunRecorder` records, while a
 kernel's factory and ``torch.export`` run in a compile worker, the file of every
 Python function called, as a :class:`~kernel_cache.plan.traced.Manifest` the
-entry's key and record carry. The build half of the traced files; the check at
-engine start is :mod:`kernel_cache.plan.traced`, whose public names are all this
-module uses. docs/keys.md says what is recorded and what is not seen.
+entry's key and record carry. The build half of the traced files is
+:mod:`kernel_cache.plan.traced_build` (what each file is recorded as), the check
+at engine start :mod:`kernel_cache.plan.traced`; this module uses only their
+public names. docs/keys.md says what is recorded and what is not seen.
 """
 
 from __future__ import annotations
 
 from kernel_cache.errors import CompileError
-from kernel_cache.plan import traced as traced_files
-from kernel_cache.plan.traced import Manifest, manifest_of
+from kernel_cache.plan import traced_build as traced_files
+from kernel_cache.plan.traced import Manifest
+from kernel_cache.plan.traced_build import manifest_of
 
 # -- the files a kernel's code came from ---------------------------------------------
 
@@ -33,7 +35,7 @@ _RAN: dict[str, set[str]] = {}
 #: The code objects of the engine's and the project's source files
 #: (:func:`_own_source`) that ran in a window of this process, by file: the
 #: manifest checks them against the file it hashes
-#: (:func:`kernel_cache.plan.traced.manifest_of`).
+#: (:func:`kernel_cache.plan.traced_build.manifest_of`).
 _CODES: dict[str, dict[int, object]] = {}
 
 
@@ -98,7 +100,7 @@ class RunRecorder:
 
     Code run by an import (finders, module and class bodies) is told apart by
     the import system's ``_find_and_load`` frame: of it only files classified
-    :data:`~kernel_cache.plan.traced.OTHER` and site files no distribution
+    :data:`~kernel_cache.plan.file_origin.OTHER` and site files no distribution
     lists are kept (the engine's modules, whose module-level values a trace
     may read: :func:`_own_source`), also for every later window
     of the same kernel import path ``kernel`` and, for an engine kernel, of

@@ -54,13 +54,8 @@ from kernel_cache.store.locks import KeyLock, LockBusy
 from kernel_cache.store.lookup import Current, Lookup, current_entry
 from kernel_cache.store.redis import ACQUIRED, BUSY, PUBLISHED
 from kernel_cache.store.remote import settings_from_json
-from kernel_cache.trust.signing import (
-    check_untrusted,
-    load_signer,
-    load_trusted_keys,
-    may_publish,
-    sign_meta,
-)
+from kernel_cache.trust.keys import load_signer, load_trusted_keys
+from kernel_cache.trust.signing import check_untrusted, may_publish, sign_meta
 from warmup.builder.loadcheck import LoadChecker, die_with_parent
 from warmup.builder.report import Status, VariantResult
 
@@ -162,7 +157,7 @@ def init_worker(parent: int, device: str, cpu_target: str, scratch: str) -> None
     """Compile worker initializer: die with the warmup process, leave Ctrl-C to
     it, give up a remote build lease on SIGTERM, and pin the compile environment
     before torch's compile stack is imported."""
-    from kernel_cache.plan.traced import record_imports
+    from kernel_cache.plan.traced_build import record_imports
     from warmup.builder.compiler import pin_environment
 
     record_imports()  # before the engine's modules are imported

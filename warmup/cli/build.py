@@ -95,7 +95,7 @@ def _plan_launch(cfg, bucketer):
 
 def cmd_warmup(args) -> int:
     from kernel_cache.config import settings
-    from kernel_cache.trust.signing import load_trusted_keys
+    from kernel_cache.trust.keys import load_trusted_keys
     from warmup.builder.planner import WarmupInterrupted, warmup
 
     cfg = config_from_args(args)

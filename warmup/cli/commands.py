@@ -109,7 +109,7 @@ def cmd_import(args) -> int:
 # -- keygen --------------------------------------------------------------------
 def cmd_keygen(args) -> int:
     from kernel_cache.trust.keygen import generate_keypair
-    from kernel_cache.trust.signing import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
+    from kernel_cache.trust.keys import ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS
 
     report = generate_keypair(args.dir, force=args.force)
     if args.json:

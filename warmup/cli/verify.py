@@ -19,7 +19,7 @@ from warmup.cli.options import (
 
 
 def cmd_verify(args) -> int:
-    from kernel_cache.trust.signing import load_trusted_keys
+    from kernel_cache.trust.keys import load_trusted_keys
     from warmup.check.verify import verify_plan
 
     cfg = config_from_args(args)
