@@ -12,7 +12,9 @@ first (``warmup.builder.compiler.pin_environment``), then
 ``compile_with_options`` exports (``export_variant``: bucket static,
 ``num_pool_blocks`` dynamic) and compiles with the recipe's options
 (``kernel_cache.config.recipe.compile_options``); only the module is swapped,
-for that revision's ``RealKVBatchedDecode``. Prints one JSON line.
+for that revision's ``RealKVBatchedDecode``. What that file imports (the plain
+kernels of ``kernel_cache/kernels/plain.py`` it extends) is this checkout's.
+Prints one JSON line.
 """
 
 import importlib.util

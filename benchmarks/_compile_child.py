@@ -59,7 +59,7 @@ def main() -> None:
     from kernel_cache.config.engine import EngineConfig
     from kernel_cache.plan.buckets import KernelVariant
     from kernel_cache.runtime.inputs import make_inputs
-    from kernel_cache.runtime.load import load_package
+    from kernel_cache.runtime.package import load_package
     from warmup.builder.compiler import compile_with_options, pin_environment
 
     import_s = time.perf_counter() - t0

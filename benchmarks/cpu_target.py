@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from kernel_cache.plan.buckets import KernelVariant
     from kernel_cache.plan.keys import build_key
     from kernel_cache.runtime.inputs import make_inputs
-    from kernel_cache.runtime.load import load_package
+    from kernel_cache.runtime.package import load_package
     from kernel_cache.store.disk_tier import DiskTier
     from warmup.builder.planner import warmup
 

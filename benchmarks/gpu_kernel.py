@@ -47,7 +47,7 @@ from gpu_common import (
     write_json,
 )
 
-from kernel_cache.kernels.builtin import BatchedDecode
+from kernel_cache.kernels.plain import BatchedDecode
 from kernel_cache.kernels.reference import reference_decode
 from kernel_cache.kernels.triton_decode import (
     BLOCK_N,

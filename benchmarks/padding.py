@@ -16,7 +16,7 @@ No kernel runs: the count is exact.
     padded-read fraction = (blocks read - real blocks) / blocks read
 
 over every decode step and prefill chunk, for a kernel that reads its whole
-bucket (the plain kernels of ``kernel_cache.kernels.builtin``: every block of the KV
+bucket (the plain kernels of ``kernel_cache.kernels.plain``: every block of the KV
 bucket for every row of the num_seqs bucket). Beside it, per kernel, KV blocks
 read per real KV block:
 

@@ -65,7 +65,7 @@ from _common import (
 from kernel_cache import load_plan
 from kernel_cache.kernels.reference import gather_kv
 from kernel_cache.plan.buckets import BATCHED_DECODE, Bucketer, KernelVariant
-from kernel_cache.runtime.load import load_package
+from kernel_cache.runtime.package import load_package
 from warmup.builder.planner import warmup
 from warmup.cli.main import config_from_args, engine_options
 

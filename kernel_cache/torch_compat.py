@@ -43,13 +43,13 @@ CHECKED = ("2.11", "2.13")
 RUNTIME_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(
         "torch._C._aoti.AOTIModelPackageLoader",
-        "runtime/load.py load_package: (path, model_name, run_single_threaded, num_runners, "
+        "runtime/package.py load_package: (path, model_name, run_single_threaded, num_runners, "
         "device_index), positional only (a pybind class)",
         CHECKED,
     ),
     PrivateAPI(
         "torch._C._aoti.AOTIModelContainerRunnerCpu",
-        "runtime/load.py _load_cpu_library: (so_path, num_models), positional only",
+        "runtime/package.py _load_cpu_library: (so_path, num_models), positional only",
         CHECKED,
     ),
     PrivateAPI(

@@ -1,8 +1,9 @@
 """An independent reference: one sequence at a time, contiguous KV, SDPA.
 
 Used as the test oracle for the bucketed kernels (eager and compiled). It shares
-no code with :mod:`kernel_cache.kernels.builtin`: it gathers exactly ``seq_len`` tokens,
-expands KV heads for GQA with ``repeat_interleave`` and calls
+no code with :mod:`kernel_cache.kernels.plain` or :mod:`kernel_cache.kernels.builtin`:
+it gathers exactly ``seq_len`` tokens, expands KV heads for GQA with
+``repeat_interleave`` and calls
 ``torch.nn.functional.scaled_dot_product_attention`` with an explicit mask.
 """
 

@@ -1,6 +1,6 @@
 """A Triton paged-decode kernel for ``batched_decode`` on CUDA (split-KV, "flash decoding").
 
-The eager plain-PyTorch :class:`kernel_cache.kernels.builtin.BatchedDecode` gathers every
+The eager plain-PyTorch :class:`kernel_cache.kernels.plain.BatchedDecode` gathers every
 KV block of the bucket, padded ones included, into float32 copies and runs a
 softmax over them: on an H200 its AOTInductor build took about 2.3 ms at
 granite-3.3-8b geometry, 32 sequences x 8192 tokens, roughly a tenth of what the
@@ -365,7 +365,7 @@ def paged_decode(
 class TritonBatchedDecode(nn.Module):
     """``batched_decode`` on CUDA through the Triton kernels above.
 
-    The same function and interface as :class:`kernel_cache.kernels.builtin.BatchedDecode`
+    The same function and interface as :class:`kernel_cache.kernels.plain.BatchedDecode`
     (the eager oracle), except that a padded row (``seq_len == 0``) returns zeros:
 
     Inputs:

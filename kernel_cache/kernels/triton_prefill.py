@@ -1,6 +1,6 @@
 """A Triton paged-prefill kernel for ``paged_attention`` on CUDA (FlashAttention-2 style).
 
-The plain-PyTorch :class:`kernel_cache.kernels.builtin.PagedAttention` gathers every KV
+The plain-PyTorch :class:`kernel_cache.kernels.plain.PagedAttention` gathers every KV
 block of the bucket into float32 copies and materialises the whole score
 matrix; through AOTInductor it ran a 512-token chunk over 4096 KV tokens of
 granite-3.3-8b in about 1.1 ms on an H200, 9x slower than flash SDPA on
@@ -8,7 +8,7 @@ contiguous KV (docs/benchmarks/gpu-dispatch.md, "Kernel speed per variant").
 This kernel streams the KV blocks straight from the paged cache with an online
 softmax and never reads a token at or past ``seq_len``.
 
-Semantics (exactly :class:`~kernel_cache.kernels.builtin.PagedAttention`'s): the chunk's
+Semantics (exactly :class:`~kernel_cache.kernels.plain.PagedAttention`'s): the chunk's
 ``real_query_len`` real rows are the last tokens of the sequence; row ``i`` sits
 at position ``seq_len - real_query_len + i`` and sees the KV positions up to and
 including its own. Rows ``>= real_query_len`` (bucket padding) are written as
@@ -366,7 +366,7 @@ def paged_prefill(
 class TritonPagedAttention(nn.Module):
     """``paged_attention`` on CUDA through the Triton kernel above.
 
-    The same function and interface as :class:`kernel_cache.kernels.builtin.PagedAttention`
+    The same function and interface as :class:`kernel_cache.kernels.plain.PagedAttention`
     (the eager oracle), except that bucket-padding rows (``>= real_query_len``)
     are zeros:
 

@@ -58,7 +58,7 @@ runtime computes them exactly and a release that changes an option misses.
 What accepting ``cxx`` does not cover: an artifact built against another C++
 runtime library than the loading process has may fail to load, either as an
 error of the AOTInductor loader (reported by
-:func:`kernel_cache.runtime.load.load_package` as a corrupt entry) or, as reported
+:func:`kernel_cache.runtime.package.load_package` as a corrupt entry) or, as reported
 for a CUDA image whose ``CXX`` did not match its libstdc++, as a crash inside
 the package. ``warmup`` loads each new artifact once in a fresh process before
 publishing it (:mod:`warmup.builder.loadcheck`), which catches such a crash on the

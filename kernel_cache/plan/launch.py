@@ -3,7 +3,7 @@
 How a variant is compiled is not only its shape: ``batched_decode`` also takes
 ``blocks_per_chunk`` (KV blocks per step of its online softmax) and
 ``num_kv_splits`` (split-KV with a log-sum-exp combine), see
-:class:`kernel_cache.kernels.builtin.BatchedDecode`. Production attention backends look
+:class:`kernel_cache.kernels.plain.BatchedDecode`. Production attention backends look
 such settings up per shape in a table; so does this module.
 
 A variant's entry is looked up in launch tables (:mod:`kernel_cache.plan.tables`:

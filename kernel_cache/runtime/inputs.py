@@ -36,8 +36,8 @@ def make_inputs(
     one of length 1 and one padded row (``seq_len`` 0); prefill has one padded
     query row when the query bucket holds more than one token.
 
-    Returns a tuple matching :class:`~kernel_cache.kernels.builtin.PagedAttention` or
-    :class:`~kernel_cache.kernels.builtin.BatchedDecode` ``forward`` (see their docstrings
+    Returns a tuple matching :class:`~kernel_cache.kernels.plain.PagedAttention` or
+    :class:`~kernel_cache.kernels.plain.BatchedDecode` ``forward`` (see their docstrings
     for shapes). Each block table (each row of a decode batch's) indexes distinct
     random pool blocks, as an engine's does (the kernels are also right for
     tables that repeat a block: ``tests/kernels/test_decode_oracle.py``).

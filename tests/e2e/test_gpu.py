@@ -186,7 +186,7 @@ def test_triton_prefill_one_page_tiles_through_aotinductor_and_a_cuda_graph(tmp_
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_eager_paged_attention_on_cuda_matches_reference(dtype):
-    from kernel_cache.kernels.builtin import PagedAttention
+    from kernel_cache.kernels.plain import PagedAttention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     h, kvh, d, bs, nb = 32, 8, 128, 16, 8

@@ -19,12 +19,8 @@ import pytest
 import torch
 
 from kernel_cache import Bucketer, ConfigError, ShapeError, make_config
-from kernel_cache.kernels.builtin import (
-    BatchedDecode,
-    PagedAttention,
-    RealKVBatchedDecode,
-    RealKVPagedAttention,
-)
+from kernel_cache.kernels.builtin import RealKVBatchedDecode, RealKVPagedAttention
+from kernel_cache.kernels.plain import BatchedDecode, PagedAttention
 from kernel_cache.kernels.reference import (
     dequantize,
     fp8_quantize,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
+from kernel_cache.kernels.plain import BatchedDecode, PagedAttention
 from kernel_cache.kernels.reference import reference_attention, reference_decode
 
 CASES = [

@@ -96,7 +96,7 @@ def test_real_kv_prefill_seq_len_zero_is_finite():
 def test_eager_modules_are_the_plain_kernels():
     """Eagerly (verify's oracle) build_module's modules are the plain kernels, bit
     for bit: verify compares each artifact with an independent formulation."""
-    from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
+    from kernel_cache.kernels.plain import BatchedDecode, PagedAttention
 
     g = torch.Generator().manual_seed(1)
     kc, vc = torch.randn(9, 16, 2, 8, generator=g), torch.randn(9, 16, 2, 8, generator=g)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernel_cache.kernels.builtin import BatchedDecode, PagedAttention
+from kernel_cache.kernels.plain import BatchedDecode, PagedAttention
 
 from ..conftest import TRACE
 

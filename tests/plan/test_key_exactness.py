@@ -5,6 +5,8 @@
   sources in the package, with the compile commands Inductor writes into them,
   build paths normalized), or another key.
 - The ``sources`` closure covers every project file a compile executes.
+- The CPU kernels' two files (``kernels/plain.py``, ``kernels/builtin.py``) are in
+  every key, and an edit to either changes exactly its hash there.
 - An artifact built for a CPU target this CPU cannot run is refused at engine start.
 """
 
@@ -14,6 +16,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -192,9 +195,61 @@ def test_the_sources_closure_covers_every_project_file_a_compile_runs(tiny_confi
             export_variant(tiny_config, v)
         finally:
             sys.setprofile(None)
-    assert "kernel_cache/kernels/builtin.py" in ran and "warmup/builder/compiler.py" in ran
+    assert {"kernel_cache/kernels/builtin.py", "kernel_cache/kernels/plain.py"} <= ran
+    assert "warmup/builder/compiler.py" in ran
     missing = sorted(ran - set(source_files()))
     assert missing == [], f"files the compile ran but the key does not hash: {missing}"
+
+
+_SOURCES_OF = r"""
+import json, sys
+from kernel_cache.plan.sources import kernel_source_files, sources_component
+from kernel_cache.config.kernel_paths import BUILTIN
+print(json.dumps({"cpu": {s: json.loads(sources_component(kernel=cpu, slot=s))
+                          for s, (cpu, _) in BUILTIN.items()},
+                  "cuda": {s: json.loads(sources_component(kernel=cuda, slot=s))
+                           for s, (_, cuda) in BUILTIN.items()},
+                  "own": {s: kernel_source_files(cpu, s) for s, (cpu, _) in BUILTIN.items()}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "edited", ["kernel_cache/kernels/builtin.py", "kernel_cache/kernels/plain.py"]
+)
+def test_the_kernel_modules_are_in_every_key_and_an_edit_changes_it(tmp_path, edited):
+    """The CPU kernels are two files, the plain kernels (``kernels/plain.py``) and
+    the real-KV kernels built on them (``kernels/builtin.py``): both are in the
+    ``sources`` component of every slot's key on both devices, and in the CPU
+    built-in's own files (read from its import path). A line added to either, in
+    a copy of the project run in a fresh process, changes that file's hash, and
+    only that one, in every key."""
+    tree = tmp_path / "tree"
+    for pkg in ("kernel_cache", "warmup"):
+        shutil.copytree(ROOT / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def sources() -> dict:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        proc = subprocess.run(
+            [sys.executable, "-c", _SOURCES_OF], capture_output=True, text=True, env=env,
+            cwd=tmp_path, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    before = sources()
+    pair = {"kernel_cache/kernels/builtin.py", "kernel_cache/kernels/plain.py"}
+    for device in ("cpu", "cuda"):
+        for slot, files in before[device].items():
+            assert pair <= set(files), (device, slot, sorted(files))
+    for slot, files in before["own"].items():
+        assert pair <= set(files), (slot, sorted(files))
+    k = tree / edited
+    k.write_text(k.read_text() + "\n# an edit that changes no behaviour\n")
+    after = sources()
+    for device in ("cpu", "cuda"):
+        for slot, files in after[device].items():
+            changed = sorted(f for f in files if files[f] != before[device][slot].get(f))
+            assert changed == [edited], (device, slot, changed)
 
 
 # -- the CPU target at engine start ------------------------------------------------

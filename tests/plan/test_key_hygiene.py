@@ -134,6 +134,7 @@ def test_another_cxx_is_accepted_at_load_but_warmup_sees_a_miss(cache_copy, tiny
     [
         None,
         "kernel_cache/kernels/builtin.py",  # the kernel
+        "kernel_cache/kernels/plain.py",  # the plain kernels the built-in ones extend
         "warmup/builder/compiler.py",  # the compile recipe (export and Inductor settings)
         "kernel_cache/config/recipe.py",  # the declared options, pinned environment, CPU targets
     ],
@@ -177,11 +178,13 @@ def test_an_edited_source_of_the_compile_path_misses_in_a_fresh_process(
 
 def test_the_closure_leaves_out_modules_the_compile_path_does_not_import():
     """The closure is read from the code: explain.py is not imported by the
-    compile path, so editing it keeps every key (and kernels/builtin.py is in it)."""
+    compile path, so editing it keeps every key (and the kernels, kernels/builtin.py
+    and the kernels/plain.py it imports, are in it)."""
     from kernel_cache.plan.sources import source_files
 
     files = source_files()
     assert "kernel_cache/kernels/builtin.py" in files and "warmup/builder/compiler.py" in files
+    assert "kernel_cache/kernels/plain.py" in files
     assert "warmup/check/explain.py" not in files and "warmup/builder/planner.py" not in files
 
 

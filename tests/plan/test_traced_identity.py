@@ -475,7 +475,7 @@ def test_editing_a_helper_refuses_recompiles_its_variants_and_restoring_hits(
 
 SHARED_DECODE = """import importlib
 
-from kernel_cache.kernels.builtin import BatchedDecode
+from kernel_cache.kernels.plain import BatchedDecode
 
 _c = importlib.import_module("userkern5." + "consts")
 
@@ -487,7 +487,7 @@ class Decode(BatchedDecode):
 
 SHARED_PREFILL = """import importlib
 
-from kernel_cache.kernels.builtin import PagedAttention
+from kernel_cache.kernels.plain import PagedAttention
 
 _c = importlib.import_module("userkern5." + "consts")
 

@@ -18,7 +18,7 @@ from kernel_cache import load_plan
 from kernel_cache.errors import CorruptEntryError
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.plan.keys import build_key
-from kernel_cache.runtime import load as load_mod
+from kernel_cache.runtime import package as package_mod
 from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import N_TINY
@@ -75,7 +75,7 @@ def entries(cache, config):
 
 def test_not_a_package_is_refused_before_any_load(calls):
     with pytest.raises(CorruptEntryError, match="loader rejected it: not a package"):
-        load_mod.load_package(os.urandom(3000), "cpu", "here", "k" * 64)
+        package_mod.load_package(os.urandom(3000), "cpu", "here", "k" * 64)
     assert calls == {"runner": [], "loader": 0}
 
 
@@ -86,15 +86,15 @@ def test_the_plan_loads_the_verified_libraries_and_leaves_no_file(warm_cache, ti
     assert rt.stats()["loads"] == N_TINY
     assert calls["loader"] == 0
     assert calls["runner"] == [hashlib.sha256(so_member(e.data)).hexdigest() for e in es]
-    assert [n for n in os.listdir(load_mod.load_dir()) if n.endswith((".so", ".pt2"))] == []
+    assert [n for n in os.listdir(package_mod.load_dir()) if n.endswith((".so", ".pt2"))] == []
 
 
 @pytest.mark.compile
 def test_the_direct_runner_computes_what_the_loader_does(warm_cache, tiny_config, monkeypatch):
     e = entries(warm_cache[0], tiny_config)[0]
-    direct = load_mod.load_package(e.data, "cpu", e.where, e.key)
+    direct = package_mod.load_package(e.data, "cpu", e.where, e.key)
     extra = rewritten(e.data, lambda n, d: {n: d, n + ".unknown": b"x"} if n.endswith(".so") else d)
-    via_loader = load_mod.load_package(extra, "cpu", e.where, e.key)  # an unknown file: loader
+    via_loader = package_mod.load_package(extra, "cpu", e.where, e.key)  # an unknown file: loader
     assert type(direct).__name__ == "AOTIModelContainerRunnerCpu"
     assert type(via_loader).__name__ == "AOTIModelPackageLoader"
     v = Bucketer(tiny_config).variants[0]
@@ -121,11 +121,11 @@ def test_packages_the_direct_load_does_not_handle_go_to_the_loader(warm_cache, t
     weights = rewritten(
         e.data, lambda n, d: {n: d, n[:-3] + "_weights.bin": b""} if n.endswith(".so") else d
     )
-    load_mod.load_package(weights, "cpu", e.where, e.key)
+    package_mod.load_package(weights, "cpu", e.where, e.key)
     assert calls == {"runner": [], "loader": 1}
     if not torch.cuda.is_available():
         with pytest.raises(CorruptEntryError, match="loader rejected it"):
-            load_mod.load_package(rewritten(e.data, cuda), "cpu", e.where, e.key)
+            package_mod.load_package(rewritten(e.data, cuda), "cpu", e.where, e.key)
         assert calls == {"runner": [], "loader": 2}
 
 
@@ -168,11 +168,11 @@ def test_ambiguous_packages_go_to_the_loader():
     of the same name: the direct load would take one of them and the loader
     another (or refuse), so the loader decides."""
     one = fake_package([META, (MODEL + "w.so", b"first")])
-    assert load_mod._cpu_library(one, "", "") == b"first"
+    assert package_mod._cpu_library(one, "", "") == b"first"
     twice = fake_package([META, (MODEL + "w.so", b"first"), (MODEL + "w.so", b"second")])
-    assert load_mod._cpu_library(twice, "", "") is None
+    assert package_mod._cpu_library(twice, "", "") is None
     other_top = [META, (MODEL + "w.so", b"first"), ("zzz/" + MODEL[6:] + "w.so", b"second")]
-    assert load_mod._cpu_library(fake_package(other_top), "", "") is None
+    assert package_mod._cpu_library(fake_package(other_top), "", "") is None
 
 
 def test_a_package_whose_graph_calls_custom_ops_goes_to_the_loader():
@@ -180,6 +180,6 @@ def test_a_package_whose_graph_calls_custom_ops_goes_to_the_loader():
     AOTInductor's proxy executor, which the loader sets up from the package's
     ``<name>.json``: the ``.so`` alone would fail at the first call."""
     plain = fake_package([META, (MODEL + "w.so", b"lib"), (MODEL + "w.cpp", b"")])
-    assert load_mod._cpu_library(plain, "", "") == b"lib"
+    assert package_mod._cpu_library(plain, "", "") == b"lib"
     extern = fake_package([META, (MODEL + "w.so", b"lib"), (MODEL + "w.json", b"{}")])
-    assert load_mod._cpu_library(extern, "", "") is None
+    assert package_mod._cpu_library(extern, "", "") is None

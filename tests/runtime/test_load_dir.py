@@ -60,7 +60,7 @@ THROUGH_THE_LOADER = r"""
 import ctypes, json, os, sys, threading
 import torch
 from kernel_cache import load_plan, make_config
-from kernel_cache.runtime import load
+from kernel_cache.runtime import package
 
 calls = []
 loader = torch._C._aoti.AOTIModelPackageLoader
@@ -68,7 +68,7 @@ def counted(path, *args):
     calls.append(os.path.isdir(path))
     return loader(path, *args)
 torch._C._aoti.AOTIModelPackageLoader = counted
-load._cpu_library = lambda data, where, key: None  # no CPU shortcut: the package loader
+package._cpu_library = lambda data, where, key: None  # no CPU shortcut: the package loader
 
 getenv = ctypes.CDLL(None).getenv
 getenv.restype = ctypes.c_char_p
@@ -88,7 +88,7 @@ out = rt.decode(torch.randn(3, 4, 8), kc, kc, torch.zeros(3, 2, dtype=torch.int3
 print(json.dumps({
     "loads": rt.stats()["loads"], "loader_calls": calls, "out_shape": list(out.shape),
     "environ_same": dict(os.environ) == before, "seen": sorted(seen), "tmpdir": tmpdir,
-    "in_tmpdir": sorted(os.listdir(tmpdir)), "in_load_dir": sorted(os.listdir(load.load_dir())),
+    "in_tmpdir": sorted(os.listdir(tmpdir)), "in_load_dir": sorted(os.listdir(package.load_dir())),
 }))
 """
 

@@ -33,8 +33,8 @@ from kernel_cache import load_plan
 from kernel_cache import torch_compat as runtime_compat
 from kernel_cache.errors import CorruptEntryError, TorchAPIDriftError
 from kernel_cache.plan.plan import Plan
-from kernel_cache.runtime import load as load_mod
 from kernel_cache.runtime.compiles import CompileCounter
+from kernel_cache.runtime.package import load_package
 from kernel_cache.store.disk_tier import DiskTier
 from kernel_cache.store.entry import make_meta
 
@@ -316,7 +316,7 @@ def test_a_loader_that_takes_other_arguments_is_drift(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
     with pytest.raises(TorchAPIDriftError) as e:
-        load_mod.load_package(FOR_THE_LOADER, "cpu", "here", "k" * 64)
+        load_package(FOR_THE_LOADER, "cpu", "here", "k" * 64)
     assert_drift(e.value, "torch._C._aoti.AOTIModelPackageLoader")
     assert "takes other arguments" in str(e.value)
 

@@ -9,7 +9,7 @@ with SIGSEGV in ``parse_device_str`` -> ``std::regex``
 (``benchmarks/gpu_run.sh`` reproduces it with a 10-line ``std::regex`` object).
 The compile workers cannot show this reliably (they have loaded the compile
 stack and other libraries), so each new artifact is loaded once in a process
-that has only what an engine has (``kernel_cache.runtime.load.load_package``, no
+that has only what an engine has (``kernel_cache.runtime.package.load_package``, no
 Dynamo or Inductor) before it is published. An artifact whose load kills that
 process or is rejected is reported and never published.
 
@@ -422,7 +422,7 @@ def _child_main(argv=None) -> int:
     import torch  # as in an engine process: torch (and its libstdc++) loaded first
 
     from kernel_cache.errors import CorruptEntryError, TorchAPIDriftError
-    from kernel_cache.runtime.load import load_package
+    from kernel_cache.runtime.package import load_package
 
     if args.device == "cuda":
         torch.cuda.init()

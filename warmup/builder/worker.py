@@ -72,7 +72,7 @@ def check_cached(
     (what this key's CPU target records), other recorded CPU features: an entry
     that says it needs instructions its key does not). Never modifies the cache.
     """
-    from kernel_cache.runtime.load import load_package
+    from kernel_cache.runtime.package import load_package
 
     try:
         entry = tier.get(key)

@@ -24,12 +24,8 @@ from kernel_cache.plan.launch import LaunchChoice, launch_json
 from kernel_cache.plan.plan import Plan, PlanItem
 from kernel_cache.runtime.compiles import CompileCounter, compile_stack_loaded
 from kernel_cache.runtime.inputs import make_inputs
-from kernel_cache.runtime.load import (
-    check_cpu_features,
-    default_lookup,
-    load_package,
-    signature_note,
-)
+from kernel_cache.runtime.load import check_cpu_features, default_lookup, signature_note
+from kernel_cache.runtime.package import load_package
 from kernel_cache.store.disk_tier import Tier
 from kernel_cache.store.lookup import Lookup, merge_accepted
 from kernel_cache.trust.signing import SignatureError

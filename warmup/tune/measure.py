@@ -72,7 +72,7 @@ def _load_candidates(config: EngineConfig, items: list[PlanItem], tier: DiskTier
         CompileError: an artifact is not in ``tier``.
         CorruptEntryError: one fails verification or the loader rejects it.
     """
-    from kernel_cache.runtime.load import load_package
+    from kernel_cache.runtime.package import load_package
     from kernel_cache.store.lookup import current_entry
 
     runners = []
