@@ -82,3 +82,30 @@ def test_a_file_given_as_the_precompiled_headers_folder_is_named_by_its_setting(
             pch_dir(str(tmp_path / "cache"), allow_shared=False)
         msg = str(e.value)
         assert "KERNEL_CACHE_PCH_DIR" in msg and str(given) in msg and "not a directory" in msg
+
+
+def test_the_vector_isa_probes_folder_must_be_a_real_folder(tmp_path, monkeypatch):
+    """``<pch>/vec-isa`` holds shared objects a probe loads: a file there is named
+    with the fix (not a FileExistsError from os.makedirs per variant), and a link
+    (to a folder others may write) is refused as the cache's own links are."""
+    from kernel_cache.errors import UntrustedCacheError
+    from warmup.builder.worker import pch_dir
+
+    folder = tmp_path / "pch"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(folder))
+    probes = folder / "vec-isa"
+    probes.write_text("x")
+    with pytest.raises(UntrustedCacheError) as e:
+        pch_dir(str(tmp_path / "cache"), allow_shared=False)
+    assert f"{probes}: it is not a folder; fix: rm {probes}" in str(e.value)
+    probes.unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probes.symlink_to(elsewhere)
+    for shared in (False, True):
+        with pytest.raises(UntrustedCacheError) as e:
+            pch_dir(str(tmp_path / "cache"), allow_shared=shared)
+        assert str(probes) in str(e.value) and str(elsewhere) in str(e.value)
+    probes.unlink()
+    assert pch_dir(str(tmp_path / "cache"), allow_shared=False) == str(folder)

@@ -129,6 +129,12 @@ def required_cpu_features(config: EngineConfig) -> list[str]:
     return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
+#: The folder under the precompiled headers' folder that keeps Inductor's
+#: vector-ISA probes (:func:`_check_vec_isa`); checked by
+#: :func:`warmup.builder.worker.pch_dir`.
+VEC_ISA_DIR = "vec-isa"
+
+
 def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
@@ -144,7 +150,7 @@ def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> 
         return
     probes = None
     if pch_dir is not None:
-        probes = os.path.join(os.path.abspath(pch_dir), "vec-isa")
+        probes = os.path.join(os.path.abspath(pch_dir), VEC_ISA_DIR)
         os.makedirs(probes, mode=0o700, exist_ok=True)
     chosen = torch_compat.chosen_vec_isa(options, probes)
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
