@@ -298,8 +298,17 @@ def check_output(slot: str, path: str, module, args) -> None:
             out = module(*args)
     except Exception as e:
         first = str(e).strip().splitlines()[:3]
+        fp8 = ""
+        if isinstance(e, TypeError) and args[1].dtype == torch.float8_e4m3fn:
+            # a kernel written for the slot's inputs alone, in an fp8 plan
+            fp8 = (
+                "; this plan's kv_cache_dtype is fp8_e4m3, so the slot's inputs are "
+                "followed by k_scale [1] float32, v_scale [1] float32 (a key reads as "
+                "float(stored) * k_scale; docs/custom_kernels.md): take them in forward, "
+                "or warm up with --kv-cache-dtype auto"
+            )
         raise CompileError(
-            f"{where}: forward failed on example inputs: {type(e).__name__}: {' '.join(first)}"
+            f"{where}: forward failed on example inputs: {type(e).__name__}: {' '.join(first)}{fp8}"
         ) from None
     want, dtype = tuple(args[0].shape), args[0].dtype
     if not isinstance(out, torch.Tensor):

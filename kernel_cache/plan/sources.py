@@ -173,7 +173,7 @@ def source_files(
     imports included), as ``{"warmup/builder/compiler.py": sha256 hex (16
     chars)}``, sorted by path. With ``outside``, imports of other top-level
     modules that are neither the standard library, torch nor an installed
-    distribution's files (:func:`kernel_cache.plan.traced.is_outside_module`:
+    distribution's files (:func:`kernel_cache.plan.file_origin.is_outside_module`:
     a sibling module, another source tree, an editable install) are followed too.
 
     The set is found by reading the code (``ast``), not kept by hand, so a new

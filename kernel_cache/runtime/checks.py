@@ -8,6 +8,7 @@ reads (``_qshape``, ``_kvshape``, ``_dtype``, ``_kv_dtype``, ``_kv_fp8``,
 
 from __future__ import annotations
 
+import numbers
 import operator
 import weakref
 from array import array
@@ -154,10 +155,13 @@ class InputChecks:
                     f"device={self._device.type!r}) with both k_scale and v_scale"
                 )
             if not isinstance(t, torch.Tensor):
+                # a number goes into the fix as it is; anything else (a list, a
+                # string) would make a fix the check refuses
+                s = repr(t) if isinstance(t, numbers.Real) and not isinstance(t, bool) else "s"
                 raise ShapeError(
                     f"{name}={t!r} is a {type(t).__name__}; expected a 1-element "
                     f"torch.float32 tensor on {self._device.type} (a tensor, so that a "
-                    f"CUDA graph reads its value at replay): torch.tensor([{t!r}], "
+                    f"CUDA graph reads its value at replay): torch.tensor([{s}], "
                     f"dtype=torch.float32, device={self._device.type!r})"
                 )
             cuda = self._device.type == "cuda"

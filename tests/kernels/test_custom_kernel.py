@@ -276,6 +276,29 @@ def test_a_bad_factory_fails_before_export_naming_slot_and_path(
     assert "Traceback" not in msg
 
 
+def test_a_kernel_without_the_scales_in_an_fp8_plan_is_told_about_them(bad_kernels, tiny_model):
+    """A kernel written for the slot's inputs alone (WrongShape's forward takes
+    five), warmed for an fp8 plan, which passes k_scale and v_scale after them:
+    the error says so and names both fixes, beyond Python's argument count."""
+    from warmup.builder.compiler import compile_with_options
+
+    path = "kc_bad_kernels:WrongShape"
+    cfg = make_config(
+        str(tiny_model),
+        **TINY_LIMITS,
+        kernels={"batched_decode": path},
+        kv_cache_dtype="fp8_e4m3",
+    )
+    v = Bucketer(cfg).variants[-1]
+    with pytest.raises(CompileError) as e:
+        compile_with_options(cfg, v, {})
+    msg = str(e.value)
+    assert msg.startswith(f"{v}: kernel batched_decode={path}: forward failed"), msg
+    assert "TypeError" in msg and "kv_cache_dtype is fp8_e4m3" in msg, msg
+    assert "k_scale [1] float32, v_scale [1] float32" in msg, msg
+    assert "--kv-cache-dtype auto" in msg and "Traceback" not in msg, msg
+
+
 def test_a_kernel_that_does_not_export_gets_the_exporters_first_lines(bad_kernels, tiny_model):
     from warmup.builder.compiler import EXPORT_LINES, compile_with_options
 

@@ -305,6 +305,26 @@ def test_dispatch_errors_name_the_input_and_the_fix(fp8_cfg, tiny_config):
         auto.prefill(q, kc.float(), vc, bt, 1)
 
 
+def test_a_scale_that_is_no_number_gets_a_fix_that_works(fp8_cfg):
+    """A list or a string as a scale: the suggested tensor is one the check takes
+    (``torch.tensor([[0.5]])`` of a list would be refused as a [1, 1] tensor)."""
+    rt, _ = _runtime(fp8_cfg)
+    kc, vc, ks, vs, _, _ = _pool(3, seed=10, d=8)
+    q, bt = torch.zeros(1, 4, 8), torch.zeros(2, dtype=torch.int32)
+    for bad in ([0.5], "0.5", (0.5,)):
+        with pytest.raises(ShapeError) as e:
+            rt.prefill(q, kc, vc, bt, 1, k_scale=bad, v_scale=vs)
+        msg = str(e.value)
+        assert f"k_scale={bad!r} is a {type(bad).__name__}" in msg
+        fix = msg.rsplit(": ", 1)[1]
+        assert fix == "torch.tensor([s], dtype=torch.float32, device='cpu')", msg
+    # a number keeps its value in the fix, and the fix is accepted
+    with pytest.raises(ShapeError) as e:
+        rt.prefill(q, kc, vc, bt, 1, k_scale=0.5, v_scale=vs)
+    fix = str(e.value).rsplit(": ", 1)[1]
+    rt.prefill(q, kc, vc, bt, 1, k_scale=eval(fix, {"torch": torch}), v_scale=vs)
+
+
 # -- the Triton kernels under Triton's CPU interpreter --------------------------------
 
 #: Run in a fresh process with TRITON_INTERPRET=1 (read when triton.jit wraps the

@@ -129,6 +129,12 @@ def required_cpu_features(config: EngineConfig) -> list[str]:
     return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
+#: The folder under the precompiled headers' folder that keeps Inductor's
+#: vector-ISA probes (:func:`_check_vec_isa`); checked by
+#: :func:`warmup.builder.worker.pch_dir`.
+VEC_ISA_DIR = "vec-isa"
+
+
 def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
@@ -138,15 +144,40 @@ def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> 
     (:func:`warmup.torch_compat.chosen_vec_isa`; about 2 s of ``g++`` a worker
     process otherwise): under a portable target their outcome cannot change the
     ISA, which ``ATEN_CPU_CAPABILITY`` names, and this check refuses any other.
-    ``native`` keeps them in each compile's own folder."""
+    ``native`` keeps them in each compile's own folder.
+
+    Where ``pch_dir/vec-isa`` cannot be written (another user's folder in a
+    deliberately shared ``pch_dir``, a read-only one), the probes are built in
+    the compile's scratch folder, as under ``native``, with a warning naming the
+    folder and the fix.
+
+    Raises:
+        CompileError: Inductor chose another ISA.
+    """
     target = resolve_cpu_target(config.cpu_target)
     if target.capability is None:
         return
     probes = None
-    if pch_dir is not None:
-        probes = os.path.join(os.path.abspath(pch_dir), "vec-isa")
-        os.makedirs(probes, mode=0o700, exist_ok=True)
-    chosen = torch_compat.chosen_vec_isa(options, probes)
+    try:
+        if pch_dir is not None:
+            probes = os.path.join(os.path.abspath(pch_dir), VEC_ISA_DIR)
+            os.makedirs(probes, mode=0o700, exist_ok=True)
+        chosen = torch_compat.chosen_vec_isa(options, probes)
+    except OSError as e:
+        if probes is None:
+            raise
+        import logging
+
+        logging.getLogger("kernel_cache").warning(
+            "Inductor's vector-ISA probes cannot be kept in %s (%s: %s): built in this "
+            "compile's scratch folder instead (about 2 s of g++ a worker process); fix: "
+            "make it writable by this user, or remove it (rm -r %s; warmup makes it again)",
+            probes,
+            type(e).__name__,
+            e,
+            probes,
+        )
+        chosen = torch_compat.chosen_vec_isa(options, None)
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
     if chosen != want:
         raise CompileError(
