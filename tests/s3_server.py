@@ -157,7 +157,7 @@ class S3Server:
         deadline = time.monotonic() + start_timeout
         log = Path(self.dir) / "weed.log"
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if _answers(p["s3"]) and self._make_bucket():
+            if _answers(p["s3"]) and self._make_bucket() and self._writable():
                 return
             if b"address already in use" in log.read_bytes()[since:]:
                 break  # one of its servers died; the rest would wait out the deadline
@@ -175,6 +175,19 @@ class S3Server:
                 return r.status < 300
         except urllib.error.HTTPError as e:
             return e.code == 409  # made before a restart
+        except OSError:
+            return False
+
+    def _writable(self) -> bool:
+        """A small file written through the filer (outside the buckets) within 5 s:
+        after a restart the gateway and the bucket answer before the volume server
+        takes writes again (a first write took about 1 s at idle), and a test's
+        warmup with a 2 s S3 timeout would fail open on it."""
+        url = f"http://127.0.0.1:{self.ports['filer']}/kc-ready/probe"
+        try:
+            req = urllib.request.Request(url, data=b"ok", method="PUT")
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status < 300
         except OSError:
             return False
 

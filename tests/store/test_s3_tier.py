@@ -439,7 +439,7 @@ def test_server_killed_mid_warmup_then_a_rerun_completes(
     proc = run_cli(*args, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     keys = _plan_keys(tiny_config)
-    assert sorted(tier.keys()) == sorted(keys.values())
+    assert sorted(tier.keys()) == sorted(keys.values()), proc.stderr[-3000:]
     import obstore
 
     assert obstore.head(tier.store, manifest_name(keys.values()))["size"] > 0
