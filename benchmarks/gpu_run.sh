@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The GPU session's runs, as they were made on the H200 machine (docs/benchmarks/, GPU pages).
 # Run from the checkout root with python3 = the image's torch, diskcache and pydantic
-# importable, and OUT set to a folder for logs and JSON:
+# importable, and OUT set to a folder for logs and JSON. The image has no diskcache,
+# pydantic(-settings), cryptography, redis or obstore: download their Python 3.12 wheels
+# here (pip download --python-version 3.12 --only-binary=:all: --platform
+# manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .gpu-wheels diskcache pydantic
+# pydantic-settings cryptography redis obstore), carry .gpu-wheels, and there run
+# python3 -m pip install --no-index --no-deps .gpu-wheels/*.whl first.
 #   bash benchmarks/gpu_run.sh probe    # environment + compilers, kernel sweep, the GPU test suite
 #   bash benchmarks/gpu_run.sh bench    # restart + kernel speed, per-bucket and trace-weighted
 #   bash benchmarks/gpu_run.sh suite    # the GPU test suite alone
