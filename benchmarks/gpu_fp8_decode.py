@@ -101,18 +101,6 @@ def warm(cache_dir: str, kv_cache_dtypes) -> float:
     return time.perf_counter() - t
 
 
-def capture(call):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    return g
-
-
 def kernel_block_n(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
     """The decode kernel launched directly, graph-replayed, per pool and block_n."""
     from kernel_cache.kernels.triton_decode import launch_decode
@@ -183,8 +171,7 @@ def main(argv=None) -> int:
         nbytes = kv_bytes(host, itemsize=kc.element_size())
         row = {"pool_dtype": str(kc.dtype), "bytes_read": nbytes}
         row["dispatch"] = time_cuda(call, reps=args.reps)
-        graph = capture(gcall)
-        row["graph"] = time_cuda(graph.replay, reps=args.reps)
+        row["graph"] = time_cuda(gcall, reps=args.reps, graph=True)
         for mode in ("dispatch", "graph"):
             tbs = nbytes / (row[mode]["median_ms"] * 1e-3) / 1e12
             row[f"{mode}_tb_per_s"] = tbs
@@ -197,7 +184,6 @@ def main(argv=None) -> int:
             )
         row["compiles"] = rt.stats()["compiles"]
         rows[name] = row
-        del graph
         print(
             f"{name:9s} {row['pool_dtype']:20s} dispatch {row['dispatch']['median_ms']:.3f} ms "
             f"({row['dispatch_of_copy_bw']:.0%} of copy bw) | graph "
