@@ -18,6 +18,7 @@ private API", says what a user sees on drift.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, NamedTuple
 
@@ -180,6 +181,17 @@ def load_aoti_package(
     name = "torch._C._aoti.AOTIModelPackageLoader"
     loader = _aoti(name)
     return _called(name, loader, path, model_name, run_single_threaded, num_runners, device_index)
+
+
+def aoti_loader_takes_folders() -> bool:
+    """Whether ``AOTIModelPackageLoader`` loads an unpacked package folder in
+    place (torch 2.13). The loader of torch 2.11 (the GPU image's) opens every
+    path as a zip archive ("Failed to initialize zip archive: failed finding
+    central directory" for a folder) and unpacks it under ``$TMPDIR``."""
+    import torch
+
+    parts = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    return parts is None or (int(parts[1]), int(parts[2])) >= (2, 13)
 
 
 def load_cpu_runner(so_path: str, *, num_models: int) -> Any:

@@ -111,7 +111,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         library = _cpu_library(data, where, key)
         if library is not None:
             return _load_cpu_library(library, where, key)
-    path = _unpack(data, where, key)
+    if torch_compat.aoti_loader_takes_folders():
+        path = _unpack(data, where, key)
+    else:
+        path = _write_archive(data, key)
     device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
         return torch_compat.load_aoti_package(
@@ -122,10 +125,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
             device_index=device_index,
         )
     except TorchAPIDriftError:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
         raise  # torch's API, not this entry
     except Exception as e:  # the loader raises RuntimeError for a bad package
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
         raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {e}", where) from None
 
 
@@ -158,6 +161,30 @@ def _unpack(data: bytes, where: str, key: str) -> str:
         shutil.rmtree(out, ignore_errors=True)
         raise _load_dir_error(key, data, out, e) from None
     return out
+
+
+def _write_archive(data: bytes, key: str) -> str:
+    """``data`` written as ``package.pt2`` in a new folder of :func:`load_dir`
+    (its path), for a loader that takes only archives (torch older than 2.13,
+    :func:`kernel_cache.torch_compat.aoti_loader_takes_folders`). That loader
+    unpacks the archive under ``$TMPDIR`` itself and leaves the folder there
+    (docs/serving.md, "What engine start leaves to the engine").
+
+    Raises:
+        ConfigError: writing into the load directory failed (full, unwritable).
+    """
+    base = load_dir()
+    out = None
+    try:
+        out = tempfile.mkdtemp(prefix="kernel_cache-", dir=base)
+        path = os.path.join(out, "package.pt2")
+        with open(path, "xb") as f:
+            f.write(data)
+        return path
+    except OSError as e:
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise _load_dir_error(key, data, out or base, e) from None
 
 
 def _load_dir_error(key: str, data: bytes, path: str, e: OSError) -> ConfigError:

@@ -69,6 +69,9 @@ def counted(path, *args):
     return loader(path, *args)
 torch._C._aoti.AOTIModelPackageLoader = counted
 package._cpu_library = lambda data, where, key: None  # no CPU shortcut: the package loader
+if sys.argv[4] == "archives":  # a torch whose loader takes only archives (2.11)
+    from kernel_cache import torch_compat
+    torch_compat.aoti_loader_takes_folders = lambda: False
 
 getenv = ctypes.CDLL(None).getenv
 getenv.restype = ctypes.c_char_p
@@ -104,7 +107,7 @@ def test_engine_start_changes_no_environment_variable(warm_cache, tiny_model, tm
 
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0])]
+    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0]), "folders"]
     proc = subprocess.run(
         [sys.executable, "-c", THROUGH_THE_LOADER, *args],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
@@ -119,6 +122,32 @@ def test_engine_start_changes_no_environment_variable(warm_cache, tiny_model, tm
     unpacked = [n for n in doc["in_load_dir"] if n != ".owner.lock"]  # the directory's flock
     assert len(unpacked) == N_TINY and all(n.startswith("kernel_cache-") for n in unpacked)
     assert os.listdir(tmpdir) == []  # removed at exit
+
+
+def test_a_loader_that_takes_only_archives_is_given_the_package_file(
+    warm_cache, tiny_model, tmp_path
+):
+    """Where torch's loader opens every path as an archive (torch 2.11), it is
+    given each package as a ``.pt2`` file in the load directory, and the
+    engine's kernels run."""
+    import json
+
+    from ..conftest import TINY_LIMITS
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0]), "archives"]
+    proc = subprocess.run(
+        [sys.executable, "-c", THROUGH_THE_LOADER, *args],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert doc["loader_calls"] == [False] * N_TINY  # files, not folders
+    unpacked = [n for n in doc["in_load_dir"] if n != ".owner.lock"]
+    assert len(unpacked) == N_TINY
 
 
 def test_a_noexec_tmpdir_is_named_not_reported_as_corrupt_entries(warm_cache, tiny_model, tmp_path):
