@@ -126,6 +126,49 @@ def kernel_block_n(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
     return rows
 
 
+def launch_sweep(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
+    """The decode kernel launched directly, graph-replayed, for the fp8 pool
+    over ``block_n`` 64-256, 4 and 8 warps, 2-4 stages and the default split
+    count and twice it; the bf16 pool at the defaults for reference."""
+    from kernel_cache.kernels.tiles import cuda_default_splits
+    from kernel_cache.kernels.triton_decode import launch_decode
+
+    nb = bt.shape[1]
+    base = cuda_default_splits(S, KVH, nb, BS)
+    grid = [("auto", 64, 4, 3, base)]
+    grid += [
+        ("fp8_e4m3", bn, w, st, sp)
+        for bn in (64, 128, 256)
+        for w in (4, 8)
+        for st in (2, 3, 4)
+        for sp in (base, min(2 * base, nb))
+    ]
+    rows = []
+    for name, bn, w, st, sp in grid:
+        kc, vc, scales = pools[name]
+        sc = (scales["k_scale"], scales["v_scale"]) if scales else (None, None)
+        nbytes = kv_bytes([KV] * S, itemsize=kc.element_size())
+
+        def call(kc=kc, vc=vc, sc=sc, bn=bn, w=w, st=st, sp=sp):
+            return launch_decode(
+                q, kc, vc, bt, lens, D**-0.5, sp, *sc, block_n=bn,
+                num_warps=w, num_stages=st, wrap=_identity,
+            )  # fmt: skip
+
+        try:
+            t = time_cuda(call, reps=reps, graph=True)
+        except Exception as e:  # a configuration Triton cannot build (shared memory)
+            rows.append({"pool": name, "block_n": bn, "num_warps": w, "num_stages": st,
+                         "num_kv_splits": sp, "error": str(e)[:200]})  # fmt: skip
+            continue
+        tbs = nbytes / (t["median_ms"] * 1e-3) / 1e12
+        rows.append({"pool": name, "block_n": bn, "num_warps": w, "num_stages": st,
+                     "num_kv_splits": sp, **t, "of_copy_bw": tbs / ceiling})  # fmt: skip
+        print(f"sweep {name:9s} block_n {bn:3d} warps {w} stages {st} splits {sp:3d}: "
+              f"{t['median_ms']:.3f} ms ({tbs / ceiling:.0%} of copy bw)", flush=True)  # fmt: skip
+    return rows
+
+
 def _identity(f):
     return f
 
@@ -135,13 +178,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=os.environ.get("CACHE", "/tmp/kc-gpu-fp8"))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument(
+        "--sweep", action="store_true", help="only the kernel's launch sweep (no warmup)"
+    )
     args = ap.parse_args(argv)
     info = device_info()
     bw = copy_bandwidth()
     ceiling = bw["tb_per_s"]
     print(f"{info['device']}: copy bandwidth {ceiling:.2f} TB/s (read + write)")
     doc = {"env": info, "copy_bandwidth": bw, "plan": " ".join(PLAN)}
-    doc["warmup_wall_s"] = warm(args.cache_dir, ("auto", "fp8_e4m3"))
+    if not args.sweep:
+        doc["warmup_wall_s"] = warm(args.cache_dir, ("auto", "fp8_e4m3"))
 
     g = torch.Generator(device="cuda").manual_seed(0)
     pool = S * (KV // BS)
@@ -157,6 +204,10 @@ def main(argv=None) -> int:
         "auto": (k, v, {}),
         "fp8_e4m3": (fp8_quantize(k, ks), fp8_quantize(v, vs), {"k_scale": ks, "v_scale": vs}),
     }
+    if args.sweep:
+        doc["launch_sweep"] = launch_sweep(pools, q, bt, dev_lens, ceiling, args.reps)
+        write_json(doc, args.out, "gpu_fp8_sweep.json")
+        return 0
     rows = {}
     for name, (kc, vc, scales) in pools.items():
         rt = load_plan(make_config("granite-3.3-8b", device="cuda", kv_cache_dtype=name, **LIMITS),

@@ -43,8 +43,10 @@ no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
 returns ``"none"`` there), so a loader cannot always reproduce it. Engine
 start over a local cache that warmup wrote runs no compiler (nor any other
 program): it computes its keys with the ``cxx`` value warmup recorded there
-(:mod:`kernel_cache.store.imports_memo`; :func:`environment` with ``cxx``);
-without that record it asks the compiler once. It looks that key up exactly first and, on a
+(:mod:`kernel_cache.store.imports_memo`; :func:`environment` with ``cxx``),
+else the value a bundle's manifest records
+(:meth:`kernel_cache.store.base.Tier.builders_cxx`); without either it asks
+the compiler once. It looks that key up exactly first and, on a
 miss, accepts a stored entry whose every *other* component equals its own (the
 runtime digest, :attr:`CacheKey.runtime_digest`), taking the build-only values
 the entry records and logging them. Whether an artifact runs here is decided

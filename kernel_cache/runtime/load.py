@@ -44,15 +44,17 @@ def default_lookup(cache_dir=None, bundles=None, *, allow_shared_dir: bool | Non
     """The :class:`~kernel_cache.store.lookup.Lookup` of engine start: bundles
     (``bundles``, i.e. ``--bundle``, then ``$KERNEL_CACHE_BUNDLE``), then the
     local disk cache, then Redis when ``KERNEL_CACHE_REDIS_URL`` is set
-    (:mod:`kernel_cache.store.redis`), then S3 when ``KERNEL_CACHE_S3_URL`` is set
-    (:mod:`kernel_cache.store.s3`).
+    (:mod:`kernel_cache.store.redis`), then the object store when
+    ``KERNEL_CACHE_REMOTE_URL`` is set (:mod:`kernel_cache.store.s3`: S3, GCS,
+    Azure Blob, a ``file://`` directory).
 
     The local cache is opened only if its directory exists: engine start never
     creates a cache directory. It is opened read-only (no lock, database, journal
     or temporary file is created in it) and its trust is checked
     (:mod:`kernel_cache.trust.permissions`; ``allow_shared_dir`` opts out). The one
-    exception is a verified Redis hit, which the lookup copies into the local
-    cache (created if needed) through a separate writable handle, opened only then.
+    exception is a verified hit of a remote tier (Redis or the object store),
+    which the lookup copies into the local cache (created if needed) through a
+    separate writable handle, opened only then.
 
     Raises:
         BundleError: a bundle path is not a bundle (names it).
@@ -163,10 +165,12 @@ def load_plan(
     with another C++ compiler (``cxx`` is build-only; the accepted values are
     logged at INFO and reported in ``stats()["build_only_accepted"]``). Over a
     local cache that warmup wrote, no program is run: the keys take the ``cxx``
-    that warmup recorded there (:mod:`kernel_cache.store.imports_memo`). Without
-    that record (a bundle-only or remote-only engine), the C++ compiler is asked
-    once for it (:func:`kernel_cache.plan.keys.cxx_compiler_id`, four short runs),
-    so the keys are the builders' exact keys.
+    that warmup recorded there (:mod:`kernel_cache.store.imports_memo`); without
+    it, the ``cxx`` a bundle's manifest records for its entries
+    (:meth:`~kernel_cache.store.base.Tier.builders_cxx`). Without either (a
+    remote-only engine), the C++ compiler is asked once for it
+    (:func:`kernel_cache.plan.keys.cxx_compiler_id`, four short runs), so the
+    keys are the builders' exact keys.
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
@@ -212,7 +216,9 @@ def load_plan(
         cxx = None
         if tiers is None:  # the import scans and compiler warmup kept in the local cache
             cxx = _take_import_memo(cache_dir, allow_shared_dir)
-        # warmup's record of 'cxx' spares the compiler runs (kernel_cache.plan.keys)
+        # else a bundle's record of its builders' (kernel_cache.store.base.Tier.builders_cxx)
+        cxx = cxx or next(filter(None, (t.builders_cxx() for t in lookup.tiers)), None)
+        # a recorded 'cxx' spares the compiler runs (kernel_cache.plan.keys)
         plan = Plan.build(config, environment(config, cxx=cxx))
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads

@@ -83,7 +83,8 @@ class PutResult:
 
 
 class Tier(abc.ABC):
-    """A place entries are stored: a bundle, a local disk cache, Redis.
+    """A place entries are stored: a bundle, a local disk cache, Redis, an
+    object store (S3, GCS, Azure Blob, a ``file://`` directory).
 
     The interface is get, put, contains and iteration over metadata. Whether a
     tier's entries are trusted, whether a bad one is a miss and where a hit is
@@ -182,6 +183,14 @@ class Tier(abc.ABC):
             return groups.get(value, [])
 
         return find
+
+    def builders_cxx(self) -> str | None:
+        """The build-only ``cxx`` key component its entries' builders recorded,
+        where the tier can say without a request (a bundle: its manifest), so
+        that engine start computes the builders' exact keys without running a
+        compiler (:func:`kernel_cache.runtime.load.load_plan`); None where it
+        cannot (this default)."""
+        return None
 
     def quarantine(self, key: str, reason: str, variant: str = "") -> str:
         """Move ``key``'s bad entry out of the way; returns where it was kept, or

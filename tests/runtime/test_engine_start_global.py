@@ -1,5 +1,6 @@
-"""Engine start over a local cache that warmup wrote runs no program; without
-warmup's record of its compiler, it runs only the compiler's ``cxx`` probe.
+"""Engine start over a local cache that warmup wrote, or over a bundle alone,
+runs no program; without a record of the builders' compiler (a remote-only
+engine), it runs only the compiler's ``cxx`` probe.
 
 Counted twice, by what actually ran: a ``PATH`` folder of recording wrappers
 (every program a start might run: the C++ compiler and its parts, ``nvcc``,
@@ -80,9 +81,9 @@ def _wrappers(folder, log) -> dict[str, str]:
     return found
 
 
-def _start(cache, model, tmp_path) -> tuple[dict, list[str], list[str]]:
-    """Engine start over ``cache`` with every program recorded: ``(doc, log
-    lines of the start, log lines of the control)``."""
+def _start(cache, model, tmp_path, **extra_env) -> tuple[dict, list[str], list[str]]:
+    """Engine start over ``cache`` (and ``extra_env``) with every program
+    recorded: ``(doc, log lines of the start, log lines of the control)``."""
     log = tmp_path / "exec.log"
     log.touch()
     wrapped = _wrappers(tmp_path / "bin", log)
@@ -93,6 +94,7 @@ def _start(cache, model, tmp_path) -> tuple[dict, list[str], list[str]]:
         CXX=str(tmp_path / "bin" / "g++"),
         KERNEL_CACHE_DIR=str(cache),
         TMPDIR=str(tmp_path),
+        **extra_env,
     )
     proc = subprocess.run(
         [sys.executable, "-c", ENGINE, str(model), str(cache), str(log)],
@@ -136,6 +138,29 @@ def test_engine_start_without_warmup_s_record_asks_only_the_compiler(
     assert "uname -m" in control and doc["control"]
     assert doc["stats"]["loads"] == N_TINY
     assert doc["stats"]["build_only_accepted"] == {}  # exact keys: nothing accepted
+
+
+@pytest.mark.compile
+def test_a_bundle_only_engine_start_runs_no_program(warm_cache, tiny_model, tmp_path):
+    """An engine whose only entries are a bundle's (an empty local cache, as in a
+    container built with ``kernel-cache export``): the keys take the ``cxx`` the
+    bundle's manifest records, so no compiler is asked, and every hit is exact."""
+    from ..conftest import run_cli, tiny_args
+    from ..signing_keys import make_keypair
+
+    keys = make_keypair(tmp_path / "keys")  # signed by the builder, checked by the engine
+    bundle = tmp_path / "bundle"
+    args = [*tiny_args(tiny_model), "--cache-dir", str(warm_cache[0]), "--out", str(bundle)]
+    run_cli("export", *args, env=keys.builder_env, check=True)
+    empty = tmp_path / "empty-cache"
+    doc, start, control = _start(
+        empty, tiny_model, tmp_path, KERNEL_CACHE_BUNDLE=str(bundle), **keys.engine_env
+    )
+    assert doc["stats"]["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert start == [] and doc["start"] == []  # no program, by PATH or by absolute path
+    assert sum(line.startswith("g++ ") for line in control) >= 4, control  # the control
+    assert doc["stats"]["build_only_accepted"] == {}  # the builders' exact keys
+    assert any(str(bundle) in where for where in doc["stats"]["sources"]), doc["stats"]
 
 
 @pytest.mark.compile

@@ -6,15 +6,16 @@
    over the plan instead of queueing on its first key.
 2. **check**: a verified cached entry (checksum, trust, AOTInductor's loader
    accepts it) ends the work as ``cached``; a bad one is moved to
-   ``quarantine/``. With Redis, a verified Redis hit is copied in (``fetched``),
-   else the key's Redis build lock is taken as well.
+   ``quarantine/``. With a remote tier (Redis or the object store), a verified
+   remote hit is copied in (``fetched``), else the key's remote build lease is
+   taken as well.
 3. **compile**: ``torch.export`` + AOTInductor (:mod:`warmup.builder.compiler`) in
    the worker, whose environment the recipe pinned
    (:func:`kernel_cache.config.recipe.compile_environment`).
 4. **load check**: the new artifact is loaded once in a check process that has
    only what an engine has (:class:`warmup.builder.loadcheck.LoadChecker`); one that
    kills that process or is rejected is reported and never published.
-5. **publish**: to the local cache, then to Redis.
+5. **publish**: to the local cache, then to the remote tier.
 6. **release** the locks.
 
 A worker stopped with SIGTERM (the warmup stopping its workers on SIGINT or
@@ -24,7 +25,7 @@ key lock is a file lock, released by the kernel with the process.
 
 The key stays claimed from "missing" until it is published, so a waiter finds
 the entry and reports ``cached``: one compile per key, whatever the number of
-processes, machines (with Redis) or workers. A result row says ``compiled`` if
+processes, machines (with a remote tier) or workers. A result row says ``compiled`` if
 and only if this process ran the compiler for it and published the artifact;
 ``compiler_ran`` says whether the compiler ran at all (a compile whose artifact
 failed its load check is ``failed`` with ``compiler_ran`` true).
@@ -199,11 +200,11 @@ def _check_local(tier: DiskTier, key: str, config: EngineConfig, res: VariantRes
 def _claim_remote(
     remote: Tier, tier: DiskTier, key, target: str, blocking: bool, res: VariantResult
 ):
-    """Step 2 with Redis: copy a verified Redis hit of plan key ``key`` in
-    (``fetched``, returns None), or take the Redis build lock of ``target``
+    """Step 2 with a remote tier: copy its verified hit of plan key ``key`` in
+    (``fetched``, returns None), or take its build lease of ``target``
     (the key the artifact is stored under: :func:`locate`; returns it; None with
     ``res.status`` set when another builder holds it on the first pass, or
-    when Redis is down or slow: then this process compiles without it)."""
+    when the remote tier is down or slow: then this process compiles without it)."""
     lookup = Lookup([remote], exact=True, promote_into=tier)
     for _ in range(2):  # a second round only if a published entry was rejected
         if lookup.find(key) is not None:
@@ -341,7 +342,8 @@ def build_variant(config_json: str, variant_json: str, cache_dir: str, options: 
     ``busy`` at once), ``lock_timeout`` (seconds), ``allow_shared``, ``launch``
     (the variant's launch config, resolved once per plan by the parent), ``check``
     (load-check new artifacts before publishing; default True), ``remote``
-    (optional: the Redis tier's :class:`RedisSettings` as JSON).
+    (optional: the remote tier's settings as JSON,
+    :func:`kernel_cache.store.remote.settings_from_json`).
 
     Returns:
         a :class:`VariantResult`. Never raises for one variant's failure.
