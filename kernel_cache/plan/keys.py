@@ -280,6 +280,13 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
+#: The ``cxx`` value of an engine start that has no record of its builders'
+#: compiler (:func:`kernel_cache.runtime.load.load_plan`): no compiler is run
+#: for it, and no artifact is built under it, so every lookup takes the
+#: compatible entry and logs the ``cxx`` it accepted.
+CXX_NOT_PROBED = "not probed"
+
+
 def environment(config_or_device, *, cxx: str | None = None) -> dict[str, str]:
     """The environment components of a key, as strings, for an
     :class:`EngineConfig` (its device and CPU target) or a device name (the

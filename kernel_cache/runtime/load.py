@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError, MissingVariantsError
-from kernel_cache.plan.keys import environment
+from kernel_cache.plan.keys import CXX_NOT_PROBED, environment
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.runtime.package import load_package
@@ -94,6 +94,19 @@ def _take_import_memo(cache_dir, allow_shared: bool | None) -> str | None:
     directory = Path(cache_dir) if cache_dir else default_cache_dir()
     memo, _ = imports_memo.take(directory, allow_shared=resolve_allow_shared(allow_shared))
     return memo.cxx if memo is not None and memo.cxx else None
+
+
+def _recorded_cxx(config: EngineConfig, lookup) -> str:
+    """The ``cxx`` key component for a start without warmup's record: the one
+    the tiers' records name for the plan's first variant
+    (:meth:`~kernel_cache.store.lookup.Lookup.recorded_build_only`; the runtime
+    digest leaves ``cxx`` out), else :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`,
+    under which every entry is found by the compatible lookup. No compiler is run."""
+    first = Plan.build(config, environment(config, cxx=CXX_NOT_PROBED), log_launch=False).items
+    if not first:
+        return CXX_NOT_PROBED
+    found = lookup.recorded_build_only(first[0].key.runtime_digest)
+    return found.get("cxx") or CXX_NOT_PROBED
 
 
 def default_tiers(
@@ -216,10 +229,8 @@ def load_plan(
         cxx = None
         if tiers is None:  # the import scans and compiler warmup kept in the local cache
             cxx = _take_import_memo(cache_dir, allow_shared_dir)
-        # else a bundle's record of its builders' (kernel_cache.store.base.Tier.builders_cxx)
-        cxx = cxx or next(filter(None, (t.builders_cxx() for t in lookup.tiers)), None)
         # a recorded 'cxx' spares the compiler runs (kernel_cache.plan.keys)
-        plan = Plan.build(config, environment(config, cxx=cxx))
+        plan = Plan.build(config, environment(config, cxx=cxx or _recorded_cxx(config, lookup)))
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 

@@ -184,14 +184,6 @@ class Tier(abc.ABC):
 
         return find
 
-    def builders_cxx(self) -> str | None:
-        """The build-only ``cxx`` key component its entries' builders recorded,
-        where the tier can say without a request (a bundle: its manifest), so
-        that engine start computes the builders' exact keys without running a
-        compiler (:func:`kernel_cache.runtime.load.load_plan`); None where it
-        cannot (this default)."""
-        return None
-
     def quarantine(self, key: str, reason: str, variant: str = "") -> str:
         """Move ``key``'s bad entry out of the way; returns where it was kept, or
         ``""`` where the tier keeps nothing (this default deletes it)."""

@@ -101,11 +101,6 @@ def bundle_paths(explicit=None, environ=None) -> list[Path]:
     return list(dict.fromkeys([*items, *settings.get("bundle", environ)]))
 
 
-#: The longest ``cxx`` component a manifest may name for engine start's keys
-#: (:meth:`BundleTier.builders_cxx`; a real one is about 60 characters).
-MAX_CXX_CHARS = 256
-
-
 class BundleEntry(EntryMeta):
     """One entry of a bundle manifest: an :class:`EntryMeta` record plus the
     ``file`` holding its bytes (``artifacts/<sha256>.pt2``, checked on read by
@@ -255,19 +250,6 @@ class BundleTier(Tier):
     def iter_meta(self) -> Iterator[dict]:
         for e in self.manifest.entries:
             yield e.record()
-
-    def builders_cxx(self) -> str | None:
-        """The ``cxx`` component most of the manifest's entries carry (ties: the
-        first listed), or None. A writer's text, used only to name keys: an
-        entry found under it is checked as any other, and a wrong value costs
-        an exact miss, after which the lookup takes an entry equal in every
-        runtime component (:mod:`kernel_cache.plan.keys`, build-only)."""
-        counts: dict[str, int] = {}
-        for e in self.manifest.entries:
-            v = e.components.get("cxx")
-            if isinstance(v, str) and 0 < len(v) <= MAX_CXX_CHARS and v.isprintable():
-                counts[v] = counts.get(v, 0) + 1
-        return max(counts, key=counts.__getitem__) if counts else None
 
 
 def tool_versions() -> dict:

@@ -271,6 +271,29 @@ class Lookup:
             find = self._by[(id(tier), index)] = tier.metas_by(index, RECORD_INDEXES[index])
         return sorted(find(value), key=lambda m: -float(m.get("created") or 0))
 
+    def recorded_build_only(self, runtime_digest: str) -> dict[str, str]:
+        """The build-only components (``{"cxx": ...}``) of the newest record
+        whose runtime digest is ``runtime_digest``, in the first tier, in
+        lookup order, that holds one, or ``{}``. Read through the index the
+        compatible lookup uses (:meth:`Tier.metas_by`, kept for it): a
+        bundle's manifest or the local cache's index, no request; a remote
+        tier's index of that one digest, a bounded read. A record of an
+        untrusted tier counts only with a signature the keys accept (or under
+        the insecure opt-out), and names keys only: an entry found under them
+        is verified as any other, and a wrong value costs an exact miss, after
+        which the compatible lookup runs."""
+        for src in self.sources:
+            for meta in self._records(src.tier, "runtime", runtime_digest):
+                if not (src.trusted or _signed(meta, src.tier, self.keyring)):
+                    continue
+                comps = meta.get("components")
+                if not isinstance(comps, dict):
+                    continue
+                found = {n: comps.get(n) for n in BUILD_ONLY}
+                if all(_plain_value(v) for v in found.values()):
+                    return found
+        return {}
+
     @property
     def tiers(self) -> list[Tier]:
         """The tiers, in lookup order."""
@@ -446,6 +469,15 @@ def _signed(meta: dict, tier: Tier, keyring) -> bool:
     except (CorruptEntryError, ValueError):
         return False
     return True
+
+
+#: The longest build-only value :meth:`Lookup.recorded_build_only` takes from
+#: a record (a real ``cxx`` is about 60 characters).
+MAX_BUILD_ONLY_CHARS = 256
+
+
+def _plain_value(v) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_BUILD_ONLY_CHARS and v.isprintable()
 
 
 def _without_sources(components: dict) -> str:

@@ -1,6 +1,6 @@
-"""Engine start over a local cache that warmup wrote, or over a bundle alone,
-runs no program; without a record of the builders' compiler (a remote-only
-engine), it runs only the compiler's ``cxx`` probe.
+"""Engine start runs no program: over a local cache that warmup wrote, over
+copied entries alone, over a bundle alone and over a remote tier alone (the
+``cxx`` key component read from warmup's record or from the entries' records).
 
 Counted twice, by what actually ran: a ``PATH`` folder of recording wrappers
 (every program a start might run: the C++ compiler and its parts, ``nvcc``,
@@ -124,20 +124,55 @@ def test_engine_start_runs_no_program(cache_copy, tiny_model, tmp_path):
 
 
 @pytest.mark.compile
-def test_engine_start_without_warmup_s_record_asks_only_the_compiler(
+def test_engine_start_without_warmup_s_record_reads_the_entries_records(
     cache_copy, tiny_model, tmp_path
 ):
-    """A local cache without warmup's record of its compiler (copied entries only,
-    as a bundle-only or remote-only engine has): the start asks the C++ compiler
-    for the ``cxx`` key component and runs nothing else, and the keys are the
-    builder's exact keys."""
+    """A local cache without warmup's record of its compiler (copied entries
+    only): the ``cxx`` key component is read from the entries' own records, so
+    no program runs and the keys are the builder's exact keys."""
     (cache_copy / MEMO_FILE).unlink()
     doc, start, control = _start(cache_copy, tiny_model, tmp_path)
-    assert start and all(line.startswith("g++ ") for line in start), start
-    assert all(e.startswith("subprocess.Popen") for e in doc["start"]), doc["start"]
+    assert start == [] and doc["start"] == []
     assert "uname -m" in control and doc["control"]
     assert doc["stats"]["loads"] == N_TINY
     assert doc["stats"]["build_only_accepted"] == {}  # exact keys: nothing accepted
+
+
+@pytest.mark.compile
+def test_a_remote_only_engine_start_runs_no_program(cache_copy, tiny_model, tmp_path):
+    """An engine whose entries are only in a remote tier (a real Redis, signed
+    entries, an empty local cache): the ``cxx`` key component comes from the
+    signed record indexed under the first variant's runtime digest, so no
+    program runs, and every hit is exact."""
+    from kernel_cache.store.disk_tier import DiskTier
+    from kernel_cache.store.redis import RedisTier
+    from kernel_cache.trust.signing import sign_meta
+
+    from ..redis_server import RedisServer, redis_server_binary
+    from ..signing_keys import make_keypair
+
+    if redis_server_binary() is None:
+        pytest.skip("no redis-server binary (Debian: apt-get install -y redis-server)")
+    keys = make_keypair(tmp_path / "keys")
+    server = RedisServer()
+    try:
+        local, remote = DiskTier(cache_copy), RedisTier(server.url, fail_open=False)
+        for meta in local.iter_meta():  # the builder publishes, signed
+            e = local.get(meta["key"])
+            remote.put(e.key, e.data, sign_meta(e.meta, e.data, keys.signer))
+        local.close()
+        remote.close()
+        doc, start, control = _start(
+            tmp_path / "empty-cache", tiny_model, tmp_path,
+            KERNEL_CACHE_REDIS_URL=server.url, **keys.engine_env,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert doc["stats"]["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert start == [] and doc["start"] == []  # no program, by PATH or by absolute path
+    assert sum(line.startswith("g++ ") for line in control) >= 4, control  # the control
+    assert doc["stats"]["build_only_accepted"] == {}  # the builders' exact keys
+    assert doc["stats"]["sources"] == {server.url: N_TINY}, doc["stats"]
 
 
 @pytest.mark.compile
