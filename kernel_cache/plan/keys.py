@@ -41,12 +41,12 @@ AOTInductor ran. It shapes the artifact's bytes, so it is in the key and a
 builder with another compiler compiles afresh; but loading an artifact needs
 no compiler, and a runtime image usually has none (:func:`cxx_compiler_id`
 returns ``"none"`` there), so a loader cannot always reproduce it. Engine
-start over a local cache that warmup wrote runs no compiler (nor any other
-program): it computes its keys with the ``cxx`` value warmup recorded there
+start runs no compiler (nor any other program): it computes its keys with the
+``cxx`` value warmup recorded in the local cache
 (:mod:`kernel_cache.store.imports_memo`; :func:`environment` with ``cxx``),
-else the value a bundle's manifest records
-(:meth:`kernel_cache.store.base.Tier.builders_cxx`); without either it asks
-the compiler once. It looks that key up exactly first and, on a
+else the one the tiers' records name for the plan's first variant
+(:func:`kernel_cache.runtime.load.load_plan`), else :data:`CXX_NOT_PROBED`.
+It looks that key up exactly first and, on a
 miss, accepts a stored entry whose every *other* component equals its own (the
 runtime digest, :attr:`CacheKey.runtime_digest`), taking the build-only values
 the entry records and logging them. Whether an artifact runs here is decided

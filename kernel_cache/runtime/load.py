@@ -176,14 +176,13 @@ def load_plan(
     Lookup (:class:`kernel_cache.store.lookup.Lookup`): each tier in order, the exact
     key first, then an entry equal in every runtime component that was built
     with another C++ compiler (``cxx`` is build-only; the accepted values are
-    logged at INFO and reported in ``stats()["build_only_accepted"]``). Over a
-    local cache that warmup wrote, no program is run: the keys take the ``cxx``
-    that warmup recorded there (:mod:`kernel_cache.store.imports_memo`); without
-    it, the ``cxx`` a bundle's manifest records for its entries
-    (:meth:`~kernel_cache.store.base.Tier.builders_cxx`). Without either (a
-    remote-only engine), the C++ compiler is asked once for it
-    (:func:`kernel_cache.plan.keys.cxx_compiler_id`, four short runs), so the
-    keys are the builders' exact keys.
+    logged at INFO and reported in ``stats()["build_only_accepted"]``). No
+    program is run: the keys take the ``cxx`` that warmup recorded in the local
+    cache (:mod:`kernel_cache.store.imports_memo`), else the one the tiers'
+    records name for the plan's first variant (:func:`_recorded_cxx`: a
+    bundle's manifest, the local index, one bounded index read of a remote
+    tier), so the keys are the builders' exact keys; else
+    :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`.
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
