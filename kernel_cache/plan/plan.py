@@ -14,7 +14,8 @@ A launch config is resolved as :func:`kernel_cache.plan.launch.resolve_plan`
 does (``KERNEL_CACHE_TUNING`` > bundled table > defaults) and each key is built
 once (:func:`kernel_cache.plan.keys.build_key`). Building a plan probes the
 environment (:func:`kernel_cache.plan.keys.environment`) unless a caller that
-has it passes it; nothing else is loaded or compiled.
+has it passes it (or the ``cxx`` value, which engine start reads from records);
+nothing else is loaded or compiled.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kernel_cache.config.engine import EngineConfig
+from kernel_cache.config.recipe import device_arch
 from kernel_cache.plan.buckets import Bucketer, KernelVariant
 from kernel_cache.plan.keys import CacheKey, build_key, environment, recipe_options
 from kernel_cache.plan.launch import (
@@ -94,14 +96,19 @@ class Plan:
         config: EngineConfig,
         env: Mapping[str, str] | None = None,
         *,
+        cxx: str | None = None,
         log_launch: bool = True,
         logger: logging.Logger | None = None,
     ) -> Plan:
-        """Resolve and key every variant of ``config`` once.
+        """Resolve and key every variant of ``config`` once, in three stages,
+        each module entered once: the buckets (:mod:`.buckets`), the launch
+        configs (:mod:`.launch`), the keys (:mod:`.keys`).
 
         Args:
             env: the environment components, if the caller has them
                 (default: :func:`~kernel_cache.plan.keys.environment` of ``config``).
+            cxx: the build-only ``cxx`` component for that default (None: ask
+                the compiler; engine start passes the recorded one).
             log_launch: log the resolved launch table once at INFO (as
                 :func:`~kernel_cache.plan.launch.resolve_plan` does).
 
@@ -109,14 +116,16 @@ class Plan:
             ConfigError: an invalid ``KERNEL_CACHE_TUNING`` or bundled table, or
                 a bucket override the bucketer refuses.
         """
-        env = dict(environment(config) if env is None else env)
         bucketer = Bucketer(config)
-        arch = env["device_arch"]
+        arch = (
+            env["device_arch"] if env is not None else device_arch(config.device, config.cpu_target)
+        )
         if log_launch:
             resolved = resolve_plan(config, bucketer.variants, arch, logger=logger)
         else:
             resolver = Resolver()
             resolved = {v: resolver.resolve(config, v, arch) for v in bucketer.variants}
+        env = dict(environment(config, cxx=cxx) if env is None else env)
         options = recipe_options(config)
         items = tuple(_item(config, v, resolved[v], env, options) for v in bucketer.variants)
         return cls(

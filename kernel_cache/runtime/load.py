@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache.config.engine import EngineConfig, config_to_cli
 from kernel_cache.errors import CorruptEntryError, CpuTargetError, MissingVariantsError
-from kernel_cache.plan.keys import CXX_NOT_PROBED, environment
+from kernel_cache.plan.keys import CXX_NOT_PROBED
 from kernel_cache.plan.plan import Plan
 from kernel_cache.runtime.compiles import CompileCounter
 from kernel_cache.runtime.package import load_package
@@ -102,7 +102,7 @@ def _recorded_cxx(config: EngineConfig, lookup) -> str:
     (:meth:`~kernel_cache.store.lookup.Lookup.recorded_build_only`; the runtime
     digest leaves ``cxx`` out), else :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`,
     under which every entry is found by the compatible lookup. No compiler is run."""
-    first = Plan.build(config, environment(config, cxx=CXX_NOT_PROBED), log_launch=False).items
+    first = Plan.build(config, cxx=CXX_NOT_PROBED, log_launch=False).items
     if not first:
         return CXX_NOT_PROBED
     found = lookup.recorded_build_only(first[0].key.runtime_digest)
@@ -229,7 +229,7 @@ def load_plan(
         if tiers is None:  # the import scans and compiler warmup kept in the local cache
             cxx = _take_import_memo(cache_dir, allow_shared_dir)
         # a recorded 'cxx' spares the compiler runs (kernel_cache.plan.keys)
-        plan = Plan.build(config, environment(config, cxx=cxx or _recorded_cxx(config, lookup)))
+        plan = Plan.build(config, cxx=cxx or _recorded_cxx(config, lookup))
     if config.device == "cpu":  # KERNEL_CACHE_NUM_THREADS: see runtime/threads.py
         from kernel_cache.runtime import threads
 
