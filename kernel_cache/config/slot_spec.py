@@ -256,3 +256,17 @@ def explain(e) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}={err.get('input')!r}: {msg}" if loc else msg)
     return "; ".join(parts)
+
+
+def torch_dtype(name: str):
+    """The ``torch.dtype`` of a :data:`SLOT_DTYPES` name (imports torch)."""
+    import torch
+
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int32": torch.int32,
+        "int64": torch.int64,
+        "bool": torch.bool,
+    }[name]
