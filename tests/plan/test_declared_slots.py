@@ -223,3 +223,17 @@ def test_plan_command_lists_declared_slot_variants(tiny_model, slotpkg, tmp_path
     assert "kernel mlp: kc_slotpkg.mlp:make_mlp" in proc.stdout
     assert "  mlp:1:0:0\n  mlp:32:0:0\n" in proc.stdout
     assert ", 2 mlp)" in proc.stdout
+
+
+def test_explain_refuses_an_unknown_kernel_and_says_why_a_slot_variant_is_not_in_the_plan(
+    tiny_model, slotpkg, tmp_path
+):
+    config = cfg(tiny_model, MLP)
+    with pytest.raises(ConfigError, match="no kernel 'foo' in this plan; its kernels: "
+                       "paged_attention, batched_decode, mlp"):  # fmt: skip
+        explain(config, [], [KernelVariant.parse("foo:1:0:0")])
+    doc = explain(config, [], [KernelVariant.parse("mlp:5:2:0")])
+    (r,) = doc["results"]
+    assert r["status"] == "not_in_plan"
+    assert "query_len 5 is not a query_tokens bucket of this plan (1, 32)" in r["reason"]
+    assert "mlp follows no kv_blocks axis, so its num_blocks is 0" in r["reason"]
