@@ -128,3 +128,56 @@ def test_weights_are_checked_at_bind_naming_the_parameter(slots):
     with pytest.raises(ShapeError, match="no declared slot 'mlp' in this plan"):
         ds.bind("mlp", mod)
     ds.bind("probe", {"w": torch.ones(4)})  # the right shapes: taken
+
+
+# -- export (no compile) -----------------------------------------------------------
+
+
+class OneRow(nn.Module):
+    """Returns one row whatever the bucket (breaks ``output_rows``)."""
+
+    def forward(self, x):
+        return x[:1]
+
+
+def test_export_lifts_no_weight_and_records_the_state_it_takes(tiny_model):
+    from warmup.builder.compiler import export_declared
+
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, slots=[SPEC])
+    (v, *_) = [v for v in Bucketer(cfg).variants if v.kernel == "probe"]
+    info: dict = {}
+    ep = export_declared(cfg.slot("probe"), v, info)
+    assert len(ep.state_dict) == 0 and len(ep.constants) == 0  # nothing baked in
+    kinds = [s.kind.name for s in ep.graph_signature.input_specs]
+    assert kinds == ["USER_INPUT"] * 3  # w, x, table
+    assert info["slot_params"] == [("w", [4], "float32")]
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"factory": "tests.runtime.test_declared_dispatch:nowhere"}, "has no attribute"),
+        (
+            {"inputs": [{"name": "x", "shape": ["decode_seqs", 4], "dtype": "float32"}]},
+            "forward failed on example inputs ['x [4, 4] torch.float32']: TypeError",
+        ),
+        (
+            {
+                "factory": "tests.runtime.test_declared_dispatch:OneRow",
+                "inputs": [{"name": "x", "shape": ["decode_seqs", 4], "dtype": "float32"}],
+            },
+            "output_rows=decode_seqs: the output's dim 0 must be the bucket, 4; "
+            "forward returned [1, 4]",
+        ),
+    ],
+)
+def test_a_bad_factory_is_a_compile_error_naming_the_slot(tiny_model, change, says):
+    from kernel_cache.errors import CompileError
+    from warmup.builder.compiler import export_declared
+
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, slots=[{**SPEC, **change}])
+    (v, *_) = [v for v in Bucketer(cfg).variants if v.kernel == "probe"]
+    with pytest.raises(CompileError) as e:
+        export_declared(cfg.slot("probe"), v)
+    factory = change.get("factory", SPEC["factory"])
+    assert f"slot probe={factory}: " in str(e.value) and says in str(e.value)

@@ -197,7 +197,7 @@ def export_variant(
 
     spec = config.slot(variant.kernel)
     if spec is not None:
-        return export_declared(spec, variant, info)
+        return export_declared(spec, variant, info, device=config.device)
     mod = module_for(config, variant, launch)
     args = make_inputs(config, variant, seed=0)
     impl = dict(config.kernels).get(variant.kernel)
@@ -210,13 +210,14 @@ def export_variant(
     return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
 
 
-def export_declared(spec, variant: KernelVariant, info: dict | None = None):
+def export_declared(spec, variant: KernelVariant, info: dict | None = None, device: str = "cpu"):
     """``torch.export`` declared slot ``spec`` at ``variant``: the factory's module
     wrapped so that its parameters and buffers are the leading inputs
     (:func:`kernel_cache.kernels.declared.weights_as_inputs`), every bucket and
     fixed dimension static, each ``dynamic:NAME`` one dynamic dimension.
     ``info`` (a dict, if given) receives ``slot_params``: the state's
-    ``[name, shape, dtype]`` list, recorded in the entry.
+    ``[name, shape, dtype]`` list, recorded in the entry. The module and its
+    example inputs are on ``device`` (the plan's).
 
     Raises:
         CompileError: the factory fails, or the module's eager output is not one
@@ -232,8 +233,8 @@ def export_declared(spec, variant: KernelVariant, info: dict | None = None):
     )
     from kernel_cache.runtime.inputs import make_slot_inputs, slot_dims
 
-    mod = build_declared(spec)
-    args, dyn_sizes = make_slot_inputs(spec, variant)
+    mod = build_declared(spec).to(device)
+    args, dyn_sizes = make_slot_inputs(spec, variant, device=device)
     where = f"slot {spec.name}={spec.factory}"
     try:
         with torch.no_grad():

@@ -336,7 +336,7 @@ class _Oracle:
         from kernel_cache.kernels.declared import build_declared, example_state
 
         if spec.name not in self.modules:
-            mod = build_declared(spec)
+            mod = build_declared(spec).to(self.config.device)
             self.modules[spec.name] = (mod, example_state(mod))
         return self.modules[spec.name]
 
