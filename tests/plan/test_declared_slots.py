@@ -237,3 +237,16 @@ def test_explain_refuses_an_unknown_kernel_and_says_why_a_slot_variant_is_not_in
     assert r["status"] == "not_in_plan"
     assert "query_len 5 is not a query_tokens bucket of this plan (1, 32)" in r["reason"]
     assert "mlp follows no kv_blocks axis, so its num_blocks is 0" in r["reason"]
+
+
+def test_a_factory_named_by_entry_point_is_keyed_by_its_import_path(tiny_model, slotpkg):
+    dist = slotpkg.parent / "kc_slotpkg-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kc-slotpkg\n")
+    ep = "[kernel_cache.kernels]\nkc_slot_mlp = kc_slotpkg.mlp:make_mlp\n"
+    (dist / "entry_points.txt").write_text(ep)
+    by_name = Plan.build(cfg(tiny_model, {**MLP, "factory": "kc_slot_mlp"}), ENV, log_launch=False)
+    by_path = Plan.build(cfg(tiny_model, MLP), ENV, log_launch=False)
+    key = by_name.find("mlp:32:0:0").key
+    assert key.as_dict()["kernel"] == MLP["factory"]
+    assert key == by_path.find("mlp:32:0:0").key  # one factory, one key, however named
