@@ -161,12 +161,41 @@ class _Slot:
         return tuple(out)
 
     # -- the call -----------------------------------------------------------------
+    def _refuse(self, i: int, t) -> ShapeError:
+        """The error of input ``i`` (``t``), whose rank, dtype or device is not
+        the declared one."""
+        inp = self.spec.inputs[i]
+        got = (
+            f"{list(t.shape)} {t.dtype} on {t.device}"
+            if isinstance(t, torch.Tensor)
+            else f"a {type(t).__name__}"
+        )
+        return ShapeError(
+            f"slot {self.name!r}: input {inp.name!r} is {got}; declared "
+            f"{list(inp.shape)} {inp.dtype} on {self.device}"
+        )
+
     def call(self, inputs: tuple, state: tuple):
+        """See :meth:`DeclaredSlots.call`."""
         if len(inputs) != self.n_inputs:
             raise ShapeError(
                 f"slot {self.name!r} takes {self.n_inputs} inputs "
                 f"({', '.join(c[0] for c in self.checks)}), got {len(inputs)}"
             )
+        device = self.device.type
+        for i, (t, (name, rank, dtype, fixed, _, _)) in enumerate(
+            zip(inputs, self.checks, strict=True)
+        ):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank or t.dtype != dtype:
+                raise self._refuse(i, t)
+            if t.device.type != device:
+                raise self._refuse(i, t)
+            for d, size in fixed:
+                if t.shape[d] != size:
+                    raise ShapeError(
+                        f"slot {self.name!r}: input {name!r} dim {d} is {t.shape[d]}, "
+                        f"declared {size}"
+                    )
         sizes = [inputs[i].shape[d] for i, d in self.where]
         buckets = []
         for a, n, ladder in zip(self.axes, sizes, self.ladders, strict=True):
@@ -186,21 +215,10 @@ class _Slot:
                 "is not loaded; warm it up (kernel-cache warmup with this --slot)"
             )
         args = []
-        for i, (t, (name, rank, dtype, fixed, on_axis, pad)) in enumerate(
+        for i, (t, (name, _, dtype, _, on_axis, pad)) in enumerate(
             zip(inputs, self.checks, strict=True)
         ):
             shape = t.shape
-            if len(shape) != rank or t.dtype != dtype or t.device.type != self.device.type:
-                raise ShapeError(
-                    f"slot {self.name!r}: input {name!r} is {list(shape)} {t.dtype} on "
-                    f"{t.device}; declared {list(self.spec.inputs[i].shape)} "
-                    f"{self.spec.inputs[i].dtype} on {self.device}"
-                )
-            for d, size in fixed:
-                if shape[d] != size:
-                    raise ShapeError(
-                        f"slot {self.name!r}: input {name!r} dim {d} is {shape[d]}, declared {size}"
-                    )
             exact = True
             for d, a in on_axis:
                 if shape[d] != sizes[a]:

@@ -105,6 +105,8 @@ def test_a_full_contiguous_bucket_is_passed_as_is(slots):
         ((torch.ones(3, 4), torch.ones(3, 1)), "input 'table' is [3, 1] torch.float32"),
         ((torch.ones(9, 4), torch.ones(9, 1, dtype=torch.int32)), "9 along decode_seqs is outside"),
         ((torch.ones(3, 4),), "takes 2 inputs (x, table), got 1"),
+        ((torch.ones(3), torch.ones(3, 1, dtype=torch.int32)), "input 'x' is [3] torch.float32"),
+        (([1.0] * 4, torch.ones(1, 1, dtype=torch.int32)), "input 'x' is a list; declared"),
     ],
 )
 def test_a_call_that_breaks_the_spec_is_refused_naming_the_input(slots, inputs, says):
