@@ -16,8 +16,10 @@ captured in a CUDA graph (warm each variant up outside the capture first).
 Weights: the artifact takes the module's parameters and buffers as inputs
 (:mod:`kernel_cache.kernels.declared`). ``bind`` checks a module or a state
 dict once against the names, shapes and dtypes the entries recorded
-(``slot_params``) and keeps the tensors; ``call(..., weights=...)`` checks and
-uses others for one call.
+(``slot_params``) and keeps the tensors; ``prepare`` checks them once and
+returns them for ``call(..., weights=...)`` (one set per layer of a model
+whose layers share the slot); a module or state dict passed there is checked
+at that call.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ def _ladder(bucketer: Bucketer, axis: str) -> tuple[int, ...]:
         "kv_blocks": bucketer.num_blocks_buckets,
         "decode_seqs": bucketer.num_seqs_buckets,
     }[axis]
+
+
+class Weights:
+    """A declared slot's weights, checked once (:meth:`DeclaredSlots.prepare`):
+    pass it as ``call(..., weights=...)`` to run one checkpoint of several (one
+    decoder layer's MLP of many) with no check per call."""
+
+    __slots__ = ("slot", "state")
+
+    def __init__(self, slot: str, state: tuple):
+        self.slot = slot
+        self.state = state
 
 
 class _Slot:
@@ -282,11 +296,19 @@ class DeclaredSlots:
         s = self._get(slot)
         s.state = s.check_state(weights)
 
+    def prepare(self, slot: str, weights) -> Weights:
+        """``weights`` checked as :meth:`bind` checks them, returned for
+        ``call(..., weights=...)`` instead of kept (one per layer of a model
+        whose layers share the slot)."""
+        s = self._get(slot)
+        return Weights(slot, s.check_state(weights))
+
     def call(self, slot: str, *inputs, weights=None):
         """Run declared slot ``slot`` on ``inputs`` (the declared inputs, in order;
         sizes along bucket axes at most the plan's limits). ``weights``: for
-        this call only, checked as :meth:`bind` checks them (else the bound
-        ones). Returns the output, its rows past the real size sliced off
+        this call only, a :class:`Weights` from :meth:`prepare` (checked
+        already), or a module or state dict checked as :meth:`bind` checks
+        them; None: the bound ones. Returns the output, its rows past the real size sliced off
         (``output_rows``).
 
         Raises:
@@ -294,7 +316,12 @@ class DeclaredSlots:
                 match the spec or is beyond the buckets, a variant not loaded.
         """
         s = self._get(slot)
-        state = s.state if weights is None else s.check_state(weights)
+        if weights is None:
+            state = s.state
+        elif type(weights) is Weights and weights.slot == slot:
+            state = weights.state
+        else:
+            state = s.check_state(weights)
         if state is None:
             raise ShapeError(
                 f"slot {slot!r}: no weights; runtime.bind({slot!r}, module_or_state_dict) "

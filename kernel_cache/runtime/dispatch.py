@@ -469,11 +469,22 @@ class AttentionRuntime(InputChecks):
         """
         self.declared.bind(slot, weights)
 
+    def prepare(self, slot: str, weights):
+        """Check ``weights`` of declared slot ``slot`` once, as :meth:`bind` does,
+        and return them for ``call(slot, ..., weights=...)``: one set per layer
+        of a model whose layers share one slot, with no check per call.
+
+        Raises:
+            ShapeError: as :meth:`bind`.
+        """
+        return self.declared.prepare(slot, weights)
+
     def call(self, slot: str, *inputs, weights=None):
         """Run declared slot ``slot`` (``config.slots``) on its declared ``inputs``:
         picks the bucket from their host-side shapes, pads into reused buffers,
-        runs the loaded artifact with the bound weights (or ``weights``, checked
-        for this call) and returns the output's real rows. Never compiles.
+        runs the loaded artifact with the bound weights (or ``weights``: from
+        :meth:`prepare`, or a module or state dict checked at this call) and
+        returns the output's real rows. Never compiles.
 
         Raises:
             ShapeError: an unknown slot, no weights, an input that does not match

@@ -183,3 +183,14 @@ def test_a_bad_factory_is_a_compile_error_naming_the_slot(tiny_model, change, sa
         export_declared(cfg.slot("probe"), v)
     factory = change.get("factory", SPEC["factory"])
     assert f"slot probe={factory}: " in str(e.value) and says in str(e.value)
+
+
+def test_prepared_weights_run_one_checkpoint_of_several_without_rebinding(slots):
+    ds, _, mod = slots
+    ds.bind("probe", mod)
+    layer2 = ds.prepare("probe", {"w": torch.full((4,), 3.0)})
+    x, table = torch.ones(4, 4), torch.zeros(4, 1, dtype=torch.int32)
+    assert torch.equal(ds.call("probe", x, table, weights=layer2), x * 3)
+    assert torch.equal(ds.call("probe", x, table), x * 2)  # the bound ones are unchanged
+    with pytest.raises(ShapeError, match="parameter 'w' is \\[2\\]"):
+        ds.prepare("probe", {"w": torch.ones(2)})
