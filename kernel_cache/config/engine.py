@@ -26,6 +26,8 @@ from pydantic import (
 from kernel_cache.config import settings
 from kernel_cache.config.kernel_paths import builtin_path, normalize
 from kernel_cache.config.recipe import DEFAULT_CPU_TARGET
+from kernel_cache.config.slot_spec import SlotSpec, check_axes
+from kernel_cache.config.slot_spec import explain as explain_slot
 from kernel_cache.errors import ConfigError
 
 #: dtypes a variant can be compiled for. ``float32`` is the CPU default,
@@ -186,6 +188,12 @@ class EngineConfig(BaseModel):
         "module:Factory (repeatable; slots: paged_attention, batched_decode; see "
         "kernel_cache.kernels.slots); the other slots keep the built-in kernels",
     )
+    slots: tuple[SlotSpec, ...] = Field(
+        (),
+        description="a slot the engine declares beside attention, as a JSON object or "
+        "@FILE of JSON (an object or a list; repeatable): name, factory, args, inputs, "
+        "output_rows (docs/custom_kernels.md)",
+    )
 
     @field_validator(
         "num_heads",
@@ -217,6 +225,26 @@ class EngineConfig(BaseModel):
         device = info.data.get("device", "cpu")
         return tuple((s, p) for s, p in pairs if p != builtin_path(s, device))
 
+    @field_validator("slots", mode="before")
+    @classmethod
+    def _slots(cls, v):
+        """Specs (or their JSON-ready dicts) sorted by name; a name given twice
+        with different specs is refused."""
+        if v is None:
+            return ()
+        if isinstance(v, (SlotSpec, dict)):
+            v = (v,)
+        out: dict[str, SlotSpec] = {}
+        for item in v:
+            try:
+                spec = item if isinstance(item, SlotSpec) else SlotSpec.model_validate(item)
+            except ValidationError as e:
+                raise ValueError(explain_slot(e)) from None
+            if out.get(spec.name, spec) != spec:
+                raise ValueError(f"slot {spec.name!r} declared twice with different specs")
+            out[spec.name] = spec
+        return tuple(out[n] for n in sorted(out))
+
     @field_validator("kv_dense_cap")
     @classmethod
     def _cap(cls, v: int):
@@ -233,6 +261,35 @@ class EngineConfig(BaseModel):
                 f"{[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _slot_axes(self):
+        for spec in self.slots:
+            try:
+                check_axes(spec, self.empty_axes())
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        return self
+
+    def empty_axes(self) -> dict[str, str]:
+        """``{axis: why the plan has no buckets on it, and the fix}`` for each
+        bucket axis of :data:`~kernel_cache.config.slot_spec.AXES` this config
+        leaves empty (only ``decode_seqs`` can be: the plan then decodes one
+        sequence at a time)."""
+        if self.num_seqs_buckets is None and self.max_num_seqs < self.min_batched_seqs:
+            return {
+                "decode_seqs": f"max_num_seqs={self.max_num_seqs} is below min_batched_seqs="
+                f"{self.min_batched_seqs}; fix: --min-batched-seqs {self.max_num_seqs} or "
+                "--num-seqs-buckets, or declare the dimension fixed, dynamic or on another axis"
+            }
+        return {}
+
+    def slot(self, name: str) -> SlotSpec | None:
+        """The declared slot ``name``, or None."""
+        for spec in self.slots:
+            if spec.name == name:
+                return spec
+        return None
 
     @property
     def max_blocks(self) -> int:
@@ -397,8 +454,8 @@ ENGINE_OPTION_FIELDS = tuple(f for f in EngineConfig.model_fields if f not in GE
 
 
 #: Fields whose flag is not the field's name: ``kernels`` is ``--kernel
-#: SLOT=PATH``, once per slot.
-_FLAGS = {"kernels": "--kernel"}
+#: SLOT=PATH``, once per slot; ``slots`` is ``--slot JSON|@FILE``, repeatable.
+_FLAGS = {"kernels": "--kernel", "slots": "--slot"}
 
 
 def option_flag(field: str) -> str:
@@ -420,6 +477,12 @@ def config_to_cli(config: EngineConfig, cache_dir=None) -> str:
             continue  # auto is the default on every device: left out, as before the option
         if field == "kernels":
             parts += [f"{option_flag(field)} {shlex.quote(f'{k}={p}')}" for k, p in value]
+            continue
+        if field == "slots":
+            parts += [
+                f"{option_flag(field)} {shlex.quote(s.model_dump_json(exclude_defaults=True))}"
+                for s in value
+            ]
             continue
         if isinstance(value, tuple):
             value = ",".join(map(str, value))

@@ -220,7 +220,11 @@ def builtin_paths() -> frozenset[str]:
 
 def kernel_path(config, slot: str) -> str:
     """The import path ``config`` uses for ``slot``: its ``kernels`` entry
-    (entry-point names resolved) or the slot's built-in factory on ``config.device``."""
+    (entry-point names resolved) or the slot's built-in factory on ``config.device``;
+    for a slot ``config`` declares (``config.slots``), the spec's factory."""
+    spec = config.slot(slot) if hasattr(config, "slot") else None
+    if spec is not None:
+        return resolved_path(slot, spec.factory)
     configured = dict(getattr(config, "kernels", ()) or ()).get(slot)
     return resolved_path(slot, configured, getattr(config, "device", "cpu"))
 

@@ -30,9 +30,9 @@ import hashlib
 import json
 import logging
 import math
-from typing import Literal
+import re
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from kernel_cache.config.engine import (  # noqa: F401 - re-exported: overrides are parsed with the config
     ENV_KV_BUCKETS,
@@ -51,20 +51,34 @@ BATCHED_DECODE = "batched_decode"
 KERNELS = (PAGED_ATTENTION, BATCHED_DECODE)
 
 
+#: A kernel name: a built-in slot or a declared one (a lower-case identifier).
+_KERNEL_RE = re.compile(r"[a-z_][a-z0-9_]*")
+
+
 class KernelVariant(BaseModel):
     """One compiled kernel: a kernel name and its static bucket shape.
 
     ``query_len`` is in tokens, ``num_blocks`` in KV blocks, ``num_seqs`` in
     sequences. ``paged_attention`` variants have ``num_seqs == 1``;
-    ``batched_decode`` variants have ``query_len == 1``.
+    ``batched_decode`` variants have ``query_len == 1``. A declared slot's
+    variant (``kernel`` is the slot's name,
+    :class:`~kernel_cache.config.slot_spec.SlotSpec`) has the bucket of each
+    axis its inputs follow and 0 on the others (``mlp:512:0:0``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kernel: Literal["paged_attention", "batched_decode"]
+    kernel: str
     query_len: int
     num_blocks: int
     num_seqs: int
+
+    @field_validator("kernel")
+    @classmethod
+    def _kernel(cls, v: str) -> str:
+        if not _KERNEL_RE.fullmatch(v):
+            raise ValueError(f"kernel {v!r}: expected a slot name (a lower-case identifier)")
+        return v
 
     def __str__(self) -> str:
         return f"{self.kernel}:{self.query_len}:{self.num_blocks}:{self.num_seqs}"
@@ -77,10 +91,10 @@ class KernelVariant(BaseModel):
             ConfigError: another form; the message names ``flag``.
         """
         parts = text.split(":")
-        if len(parts) != 4 or parts[0] not in KERNELS:
+        if len(parts) != 4 or not _KERNEL_RE.fullmatch(parts[0]):
             raise ConfigError(
                 f"{flag} {text!r}: expected KERNEL:QUERY:BLOCKS:SEQS with KERNEL one of "
-                f"{', '.join(KERNELS)}, e.g. batched_decode:1:8:4"
+                f"{', '.join(KERNELS)} or a declared slot, e.g. batched_decode:1:8:4"
             )
         try:
             q, b, s = (int(x) for x in parts[1:])
@@ -218,7 +232,31 @@ class Bucketer:
                 out.append(
                     KernelVariant(kernel=BATCHED_DECODE, query_len=1, num_blocks=nb, num_seqs=s)
                 )
+        for spec in self.config.slots:
+            out += self.slot_variants(spec)
         return tuple(out)
+
+    def slot_variants(self, spec) -> list[KernelVariant]:
+        """The variants of declared slot ``spec``: one per bucket of each axis its
+        inputs follow (the product over several), 0 on the axes it does not."""
+        ladders = {
+            "query_tokens": self.query_buckets,
+            "kv_blocks": self.num_blocks_buckets,
+            "decode_seqs": self.num_seqs_buckets,
+        }
+        used = spec.axes()
+        combos: list[dict[str, int]] = [{}]
+        for axis in used:
+            combos = [{**c, axis: b} for c in combos for b in ladders[axis]]
+        return [
+            KernelVariant(
+                kernel=spec.name,
+                query_len=c.get("query_tokens", 0),
+                num_blocks=c.get("kv_blocks", 0),
+                num_seqs=c.get("decode_seqs", 0),
+            )
+            for c in combos
+        ]
 
     @property
     def variants(self) -> tuple[KernelVariant, ...]:
@@ -268,14 +306,23 @@ class Bucketer:
             "fingerprint": self.fingerprint(),
         }
 
+    def _unchanged(self) -> set[str] | None:
+        """Fields left out of the fingerprint at their defaults: ``kv_cache_dtype``
+        auto and no declared ``slots`` keep a plan's fingerprint what it was
+        before the options existed."""
+        out = set()
+        if not self.config.kv_fp8:
+            out.add("kv_cache_dtype")
+        if not self.config.slots:
+            out.add("slots")
+        return out or None
+
     def fingerprint(self) -> str:
         """sha256 (hex, 16 chars) over the config and the ladders it produced."""
         doc = {
             # kv_cache_dtype auto is left out: a plan's fingerprint is what it was
             # before the option existed
-            "config": self.config.model_dump(
-                mode="json", exclude={"kv_cache_dtype"} if not self.config.kv_fp8 else None
-            ),
+            "config": self.config.model_dump(mode="json", exclude=self._unchanged()),
             "num_blocks_buckets": self.num_blocks_buckets,
             "query_buckets": self.query_buckets,
             "num_seqs_buckets": self.num_seqs_buckets,

@@ -379,6 +379,12 @@ def dtype_component(config: EngineConfig) -> str:
     return f"{config.dtype} kv_cache_dtype={config.kv_cache_dtype}"
 
 
+def slot_dtype_component(spec) -> str:
+    """The ``dtype`` component of a declared slot's variant: its inputs' dtypes in
+    order (``"x=float32"``); the plan's model dtype does not shape its code."""
+    return " ".join(f"{i.name}={i.dtype}" for i in spec.inputs)
+
+
 def build_key(
     config: EngineConfig,
     variant: KernelVariant,
@@ -401,14 +407,19 @@ def build_key(
         launch = launch_for(config, variant, env["device_arch"])
     opts = recipe_options(config) if compile_options is None else compile_options
     kernel = kernel_path(config, variant.kernel)
+    spec = config.slot(variant.kernel)
+    if spec is not None:  # a declared slot: its input spec in place of attention's geometry
+        geometry, dtype = spec.key_json(), slot_dtype_component(spec)
+    else:
+        geometry, dtype = json.dumps(config.geometry(), sort_keys=True), dtype_component(config)
     values = {
         "format": ARTIFACT_FORMAT,
         "sources": sources_component(kernel=kernel, slot=variant.kernel),
         "variant": str(variant),
         "kernel": kernel,
         "launch_config": json.dumps(launch, sort_keys=True, separators=(",", ":")),
-        "geometry": json.dumps(config.geometry(), sort_keys=True),
-        "dtype": dtype_component(config),
+        "geometry": geometry,
+        "dtype": dtype,
         **env,
         "compile_options": json.dumps(opts, sort_keys=True),
     }

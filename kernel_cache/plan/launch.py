@@ -128,7 +128,10 @@ def default_launch(
 
 def variant_defaults(config: EngineConfig, variant: KernelVariant) -> dict[str, int]:
     """:func:`default_launch` for ``variant`` of ``config``'s plan (its device,
-    batch bucket, KV heads and block size)."""
+    batch bucket, KV heads and block size); ``{}`` for a declared slot's variant
+    (a declared slot has no launch parameters)."""
+    if variant.kernel not in SLOTS:
+        return {}
     return default_launch(
         variant.kernel,
         variant.num_blocks,
@@ -220,7 +223,10 @@ class Resolver:
 
     def resolve(self, config: EngineConfig, variant: KernelVariant, device_arch: str) -> Resolved:
         """Raises ConfigError: on CUDA, an entry setting ``blocks_per_chunk``
-        (the Triton kernel does not take it)."""
+        (the Triton kernel does not take it). A declared slot's variant: no
+        launch parameters (``{}``, ``default``)."""
+        if variant.kernel not in SLOTS:
+            return Resolved({}, DEFAULT)
         key = variant_lookup_key(config, variant)
         found = None
         if self.override is not None:

@@ -24,6 +24,7 @@ from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer,
 from kernel_cache.runtime.buffers import RING, VariantSlot, mapped_pinned_reads
 from kernel_cache.runtime.checks import InputChecks
 from kernel_cache.runtime.compiles import CompileCounter
+from kernel_cache.runtime.declared import DeclaredSlots
 from kernel_cache.torch_compat import stream_capture_query
 
 #: torch.cuda.is_current_stream_capturing without its Python frame (hot path);
@@ -67,6 +68,7 @@ class AttentionRuntime(InputChecks):
         sources: dict[str, int] | None = None,
         build_only_accepted: dict[str, dict] | None = None,
         launch: dict | None = None,
+        slot_params: dict | None = None,
     ):
         self.config = config
         self._compile_counter = compile_counter or CompileCounter()
@@ -107,6 +109,8 @@ class AttentionRuntime(InputChecks):
         #: H200 machine); False copies the row to the device first. Applies to
         #: variants not called yet.
         self.map_pinned_lengths = self._device.type == "cuda" and mapped_pinned_reads(self._device)
+        #: The declared slots (:mod:`kernel_cache.runtime.declared`): :meth:`call`, :meth:`bind`.
+        self.declared = DeclaredSlots(config, bucketer, runners, dict(slot_params or {}))
 
     @property
     def variants(self) -> tuple[KernelVariant, ...]:
@@ -117,6 +121,7 @@ class AttentionRuntime(InputChecks):
         """``{"loads", "calls": Counter(variant -> calls), "compiles", "dynamo_graphs",
         "compile_stack_imported"}`` (a snapshot; the class docstring says what each counts)."""
         calls = Counter({s.variant: s.calls for s in self._slots.values() if s.calls})
+        calls.update(self.declared.calls())
         return {"loads": len(self._runners), "calls": calls, **self._compile_counter.read()}
 
     @staticmethod
@@ -451,6 +456,42 @@ class AttentionRuntime(InputChecks):
             for i, n in enumerate(lens)
         ]
         return torch.cat(outs, dim=0)
+
+    # -- declared slots ------------------------------------------------------
+    def bind(self, slot: str, weights) -> None:
+        """Bind the weights of declared slot ``slot``: its ``torch.nn.Module`` or a
+        state dict, checked once against the parameters and buffers (names,
+        shapes, dtypes) its entries recorded, then used by every :meth:`call`.
+
+        Raises:
+            ShapeError: an unknown slot, or a parameter missing, unexpected or of
+                another shape, dtype or device (names it and the fix).
+        """
+        self.declared.bind(slot, weights)
+
+    def prepare(self, slot: str, weights):
+        """Check ``weights`` of declared slot ``slot`` once, as :meth:`bind` does,
+        and return them for ``call(slot, ..., weights=...)``: one set per layer
+        of a model whose layers share one slot, with no check per call.
+
+        Raises:
+            ShapeError: as :meth:`bind`.
+        """
+        return self.declared.prepare(slot, weights)
+
+    def call(self, slot: str, *inputs, weights=None):
+        """Run declared slot ``slot`` (``config.slots``) on its declared ``inputs``:
+        picks the bucket from their host-side shapes, pads into reused buffers,
+        runs the loaded artifact with the bound weights (or ``weights``: from
+        :meth:`prepare`, or a module or state dict checked at this call) and
+        returns the output's real rows. Never compiles.
+
+        Raises:
+            ShapeError: an unknown slot, no weights, an input that does not match
+                the declared spec or is beyond the plan's buckets, or a variant not
+                loaded (:mod:`kernel_cache.runtime.declared`).
+        """
+        return self.declared.call(slot, *inputs, weights=weights)
 
     def stats(self) -> dict:
         """Counters as JSON-ready data."""

@@ -92,3 +92,58 @@ def make_inputs(
         query = torch.randn(s, h, d, generator=g).to(dt)
         args = (query, kc, vc, bt, seq_lens)
     return tuple(a.to(device) for a in (*args, *scales))
+
+
+def slot_dims(spec, variant: KernelVariant) -> dict:
+    """``{dimension entry: size}`` of declared slot ``spec`` at ``variant``: each
+    bucket axis its bucket (``query_tokens`` -> ``query_len``, ``kv_blocks`` ->
+    ``num_blocks``, ``decode_seqs`` -> ``num_seqs``)."""
+    return {
+        "query_tokens": variant.query_len,
+        "kv_blocks": variant.num_blocks,
+        "decode_seqs": variant.num_seqs,
+    }
+
+
+def make_slot_inputs(spec, variant: KernelVariant, *, seed: int = 0, device: str = "cpu"):
+    """Random inputs of declared slot ``spec`` at ``variant``'s buckets (for
+    export): every bucket dimension at its bucket, fixed ones as declared, each
+    dynamic size (one per ``dynamic:NAME``) larger than every static dimension
+    and distinct from them and from the other dynamic sizes, so that
+    ``torch.export`` keeps it dynamic. Floats are standard normal, integers in
+    ``[0, 4)``, bools random.
+
+    Returns: ``(inputs, {dynamic name: example size})``.
+    """
+    import torch
+
+    from kernel_cache.config.slot_spec import torch_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    axes = slot_dims(spec, variant)
+    static = {d if isinstance(d, int) else axes.get(d, 0) for i in spec.inputs for d in i.shape}
+    dyn: dict[str, int] = {}
+    out = []
+    for inp in spec.inputs:
+        names = iter(inp.dynamic_names())
+        shape = []
+        for d in inp.shape:
+            if isinstance(d, int):
+                shape.append(d)
+            elif d in axes:
+                shape.append(axes[d])
+            else:
+                name = next(names)
+                if name not in dyn:
+                    size = max(static | set(dyn.values()) | {1}) + 3
+                    dyn[name] = size
+                shape.append(dyn[name])
+        dtype = torch_dtype(inp.dtype)
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            t = torch.randint(0, 2, shape, generator=g).bool()
+        else:
+            t = torch.randint(0, 4, shape, generator=g, dtype=dtype)
+        out.append(t.to(device))
+    return tuple(out), dyn

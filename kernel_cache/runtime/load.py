@@ -254,6 +254,7 @@ def load_plan(
         sources=found.sources,
         build_only_accepted=found.accepted,
         launch={i.variant: i.launch for i in plan},
+        slot_params=found.slot_params,
     )
     _log_accepted(found.accepted)
     log.info(
@@ -279,6 +280,8 @@ class _Found:
     sources: Counter = field(default_factory=Counter)
     accepted: dict = field(default_factory=dict)
     hits: dict[int, list[str]] = field(default_factory=dict)
+    #: ``{variant: [[name, shape, dtype], ...]}`` a declared slot's entries record.
+    slot_params: dict = field(default_factory=dict)
 
 
 def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
@@ -308,6 +311,8 @@ def _find_plan(plan: Plan, lookup, cache_dir) -> _Found:
         entry = hit.entry
         check_cpu_features(config, v, entry)
         out.runners[v] = load_package(entry.data, config.device, entry.where, entry.key)
+        if config.slot(v.kernel) is not None:
+            out.slot_params[v] = entry.meta.get("slot_params")
         out.sources[hit.tier.location] += 1
         out.hits.setdefault(id(hit.tier), []).append(entry.key)
         merge_accepted(out.accepted, hit.accepted)

@@ -165,6 +165,18 @@ def test_every_engine_field_has_a_flag_and_the_repair_command_round_trips():
         num_seqs_buckets=(2, 16),
         cpu_target="native",
         kernels={"batched_decode": "pkg.mod:Decode", "paged_attention": "pkg.mod:Prefill"},
+        slots=[
+            {
+                "name": "mlp",
+                "factory": "pkg.mod:Mlp",
+                "args": {"hidden": 64, "act": "silu"},
+                "inputs": [
+                    {"name": "x", "shape": ["decode_seqs", 64], "dtype": "bfloat16", "pad": 1.5},
+                    {"name": "pool", "shape": ["dynamic:pool", 4], "dtype": "int32"},
+                ],
+                "output_rows": "decode_seqs",
+            }
+        ],
         use_env=False,
     )
     defaults = EngineConfig.model_fields

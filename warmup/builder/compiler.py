@@ -186,12 +186,18 @@ def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> 
         )
 
 
-def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | None = None):
+def export_variant(
+    config: EngineConfig, variant: KernelVariant, launch: dict | None = None, info=None
+):
     """``torch.export`` the variant's kernel with its bucket dimensions static and
     ``num_pool_blocks`` (dim 0 of the KV caches) dynamic. ``launch``: the
-    variant's launch config (None: the kernel's defaults)."""
+    variant's launch config (None: the kernel's defaults). A declared slot's
+    variant: :func:`export_declared` (``info`` receives its ``slot_params``)."""
     import torch
 
+    spec = config.slot(variant.kernel)
+    if spec is not None:
+        return export_declared(spec, variant, info, device=config.device)
     mod = module_for(config, variant, launch)
     args = make_inputs(config, variant, seed=0)
     impl = dict(config.kernels).get(variant.kernel)
@@ -204,8 +210,74 @@ def export_variant(config: EngineConfig, variant: KernelVariant, launch: dict | 
     return torch.export.export(mod, args, dynamic_shapes=tuple(dyn), strict=False)
 
 
+def export_declared(spec, variant: KernelVariant, info: dict | None = None, device: str = "cpu"):
+    """``torch.export`` declared slot ``spec`` at ``variant``: the factory's module
+    wrapped so that its parameters and buffers are the leading inputs
+    (:func:`kernel_cache.kernels.declared.weights_as_inputs`), every bucket and
+    fixed dimension static, each ``dynamic:NAME`` one dynamic dimension.
+    ``info`` (a dict, if given) receives ``slot_params``: the state's
+    ``[name, shape, dtype]`` list, recorded in the entry. The module and its
+    example inputs are on ``device`` (the plan's).
+
+    Raises:
+        CompileError: the factory fails, or the module's eager output is not one
+            tensor whose dim 0 is the ``output_rows`` bucket (names the slot).
+    """
+    import torch
+
+    from kernel_cache.kernels.declared import (
+        build_declared,
+        example_state,
+        state_spec,
+        weights_as_inputs,
+    )
+    from kernel_cache.runtime.inputs import make_slot_inputs, slot_dims
+
+    mod = build_declared(spec).to(device)
+    args, dyn_sizes = make_slot_inputs(spec, variant, device=device)
+    where = f"slot {spec.name}={spec.factory}"
+    try:
+        with torch.no_grad():
+            out = mod(*args)
+    except Exception as e:
+        first = " ".join(str(e).strip().splitlines()[:3])
+        shown = [
+            f"{i.name} {list(a.shape)} {a.dtype}" for i, a in zip(spec.inputs, args, strict=True)
+        ]
+        raise CompileError(
+            f"{where}: forward failed on example inputs {shown}: {type(e).__name__}: {first}"
+        ) from None
+    if not isinstance(out, torch.Tensor):
+        raise CompileError(f"{where}: forward returned a {type(out).__name__}, not one tensor")
+    rows = slot_dims(spec, variant).get(spec.output_rows) if spec.output_rows else None
+    if rows is not None and (out.dim() == 0 or out.shape[0] != rows):
+        raise CompileError(
+            f"{where}: output_rows={spec.output_rows}: the output's dim 0 must be the "
+            f"bucket, {rows}; forward returned {list(out.shape)}"
+        )
+    dims = {n: torch.export.Dim(n, min=1, max=2**31 - 1) for n in dyn_sizes}
+    state = example_state(mod)
+    dyn: list = [None] * len(state)
+    for inp in spec.inputs:
+        names = iter(inp.dynamic_names())
+        spec_dims = {
+            i: dims[next(names)]
+            for i, d in enumerate(inp.shape)
+            if isinstance(d, str) and d.startswith("dynamic")
+        }
+        dyn.append(spec_dims or None)
+    if info is not None:
+        info["slot_params"] = state_spec(mod)
+    wrapper = weights_as_inputs(mod)
+    shapes = (tuple(dyn),) if dims else None  # forward(*args): one entry, the varargs
+    return torch.export.export(wrapper, (*state, *args), dynamic_shapes=shapes, strict=False)
+
+
 def _impl(config: EngineConfig, variant: KernelVariant) -> str:
     """`` (kernel batched_decode=pkg.mod:Factory)`` for an engine's kernel, else ``""``."""
+    spec = config.slot(variant.kernel)
+    if spec is not None:
+        return f" (slot {spec.name}={spec.factory})"
     impl = dict(config.kernels).get(variant.kernel)
     return f" (kernel {variant.kernel}={impl})" if impl else ""
 
@@ -241,6 +313,7 @@ def compile_variant(
     variant: KernelVariant,
     launch: dict | None = None,
     pch_dir: str | None = None,
+    info: dict | None = None,
 ) -> tuple[bytes, dict, Manifest]:
     """Export and AOT-compile ``variant`` exactly as its key says: under the
     recipe's pinned environment (:func:`pin_environment`, applied here, a no-op
@@ -254,6 +327,8 @@ def compile_variant(
     :func:`kernel_cache.plan.launch.resolve_plan`); None resolves it here.
     ``pch_dir``: the folder of the precompiled headers, kept for later compiles
     (:func:`warmup.builder.normalize.build_paths_mapped`; None: this compile's own).
+    ``info``: a dict that receives what the entry records besides the timings
+    (a declared slot's ``slot_params``: :func:`export_declared`).
 
     Returns:
         (bytes of the ``.pt2`` package, {"export_s", "compile_s", "total_s"} in
@@ -273,7 +348,7 @@ def compile_variant(
     _check_vec_isa(config, opts, pch_dir)
     window = RunRecorder(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(
-        config, variant, opts, launch, window=window, pch_dir=pch_dir
+        config, variant, opts, launch, window=window, pch_dir=pch_dir, info=info
     )
     manifest = window.manifest()  # refuses traced code from stale bytecode
     stale = traced_files.stale_loaded_modules()
@@ -319,11 +394,12 @@ def compile_with_options(
     *,
     window: RunRecorder | None = None,
     pch_dir: str | None = None,
+    info: dict | None = None,
 ) -> tuple[bytes, dict]:
     """:func:`compile_variant` with other Inductor ``options`` and the caller's
     environment: for benchmarks comparing options, never for the cache (the key
     would not describe the artifact). ``window``: a :class:`RunRecorder` the
-    kernel is built and exported in; ``pch_dir``: as :func:`compile_variant`'s.
+    kernel is built and exported in; ``pch_dir``, ``info``: as :func:`compile_variant`'s.
 
     Raises:
         CompileError: as :func:`compile_variant`, or the kernel's code changed
@@ -345,7 +421,7 @@ def compile_with_options(
         march = opts.pop("cpp.march")  # torch < 2.13: set through the builder's flags
     if launch is None:
         launch = launch_for(config, variant, device_arch(config.device, config.cpu_target))
-    return _export_and_compile(config, variant, opts, launch, march, window, pch_dir)
+    return _export_and_compile(config, variant, opts, launch, march, window, pch_dir, info)
 
 
 #: torch's process-global settings a compile reads (Inductor's configuration
@@ -375,7 +451,7 @@ def _config_changes(before: dict) -> list[str]:
     return changed
 
 
-def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
+def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, info=None):
     """The export (in ``window``) and the AOTInductor compile of
     :func:`compile_with_options`."""
     import torch
@@ -385,7 +461,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir):
     before = _global_configs()
     try:
         with window or contextlib.nullcontext():
-            ep = export_variant(config, variant, launch)
+            ep = export_variant(config, variant, launch, info)
     except CompileError as e:  # the engine's kernel broke the slot's contract
         raise CompileError(f"{variant}: {e}") from None
     except Exception as e:

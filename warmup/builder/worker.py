@@ -294,9 +294,10 @@ def _compile(
     from warmup.builder.compiler import compile_variant, required_cpu_features
 
     res.compiler_ran = True
-    data, timings, traced = compile_variant(config, variant, launch=launch, pch_dir=pch)
+    info: dict = {}
+    data, timings, traced = compile_variant(config, variant, launch=launch, pch_dir=pch, info=info)
     res.timings = timings
-    extra = {"timings": timings, "kernel": key.as_dict()["kernel"]}
+    extra = {"timings": timings, "kernel": key.as_dict()["kernel"], **info}
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
     extra["cpu_features"] = required_cpu_features(config)
     meta = make_meta(

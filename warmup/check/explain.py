@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kernel_cache.errors import ShapeError, shown
-from kernel_cache.plan.buckets import PAGED_ATTENTION, Bucketer, KernelVariant
+from kernel_cache.errors import ConfigError, ShapeError, shown
+from kernel_cache.plan.buckets import KERNELS, PAGED_ATTENTION, Bucketer, KernelVariant
 from kernel_cache.plan.keys import BUILD_ONLY, COMPONENTS, source_changes
 from kernel_cache.plan.plan import Plan
 from kernel_cache.store.disk_tier import Tier
@@ -112,6 +112,13 @@ def explain(
     [...], "lines": ["torch: a != b"]}]}]}``
     """
     plan = Plan.build(config, log_launch=False)
+    known = (*KERNELS, *(spec.name for spec in config.slots))
+    for v in variants or ():
+        if v.kernel not in known:
+            raise ConfigError(
+                f"--variant {v}: no kernel {v.kernel!r} in this plan; its kernels: "
+                f"{', '.join(known)} (a declared slot needs its --slot)"
+            )
     items = list(plan) if variants is None else plan.items_for(variants)
     lookup = Lookup(tiers)
     stored = None  # read at the first miss only: a plan that hits sends no listing
@@ -189,10 +196,34 @@ def _blocks(n: int, block_size: int) -> str:
     return f"{n} block{'s' if n != 1 else ''} of {block_size} tokens"
 
 
+def _slot_not_in_plan(bucketer: Bucketer, spec, v: KernelVariant) -> str:
+    """:func:`not_in_plan` for a declared slot's variant: which field is not a
+    bucket of an axis the slot follows, or is not 0 for one it does not."""
+    fields = {
+        "query_tokens": ("query_len", v.query_len, bucketer.query_buckets),
+        "kv_blocks": ("num_blocks", v.num_blocks, bucketer.num_blocks_buckets),
+        "decode_seqs": ("num_seqs", v.num_seqs, bucketer.num_seqs_buckets),
+    }
+    why = []
+    for axis, (name, value, buckets) in fields.items():
+        if axis in spec.axes() and value not in buckets:
+            listed = ", ".join(map(str, buckets))
+            why.append(f"{name} {value} is not a {axis} bucket of this plan ({listed})")
+        elif axis not in spec.axes() and value != 0:
+            why.append(f"{v.kernel} follows no {axis} axis, so its {name} is 0")
+    return (
+        f"not in the plan: {'; '.join(why)}; warmup never builds it and engine start never "
+        "loads it (the plan's variants: kernel-cache plan)"
+    )
+
+
 def not_in_plan(bucketer: Bucketer, v: KernelVariant) -> str:
     """Why ``v`` is not a variant of the plan, and what dispatch runs instead:
     ``"not in the plan: num_blocks 5 is not a KV bucket of this plan (1, 2, 3, 4,
     6, 8); ...; dispatch runs that shape as batched_decode:1:6:4 ..."``."""
+    spec = bucketer.config.slot(v.kernel)
+    if spec is not None:
+        return _slot_not_in_plan(bucketer, spec, v)
     bs = bucketer.block_size
     prefill = v.kernel == PAGED_ATTENTION
     fixed = ("num_seqs", v.num_seqs) if prefill else ("query_len", v.query_len)

@@ -214,7 +214,10 @@ def _empty_report(plan: Plan) -> dict:
         "source_kinds": {},
         "build_only_accepted": {},
         "launch": plan.describe_launch(),
-        "kernels": {slot: kernel_path(plan.config, slot) for slot in SLOTS},
+        "kernels": {
+            slot: kernel_path(plan.config, slot)
+            for slot in (*SLOTS, *(s.name for s in plan.config.slots))
+        },
     }
 
 
@@ -328,11 +331,46 @@ class _Oracle:
         with torch.no_grad():
             return self.modules[mk](*args)
 
+    def _declared(self, spec):
+        """The eager module of declared slot ``spec`` (built once) and its state."""
+        from kernel_cache.kernels.declared import build_declared, example_state
+
+        if spec.name not in self.modules:
+            mod = build_declared(spec).to(self.config.device)
+            self.modules[spec.name] = (mod, example_state(mod))
+        return self.modules[spec.name]
+
+    def check_declared(self, spec, item: PlanItem, runner) -> tuple[float, list[dict]]:
+        """A declared slot's variant against its module run eagerly on the same
+        seeded inputs and the module's own weights (passed to the artifact as
+        inputs): one ``real`` row kind, every output row compared, the tolerance
+        of the first floating input's dtype."""
+        from kernel_cache.runtime.inputs import make_slot_inputs
+
+        mod, state = self._declared(spec)
+        args, _ = make_slot_inputs(spec, item.variant, seed=1, device=self.config.device)
+        out = runner.run([*state, *args])[0]
+        with torch.no_grad():
+            ref = mod(*args)
+        floats = [i.dtype for i in spec.inputs if i.dtype in TOLERANCE]
+        tol = TOLERANCE[floats[0]] if floats else self.tol
+        got, want = out.detach().float().cpu(), ref.detach().float().cpu()
+        got, want = got.reshape(got.shape[0] if got.dim() else 1, -1), want.reshape(got.shape)
+        per_row = (got - want).abs().amax(dim=1).tolist() if got.numel() else []
+        bad = [i for i, e in enumerate(per_row) if not e <= tol]
+        err = max(per_row) if per_row else 0.0
+        rule = "the module run eagerly on the same inputs and weights"
+        row = {"kind": "real", "rows": len(per_row), "differing": bad, "max_abs_err": err}
+        return err, [{**row, "must_hold": rule}]
+
     def check(self, item: PlanItem, runner) -> tuple[float, list[dict]]:
         """``(max abs err, rows)``: ``runner`` against eager on seeded inputs; the
         error over the compared rows (prefill's padded rows are not compared),
         and :func:`check_rows`'s verdict per kind of row."""
         v = item.variant
+        spec = self.config.slot(v.kernel)
+        if spec is not None:
+            return self.check_declared(spec, item, runner)
         args = make_inputs(self.config, v, seed=1)
         out = runner.run(list(args))[0]
         rows = check_rows(v.kernel, out, self._reference(item, args), row_kinds(v, args), self.tol)
@@ -347,9 +385,21 @@ class _Oracle:
         own kernel (rebuilt by a warmup once the entry is gone)."""
         c, v = self.config, item.variant
         path = kernel_path(c, v.kernel)
-        args = make_inputs(c, v, seed=1)
         where = f"{found.entry.key[:16]} in {found.entry.where}"
         cli = config_to_cli(c, cache_dir)
+        if c.slot(v.kernel) is not None:  # the oracle is the module itself: the artifact differs
+            return {
+                "variant": str(v),
+                "max_abs_err": err,
+                "kernel": path,
+                "rows": rows,
+                "contract": "a declared slot's output equals its module's, run eagerly",
+                "cause": "artifact",
+                "fix": f"the compiled artifact (entry {where}) differs from {path} run eagerly: "
+                "remove it (kernel-cache clear, or a rebuilt bundle), then kernel-cache "
+                f"warmup {cli}",
+            }
+        args = make_inputs(c, v, seed=1)
         try:
             mod = build_module(
                 v.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=path, **item.launch

@@ -48,9 +48,13 @@ def cmd_plan(args) -> int:
     for slot, path in doc["kernels"].items():
         print(f"kernel {slot}: {path}")
     n_pa = sum(v.kernel == "paged_attention" for v in b.variants)
+    n_bd = sum(v.kernel == "batched_decode" for v in b.variants)
+    declared = "".join(
+        f", {sum(v.kernel == s.name for v in b.variants)} {s.name}" for s in cfg.slots
+    )
     print(
         f"variants: {len(b.variants)} ({n_pa} paged_attention, "
-        f"{len(b.variants) - n_pa} batched_decode); fingerprint {doc['fingerprint']}"
+        f"{n_bd} batched_decode{declared}); fingerprint {doc['fingerprint']}"
     )
     if shard is not None:
         print(
@@ -73,7 +77,8 @@ def _kernels(cfg) -> dict:
     """``{slot: import path}`` of every slot of ``cfg``'s plan (built-in or the engine's)."""
     from kernel_cache.kernels.slots import SLOTS, kernel_path
 
-    return {slot: kernel_path(cfg, slot) for slot in SLOTS}
+    names = [*SLOTS, *(s.name for s in cfg.slots)]
+    return {slot: kernel_path(cfg, slot) for slot in names}
 
 
 def _plan_launch(cfg, bucketer):

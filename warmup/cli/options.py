@@ -25,6 +25,7 @@ from kernel_cache.config.engine import (
     make_config,
     option_flag,
 )
+from kernel_cache.config.slot_spec import parse_slot_option
 from kernel_cache.errors import KernelCacheError
 from kernel_cache.kernels.slots import parse_kernel_option
 from kernel_cache.plan.buckets import Bucketer, parse_bucket_list
@@ -52,6 +53,12 @@ def engine_options(p: argparse.ArgumentParser) -> None:
         if field == "kernels":  # --kernel SLOT=PATH, repeatable
             g.add_argument(
                 option_flag(field), dest=field, action="append", metavar="SLOT=PATH",
+                help=info.description,
+            )  # fmt: skip
+            continue
+        if field == "slots":  # --slot JSON|@FILE, repeatable
+            g.add_argument(
+                option_flag(field), dest=field, action="append", metavar="JSON|@FILE",
                 help=info.description,
             )  # fmt: skip
             continue
@@ -155,6 +162,9 @@ def config_from_args(args) -> EngineConfig:
             value = parse_bucket_list(value, option_flag(field)) if value else None
         elif field == "kernels":
             value = [parse_kernel_option(v, option_flag(field)) for v in value or ()] or None
+        elif field == "slots":
+            value = [s for v in value or () for s in parse_slot_option(v, option_flag(field))]
+            value = value or None
         fields[field] = value
     cfg = make_config(args.model, **fields)
     Bucketer(cfg)  # validate overrides against the limits now, with a clear error

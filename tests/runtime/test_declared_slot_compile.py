@@ -1,0 +1,154 @@
+"""A declared slot warmed, verified and run for real: a tiny MLP slot on the
+query axis of the warm tiny plan (2 variants: the only compiles of this file).
+
+Counted from outside the product: compiles by the test hook's compile log
+(every AOTInductor compile of a process that has the variable set) and by
+torch's own counters in the engine process; artifact sizes from the files on
+disk; the engine's output against the module run eagerly in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kernel_cache.store.disk_tier import DiskTier
+
+from ..conftest import ROOT, run_cli, tiny_args
+
+HIDDEN, INTER = 128, 8192  # weights: 2 x 128 x 8192 float32 = 8 MiB, a buffer of 128
+
+MLP_PY = """\
+import torch
+from torch import nn
+
+from kc_slotmlp.act import act
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden))
+
+    def forward(self, x):
+        return self.down(act(self.up(x))) * self.scale
+
+
+def make_mlp(hidden, inter):
+    return Mlp(hidden, inter)
+"""
+
+SPEC = {
+    "name": "mlp",
+    "factory": "kc_slotmlp.mlp:make_mlp",
+    "args": {"hidden": HIDDEN, "inter": INTER},
+    "inputs": [{"name": "x", "shape": ["query_tokens", HIDDEN], "dtype": "float32"}],
+    "output_rows": "query_tokens",
+}
+
+ENGINE = r"""
+import json, sys, torch
+from kernel_cache import load_plan, make_config
+from kernel_cache.errors import ShapeError
+spec = json.loads(sys.argv[3])
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, kv_buckets=(32,), slots=[spec])
+rt = load_plan(cfg, sys.argv[2])
+doc = {"imported_at_start": [m for m in sys.modules if m.startswith("kc_slotmlp")]}
+from kc_slotmlp.mlp import make_mlp  # the engine's own model code
+torch.manual_seed(0)
+mod, other = make_mlp(**spec["args"]).eval(), make_mlp(**spec["args"]).eval()
+rt.bind("mlp", mod.state_dict())
+g = torch.Generator().manual_seed(1)
+doc["calls"] = {}
+with torch.no_grad():
+    for n in (32, 5, 1, 17):  # a full bucket, then padded ones (after a larger call)
+        x = torch.randn(n, spec["args"]["hidden"], generator=g)
+        out = rt.call("mlp", x)
+        doc["calls"][n] = [list(out.shape), float((out - mod(x)).abs().max())]
+    out = rt.call("mlp", x, weights=other)  # another checkpoint of the same shapes
+    doc["other_err"] = float((out - other(x)).abs().max())
+    doc["other_vs_bound"] = float((out - mod(x)).abs().max())
+bad = make_mlp(spec["args"]["hidden"], spec["args"]["inter"] // 2).state_dict()
+try:
+    rt.bind("mlp", bad)
+except ShapeError as e:
+    doc["refused"] = str(e)
+doc["stats"] = rt.stats()
+print(json.dumps(doc))
+"""
+
+
+@pytest.fixture
+def slot_site(tmp_path):
+    site = tmp_path / "site"
+    pkg = site / "kc_slotmlp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "act.py").write_text(
+        "import torch\n\n\ndef act(x):\n    return torch.nn.functional.silu(x)\n"
+    )
+    (pkg / "mlp.py").write_text(MLP_PY)
+    return site
+
+
+@pytest.mark.compile
+def test_a_declared_mlp_slot_warms_verifies_and_runs_with_weights_as_inputs(
+    tiny_model, cache_copy, slot_site, tmp_path
+):
+    log = tmp_path / "compiles.log"
+    path = tmp_path / "slots.json"
+    path.write_text(json.dumps([SPEC]))
+    pythonpath = os.pathsep.join([str(slot_site), os.environ.get("PYTHONPATH", "")])
+    env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log), "PYTHONPATH": pythonpath}
+    args = [*tiny_args(tiny_model), "--slot", f"@{path}", "--cache-dir", cache_copy]
+
+    warm = run_cli("warmup", *args, "--jobs", "1", "--json", env=env, check=True)
+    compiled = sorted(line.split()[1] for line in log.read_text().splitlines())
+    assert compiled == ["mlp:1:0:0", "mlp:32:0:0"]  # the attention variants were cached
+    report = json.loads(warm.stdout)
+    assert sorted(r["variant"] for r in report["results"] if r["status"] == "compiled") == compiled
+
+    # the artifacts hold the code, not the weights: read from the files on disk
+    tier = DiskTier(cache_copy, read_only=True)
+    try:
+        metas = [m for m in tier.iter_meta() if m.get("variant", "").startswith("mlp:")]
+        sizes = [tier.artifact_path(m["key"]).stat().st_size for m in metas]
+    finally:
+        tier.close()
+    weights = (2 * HIDDEN * INTER + HIDDEN) * 4
+    print(f"artifact bytes {sorted(sizes)} against weights {weights} bytes")
+    assert len(sizes) == 2 and max(sizes) * 10 < weights, (sizes, weights)
+    assert metas[0]["slot_params"] == [
+        ["up.weight", [INTER, HIDDEN], "float32"],
+        ["down.weight", [HIDDEN, INTER], "float32"],
+        ["scale", [HIDDEN], "float32"],
+    ]
+
+    verify = json.loads(run_cli("verify", *args, "--json", env=env, check=True).stdout)
+    assert verify["ok"] and verify["kernels"]["mlp"] == SPEC["factory"], verify
+    assert verify["max_abs_err"] <= 1e-4
+
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(tiny_model), str(cache_copy), json.dumps(SPEC)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["imported_at_start"] == []  # engine start never imports the slot's module
+    for n, (shape, err) in doc["calls"].items():
+        assert shape == [int(n), HIDDEN] and err <= 1e-4, doc["calls"]
+    assert doc["other_err"] <= 1e-4 and doc["other_vs_bound"] > 1e-2  # its own weights ran
+    assert "parameter 'up.weight' is [4096, 128] float32" in doc["refused"]
+    assert "the slot was built for [8192, 128] float32" in doc["refused"]
+    stats = doc["stats"]
+    assert stats["compiles"] == 0 and stats["compile_stack_imported"] == [], stats
+    assert stats["calls"] == {"mlp:1:0:0": 1, "mlp:32:0:0": 4}
+    # no compile in verify or the engine either, by the hook's log
+    assert sorted(line.split()[1] for line in log.read_text().splitlines()) == compiled
