@@ -95,7 +95,9 @@ class _Slot:
         #: ``{variant: [name, shape, dtype] list}`` the entries recorded.
         self.params = params
         self.state: tuple | None = None
-        #: ``{(bucket tuple, input index, shape): padded buffer}``.
+        #: ``{(bucket tuple, input index): padded buffer}``: one per variant and
+        #: input, replaced when a dynamic dimension's size changes (so memory
+        #: stays bounded by the plan, not by the sizes seen).
         self.buffers: dict = {}
         self.calls: dict[KernelVariant, int] = {}
 
@@ -247,10 +249,13 @@ class _Slot:
             full = list(shape)
             for d, a in on_axis:
                 full[d] = buckets[a]
-            bkey = (key, i, tuple(full))
-            buf = self.buffers.get(bkey)
-            if buf is None:
-                buf = self.buffers[bkey] = torch.full(full, pad, dtype=dtype, device=self.device)
+            buf = self.buffers.get((key, i))
+            if buf is None or buf.shape != tuple(
+                full
+            ):  # a dynamic dimension's new size replaces it
+                buf = self.buffers[(key, i)] = torch.full(
+                    full, pad, dtype=dtype, device=self.device
+                )
             view = buf
             for d, a in on_axis:
                 view = view.narrow(d, 0, sizes[a])

@@ -194,3 +194,36 @@ def test_prepared_weights_run_one_checkpoint_of_several_without_rebinding(slots)
     assert torch.equal(ds.call("probe", x, table), x * 2)  # the bound ones are unchanged
     with pytest.raises(ShapeError, match="parameter 'w' is \\[2\\]"):
         ds.prepare("probe", {"w": torch.ones(2)})
+
+
+class Rows(nn.Module):
+    """``x * w`` over rows of a dynamic width: no padding but the rows'."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((1,), 3.0))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_dynamic_dimension_s_new_size_replaces_the_buffer_not_adds_one(tiny_model):
+    """An input with a bucket axis and a dynamic dimension: calls of many widths
+    keep one padded buffer per variant and input, so memory does not grow with
+    the widths an engine has passed."""
+    spec = {
+        "name": "rows",
+        "factory": "tests.runtime.test_declared_dispatch:Rows",
+        "inputs": [{"name": "x", "shape": ["decode_seqs", "dynamic"], "dtype": "float32"}],
+        "output_rows": "decode_seqs",
+    }
+    cfg = make_config(str(tiny_model), **{**TINY_LIMITS, "max_num_seqs": 8}, slots=[spec])
+    b = Bucketer(cfg)
+    mod = Rows()
+    runners = {v: Eager(mod) for v in b.variants if v.kernel == "rows"}
+    ds = DeclaredSlots(cfg, b, runners, {v: [list(p) for p in state_spec(mod)] for v in runners})
+    ds.bind("rows", mod)
+    for width in range(1, 30):
+        x = torch.randn(5, width)
+        assert torch.equal(ds.call("rows", x), x * 3)
+    assert len(ds._slots["rows"].buffers) == 1
