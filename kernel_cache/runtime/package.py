@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -100,8 +101,9 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         TorchAPIDriftError: the installed torch's loader is missing or takes
             other arguments (:mod:`kernel_cache.torch_compat`); the entry is not
             at fault and is left as it is.
-        ConfigError: the package cannot be unpacked into the load directory
-            (a full or unwritable ``$TMPDIR``; names it).
+        ConfigError: the package cannot be unpacked into the load directory,
+            or, by a loader that takes only archives, into ``$TMPDIR`` (full
+            or unwritable; names it).
     """
     import torch  # here, not at module top: listings and ``explain`` need no torch
 
@@ -129,6 +131,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         raise  # torch's API, not this entry
     except Exception as e:  # the loader raises RuntimeError for a bad package
         shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
+        if path.endswith(".pt2"):
+            unwritable = _loader_unpack_error(key, data, str(e))
+            if unwritable is not None:
+                raise unwritable from None
         raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {e}", where) from None
 
 
@@ -185,6 +191,30 @@ def _write_archive(data: bytes, key: str) -> str:
         if out is not None:
             shutil.rmtree(out, ignore_errors=True)
         raise _load_dir_error(key, data, out or base, e) from None
+
+
+#: How the archive-only loader (torch older than 2.13) says that a write of its
+#: own unpack failed (miniz's write callback: ENOSPC, EACCES, a file-size
+#: limit), and the folder it made for that unpack.
+_LOADER_WRITE_FAILED = "write callback failed"
+_LOADER_UNPACK_DIR = re.compile(r"to destination file (.*?/aotinductor_[^/]+)/")
+
+
+def _loader_unpack_error(key: str, data: bytes, message: str) -> ConfigError | None:
+    """The error of an archive-only loader whose unpack into ``$TMPDIR`` could
+    not be written (the directory's fault, not the entry's), its partial
+    folder removed; None for any other rejection."""
+    if _LOADER_WRITE_FAILED not in message:
+        return None
+    tmp = tempfile.gettempdir()
+    made = _LOADER_UNPACK_DIR.search(message)
+    if made is not None and os.path.dirname(made[1]) == tmp:
+        shutil.rmtree(made[1], ignore_errors=True)
+    return ConfigError(
+        f"cannot unpack entry {key[:16]} ({len(data)} bytes) into {tmp}: the AOTInductor "
+        f"loader of this torch unpacks every package there itself, and a write failed "
+        f"({message[:300]}); free space there or set TMPDIR to a folder with room"
+    )
 
 
 def _load_dir_error(key: str, data: bytes, path: str, e: OSError) -> ConfigError:

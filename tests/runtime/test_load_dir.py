@@ -233,3 +233,52 @@ def test_engines_starting_in_threads_share_one_load_directory(warm_cache, tiny_m
     assert seen["loads"] == [N_TINY] * 8
     assert len(seen["tmp"]) == 1 and seen["tmp"][0].startswith("kernel_cache-load-"), seen
     assert os.listdir(tmpdir) == []
+
+
+#: Engine start as torch 2.11's engine makes it: every package through the
+#: package loader, which takes only archives (so it unpacks each into $TMPDIR).
+ARCHIVES = """
+import sys
+from kernel_cache import load_plan, make_config, torch_compat
+from kernel_cache.runtime import package
+package._cpu_library = lambda data, where, key: None
+torch_compat.aoti_loader_takes_folders = lambda: False
+rt = load_plan(make_config(sys.argv[1], **eval(sys.argv[2])), sys.argv[3])
+print(rt.stats()["loads"], flush=True)
+"""
+
+
+def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrupt_entry(
+    cache_copy, tiny_model, tmp_path
+):
+    """A loader that takes only archives (torch older than 2.13) unpacks the
+    ``.pt2`` it is given into $TMPDIR itself. $TMPDIR on a real 900 KiB tmpfs:
+    the package's copy (about 600 KB) fits, the loader's unpack of its ``.so``
+    beside it does not. Engine start fails with a ConfigError naming $TMPDIR
+    and the fix, not a corrupt entry (warmup's check would quarantine and
+    rebuild a good entry for it), nothing is left on the tmpfs and no entry of
+    the cache changes."""
+    from ..conftest import TINY_LIMITS
+    from ..fsutil import tmpfs, tree_state
+
+    def entries():
+        return {k: v for k, v in tree_state(cache_copy).items() if not k.startswith("usage")}
+
+    before = entries()
+    full = tmp_path / "full"
+    with tmpfs(full, 900 << 10) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
+        p = subprocess.run(
+            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "TMPDIR": str(full)}, timeout=120,
+        )  # fmt: skip
+        left = os.listdir(full)
+    assert p.returncode == 1, p.stdout
+    assert left == []  # neither the package's copy nor the loader's partial unpack
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: "), p.stderr
+    assert str(full) in last and "set TMPDIR" in last, last
+    assert "corrupt" not in p.stderr.lower(), p.stderr
+    assert entries() == before
