@@ -116,7 +116,7 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     if torch_compat.aoti_loader_takes_folders():
         path = _unpack(data, where, key)
     else:
-        path = _write_archive(data, key)
+        path = _write_archive(data, where, key)
     device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
         return torch_compat.load_aoti_package(
@@ -169,16 +169,40 @@ def _unpack(data: bytes, where: str, key: str) -> str:
     return out
 
 
-def _write_archive(data: bytes, key: str) -> str:
+def _write_archive(data: bytes, where: str, key: str) -> str:
     """``data`` written as ``package.pt2`` in a new folder of :func:`load_dir`
     (its path), for a loader that takes only archives (torch older than 2.13,
     :func:`kernel_cache.torch_compat.aoti_loader_takes_folders`). That loader
     unpacks the archive under ``$TMPDIR`` itself and leaves the folder there
     (docs/serving.md, "What engine start leaves to the engine").
 
+    Its members' CRC-32 are checked first, as :func:`_unpack`'s extraction
+    checks them: that loader's unpack does not, and it would load a ``.so``
+    whose bytes disagree with the archive's own record of them.
+
     Raises:
+        CorruptEntryError: ``data`` is not a zip archive, or a member's bytes
+            fail their CRC-32.
         ConfigError: writing into the load directory failed (full, unwritable).
     """
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as e:
+        bad, why = None, f"not a package ({e})"
+    else:
+        why = None if bad is None else f"not a package (Bad CRC-32 for file {bad!r})"
+    if why is not None:
+        raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {why}", where)
     base = load_dir()
     out = None
     try:

@@ -282,3 +282,42 @@ def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrup
     assert str(full) in last and "set TMPDIR" in last, last
     assert "corrupt" not in p.stderr.lower(), p.stderr
     assert entries() == before
+
+
+#: One package through the archive-only loader, its ``.so``'s bytes altered
+#: under the archive's CRC-32 (a record and sha256 made for the altered bytes).
+ALTERED = """
+import sys
+from kernel_cache import torch_compat
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.runtime import package
+package._cpu_library = lambda data, where, key: None
+torch_compat.aoti_loader_takes_folders = lambda: sys.argv[2] == "folders"
+data = bytearray(open(sys.argv[1], "rb").read())
+at = data.find(b"\\x7fELF") + 5000
+data[at : at + 100] = bytes(100)
+try:
+    package.load_package(bytes(data), "cpu", "here", "k" * 64)
+except CorruptEntryError as e:
+    print("refused:", e.reason)
+"""
+
+
+@pytest.mark.parametrize("loader", ["folders", "archives"])
+def test_a_package_whose_so_fails_its_crc_is_refused_by_either_loader(warm_cache, tmp_path, loader):
+    """A package whose ``.so`` bytes disagree with the archive's CRC-32: the
+    folder loader's unpack (Python's zipfile) refuses it; so must the path of
+    the archive-only loader (torch older than 2.13), whose own unpack does not
+    check, and which dlopen()ed it and died of SIGSEGV."""
+    from kernel_cache.store.disk_tier import DiskTier
+
+    tier = DiskTier(warm_cache[0], read_only=True)
+    meta = next(iter(tier.iter_meta()))
+    pkg = tmp_path / "p.pt2"
+    pkg.write_bytes(tier.get(meta["key"]).data)
+    p = subprocess.run(
+        [sys.executable, "-c", ALTERED, str(pkg), loader], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert p.stdout.startswith("refused: ") and "CRC-32" in p.stdout, p.stdout
