@@ -217,22 +217,30 @@ def _write_archive(data: bytes, where: str, key: str) -> str:
         raise _load_dir_error(key, data, out or base, e) from None
 
 
-#: How the archive-only loader (torch older than 2.13) says that a write of its
-#: own unpack failed (miniz's write callback: ENOSPC, EACCES, a file-size
-#: limit), and the folder it made for that unpack.
-_LOADER_WRITE_FAILED = "write callback failed"
+#: How the archive-only loader (torch older than 2.13) says that its own
+#: unpack could not be written: its folder not made (a read-only, missing or
+#: unwritable ``$TMPDIR``), a write failed (miniz's write callback: ENOSPC,
+#: EACCES, a file-size limit); and the folder it made for that unpack.
+_LOADER_WRITE_FAILED = ("Error generating temporary directory", "write callback failed")
 _LOADER_UNPACK_DIR = re.compile(r"to destination file (.*?/aotinductor_[^/]+)/")
+
+
+def _loader_tmp() -> str:
+    """Where that loader unpacks (``std::filesystem::temp_directory_path``:
+    ``$TMPDIR``, ``$TMP``, ``$TEMP``, ``$TEMPDIR``, else ``/tmp``); Python's
+    :func:`tempfile.gettempdir` may differ, as it skips an unwritable one."""
+    return next(filter(None, map(os.environ.get, ("TMPDIR", "TMP", "TEMP", "TEMPDIR"))), "/tmp")
 
 
 def _loader_unpack_error(key: str, data: bytes, message: str) -> ConfigError | None:
     """The error of an archive-only loader whose unpack into ``$TMPDIR`` could
     not be written (the directory's fault, not the entry's), its partial
     folder removed; None for any other rejection."""
-    if _LOADER_WRITE_FAILED not in message:
+    if not any(m in message for m in _LOADER_WRITE_FAILED):
         return None
-    tmp = tempfile.gettempdir()
+    tmp = _loader_tmp()
     made = _LOADER_UNPACK_DIR.search(message)
-    if made is not None and os.path.dirname(made[1]) == tmp:
+    if made is not None and os.path.dirname(made[1]) == tmp.rstrip("/"):
         shutil.rmtree(made[1], ignore_errors=True)
     return ConfigError(
         f"cannot unpack entry {key[:16]} ({len(data)} bytes) into {tmp}: the AOTInductor "

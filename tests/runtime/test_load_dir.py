@@ -284,6 +284,33 @@ def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrup
     assert entries() == before
 
 
+def test_a_read_only_tmpdir_for_the_archive_loader_s_unpack_is_named_not_a_corrupt_entry(
+    cache_copy, tiny_model, tmp_path
+):
+    """$TMPDIR a read-only bind mount (EROFS even for root): Python's
+    ``tempfile`` falls back to another folder for the load directory, but the
+    archive-only loader unpacks into $TMPDIR. Engine start fails with a
+    ConfigError naming $TMPDIR and the fix, not a corrupt entry."""
+    from ..conftest import TINY_LIMITS
+    from ..fsutil import readonly_bind
+
+    (tmp_path / "src").mkdir()
+    ro = tmp_path / "ro"
+    with readonly_bind(tmp_path / "src", ro) as mounted:
+        if not mounted:
+            pytest.skip("cannot bind-mount here (not root)")
+        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
+        p = subprocess.run(
+            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "TMPDIR": str(ro)}, timeout=120,
+        )  # fmt: skip
+    assert p.returncode == 1, p.stdout
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: "), p.stderr
+    assert str(ro) in last and "set TMPDIR" in last, last
+    assert "corrupt" not in p.stderr.lower(), p.stderr
+
+
 #: One package through the archive-only loader, its ``.so``'s bytes altered
 #: under the archive's CRC-32 (a record and sha256 made for the altered bytes).
 ALTERED = """
