@@ -180,9 +180,9 @@ def load_plan(
     program is run: the keys take the ``cxx`` that warmup recorded in the local
     cache (:mod:`kernel_cache.store.imports_memo`), else the one the tiers'
     records name for the plan's first variant (:func:`_recorded_cxx`: a
-    bundle's manifest, the local index, one bounded index read of a remote
-    tier), so the keys are the builders' exact keys; else
-    :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`.
+    bundle's manifest, every record of the local cache, a remote tier's
+    index of that variant and at most 64 of its records), so the keys are
+    the builders' exact keys; else :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`.
 
     Args:
         config: the engine configuration (its bucketer defines the plan).
