@@ -99,6 +99,16 @@ def test_a_small_timeout_reaches_the_client_as_a_duration_it_parses(s3):
     ok.close()
 
 
+def knowing_cxx(cache):
+    """``cache`` made (0700) with warmup's record of this machine's compiler, as
+    a warmup leaves it: engine start then asks for the builders' exact keys
+    (it runs no compiler, and an object planted under an exact key without an
+    index object would otherwise never be asked for)."""
+    cache.mkdir(mode=0o700, parents=True)
+    assert imports_memo.save(cache, cxx=environment("cpu")["cxx"])
+    return cache
+
+
 def _peak_rss_mib(model, cache, env) -> tuple[subprocess.CompletedProcess, float]:
     """An engine start in a child, and that child's peak resident size (MiB), read
     by the child from the kernel at exit (``VmHWM`` of ``/proc/self/status``: its
@@ -123,11 +133,11 @@ def test_an_object_over_the_size_limit_is_refused_before_its_body_is_read(
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
     keys = [build_key(tiny_config, v).hexdigest for v in Bucketer(tiny_config).variants]
     env = _env(KERNEL_CACHE_S3_URL=s3["url"], KERNEL_CACHE_S3_MAX_OBJECT="1M")
-    control, base = _peak_rss_mib(tiny_model, tmp_path / "c0", env)
+    control, base = _peak_rss_mib(tiny_model, knowing_cxx(tmp_path / "c0"), env)
     assert control.stdout.split()[:2] == ["missing", str(len(keys))], control.stderr[-2000:]
     obstore.put(tier.store, f"entries/{keys[0]}", pack(b"\0" * (200 << 20), b"{}"))
     try:
-        proc, peak = _peak_rss_mib(tiny_model, tmp_path / "c1", env)
+        proc, peak = _peak_rss_mib(tiny_model, knowing_cxx(tmp_path / "c1"), env)
     finally:  # the run's shared server holds 2 GiB: leave the room to later tests
         obstore.delete(tier.store, f"entries/{keys[0]}")
         tier.close()

@@ -31,6 +31,7 @@ from kernel_cache.store.s3_objects import manifest_limit, manifest_name, pack
 
 from ..conftest import ROOT
 from . import test_redis_tier, test_s3_tier
+from .test_s3_hostile import knowing_cxx
 
 s3_server = test_s3_tier.s3_server
 s3 = test_s3_tier.s3
@@ -439,7 +440,7 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
     plan = _plan(make_config(str(tiny_model), **WIDE))
     assert len(plan) >= 4 * (PREFETCH + 1), len(plan)
     env = _env(KERNEL_CACHE_S3_URL=s3["url"])
-    base = _peak(tiny_model, tmp_path / "c0", env)
+    base = _peak(tiny_model, knowing_cxx(tmp_path / "c0"), env)
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
     keys = [k.hexdigest for _, k in plan]
     data = b"\0" * (size << 20)
@@ -448,7 +449,7 @@ def test_a_manifest_of_oversized_entries_does_not_fill_an_engine(s3, tiny_model,
         obstore.put(tier.store, f"entries/{key.hexdigest}", pack(data, json.dumps(meta).encode()))
     body = {"format": "kc-s3-manifest-1", "keys": sorted(keys), "created": time.time()}
     obstore.put(tier.store, manifest_name(keys), json.dumps(body).encode())
-    peak = _peak(tiny_model, tmp_path / "c1", env)
+    peak = _peak(tiny_model, knowing_cxx(tmp_path / "c1"), env)
     # (PREFETCH + 1) objects at a time, each briefly twice (the client's buffer and
     # Python's bytes); the whole plan at once would be len(plan) times size
     assert peak - base < 2 * (PREFETCH + 1) * size < len(plan) * size, (peak, base, len(plan))
@@ -483,7 +484,7 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
         KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED="",
         **keys.engine_env,
     )
-    base = _peak(tiny_model, tmp_path / "c0", env)
+    base = _peak(tiny_model, knowing_cxx(tmp_path / "c0"), env)
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
     data = b"\0" * (size << 20)
     digest = hashlib.sha256(data).hexdigest()
@@ -495,7 +496,7 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
     obstore.put(tier.store, manifest_name(keys_), json.dumps(body).encode())
     from .test_s3_hostile import _engine
 
-    proc = _engine(tiny_model, tmp_path / "c1", env, WIDE_ENGINE)
+    proc = _engine(tiny_model, knowing_cxx(tmp_path / "c1"), env, WIDE_ENGINE)
     assert proc.stdout.split()[:2] == ["missing", str(len(plan))], proc.stderr[-2000:]
     assert "untrusted" in proc.stderr, proc.stderr[-2000:]
     peak = int(proc.stdout.split()[-1]) / 1024
