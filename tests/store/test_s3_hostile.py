@@ -19,6 +19,7 @@ from kernel_cache.store.s3 import S3Settings, S3Tier
 from kernel_cache.store.s3_objects import pack
 
 from ..conftest import ROOT
+from ..kc_helpers import knowing_cxx
 from . import test_s3_tier
 from .test_s3_tier import _env
 
@@ -97,16 +98,6 @@ def test_a_small_timeout_reaches_the_client_as_a_duration_it_parses(s3):
     assert ok.contains("0" * 64) is False and ok.error is None
     assert json.loads(ok.settings.model_dump_json())["timeout_s"] == 15
     ok.close()
-
-
-def knowing_cxx(cache):
-    """``cache`` made (0700) with warmup's record of this machine's compiler, as
-    a warmup leaves it: engine start then asks for the builders' exact keys
-    (it runs no compiler, and an object planted under an exact key without an
-    index object would otherwise never be asked for)."""
-    cache.mkdir(mode=0o700, parents=True)
-    assert imports_memo.save(cache, cxx=environment("cpu")["cxx"])
-    return cache
 
 
 def _peak_rss_mib(model, cache, env) -> tuple[subprocess.CompletedProcess, float]:

@@ -30,8 +30,8 @@ from kernel_cache.store.s3 import S3Settings, S3Tier
 from kernel_cache.store.s3_objects import manifest_limit, manifest_name, pack
 
 from ..conftest import ROOT
+from ..kc_helpers import knowing_cxx
 from . import test_redis_tier, test_s3_tier
-from .test_s3_hostile import knowing_cxx
 
 s3_server = test_s3_tier.s3_server
 s3 = test_s3_tier.s3
