@@ -222,6 +222,7 @@ def main(argv=None) -> int:
         opts = json.loads(c)
         if opts not in option_sets:
             option_sets.append(opts)
+    at_start = machine(cfg.device)  # its load average is the one before the runs
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         }
 
     doc = header("warmup_throughput")
-    doc["machine"] = machine(cfg.device)
+    doc["machine"] = at_start
     doc["config"] = {
         "engine": cfg.model_dump(mode="json"),
         "compile_options_current": recipe_options(cfg),

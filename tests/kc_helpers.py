@@ -184,3 +184,16 @@ def check_lease_lifecycle(a, b, wake_s: float = 1.0) -> str:
     assert b.build_lock(key).acquire(wait=True) == PUBLISHED
     third.release()
     return key
+
+
+def knowing_cxx(cache):
+    """``cache`` made (0700) with warmup's record of this machine's compiler, as
+    a warmup leaves it: engine start then asks for the builders' exact keys
+    (it runs no compiler, and an object planted under an exact key without an
+    index object would otherwise never be asked for)."""
+    cache.mkdir(mode=0o700, parents=True)
+    from kernel_cache.plan.keys import environment
+    from kernel_cache.store import imports_memo
+
+    assert imports_memo.save(cache, cxx=environment("cpu")["cxx"])
+    return cache

@@ -98,15 +98,21 @@ def _take_import_memo(cache_dir, allow_shared: bool | None) -> str | None:
 
 def _recorded_cxx(config: EngineConfig, lookup) -> str:
     """The ``cxx`` key component for a start without warmup's record: the one
-    the tiers' records name for the plan's first variant
+    the tiers' records name for the plan's first variant that has one
     (:meth:`~kernel_cache.store.lookup.Lookup.recorded_build_only`; the runtime
     digest leaves ``cxx`` out), else :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`,
-    under which every entry is found by the compatible lookup. No compiler is run."""
-    first = Plan.build(config, cxx=CXX_NOT_PROBED, log_launch=False).items
-    if not first:
-        return CXX_NOT_PROBED
-    found = lookup.recorded_build_only(first[0].key.runtime_digest)
-    return found.get("cxx") or CXX_NOT_PROBED
+    under which every entry is found by the compatible lookup. No compiler is run.
+
+    Later variants are asked only where the ones before have no record (a
+    variant not yet published, or an index a writer flooded): each index read
+    is kept by the lookup, which the compatible lookup of that variant would
+    make anyway, so the reads stay one per variant at most."""
+    items = Plan.build(config, cxx=CXX_NOT_PROBED, log_launch=False).items
+    for item in items:
+        found = lookup.recorded_build_only(item.key.runtime_digest)
+        if found.get("cxx"):
+            return found["cxx"]
+    return CXX_NOT_PROBED
 
 
 def default_tiers(
@@ -180,9 +186,9 @@ def load_plan(
     program is run: the keys take the ``cxx`` that warmup recorded in the local
     cache (:mod:`kernel_cache.store.imports_memo`), else the one the tiers'
     records name for the plan's first variant (:func:`_recorded_cxx`: a
-    bundle's manifest, the local index, one bounded index read of a remote
-    tier), so the keys are the builders' exact keys; else
-    :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`.
+    bundle's manifest, every record of the local cache, a remote tier's
+    index of that variant and at most 64 of its records), so the keys are
+    the builders' exact keys; else :data:`~kernel_cache.plan.keys.CXX_NOT_PROBED`.
 
     Args:
         config: the engine configuration (its bucketer defines the plan).

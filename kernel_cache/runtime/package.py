@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -100,8 +101,9 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         TorchAPIDriftError: the installed torch's loader is missing or takes
             other arguments (:mod:`kernel_cache.torch_compat`); the entry is not
             at fault and is left as it is.
-        ConfigError: the package cannot be unpacked into the load directory
-            (a full or unwritable ``$TMPDIR``; names it).
+        ConfigError: the package cannot be unpacked into the load directory,
+            or, by a loader that takes only archives, into ``$TMPDIR`` (full
+            or unwritable; names it).
     """
     import torch  # here, not at module top: listings and ``explain`` need no torch
 
@@ -114,7 +116,7 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
     if torch_compat.aoti_loader_takes_folders():
         path = _unpack(data, where, key)
     else:
-        path = _write_archive(data, key)
+        path = _write_archive(data, where, key)
     device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
         return torch_compat.load_aoti_package(
@@ -129,6 +131,10 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         raise  # torch's API, not this entry
     except Exception as e:  # the loader raises RuntimeError for a bad package
         shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
+        if path.endswith(".pt2"):
+            unwritable = _loader_unpack_error(key, data, str(e))
+            if unwritable is not None:
+                raise unwritable from None
         raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {e}", where) from None
 
 
@@ -163,16 +169,40 @@ def _unpack(data: bytes, where: str, key: str) -> str:
     return out
 
 
-def _write_archive(data: bytes, key: str) -> str:
+def _write_archive(data: bytes, where: str, key: str) -> str:
     """``data`` written as ``package.pt2`` in a new folder of :func:`load_dir`
     (its path), for a loader that takes only archives (torch older than 2.13,
     :func:`kernel_cache.torch_compat.aoti_loader_takes_folders`). That loader
     unpacks the archive under ``$TMPDIR`` itself and leaves the folder there
     (docs/serving.md, "What engine start leaves to the engine").
 
+    Its members' CRC-32 are checked first, as :func:`_unpack`'s extraction
+    checks them: that loader's unpack does not, and it would load a ``.so``
+    whose bytes disagree with the archive's own record of them.
+
     Raises:
+        CorruptEntryError: ``data`` is not a zip archive, or a member's bytes
+            fail their CRC-32.
         ConfigError: writing into the load directory failed (full, unwritable).
     """
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as e:
+        bad, why = None, f"not a package ({e})"
+    else:
+        why = None if bad is None else f"not a package (Bad CRC-32 for file {bad!r})"
+    if why is not None:
+        raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {why}", where)
     base = load_dir()
     out = None
     try:
@@ -185,6 +215,38 @@ def _write_archive(data: bytes, key: str) -> str:
         if out is not None:
             shutil.rmtree(out, ignore_errors=True)
         raise _load_dir_error(key, data, out or base, e) from None
+
+
+#: How the archive-only loader (torch older than 2.13) says that its own
+#: unpack could not be written: its folder not made (a read-only, missing or
+#: unwritable ``$TMPDIR``), a write failed (miniz's write callback: ENOSPC,
+#: EACCES, a file-size limit); and the folder it made for that unpack.
+_LOADER_WRITE_FAILED = ("Error generating temporary directory", "write callback failed")
+_LOADER_UNPACK_DIR = re.compile(r"to destination file (.*?/aotinductor_[^/]+)/")
+
+
+def _loader_tmp() -> str:
+    """Where that loader unpacks (``std::filesystem::temp_directory_path``:
+    ``$TMPDIR``, ``$TMP``, ``$TEMP``, ``$TEMPDIR``, else ``/tmp``); Python's
+    :func:`tempfile.gettempdir` may differ, as it skips an unwritable one."""
+    return next(filter(None, map(os.environ.get, ("TMPDIR", "TMP", "TEMP", "TEMPDIR"))), "/tmp")
+
+
+def _loader_unpack_error(key: str, data: bytes, message: str) -> ConfigError | None:
+    """The error of an archive-only loader whose unpack into ``$TMPDIR`` could
+    not be written (the directory's fault, not the entry's), its partial
+    folder removed; None for any other rejection."""
+    if not any(m in message for m in _LOADER_WRITE_FAILED):
+        return None
+    tmp = _loader_tmp()
+    made = _LOADER_UNPACK_DIR.search(message)
+    if made is not None and os.path.dirname(made[1]) == tmp.rstrip("/"):
+        shutil.rmtree(made[1], ignore_errors=True)
+    return ConfigError(
+        f"cannot unpack entry {key[:16]} ({len(data)} bytes) into {tmp}: the AOTInductor "
+        f"loader of this torch unpacks every package there itself, and a write failed "
+        f"({message[:300]}); free space there or set TMPDIR to a folder with room"
+    )
 
 
 def _load_dir_error(key: str, data: bytes, path: str, e: OSError) -> ConfigError:

@@ -276,8 +276,9 @@ class Lookup:
         whose runtime digest is ``runtime_digest``, in the first tier, in
         lookup order, that holds one, or ``{}``. Read through the index the
         compatible lookup uses (:meth:`Tier.metas_by`, kept for it): a
-        bundle's manifest or the local cache's index, no request; a remote
-        tier's index of that one digest, a bounded read. A record of an
+        bundle's manifest or every record of the local cache, no request; a
+        remote tier's index of that one digest and at most ``INDEX_MAX`` of
+        its records, a bounded read. A record of an
         untrusted tier counts only with a signature the keys accept (or under
         the insecure opt-out), and names keys only: an entry found under them
         is verified as any other, and a wrong value costs an exact miss, after

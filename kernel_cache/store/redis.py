@@ -76,6 +76,19 @@ _DATA_SHA1 = (
     "if not d then return '' end return redis.sha1hex(d)"
 )
 
+#: The longest index-set member :meth:`RedisTier.metas_by` takes (an entry
+#: key is 64 hex characters): a longer one names no entry and is never sent.
+INDEX_MEMBER_MAX_CHARS = 256
+
+#: Lua: at most ``ARGV[1]`` random members of the set ``KEYS[1]``, those over
+#: ``ARGV[2]`` characters left in Redis, so the reply is bounded whatever a
+#: writer of the set put in it.
+_INDEX_MEMBERS = (
+    "local out = {} "
+    "for _, m in ipairs(redis.call('SRANDMEMBER', KEYS[1], tonumber(ARGV[1]))) do "
+    "if #m <= tonumber(ARGV[2]) then out[#out + 1] = m end end return out"
+)
+
 
 def same_published(have: dict | None, want: dict) -> bool:
     """Whether a published entry's record ``have`` already stands for the entry
@@ -351,15 +364,16 @@ class RedisTier(RemoteTier):
     def metas_by(self, index: str, of):
         """Records found through the set ``<prefix>index:<index>:<value>``
         (written with each entry): at most :data:`INDEX_MAX` members
-        (``SRANDMEMBER``), each record read bounded (:meth:`get_meta`); one
-        whose own ``of(record)`` is not ``value`` is dropped. Entries
+        (:meth:`_index_members`, the reply bounded), each record read
+        bounded (:meth:`get_meta`); one whose own ``of(record)`` is not
+        ``value`` is dropped. Entries
         published before these sets existed are not found here."""
         found: dict[str, list[dict]] = {}
 
         def find(value: str) -> list[dict]:
             if value not in found:
                 name = self._name(f"index:{index}", value)
-                keys = self._run("index", lambda c: c.srandmember(name, INDEX_MAX), []) or []
+                keys = self._run("index", lambda c: self._index_members(c, name), []) or []
                 metas = []
                 for raw in keys:
                     key = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -374,6 +388,21 @@ class RedisTier(RemoteTier):
             return found[value]
 
         return find
+
+    @staticmethod
+    def _index_members(c, name: str) -> list:
+        """At most :data:`INDEX_MAX` random members of the set ``name``, each
+        at most :data:`INDEX_MEMBER_MAX_CHARS` long, filtered inside Redis
+        (:data:`_INDEX_MEMBERS`: the reply is at most 16 KiB); where scripting
+        is refused (ACL, a proxy), ``SRANDMEMBER`` itself, whose reply is then
+        as long as the members a writer put there."""
+        from redis.exceptions import ResponseError
+
+        try:
+            return c.eval(_INDEX_MEMBERS, 1, name, INDEX_MAX, INDEX_MEMBER_MAX_CHARS)
+        except ResponseError:
+            members = c.srandmember(name, INDEX_MAX)
+            return [m for m in members if len(m) <= INDEX_MEMBER_MAX_CHARS]
 
     def keys(self) -> list[str]:
         """Every entry key held (``SCAN``, so Redis is never blocked)."""

@@ -202,3 +202,85 @@ def test_a_bundle_only_engine_start_runs_no_program(warm_cache, tiny_model, tmp_
 def test_warmup_records_its_compiler_for_engine_start(warm_cache):
     memo = json.loads((warm_cache[0] / MEMO_FILE).read_text())
     assert memo["cxx"] == cxx_compiler_id() != "none"
+
+
+def _plant(remote, first) -> None:
+    """A hostile writer's records in the runtime index set of the plan's first
+    variant (its digest ``first``): each names a ``cxx`` the engine must not
+    take (too long, not printable, unsigned, a dict), is the newest, and none
+    has an artifact the keys accept."""
+    import hashlib
+
+    from kernel_cache.plan.keys import key_from_components
+
+    c = remote.client
+    index = remote._name("index:runtime", first["runtime"])
+    base = dict(first["components"])
+    for n, cxx in enumerate(["x" * 5000, "gcc\x1b[31m 12", "gcc 99.9.9 (forged)"]):
+        comps = {**base, "cxx": cxx}
+        k = key_from_components(comps).hexdigest
+        data = f"not a package {n}".encode()
+        meta = {
+            "key": k, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+            "variant": first["variant"], "components": comps, "created": 4e9,
+        }  # fmt: skip
+        c.hset(remote._name("entry", k), mapping={"meta": json.dumps(meta), "data": data})
+        c.sadd(index, k)
+    raw = json.dumps({"key": "f" * 64, "sha256": "0" * 64, "size": 1, "created": 4e9,
+                      "components": {**base, "cxx": {"a": "dict"}}})  # fmt: skip
+    c.hset(remote._name("entry", "f" * 64), mapping={"meta": raw, "data": b"x"})
+    c.sadd(index, "f" * 64, *[f"{i:064x}" for i in range(40)])
+
+
+@pytest.mark.compile
+def test_a_remote_engine_start_takes_no_planted_cxx(cache_copy, tiny_model, tmp_path):
+    """A shared Redis whose first variant's index also holds a hostile
+    writer's newest records (a 5,000-character, a non-printable and an
+    unsigned ``cxx``, a ``cxx`` that is a dict, 40 members with no entry):
+    engine start takes the signed record's ``cxx`` (every hit exact), loads
+    only signed entries, runs no program, logs no traceback, and sends a
+    bounded number of commands (``INFO commandstats``)."""
+    from kernel_cache.plan.keys import runtime_digest
+    from kernel_cache.store.disk_tier import DiskTier
+    from kernel_cache.store.redis import INDEX_MAX, RedisTier
+    from kernel_cache.trust.signing import sign_meta
+
+    from ..redis_server import RedisServer, redis_server_binary
+    from ..signing_keys import make_keypair
+
+    if redis_server_binary() is None:
+        pytest.skip("no redis-server binary (Debian: apt-get install -y redis-server)")
+    keys = make_keypair(tmp_path / "keys")
+    server = RedisServer()
+    try:
+        local, remote = DiskTier(cache_copy), RedisTier(server.url, fail_open=False)
+        metas = []
+        for meta in local.iter_meta():
+            e = local.get(meta["key"])
+            remote.put(e.key, e.data, sign_meta(e.meta, e.data, keys.signer))
+            metas.append(e.meta)
+        local.close()
+        # every variant's index gets the planted records: the first one is among them
+        for m in metas:
+            comps = m["components"]
+            _plant(remote, {"runtime": runtime_digest(comps), "components": comps,
+                            "variant": m["variant"]})  # fmt: skip
+        remote.client.config_resetstat()
+        doc, start, _ = _start(
+            tmp_path / "empty-cache", tiny_model, tmp_path,
+            KERNEL_CACHE_REDIS_URL=server.url, **keys.engine_env,
+        )  # fmt: skip
+        calls = {k.removeprefix("cmdstat_"): v["calls"]
+                 for k, v in remote.client.info("commandstats").items()}  # fmt: skip
+        remote.close()
+    finally:
+        server.stop()
+    assert doc["stats"]["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
+    assert start == [] and doc["start"] == []
+    assert doc["stats"]["build_only_accepted"] == {}, doc["stats"]  # the signed record's cxx
+    assert doc["stats"]["sources"] == {server.url: N_TINY}, doc["stats"]
+    # the first variant's index (one read, at most 64 records), then each entry
+    # the first variant's index (one read, then at most INDEX_MAX records, a
+    # transaction of 5 commands each), then each entry: no other index is read
+    assert calls.get("srandmember") == 1, calls
+    assert sum(n for k, n in calls.items() if k != "eval") <= 3 + 6 * (INDEX_MAX + N_TINY), calls

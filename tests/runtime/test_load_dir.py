@@ -233,3 +233,118 @@ def test_engines_starting_in_threads_share_one_load_directory(warm_cache, tiny_m
     assert seen["loads"] == [N_TINY] * 8
     assert len(seen["tmp"]) == 1 and seen["tmp"][0].startswith("kernel_cache-load-"), seen
     assert os.listdir(tmpdir) == []
+
+
+#: Engine start as torch 2.11's engine makes it: every package through the
+#: package loader, which takes only archives (so it unpacks each into $TMPDIR).
+ARCHIVES = """
+import sys
+from kernel_cache import load_plan, make_config, torch_compat
+from kernel_cache.runtime import package
+package._cpu_library = lambda data, where, key: None
+torch_compat.aoti_loader_takes_folders = lambda: False
+rt = load_plan(make_config(sys.argv[1], **eval(sys.argv[2])), sys.argv[3])
+print(rt.stats()["loads"], flush=True)
+"""
+
+
+def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrupt_entry(
+    cache_copy, tiny_model, tmp_path
+):
+    """A loader that takes only archives (torch older than 2.13) unpacks the
+    ``.pt2`` it is given into $TMPDIR itself. $TMPDIR on a real 900 KiB tmpfs:
+    the package's copy (about 600 KB) fits, the loader's unpack of its ``.so``
+    beside it does not. Engine start fails with a ConfigError naming $TMPDIR
+    and the fix, not a corrupt entry (warmup's check would quarantine and
+    rebuild a good entry for it), nothing is left on the tmpfs and no entry of
+    the cache changes."""
+    from ..conftest import TINY_LIMITS
+    from ..fsutil import tmpfs, tree_state
+
+    def entries():
+        return {k: v for k, v in tree_state(cache_copy).items() if not k.startswith("usage")}
+
+    before = entries()
+    full = tmp_path / "full"
+    with tmpfs(full, 900 << 10) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
+        p = subprocess.run(
+            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "TMPDIR": str(full)}, timeout=120,
+        )  # fmt: skip
+        left = os.listdir(full)
+    assert p.returncode == 1, p.stdout
+    assert left == []  # neither the package's copy nor the loader's partial unpack
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: "), p.stderr
+    assert str(full) in last and "set TMPDIR" in last, last
+    assert "corrupt" not in p.stderr.lower(), p.stderr
+    assert entries() == before
+
+
+def test_a_read_only_tmpdir_for_the_archive_loader_s_unpack_is_named_not_a_corrupt_entry(
+    cache_copy, tiny_model, tmp_path
+):
+    """$TMPDIR a read-only bind mount (EROFS even for root): Python's
+    ``tempfile`` falls back to another folder for the load directory, but the
+    archive-only loader unpacks into $TMPDIR. Engine start fails with a
+    ConfigError naming $TMPDIR and the fix, not a corrupt entry."""
+    from ..conftest import TINY_LIMITS
+    from ..fsutil import readonly_bind
+
+    (tmp_path / "src").mkdir()
+    ro = tmp_path / "ro"
+    with readonly_bind(tmp_path / "src", ro) as mounted:
+        if not mounted:
+            pytest.skip("cannot bind-mount here (not root)")
+        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
+        p = subprocess.run(
+            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "TMPDIR": str(ro)}, timeout=120,
+        )  # fmt: skip
+    assert p.returncode == 1, p.stdout
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kernel_cache.errors.ConfigError: "), p.stderr
+    assert str(ro) in last and "set TMPDIR" in last, last
+    assert "corrupt" not in p.stderr.lower(), p.stderr
+
+
+#: One package through the archive-only loader, its ``.so``'s bytes altered
+#: under the archive's CRC-32 (a record and sha256 made for the altered bytes).
+ALTERED = """
+import sys
+from kernel_cache import torch_compat
+from kernel_cache.errors import CorruptEntryError
+from kernel_cache.runtime import package
+package._cpu_library = lambda data, where, key: None
+torch_compat.aoti_loader_takes_folders = lambda: sys.argv[2] == "folders"
+data = bytearray(open(sys.argv[1], "rb").read())
+at = data.find(b"\\x7fELF") + 5000
+data[at : at + 100] = bytes(100)
+try:
+    package.load_package(bytes(data), "cpu", "here", "k" * 64)
+except CorruptEntryError as e:
+    print("refused:", e.reason)
+"""
+
+
+@pytest.mark.parametrize("loader", ["folders", "archives"])
+def test_a_package_whose_so_fails_its_crc_is_refused_by_either_loader(warm_cache, tmp_path, loader):
+    """A package whose ``.so`` bytes disagree with the archive's CRC-32: the
+    folder loader's unpack (Python's zipfile) refuses it; so must the path of
+    the archive-only loader (torch older than 2.13), whose own unpack does not
+    check, and which dlopen()ed it and died of SIGSEGV."""
+    from kernel_cache.store.disk_tier import DiskTier
+
+    tier = DiskTier(warm_cache[0], read_only=True)
+    meta = next(iter(tier.iter_meta()))
+    pkg = tmp_path / "p.pt2"
+    pkg.write_bytes(tier.get(meta["key"]).data)
+    p = subprocess.run(
+        [sys.executable, "-c", ALTERED, str(pkg), loader], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert p.stdout.startswith("refused: ") and "CRC-32" in p.stdout, p.stdout

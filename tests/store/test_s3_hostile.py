@@ -19,6 +19,7 @@ from kernel_cache.store.s3 import S3Settings, S3Tier
 from kernel_cache.store.s3_objects import pack
 
 from ..conftest import ROOT
+from ..kc_helpers import knowing_cxx
 from . import test_s3_tier
 from .test_s3_tier import _env
 
@@ -123,11 +124,11 @@ def test_an_object_over_the_size_limit_is_refused_before_its_body_is_read(
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
     keys = [build_key(tiny_config, v).hexdigest for v in Bucketer(tiny_config).variants]
     env = _env(KERNEL_CACHE_S3_URL=s3["url"], KERNEL_CACHE_S3_MAX_OBJECT="1M")
-    control, base = _peak_rss_mib(tiny_model, tmp_path / "c0", env)
+    control, base = _peak_rss_mib(tiny_model, knowing_cxx(tmp_path / "c0"), env)
     assert control.stdout.split()[:2] == ["missing", str(len(keys))], control.stderr[-2000:]
     obstore.put(tier.store, f"entries/{keys[0]}", pack(b"\0" * (200 << 20), b"{}"))
     try:
-        proc, peak = _peak_rss_mib(tiny_model, tmp_path / "c1", env)
+        proc, peak = _peak_rss_mib(tiny_model, knowing_cxx(tmp_path / "c1"), env)
     finally:  # the run's shared server holds 2 GiB: leave the room to later tests
         obstore.delete(tier.store, f"entries/{keys[0]}")
         tier.close()

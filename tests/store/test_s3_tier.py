@@ -29,7 +29,7 @@ from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.s3 import S3Settings, S3Tier
 from kernel_cache.store.s3_objects import manifest_name, pack
 
-from ..conftest import ROOT, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, run_cli, tiny_args
 from ..kc_helpers import check_lease_lifecycle, engine_start, wait_for_pause
 from ..s3_server import (
     BUCKET,
@@ -484,3 +484,40 @@ def test_a_warmup_stopped_with_sigterm_gives_its_lease_up(
     assert "Traceback" not in err, err
     lease = json.loads(bytes(obstore.get(store, f"leases/{key}").bytes()))
     assert lease["expires_at"] == 0, lease
+
+
+@pytest.mark.compile
+def test_an_engine_start_loads_the_plan_though_its_first_variant_s_index_is_flooded(
+    s3, warm_cache, tiny_model, tiny_config, tmp_path
+):
+    """A writer of the bucket (no signing key needed: index objects are empty)
+    puts 64 index objects, named to list before any real one, under the first
+    variant's runtime digest: that listing no longer holds the entry's record.
+    Every entry is still in S3 under its exact key, and engine start, which
+    reads the builders' ``cxx`` from the records, takes it from the next
+    variant's index: it loads the whole plan, with no build-only value
+    accepted, and the requests stay bounded by the plan."""
+    import obstore
+
+    from kernel_cache.plan.keys import CXX_NOT_PROBED, environment
+    from kernel_cache.plan.plan import Plan
+
+    tier = _tier(s3["url"], fail_open=False)
+    local = DiskTier(warm_cache[0], read_only=True)
+    for meta in local.iter_meta():
+        e = local.get(meta["key"])
+        assert tier.put(e.key, e.data, e.meta).ok
+    first = Plan.build(tiny_config, environment(tiny_config, cxx=CXX_NOT_PROBED), log_launch=False)
+    digest = first.items[0].key.runtime_digest
+    for i in range(64):
+        obstore.put(tier.store, f"index/runtime/{digest}/{i:064x}", b"")
+    env = _env(
+        **s3["env"], KERNEL_CACHE_DIR=str(tmp_path / "engine"), KERNEL_CACHE_S3_URL=s3["url"]
+    )
+    before = request_count(s3["metrics"]) if s3["metrics"] else None
+    doc = engine_start(tiny_model, env=env)
+    assert doc.get("missing") in (None, []), doc["stderr"]
+    assert doc["stats"]["loads"] == N_TINY, doc
+    assert doc["stats"]["build_only_accepted"] == {}, doc["stats"]
+    if before is not None:  # two indexes (a LIST, then up to 64 GETs), the manifest, the entries
+        assert request_count(s3["metrics"]) - before <= 2 * (1 + 64) + 1 + N_TINY

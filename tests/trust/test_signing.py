@@ -41,6 +41,7 @@ from kernel_cache.trust.keys import (
 from kernel_cache.trust.signing import SignatureError, check_signature, sign_meta
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..kc_helpers import knowing_cxx
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
 from ..signing_keys import make_keypair, raw_key_id
 
@@ -632,7 +633,9 @@ def test_every_tampered_redis_field_is_refused_at_start_and_by_verify(
             _write_raw(redis_db, meta["key"], data, meta)
             tampered[variants[i]] = (meta["key"], tampers[case][1])
 
-        local = tmp_path / f"local-{n}"
+        # warmup's record of the builders' compiler, so the engine asks for the
+        # exact keys even where every record of the plan is tampered
+        local = knowing_cxx(tmp_path / f"local-{n}")
         proc = subprocess.run(
             [sys.executable, "-c", ENGINE_START_REDIS, str(tiny_model), str(local)],
             capture_output=True,
