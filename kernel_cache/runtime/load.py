@@ -244,6 +244,13 @@ def load_plan(
         tier.expect([item.hexdigest for item in plan])
     found = _find_plan(plan, lookup, cache_dir)
     record_lookups(lookup.tiers, found.hits, len(found.missing))
+    if found.missing and plan.env.get("cxx") == CXX_NOT_PROBED:
+        log.warning(
+            "no tier (%s) holds a record of this plan that names its builders' C++ compiler "
+            "(a signed one, for a shared tier), so its keys use cxx=%r and only entries equal "
+            "in every other component were looked for",
+            ", ".join(t.location for t in lookup.tiers) or "none", CXX_NOT_PROBED,
+        )  # fmt: skip
     if found.missing and strict:
         raise MissingVariantsError(
             found.missing,

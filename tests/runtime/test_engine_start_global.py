@@ -284,3 +284,21 @@ def test_a_remote_engine_start_takes_no_planted_cxx(cache_copy, tiny_model, tmp_
     # transaction of 5 commands each), then each entry: no other index is read
     assert calls.get("srandmember") == 1, calls
     assert sum(n for k, n in calls.items() if k != "eval") <= 3 + 6 * (INDEX_MAX + N_TINY), calls
+
+
+def test_an_empty_store_says_its_keys_name_no_recorded_compiler(tiny_config, tmp_path, caplog):
+    """Nothing recorded anywhere: the missing variants are reported as before,
+    and a warning says the keys were built under ``cxx='not probed'`` and why."""
+    import logging
+
+    from kernel_cache import MissingVariantsError, load_plan
+    from kernel_cache.plan.keys import CXX_NOT_PROBED
+    from kernel_cache.store.disk_tier import DiskTier
+
+    tier = DiskTier(tmp_path / "empty")
+    with caplog.at_level(logging.WARNING, "kernel_cache"):
+        with pytest.raises(MissingVariantsError, match="kernel-cache warmup"):
+            load_plan(tiny_config, tiers=[tier])
+    tier.close()
+    (line,) = [r.getMessage() for r in caplog.records if "C++ compiler" in r.getMessage()]
+    assert repr(CXX_NOT_PROBED) in line and str(tmp_path / "empty") in line
