@@ -253,9 +253,11 @@ def test_warmup_throughput_smoke(tmp_path, tiny_model):
 @pytest.mark.compile
 def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
     """1 and 2 engines from each source the machine has a server for; each engine
-    cost, as the servers count it, one GET per variant on S3 (plus the manifest's),
+    cost, as the servers count it, one GET per variant on S3 (plus the manifest's
+    and the first variant's index: a LIST and a GET),
     one bounded read per variant on Redis (``WATCH``, ``HSTRLEN`` of both fields,
-    then ``MULTI``/``HMGET``/``EXEC``; plus ``HELLO``) and about the plan's bytes."""
+    then ``MULTI``/``HMGET``/``EXEC``; plus ``HELLO``, and the first variant's
+    index and record) and about the plan's bytes."""
     import shutil
 
     from kernel_cache.plan.buckets import Bucketer
@@ -292,10 +294,15 @@ def test_fleet_start_smoke(tmp_path, cache_copy, tiny_model, tiny_config):
             continue
         kinds = r["server"]["requests_by_kind_per_engine"]
         if r["source"] == "s3":
-            assert kinds == {"GET": n + 1}  # the manifest, then one per entry
+            # the first variant's index (a LIST, its record: the builders' compiler),
+            # the manifest, then one GET per entry
+            assert kinds == {"LIST": 1, "GET": 1 + 1 + n}
         else:
-            assert kinds.get("hmget") == n and kinds.get("hstrlen") == 2 * n
-            assert r["server"]["requests_per_engine"] <= 6 * n + 2
+            # one bounded read of both fields per variant, and the first variant's
+            # index (one EVAL) and its record alone (the builders' compiler)
+            assert kinds.get("eval") == 1, kinds
+            assert kinds.get("hmget") == n + 1 and kinds.get("hstrlen") == 2 * n + 1, kinds
+            assert r["server"]["requests_per_engine"] <= 6 * (n + 1) + 3
         assert plan_bytes <= r["server"]["sent_bytes_per_engine"] <= 1.2 * plan_bytes
         assert r["local_cache_bytes_per_engine"]["min"] >= plan_bytes  # written through
     assert set(doc["results"]["ratio_largest_to_smallest"]) == set(sources)
