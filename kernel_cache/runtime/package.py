@@ -113,10 +113,9 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
         library = _cpu_library(data, where, key)
         if library is not None:
             return _load_cpu_library(library, where, key)
-    if torch_compat.aoti_loader_takes_folders():
-        path = _unpack(data, where, key)
-    else:
-        path = _write_archive(data, where, key)
+    archive = not torch_compat.aoti_loader_takes_folders()
+    path = _write_archive(data, where, key) if archive else _unpack(data, where, key)
+    folder = os.path.dirname(path) if archive else path  # ours, removed if the load fails
     device_index = torch.cuda.current_device() if device == "cuda" else -1
     try:
         return torch_compat.load_aoti_package(
@@ -127,11 +126,11 @@ def load_package(data: bytes, device: str, where: str = "", key: str = ""):
             device_index=device_index,
         )
     except TorchAPIDriftError:
-        shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
+        shutil.rmtree(folder, ignore_errors=True)
         raise  # torch's API, not this entry
     except Exception as e:  # the loader raises RuntimeError for a bad package
-        shutil.rmtree(os.path.dirname(path) if path.endswith(".pt2") else path, True)
-        if path.endswith(".pt2"):
+        shutil.rmtree(folder, ignore_errors=True)
+        if archive:
             unwritable = _loader_unpack_error(key, data, str(e))
             if unwritable is not None:
                 raise unwritable from None
@@ -150,15 +149,11 @@ def _unpack(data: bytes, where: str, key: str) -> str:
     import io
     import zipfile
 
-    base = load_dir()
-    try:
-        out = tempfile.mkdtemp(prefix="kernel_cache-", dir=base)
-    except OSError as e:
-        raise _load_dir_error(key, data, base, e) from None
+    out = _new_load_folder(data, key)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             z.extractall(out)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
+    except _not_a_zip() as e:
         shutil.rmtree(out, ignore_errors=True)
         raise CorruptEntryError(
             key, f"the AOTInductor loader rejected it: not a package ({e})", where
@@ -191,30 +186,42 @@ def _write_archive(data: bytes, where: str, key: str) -> str:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             bad = z.testzip()
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-    ) as e:
+    except _not_a_zip() as e:
         bad, why = None, f"not a package ({e})"
     else:
         why = None if bad is None else f"not a package (Bad CRC-32 for file {bad!r})"
     if why is not None:
         raise CorruptEntryError(key, f"the AOTInductor loader rejected it: {why}", where)
-    base = load_dir()
-    out = None
+    out = _new_load_folder(data, key)
+    path = os.path.join(out, "package.pt2")
     try:
-        out = tempfile.mkdtemp(prefix="kernel_cache-", dir=base)
-        path = os.path.join(out, "package.pt2")
         with open(path, "xb") as f:
             f.write(data)
-        return path
     except OSError as e:
-        if out is not None:
-            shutil.rmtree(out, ignore_errors=True)
-        raise _load_dir_error(key, data, out or base, e) from None
+        shutil.rmtree(out, ignore_errors=True)
+        raise _load_dir_error(key, data, out, e) from None
+    return path
+
+
+def _new_load_folder(data: bytes, key: str) -> str:
+    """A new folder of :func:`load_dir` for the package ``data`` of ``key``.
+
+    Raises:
+        ConfigError: it cannot be made (a full or unwritable load directory).
+    """
+    base = load_dir()
+    try:
+        return tempfile.mkdtemp(prefix="kernel_cache-", dir=base)
+    except OSError as e:
+        raise _load_dir_error(key, data, base, e) from None
+
+
+def _not_a_zip() -> tuple[type[BaseException], ...]:
+    """What :mod:`zipfile` raises for bytes that are not a package it can read
+    (a bad or truncated archive, an unknown compression method)."""
+    import zipfile
+
+    return (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, NotImplementedError)
 
 
 #: How the archive-only loader (torch older than 2.13) says that its own
@@ -304,13 +311,7 @@ def _cpu_library(data: bytes, where: str, key: str) -> bytes | None:
             if meta is None or json.loads(z.read(meta)).get("AOTI_DEVICE_KEY") != "cpu":
                 return None
             return z.read(files[libs[0]])
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-    ) as e:
+    except _not_a_zip() as e:
         raise CorruptEntryError(
             key, f"the AOTInductor loader rejected it: not a package ({e})", where
         ) from None
