@@ -31,12 +31,7 @@ def build_declared(spec: SlotSpec):
     from kernel_cache.kernels.slots import load_factory
 
     where = f"slot {spec.name}={spec.factory}"
-    try:
-        factory = load_factory(spec.name, spec.factory)
-    except CompileError as e:  # said as a declared slot, not a kernel
-        raise CompileError(
-            str(e).replace(f"kernel {spec.name}=", f"slot {spec.name}=", 1)
-        ) from None
+    factory = load_factory(spec.name, spec.factory, kind="slot")
     try:
         mod = factory(**spec.factory_args())
     except Exception as e:  # the engine's code: reported, not raised through

@@ -229,8 +229,10 @@ def kernel_path(config, slot: str) -> str:
     return resolved_path(slot, configured, getattr(config, "device", "cpu"))
 
 
-def load_factory(slot: str, path: str):
-    """Import the factory ``path`` names (``module:attr.attr``).
+def load_factory(slot: str, path: str, kind: str = "kernel"):
+    """Import the factory ``path`` names (``module:attr.attr``); errors name it
+    as ``{kind} {slot}={path}`` (``kind``: ``kernel``, or ``slot`` for a
+    declared slot).
 
     Raises:
         CompileError: the module does not import, the attribute is missing, or
@@ -240,7 +242,7 @@ def load_factory(slot: str, path: str):
 
     target = resolved_path(slot, path)
     module, _, attr = target.partition(":")
-    where = f"kernel {slot}={path}"
+    where = f"{kind} {slot}={path}"
     try:
         obj = importlib.import_module(module)
     except Exception as e:  # the engine's code: any error is reported, not raised through
