@@ -197,3 +197,22 @@ def knowing_cxx(cache):
 
     assert imports_memo.save(cache, cxx=environment("cpu")["cxx"])
     return cache
+
+
+def publish_to_redis(cache: Path, url: str, signer=None) -> list[dict]:
+    """Copy every entry of the local cache ``cache`` into the Redis at ``url``
+    (signed when ``signer``), as a builder publishes; their records."""
+    from kernel_cache.store.redis import RedisTier
+    from kernel_cache.trust.signing import sign_meta
+
+    local, remote = DiskTier(cache), RedisTier(url, fail_open=False)
+    metas = []
+    try:
+        for meta in local.iter_meta():
+            e = local.get(meta["key"])
+            remote.put(e.key, e.data, sign_meta(e.meta, e.data, signer))
+            metas.append(e.meta)
+    finally:
+        local.close()
+        remote.close()
+    return metas

@@ -144,10 +144,7 @@ def test_a_remote_only_engine_start_runs_no_program(cache_copy, tiny_model, tmp_
     entries, an empty local cache): the ``cxx`` key component comes from the
     signed record indexed under the first variant's runtime digest, so no
     program runs, and every hit is exact."""
-    from kernel_cache.store.disk_tier import DiskTier
-    from kernel_cache.store.redis import RedisTier
-    from kernel_cache.trust.signing import sign_meta
-
+    from ..kc_helpers import publish_to_redis
     from ..redis_server import RedisServer, redis_server_binary
     from ..signing_keys import make_keypair
 
@@ -156,12 +153,7 @@ def test_a_remote_only_engine_start_runs_no_program(cache_copy, tiny_model, tmp_
     keys = make_keypair(tmp_path / "keys")
     server = RedisServer()
     try:
-        local, remote = DiskTier(cache_copy), RedisTier(server.url, fail_open=False)
-        for meta in local.iter_meta():  # the builder publishes, signed
-            e = local.get(meta["key"])
-            remote.put(e.key, e.data, sign_meta(e.meta, e.data, keys.signer))
-        local.close()
-        remote.close()
+        publish_to_redis(cache_copy, server.url, keys.signer)  # the builder publishes, signed
         doc, start, control = _start(
             tmp_path / "empty-cache", tiny_model, tmp_path,
             KERNEL_CACHE_REDIS_URL=server.url, **keys.engine_env,
@@ -241,10 +233,9 @@ def test_a_remote_engine_start_takes_no_planted_cxx(cache_copy, tiny_model, tmp_
     only signed entries, runs no program, logs no traceback, and sends a
     bounded number of commands (``INFO commandstats``)."""
     from kernel_cache.plan.keys import runtime_digest
-    from kernel_cache.store.disk_tier import DiskTier
     from kernel_cache.store.redis import INDEX_MAX, RedisTier
-    from kernel_cache.trust.signing import sign_meta
 
+    from ..kc_helpers import publish_to_redis
     from ..redis_server import RedisServer, redis_server_binary
     from ..signing_keys import make_keypair
 
@@ -253,13 +244,8 @@ def test_a_remote_engine_start_takes_no_planted_cxx(cache_copy, tiny_model, tmp_
     keys = make_keypair(tmp_path / "keys")
     server = RedisServer()
     try:
-        local, remote = DiskTier(cache_copy), RedisTier(server.url, fail_open=False)
-        metas = []
-        for meta in local.iter_meta():
-            e = local.get(meta["key"])
-            remote.put(e.key, e.data, sign_meta(e.meta, e.data, keys.signer))
-            metas.append(e.meta)
-        local.close()
+        metas = publish_to_redis(cache_copy, server.url, keys.signer)
+        remote = RedisTier(server.url, fail_open=False)
         # every variant's index gets the planted records: the first one is among them
         for m in metas:
             comps = m["components"]

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,25 +97,37 @@ print(json.dumps({
 """
 
 
+def run_start(script, tiny_model, cache, tmpdir, *extra, timeout=300):
+    """``script`` (argv: the tiny model, its limits, ``cache``, ``extra``) in a
+    fresh process with ``TMPDIR=tmpdir``."""
+    from ..conftest import TINY_LIMITS
+
+    args = [str(tiny_model), repr(TINY_LIMITS), str(cache), *extra]
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _through_the_loader(tiny_model, cache, tmp_path, loader: str) -> tuple[dict, Path]:
+    """:data:`THROUGH_THE_LOADER` with a loader that takes ``loader``
+    (``folders`` or ``archives``), in an empty $TMPDIR: its JSON line and that $TMPDIR."""
+    import json
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = run_start(THROUGH_THE_LOADER, tiny_model, cache, tmpdir, loader)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), tmpdir
+
+
 def test_engine_start_changes_no_environment_variable(warm_cache, tiny_model, tmp_path):
     """AOTInductor's package loader is given the unpacked package: os.environ is
     the same after engine start, a thread reading $TMPDIR (through os.environ
     and C's getenv) during it only ever sees its value, and the loader
     unpacks nothing into $TMPDIR itself (no ``aotinductor_*`` folder)."""
-    import json
-
-    from ..conftest import TINY_LIMITS
-
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0]), "folders"]
-    proc = subprocess.run(
-        [sys.executable, "-c", THROUGH_THE_LOADER, *args],
-        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc, tmpdir = _through_the_loader(tiny_model, warm_cache[0], tmp_path, "folders")
     assert doc["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
     assert doc["loader_calls"] == [True] * N_TINY  # the loader ran, on unpacked folders
     assert doc["environ_same"] and doc["seen"] == [str(tmpdir)]
@@ -130,20 +143,7 @@ def test_a_loader_that_takes_only_archives_is_given_the_package_file(
     """Where torch's loader opens every path as an archive (torch 2.11), it is
     given each package as a ``.pt2`` file in the load directory, and the
     engine's kernels run."""
-    import json
-
-    from ..conftest import TINY_LIMITS
-
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    args = [str(tiny_model), repr(TINY_LIMITS), str(warm_cache[0]), "archives"]
-    proc = subprocess.run(
-        [sys.executable, "-c", THROUGH_THE_LOADER, *args],
-        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc, _ = _through_the_loader(tiny_model, warm_cache[0], tmp_path, "archives")
     assert doc["loads"] == N_TINY and doc["out_shape"] == [3, 4, 8]
     assert doc["loader_calls"] == [False] * N_TINY  # files, not folders
     unpacked = [n for n in doc["in_load_dir"] if n != ".owner.lock"]
@@ -258,7 +258,6 @@ def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrup
     and the fix, not a corrupt entry (warmup's check would quarantine and
     rebuild a good entry for it), nothing is left on the tmpfs and no entry of
     the cache changes."""
-    from ..conftest import TINY_LIMITS
     from ..fsutil import tmpfs, tree_state
 
     def entries():
@@ -269,11 +268,7 @@ def test_a_tmpdir_too_full_for_the_archive_loader_s_unpack_is_named_not_a_corrup
     with tmpfs(full, 900 << 10) as mounted:
         if not mounted:
             pytest.skip("cannot mount a tmpfs here (not root)")
-        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
-        p = subprocess.run(
-            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
-            env={**os.environ, "TMPDIR": str(full)}, timeout=120,
-        )  # fmt: skip
+        p = run_start(ARCHIVES, tiny_model, cache_copy, full, timeout=120)
         left = os.listdir(full)
     assert p.returncode == 1, p.stdout
     assert left == []  # neither the package's copy nor the loader's partial unpack
@@ -291,7 +286,6 @@ def test_a_read_only_tmpdir_for_the_archive_loader_s_unpack_is_named_not_a_corru
     ``tempfile`` falls back to another folder for the load directory, but the
     archive-only loader unpacks into $TMPDIR. Engine start fails with a
     ConfigError naming $TMPDIR and the fix, not a corrupt entry."""
-    from ..conftest import TINY_LIMITS
     from ..fsutil import readonly_bind
 
     (tmp_path / "src").mkdir()
@@ -299,11 +293,7 @@ def test_a_read_only_tmpdir_for_the_archive_loader_s_unpack_is_named_not_a_corru
     with readonly_bind(tmp_path / "src", ro) as mounted:
         if not mounted:
             pytest.skip("cannot bind-mount here (not root)")
-        args = [str(tiny_model), repr(TINY_LIMITS), str(cache_copy)]
-        p = subprocess.run(
-            [sys.executable, "-c", ARCHIVES, *args], cwd=ROOT, capture_output=True, text=True,
-            env={**os.environ, "TMPDIR": str(ro)}, timeout=120,
-        )  # fmt: skip
+        p = run_start(ARCHIVES, tiny_model, cache_copy, ro, timeout=120)
     assert p.returncode == 1, p.stdout
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("kernel_cache.errors.ConfigError: "), p.stderr

@@ -42,7 +42,7 @@ from kernel_cache.trust.signing import check_signature, sign_meta
 from warmup.builder.planner import warmup
 
 from ..conftest import N_TINY, ROOT, run_cli, tiny_args
-from ..kc_helpers import wait_for_pause
+from ..kc_helpers import publish_to_redis, wait_for_pause
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
 from ..signing_keys import make_keypair
 
@@ -97,19 +97,6 @@ def private_redis():
     server = RedisServer()
     yield server
     server.stop()
-
-
-def _publish_warm_cache(warm_dir, url, signer=None) -> list[str]:
-    """Copy every entry of a local cache into Redis (signed when ``signer``)."""
-    local, remote = DiskTier(warm_dir), RedisTier(url, fail_open=False)
-    keys = []
-    for meta in local.iter_meta():
-        e = local.get(meta["key"])
-        remote.put(e.key, e.data, sign_meta(e.meta, e.data, signer))
-        keys.append(e.key)
-    local.close()
-    remote.close()
-    return keys
 
 
 def _plan_keys(cfg) -> dict[str, str]:
@@ -192,7 +179,7 @@ def test_bad_redis_url_is_a_clear_error(tiny_model, tmp_path):
 def test_read_through_promotes_into_the_local_cache(
     redis_db, warm_cache, tiny_config, tmp_path, monkeypatch, fleet_keys
 ):
-    _publish_warm_cache(warm_cache[0], redis_db, signer=fleet_keys["fleet"].signer)
+    publish_to_redis(warm_cache[0], redis_db, signer=fleet_keys["fleet"].signer)
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
     monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))  # an engine
     local = tmp_path / "empty"
@@ -323,7 +310,7 @@ def test_warmup_republishes_redis_entries_signed_with_another_key(
     builder without a key must not replace signed entries."""
     remote = RedisSettings(url=redis_db)
     new = fleet_keys["fleet"]
-    keys = _publish_warm_cache(cache_copy, redis_db, signer=fleet_keys["old"].signer)
+    keys = [m["key"] for m in publish_to_redis(cache_copy, redis_db, fleet_keys["old"].signer)]
     monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(new.private))
     report = warmup(tiny_config, cache_copy, progress=False, remote=remote)
     assert (report["compiled"], report["uploaded"]) == (0, len(keys))
@@ -349,7 +336,7 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
 ):
     """Right key, right checksum, wrong signature (another key's, under our key id)."""
     fleet = fleet_keys["fleet"]
-    _publish_warm_cache(warm_cache[0], redis_db, fleet.signer)
+    publish_to_redis(warm_cache[0], redis_db, fleet.signer)
     keys = _plan_keys(tiny_config)
     plan = Bucketer(tiny_config).variants
     victim, donor = str(plan[0]), str(plan[1])
@@ -396,7 +383,7 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
 def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
     redis_db, warm_cache, tiny_config, tmp_path, monkeypatch, fleet_keys
 ):
-    _publish_warm_cache(warm_cache[0], redis_db, signer=None)
+    publish_to_redis(warm_cache[0], redis_db, signer=None)
     monkeypatch.setenv(ENV_REDIS_URL, redis_db)
     monkeypatch.setenv(ENV_TRUSTED_KEYS, str(fleet_keys["fleet"].public))
     with pytest.raises(MissingVariantsError) as e:
@@ -634,7 +621,7 @@ def test_redis_killed_mid_warmup_local_run_completes(
 
 @pytest.mark.compile
 def test_fleet_load_smoke_warm_redis_needs_no_compile(redis_db, warm_cache, tiny_model):
-    _publish_warm_cache(warm_cache[0], redis_db)
+    publish_to_redis(warm_cache[0], redis_db)
     proc = subprocess.run(
         [
             sys.executable,
