@@ -39,6 +39,7 @@ _HEADER_DIR = "torch._inductor.codecache._HEADER_DIR"
 _HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
 _PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
 _AOTI = "torch._inductor.aoti_compile_and_package"
+_GPU_KERNELS = "torch._inductor.codecache.CudaKernelParamCache"
 
 #: Every private torch name the build uses.
 BUILD_API: tuple[PrivateAPI, ...] = (
@@ -57,6 +58,11 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         for m in CONFIG_MODULES
     ),
     PrivateAPI(_PICK, "builder/compiler.py: the vector ISA Inductor chose", CHECKED),
+    PrivateAPI(
+        _GPU_KERNELS,
+        "builder/compiler.py: emptied, then kept in name order (the GPU kernels' link order)",
+        CHECKED,
+    ),
     PrivateAPI(
         _RUN,
         "builder/normalize.py: wrapped, (cmd_line: str, cwd: str), to add -ffile-prefix-map",
@@ -183,6 +189,45 @@ def aoti_compile_and_package() -> Callable:
     if lacking:
         raise drift(_AOTI, f"has no parameter {', '.join(lacking)}", _BY_NAME)
     return fn
+
+
+@contextlib.contextmanager
+def gpu_kernels_in_name_order() -> Iterator[None]:
+    """Inductor's process-wide table of compiled GPU kernels
+    (``CudaKernelParamCache.cache``, ``{kernel name: its cubin and launch
+    parameters}``) emptied, then kept sorted by kernel name for the block;
+    ``set`` put back after.
+
+    A CUDA package's ``.so`` links the embedded kernels in the table's order,
+    which was the order kernels were first added in the worker process: a
+    name (``triton_poi_fused_0``) an earlier compile added kept its place, and
+    kernels compiled on Inductor's compile threads are added as they finish.
+    The order of ``wrapper.so``'s dynamic symbols, and its build-id, followed
+    that history. Sorted, it follows the kernels' names alone.
+
+    Raises:
+        TorchAPIDriftError: the table, its ``cache`` dict, ``cache_clear`` or
+            ``set`` is missing.
+    """
+    table = _get(_GPU_KERNELS)
+    cache, clear, original = (getattr(table, n, None) for n in ("cache", "cache_clear", "set"))
+    own = vars(table).get("set") if isinstance(table, type) else None
+    if not isinstance(cache, dict) or not callable(clear) or not callable(original) or not own:
+        raise drift(_GPU_KERNELS, "has no cache dict, cache_clear() or set()", _BY_NAME)
+
+    def in_name_order(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        ordered = sorted(cache.items())
+        cache.clear()  # the same dict object: cache_clear is bound to it
+        cache.update(ordered)
+        return out
+
+    clear()
+    table.set = in_name_order
+    try:
+        yield
+    finally:
+        table.set = own  # the class's own descriptor (a classmethod), as it was
 
 
 @contextlib.contextmanager

@@ -102,3 +102,30 @@ def test_a_missing_aoti_compile_is_drift_not_a_variant_compile_error(tiny_config
     with pytest.raises(TorchAPIDriftError) as e:
         compile_with_options(tiny_config, variant, {})
     assert_drift(e.value, "torch._inductor.aoti_compile_and_package")
+
+
+def test_gpu_kernels_are_linked_in_name_order_whatever_order_they_were_added(tmp_path):
+    """The table a CUDA package's link reads: emptied on entry (an earlier
+    compile's kernel keeps no place in it), kept sorted by kernel name while
+    kernels are added out of order, and torch's own ``set`` put back after."""
+    table = codecache.CudaKernelParamCache
+    own = vars(table)["set"]
+    table.cache["triton_from_an_earlier_compile"] = {}
+    with torch._inductor.config.patch({"aot_inductor.output_path": str(tmp_path)}):
+        with torch_compat.gpu_kernels_in_name_order():
+            for name in ("triton_poi_2", "triton_per_0", "triton_poi_1"):
+                table.set(name, {"mangled_name": name}, name.encode(), "cubin")
+            assert list(table.cache) == ["triton_per_0", "triton_poi_1", "triton_poi_2"]
+            assert sorted(os.listdir(tmp_path)) and all(
+                os.path.exists(v["cubin_path"]) for v in table.cache.values()
+            )
+    assert vars(table)["set"] is own
+    table.cache_clear()
+
+
+def test_a_missing_gpu_kernel_table_is_drift(monkeypatch):
+    monkeypatch.delattr(codecache, "CudaKernelParamCache")
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.gpu_kernels_in_name_order():
+            raise AssertionError("never entered")
+    assert_drift(e.value, "torch._inductor.codecache.CudaKernelParamCache")

@@ -483,7 +483,12 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:
-            with torch.no_grad(), _host_march(march), build_paths_mapped(tmp, pch_dir) as paths:
+            with (
+                torch.no_grad(),
+                _host_march(march),
+                torch_compat.gpu_kernels_in_name_order(),
+                build_paths_mapped(tmp, pch_dir) as paths,
+            ):
                 compile_and_package(ep, package_path=path, inductor_configs=opts)
         except TorchAPIDriftError:
             raise  # torch's API, not this variant
