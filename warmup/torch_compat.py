@@ -40,6 +40,7 @@ _HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
 _PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
 _AOTI = "torch._inductor.aoti_compile_and_package"
 _GPU_KERNELS = "torch._inductor.codecache.CudaKernelParamCache"
+_CUBIN_OBJECT = "torch._inductor.codecache.convert_cubin_to_obj"
 
 #: Every private torch name the build uses.
 BUILD_API: tuple[PrivateAPI, ...] = (
@@ -61,6 +62,12 @@ BUILD_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(
         _GPU_KERNELS,
         "builder/compiler.py: emptied, then kept in name order (the GPU kernels' link order)",
+        CHECKED,
+    ),
+    PrivateAPI(
+        _CUBIN_OBJECT,
+        "builder/compiler.py: replaced, (cubin_file, kernel_name, ld, objcopy), so that the "
+        "kernel's symbols are linked in an order no builder path decides",
         CHECKED,
     ),
     PrivateAPI(
@@ -228,6 +235,59 @@ def gpu_kernels_in_name_order() -> Iterator[None]:
         yield
     finally:
         table.set = own  # the class's own descriptor (a classmethod), as it was
+
+
+def _cubin_object(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> str:
+    """Inductor's ``convert_cubin_to_obj``, with ``ld`` given the cubin's file
+    name, run in its folder, instead of its absolute path.
+
+    ``ld -r -b binary FILE`` names the symbols it makes after ``FILE``
+    (``_binary_<FILE, non-word characters as _>_start``, ``_end``, ``_size``)
+    and writes them in its symbol hash table's order, which follows those
+    names; Inductor then renames them to ``__<kernel>_start`` and so on. Given
+    the absolute path, a builder's scratch folder decided the order, and so
+    the order of the package's dynamic strings and its build-id (measured on
+    an H100, torch 2.11: two builders of one key differed in exactly that).
+    The file name is a hash of the cubin's bytes. The object is otherwise
+    the one Inductor builds: the same three commands."""
+    import re
+    import shlex
+    import subprocess
+
+    folder, name = os.path.split(os.path.abspath(cubin_file))
+    obj = name + ".o"
+
+    def run(*args: str) -> None:
+        subprocess.run(args, cwd=folder, capture_output=True, text=True, check=True)
+
+    run(*shlex.split(ld), "-r", "-b", "binary", "-z", "noexecstack", "-o", obj, name)
+    rodata = ".data=.rodata,alloc,load,readonly,data,contents"
+    run(*shlex.split(objcopy), "--rename-section", rodata, obj)
+    sym = re.sub(r"\W", "_", name)
+    renames = [
+        f"--redefine-sym=_binary_{sym}_{part}=__{kernel_name}_{part}"
+        for part in ("start", "size", "end")
+    ]
+    run(*shlex.split(objcopy), *renames, obj)
+    return os.path.join(folder, obj)
+
+
+@contextlib.contextmanager
+def cubin_objects_named_by_content() -> Iterator[None]:
+    """Inductor's ``convert_cubin_to_obj`` (how a CUDA package embeds a
+    kernel's cubin when it does not assemble them all at once) replaced by
+    :func:`_cubin_object` for the block, and put back after.
+
+    Raises:
+        TorchAPIDriftError: it is missing or takes other parameters.
+    """
+    original = _function(_CUBIN_OBJECT, ("cubin_file", "kernel_name", "ld", "objcopy"))
+    owner = _module(_CUBIN_OBJECT.rpartition(".")[0])
+    owner.convert_cubin_to_obj = _cubin_object
+    try:
+        yield
+    finally:
+        owner.convert_cubin_to_obj = original
 
 
 @contextlib.contextmanager

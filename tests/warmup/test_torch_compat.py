@@ -6,7 +6,9 @@ one variant's compile error. Nothing is compiled."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,35 @@ def test_a_missing_gpu_kernel_table_is_drift(monkeypatch):
         with torch_compat.gpu_kernels_in_name_order():
             raise AssertionError("never entered")
     assert_drift(e.value, "torch._inductor.codecache.CudaKernelParamCache")
+
+
+def test_a_cubin_object_is_the_same_bytes_in_any_scratch_folder(tmp_path):
+    """How a CUDA package embeds a kernel's cubin (``ld -r -b binary``, then
+    objcopy), with real binutils: from two folders of different lengths the
+    object is byte for byte the same, with Inductor's symbol names; inside
+    the block Inductor calls this one, after it its own again."""
+    original = codecache.convert_cubin_to_obj
+    cubin = os.urandom(5000)
+    objects = []
+    for folder in ("a", "b" * 40):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "cabc123.cubin"
+        path.write_bytes(cubin)
+        with torch_compat.cubin_objects_named_by_content():
+            obj = codecache.convert_cubin_to_obj(str(path), "triton_k_0", "ld", "objcopy")
+        assert obj == f"{path}.o"
+        objects.append(Path(obj).read_bytes())
+    assert objects[0] == objects[1]
+    nm = subprocess.run(["nm", obj], capture_output=True, text=True, check=True).stdout
+    assert {line.split()[-1] for line in nm.splitlines()} == {
+        f"__triton_k_0_{p}" for p in ("start", "end", "size")
+    }
+    assert codecache.convert_cubin_to_obj is original
+
+
+def test_a_cubin_converter_with_other_parameters_is_drift(monkeypatch):
+    monkeypatch.setattr(codecache, "convert_cubin_to_obj", lambda path, name: None)
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.cubin_objects_named_by_content():
+            raise AssertionError("never entered")
+    assert_drift(e.value, "torch._inductor.codecache.convert_cubin_to_obj", "takes (path, name)")

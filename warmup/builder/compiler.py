@@ -487,6 +487,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
                 torch.no_grad(),
                 _host_march(march),
                 torch_compat.gpu_kernels_in_name_order(),
+                torch_compat.cubin_objects_named_by_content(),
                 build_paths_mapped(tmp, pch_dir) as paths,
             ):
                 compile_and_package(ep, package_path=path, inductor_configs=opts)
