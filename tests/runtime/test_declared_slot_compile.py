@@ -1,5 +1,6 @@
 """A declared slot warmed, verified and run for real: a tiny MLP slot on the
-query axis of the warm tiny plan (2 variants: the only compiles of this file).
+query axis of the warm tiny plan (2 variants), and two concurrent warmups of
+it on an empty cache (3 variants, each compiled once).
 
 Counted from outside the product: compiles by the test hook's compile log
 (every AOTInductor compile of a process that has the variable set) and by
@@ -19,6 +20,7 @@ import pytest
 from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import ROOT, run_cli, tiny_args
+from ..kc_helpers import counting_cxx, lines_of
 
 HIDDEN, INTER = 128, 8192  # weights: 2 x 128 x 8192 float32 = 8 MiB, a buffer of 128
 
@@ -152,3 +154,48 @@ def test_a_declared_mlp_slot_warms_verifies_and_runs_with_weights_as_inputs(
     assert stats["calls"] == {"mlp:1:0:0": 1, "mlp:32:0:0": 4}
     # no compile in verify or the engine either, by the hook's log
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == compiled
+
+
+@pytest.mark.compile
+def test_two_concurrent_cold_warmups_of_a_declared_slot_compile_each_variant_once(
+    tiny_model, slot_site, tmp_path
+):
+    """Two warmups started together on one empty cache directory, the plan cut
+    to one query bucket (attention's two variants and the slot's ``mlp:32:0:0``).
+    Counted three ways outside their reports: links of a package's
+    ``wrapper.so`` by a counting ``CXX``, AOTInductor compiles by the compile
+    log, artifact files in the cache."""
+    cache, links, log = tmp_path / "cache", tmp_path / "links.log", tmp_path / "compiles.log"
+    path = tmp_path / "slots.json"
+    path.write_text(json.dumps([SPEC]))
+    pythonpath = os.pathsep.join([str(slot_site), os.environ.get("PYTHONPATH", "")])
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "CXX": str(counting_cxx(tmp_path, links)),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(log),
+    }
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd += ["--query-buckets", "32", "--slot", f"@{path}", "--cache-dir", str(cache)]
+    cmd += ["--jobs", "1", "--json", "--quiet"]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "Traceback" not in err, err
+    plan = ["batched_decode:1:2:4", "mlp:32:0:0", "paged_attention:32:2:1"]
+    assert len(lines_of(links)) == len(plan), lines_of(links)
+    assert sorted(line.split()[1] for line in lines_of(log)) == plan
+    tier = DiskTier(cache, read_only=True)
+    try:
+        metas = list(tier.iter_meta())
+        files = {tier.artifact_path(m["key"]) for m in metas}
+    finally:
+        tier.close()
+    assert sorted(m["variant"] for m in metas) == plan
+    assert all(f.is_file() for f in files) and len(files) == len(plan)
+    reports = [json.loads(out) for out, _ in outs]
+    assert sum(r["compiled"] for r in reports) == len(plan)  # they agree with the counts
+    assert all(r["compiled"] + r["cached"] == len(plan) and not r["failed"] for r in reports)
