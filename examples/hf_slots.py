@@ -7,21 +7,21 @@ Needs transformers (``pip install -e '.[hf]'``). The model is the one
 ``LlamaForCausalLM``, attention through the plan's ``prefill`` and ``decode``
 over a paged KV cache), here with llama-3.2-1b's attention geometry (hidden
 size 2048, intermediate size 4096), 2 decoder layers and a tiny plan
-(:data:`LIMITS`). Each layer's ``LlamaMLP``, both its ``LlamaRMSNorm``\\ s and
-the final norm run as two declared slots (``llama_mlp``, ``llama_rms_norm``:
-``[query_tokens, 2048]`` rows in and out), their weights passed at each call
-(``runtime.prepare`` once per module, then ``runtime.call``). Plan variants
-missing from the cache are warmed first by ``kernel-cache warmup`` in a child
-process (this process never compiles; a cold cache takes a few minutes on 2
-cores).
+(:data:`LIMITS`). Each layer's ``LlamaMLP``, both its ``LlamaRMSNorm`` modules
+and the final norm run as two declared slots (``llama_mlp``,
+``llama_rms_norm``: ``[query_tokens, 2048]`` rows in and out), their weights
+passed at each call (``runtime.prepare`` once per module, then
+``runtime.call``). Plan variants missing from the cache are warmed first by
+``kernel-cache warmup`` in a child process (this process never compiles; a
+cold cache, 7 variants, takes about a minute on 2 cores).
 
 Prints whether the greedy tokens of 4 Azure-trace requests equal transformers'
 own eager generation (SDPA attention, its MLP and norms); the compiles after
 warmup, counted by torch's Inductor counter (this process, from its start)
 and by an audit hook on process starts while serving (a compile runs the C++
-compiler), not by the runtime's report; and the slots' artifact bytes
-against the bytes of the weights they run. Exit status 0 when the tokens are identical
-and nothing compiled, 1 otherwise, 2 on an error.
+compiler), not by the runtime's report; and the slots' artifact bytes against
+the bytes of the weights they run. Exit status 0 when the tokens are
+identical and nothing compiled, 1 otherwise, 2 on an error.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def to_slots(model, rt) -> dict[str, list[int]]:
 
     def swap(owner, name, slot):
         module = getattr(owner, name)
+        if getattr(module, "variance_epsilon", EPS) != EPS:
+            raise KernelCacheError(f"{name}: eps {module.variance_epsilon}, the slot's is {EPS}")
         nbytes[slot].append(sum(p.numel() * p.element_size() for p in module.parameters()))
         setattr(owner, name, SlotCall(rt, slot, module))
 
