@@ -216,3 +216,26 @@ def publish_to_redis(cache: Path, url: str, signer=None) -> list[dict]:
         local.close()
         remote.close()
     return metas
+
+
+def counting_cxx(tmp_path: Path, log: Path) -> Path:
+    """A ``CXX`` that logs each link of a package's ``wrapper.so`` (one per
+    compile: ``wrapper-pid path``) and runs the system compiler. Its
+    ``--version``/``-v`` answers are the real compiler's, so the ``cxx`` key
+    component is unchanged."""
+    real = shutil.which("g++")
+    assert real, "these tests need g++"
+    w = tmp_path / "g++-counting"
+    w.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in *.wrapper.so) '
+        f'echo "$$ $a" >> {log}; break;; esac; done\n'
+        f'exec {real} "$@"\n'
+    )
+    w.chmod(0o755)
+    return w
+
+
+def lines_of(path: Path) -> list[str]:
+    """The lines of ``path``; none where it does not exist."""
+    return path.read_text().splitlines() if path.exists() else []

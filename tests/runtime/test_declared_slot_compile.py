@@ -1,5 +1,7 @@
-"""A declared slot warmed, verified and run for real: a tiny MLP slot on the
-query axis of the warm tiny plan (2 variants: the only compiles of this file).
+"""Declared slots warmed, verified and run for real: a tiny MLP slot on the
+query axis of the warm tiny plan (2 variants), a slot with a fixed, a bucket
+and a shared dynamic dimension (1 variant), and two concurrent warmups of the
+MLP slot on an empty cache (3 variants, each compiled once).
 
 Counted from outside the product: compiles by the test hook's compile log
 (every AOTInductor compile of a process that has the variable set) and by
@@ -19,6 +21,7 @@ import pytest
 from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import ROOT, run_cli, tiny_args
+from ..kc_helpers import counting_cxx, lines_of
 
 HIDDEN, INTER = 128, 8192  # weights: 2 x 128 x 8192 float32 = 8 MiB, a buffer of 128
 
@@ -152,3 +155,127 @@ def test_a_declared_mlp_slot_warms_verifies_and_runs_with_weights_as_inputs(
     assert stats["calls"] == {"mlp:1:0:0": 1, "mlp:32:0:0": 4}
     # no compile in verify or the engine either, by the hook's log
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == compiled
+
+
+@pytest.mark.compile
+def test_two_concurrent_cold_warmups_of_a_declared_slot_compile_each_variant_once(
+    tiny_model, slot_site, tmp_path
+):
+    """Two warmups started together on one empty cache directory, the plan cut
+    to one query bucket (attention's two variants and the slot's ``mlp:32:0:0``).
+    Counted three ways outside their reports: links of a package's
+    ``wrapper.so`` by a counting ``CXX``, AOTInductor compiles by the compile
+    log, artifact files in the cache."""
+    cache, links, log = tmp_path / "cache", tmp_path / "links.log", tmp_path / "compiles.log"
+    path = tmp_path / "slots.json"
+    path.write_text(json.dumps([SPEC]))
+    pythonpath = os.pathsep.join([str(slot_site), os.environ.get("PYTHONPATH", "")])
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "CXX": str(counting_cxx(tmp_path, links)),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(log),
+    }
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd += ["--query-buckets", "32", "--slot", f"@{path}", "--cache-dir", str(cache)]
+    cmd += ["--jobs", "1", "--json", "--quiet"]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "Traceback" not in err, err
+    plan = ["batched_decode:1:2:4", "mlp:32:0:0", "paged_attention:32:2:1"]
+    assert len(lines_of(links)) == len(plan), lines_of(links)
+    assert sorted(line.split()[1] for line in lines_of(log)) == plan
+    tier = DiskTier(cache, read_only=True)
+    try:
+        metas = list(tier.iter_meta())
+        files = {tier.artifact_path(m["key"]) for m in metas}
+    finally:
+        tier.close()
+    assert sorted(m["variant"] for m in metas) == plan
+    assert all(f.is_file() for f in files) and len(files) == len(plan)
+    reports = [json.loads(out) for out, _ in outs]
+    assert sum(r["compiled"] for r in reports) == len(plan)  # they agree with the counts
+    assert all(r["compiled"] + r["cached"] == len(plan) and not r["failed"] for r in reports)
+
+
+GATHER_PY = """\
+import torch
+from torch import nn
+
+
+class Gather(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, width))
+
+    def forward(self, x, idx, pool, scale):
+        return x * self.w + (pool * scale[:, None])[idx]
+"""
+
+#: One slot with each kind of dimension: fixed (8), a bucket axis
+#: (decode_seqs: the tiny plan's one decode bucket, 4, so one variant) and a
+#: dynamic one shared by two inputs (dynamic:pool).
+GATHER = {
+    "name": "gather",
+    "factory": "kc_slotmlp.gather:Gather",
+    "args": {"width": 8},
+    "inputs": [
+        {"name": "x", "shape": ["decode_seqs", 8], "dtype": "float32", "pad": 0},
+        {"name": "idx", "shape": ["decode_seqs"], "dtype": "int64", "pad": 0},
+        {"name": "pool", "shape": ["dynamic:pool", 8], "dtype": "float32"},
+        {"name": "scale", "shape": ["dynamic:pool"], "dtype": "float32"},
+    ],
+    "output_rows": "decode_seqs",
+}
+
+GATHER_ENGINE = r"""
+import json, sys, torch
+from kernel_cache import load_plan, make_config
+cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=32, kv_buckets=(32,), slots=[json.loads(sys.argv[3])])
+rt = load_plan(cfg, sys.argv[2])
+from kc_slotmlp.gather import Gather
+mod = Gather(8).eval()
+rt.bind("gather", mod)
+g, errs = torch.Generator().manual_seed(0), []
+with torch.no_grad():
+    for pool_rows in (1, 2, 7, 40, 3):  # the dynamic size, up and down
+        for seqs in (4, 1, 3):  # the bucket axis: full, then padded
+            x = torch.randn(seqs, 8, generator=g)
+            idx = torch.randint(0, pool_rows, (seqs,), generator=g)
+            pool, scale = torch.randn(pool_rows, 8, generator=g), torch.rand(pool_rows, generator=g)
+            out = rt.call("gather", x, idx, pool, scale)
+            want = mod(x, idx, pool, scale)
+            errs.append([pool_rows, seqs, list(out.shape), float((out - want).abs().max())])
+print(json.dumps({"errs": errs, "stats": rt.stats()}))
+"""
+
+
+@pytest.mark.compile
+def test_a_slot_with_fixed_bucket_and_shared_dynamic_dimensions_runs_any_pool_size(
+    tiny_model, cache_copy, slot_site, tmp_path
+):
+    """Warmed once (one variant), then called with pool sizes from 1 to 40 and
+    1 to 4 sequences through the one artifact: every output equals the module
+    run eagerly, and nothing compiles in the engine (compile log by pid)."""
+    (slot_site / "kc_slotmlp" / "gather.py").write_text(GATHER_PY)
+    log = tmp_path / "compiles.log"
+    pythonpath = os.pathsep.join([str(slot_site), os.environ.get("PYTHONPATH", "")])
+    env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log), "PYTHONPATH": pythonpath}
+    args = [*tiny_args(tiny_model), "--slot", json.dumps(GATHER), "--cache-dir", cache_copy]
+    run_cli("warmup", *args, "--jobs", "1", "--quiet", env=env, check=True)
+    assert [line.split()[1] for line in lines_of(log)] == ["gather:0:0:4"]
+    proc = subprocess.run(
+        [sys.executable, "-c", GATHER_ENGINE, str(tiny_model), str(cache_copy), json.dumps(GATHER)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    for pool_rows, seqs, shape, err in doc["errs"]:
+        assert shape == [seqs, 8] and err <= 1e-5, (pool_rows, seqs, shape, err)
+    assert doc["stats"]["calls"] == {"gather:0:0:4": 15} and doc["stats"]["compiles"] == 0
+    assert len(lines_of(log)) == 1  # the engine compiled nothing

@@ -28,7 +28,7 @@ from kernel_cache.store.quarantine import list_quarantine
 
 from ..conftest import N_TINY, ROOT, TINY_LIMITS, TINY_VARIANTS, run_cli, tiny_args
 from ..fsutil import resize_tmpfs, tmpfs, tree_state
-from ..kc_helpers import wait_for_pause
+from ..kc_helpers import counting_cxx, lines_of, wait_for_pause
 
 pytestmark = pytest.mark.compile
 
@@ -67,32 +67,11 @@ def verify_json(model, cache, *extra, expect_rc=0) -> dict:
     return json.loads(proc.stdout)
 
 
-def _cxx_wrapper(tmp_path: Path, log: Path) -> Path:
-    """A ``CXX`` that logs each link of a package's ``wrapper.so`` (one per
-    compile) and runs the system compiler. Its ``--version``/``-v`` answers
-    are the real compiler's, so the ``cxx`` key component is unchanged."""
-    real = shutil.which("g++")
-    assert real, "these tests need g++"
-    w = tmp_path / "g++-counting"
-    w.write_text(
-        "#!/bin/sh\n"
-        'for a in "$@"; do case "$a" in *.wrapper.so) '
-        f'echo "$$ $a" >> {log}; break;; esac; done\n'
-        f'exec {real} "$@"\n'
-    )
-    w.chmod(0o755)
-    return w
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp_path):
     cache, links, compiles = tmp_path / "cache", tmp_path / "links.log", tmp_path / "compiles"
     env = {
         **os.environ,
-        "CXX": str(_cxx_wrapper(tmp_path, links)),
+        "CXX": str(counting_cxx(tmp_path, links)),
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
     }
     subset = ("--query-buckets", "32")  # one variant of each kernel
@@ -111,9 +90,9 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp
     plan = TINY_VARIANTS[1:]  # the tiny plan without its query-length-1 prefill variant
     assert n == len(plan) == 2
     # Independent counts: links of a package's .so, and compile_variant calls.
-    linked = [line.split()[1] for line in _lines(links)]
+    linked = [line.split()[1] for line in lines_of(links)]
     assert len(linked) == n, linked
-    compiled_variants = [line.split()[1] for line in _lines(compiles)]
+    compiled_variants = [line.split()[1] for line in lines_of(compiles)]
     assert sorted(compiled_variants) == sorted(plan)
     # The reports agree with the counts, row by row.
     assert sum(r["compiled"] for r in reports) == n
