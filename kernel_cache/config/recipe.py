@@ -396,7 +396,13 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "Inductor writes its temporary files there; warmup points it at its private "
         "scratch directory too",
     ),
-    EnvRule("TORCHINDUCTOR_*", PINNED, "Inductor reads its config from these at import"),
+    EnvRule(
+        "TORCHINDUCTOR_*",
+        PINNED,
+        "Inductor reads its config from these at import; warmup sets "
+        "TORCHINDUCTOR_COMPILE_THREADS (how many processes compile one variant's "
+        "Triton kernels, not what they generate) to the usable CPUs over --jobs",
+    ),
     EnvRule("AOT_INDUCTOR_*", PINNED, "AOTInductor options, e.g. DEBUG_COMPILE builds -O0 -g"),
     EnvRule("AOTINDUCTOR_*", PINNED, "AOTInductor options"),
     EnvRule("INDUCTOR_*", PINNED, "Inductor debug and test switches"),
@@ -481,7 +487,11 @@ def classify(name: str) -> EnvRule:
 
 
 def compile_environment(
-    environ, device: str, cpu_target: str, scratch: str | None = None
+    environ,
+    device: str,
+    cpu_target: str,
+    scratch: str | None = None,
+    compile_threads: int | None = None,
 ) -> dict[str, str]:
     """The environment a compile worker runs with: ``environ`` less every
     pinned variable, plus the recipe's own values (``ATEN_CPU_CAPABILITY`` from
@@ -492,10 +502,18 @@ def compile_environment(
     ``ATEN_CPU_CAPABILITY`` is set on CUDA too: it picks the vector ISA of the
     package's C++ wrapper (recorded as ``AOTI_CPU_ISA`` in the package).
 
+    ``compile_threads``: ``TORCHINDUCTOR_COMPILE_THREADS``, the processes Inductor
+    compiles one variant's Triton kernels on (None: Inductor's default, one per
+    CPU up to 32). It does not shape the code; warmup gives each of its ``N``
+    workers the usable CPUs over ``N``, so ``N`` workers do not each start a
+    pool the size of the machine.
+
     Raises:
         ConfigError: an unknown or unusable ``cpu_target``.
     """
     env = {k: v for k, v in environ.items() if classify(k).action != PINNED}
+    if compile_threads is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, int(compile_threads)))
     target = resolve_cpu_target(cpu_target)
     if target.capability is not None:
         env["ATEN_CPU_CAPABILITY"] = target.capability

@@ -57,6 +57,10 @@ from kernel_cache.kernels.tiles import cuda_default_splits
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
+#: Pipeline stages over an fp8 pool: 2 read a step of 64 one-byte tokens in
+#: 0.266 ms against 0.299 ms with 3 (granite-3.3-8b, 32 x 8192, block_size 16,
+#: graph replays, one H100: docs/benchmarks/gpu-decode.md, launch sweep).
+NUM_STAGES_FP8 = 2
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -272,14 +276,15 @@ def launch_decode(
     *,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,
     wrap=wrap_triton,
 ) -> torch.Tensor:
     """Launch the kernels; shapes as :class:`TritonBatchedDecode`. ``block_n``,
     ``num_warps`` and ``num_stages`` are exposed for the kernel sweep
     (``benchmarks/gpu_kernel.py``); ``wrap`` is :func:`wrap_triton` inside the
     op and the identity for a direct launch. ``k_scale``, ``v_scale``: ``[1]``
-    float32 on the device for an fp8 pool (both), else None."""
+    float32 on the device for an fp8 pool (both), else None. ``num_stages``
+    None: :data:`NUM_STAGES`, :data:`NUM_STAGES_FP8` for an fp8 pool."""
     s, h, d = query.shape
     nb = block_tables.shape[1]
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
@@ -294,6 +299,8 @@ def launch_decode(
     pl = torch.empty(pl_shape, dtype=torch.float32, device=query.device)
     d_pad = _pow2_at_least(d, 16)
     fp8 = k_scale is not None
+    if num_stages is None:
+        num_stages = NUM_STAGES_FP8 if fp8 else NUM_STAGES
     ks, vs = (k_scale, v_scale) if fp8 else (pl, pl)  # not read without KV_FP8
     wrap(_decode_split_kernel)[(s, kvh, splits)](
         *(query, key_cache, value_cache, block_tables, seq_lens, out, po, pl, ks, vs, scale),

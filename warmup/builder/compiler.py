@@ -54,15 +54,20 @@ _READ_AT_CALL = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
 _READ_AT_START = ("PYTHONHASHSEED",)
 
 
+#: ``TORCHINDUCTOR_COMPILE_THREADS`` this worker was started with (None: Inductor's default).
+_compile_threads: int | None = None
 #: The environment :func:`pin_environment` last installed in this process.
 _pinned: dict[str, str] | None = None
 
 
-def pin_environment(device: str, cpu_target: str, scratch: str | None = None) -> None:
+def pin_environment(
+    device: str, cpu_target: str, scratch: str | None = None, compile_threads: int | None = None
+) -> None:
     """Replace this process's environment with the recipe's
     (:func:`kernel_cache.config.recipe.compile_environment`). Called first thing in a
     compile worker, before torch's compile stack is imported, and again before
-    each compile.
+    each compile. ``compile_threads`` (None: the last call's) is
+    ``TORCHINDUCTOR_COMPILE_THREADS``, which Inductor reads at import.
 
     Between two calls the compile stack sets variables of its own, once per
     process (Inductor points ``TRITON_PTXAS_PATH`` at the ``ptxas`` bundled
@@ -78,8 +83,10 @@ def pin_environment(device: str, cpu_target: str, scratch: str | None = None) ->
 
     from kernel_cache.errors import ConfigError
 
-    global _pinned
-    env = compile_environment(os.environ, device, cpu_target, scratch)
+    global _pinned, _compile_threads
+    if compile_threads is not None:
+        _compile_threads = compile_threads
+    env = compile_environment(os.environ, device, cpu_target, scratch, _compile_threads)
     stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
     before = os.environ if _pinned is None else _pinned
     own = {} if _pinned is None else _set_since(_pinned, env)

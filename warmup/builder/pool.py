@@ -132,7 +132,13 @@ class _Pool:
             max_workers=self.jobs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=init_worker,
-            initargs=(os.getpid(), self.config.device, self.config.cpu_target, self.scratch),
+            initargs=(
+                os.getpid(),
+                self.config.device,
+                self.config.cpu_target,
+                self.scratch,
+                self.jobs,
+            ),
         )
 
     def submit(self, item: PlanItem, blocking: bool):
