@@ -207,10 +207,10 @@ def gpu_kernels_in_name_order() -> Iterator[None]:
 
     A CUDA package's ``.so`` links the embedded kernels in the table's order,
     which was the order kernels were first added in the worker process: a
-    name (``triton_poi_fused_0``) an earlier compile added kept its place, and
-    kernels compiled on Inductor's compile threads are added as they finish.
-    The order of ``wrapper.so``'s dynamic symbols, and its build-id, followed
-    that history. Sorted, it follows the kernels' names alone.
+    name (``triton_poi_fused_0``) an earlier compile added kept its place. The
+    order of ``wrapper.so``'s dynamic symbols, and its build-id, could follow
+    which variants the worker compiled before. Sorted, it follows the kernels'
+    names alone, whatever order they are added in.
 
     Raises:
         TorchAPIDriftError: the table, its ``cache`` dict, ``cache_clear`` or
