@@ -13,7 +13,7 @@ and the final norm run as two declared slots (``llama_mlp``,
 passed at each call (``runtime.prepare`` once per module, then
 ``runtime.call``). Plan variants missing from the cache are warmed first by
 ``kernel-cache warmup`` in a child process (this process never compiles; a
-cold cache, 7 variants, takes about a minute on 2 cores).
+cold cache, 4 variants, takes about a minute on 2 cores).
 
 Prints whether the greedy tokens of 4 Azure-trace requests equal transformers'
 own eager generation (SDPA attention, its MLP and norms); the compiles after
@@ -48,7 +48,9 @@ LIMITS = {
     "max_num_seqs": 4,
     "max_num_batched_tokens": 32,
     "kv_buckets": (32,),
-}  # query buckets 1 and 32, one KV bucket, one decode batch of 4: 7 variants in all
+    "query_buckets": (32,),
+}  # one query bucket (prompts run in chunks of 32), one KV bucket, one decode batch of 4:
+#  prefill, decode and the two slots at 32 rows, 4 variants in all
 LAYERS, REQUESTS = 2, 4
 EPS = 1e-6  # LlamaConfig's rms_norm_eps, which build_models keeps
 MLP, NORM = "llama_mlp", "llama_rms_norm"

@@ -21,14 +21,9 @@ from ..kc_helpers import snapshot
 
 EXAMPLE = ROOT / "examples" / "hf_slots.py"
 #: The example's plan: the tiny limits' attention variants on llama-3.2-1b's
-#: geometry, and both slots on the query buckets 1 and 32.
+#: geometry with one query bucket (32), and both slots on it.
 PLAN = sorted(
-    [
-        "paged_attention:1:2:1",
-        "paged_attention:32:2:1",
-        "batched_decode:1:2:4",
-        *(f"{s}:{q}:0:0" for s in ("llama_mlp", "llama_rms_norm") for q in (1, 32)),
-    ]
+    ["paged_attention:32:2:1", "batched_decode:1:2:4", "llama_mlp:32:0:0", "llama_rms_norm:32:0:0"]
 )
 MLP_WEIGHTS = 3 * 2048 * 4096 * 4  # gate, up and down projections, float32
 

@@ -188,7 +188,7 @@ def test_cli_plan_and_explain_name_the_kv_cache_dtype(tiny_model, tiny_config, t
             tier.put(key.hexdigest, b"x" * 64, make_meta(key, str(v), b"x" * 64, 1.0))
     finally:
         tier.close()
-    flag = ["--kv-cache-dtype", "fp8_e4m3"]
+    flag = ["--kv-cache-dtype", "fp8_e4m3", "--query-buckets", "32"]
     plan = run_cli("plan", *tiny_args(tiny_model), *flag, "--json", check=True)
     assert json.loads(plan.stdout)["config"]["kv_cache_dtype"] == "fp8_e4m3"
     text = run_cli("plan", *tiny_args(tiny_model), *flag, check=True).stdout
@@ -436,22 +436,25 @@ def test_triton_prefill_reads_fp8_pool_under_the_interpreter():
 
 @pytest.mark.compile
 def test_fp8_tiny_plan_warms_loads_and_dispatches_like_the_reference(tiny_model, tmp_path):
-    """The tiny plan with ``--kv-cache-dtype fp8_e4m3``: warmup compiles its 3
-    variants for the CPU (real-KV prefill over dequantized blocks, the plain decode
-    kernel), ``verify`` passes, and an engine start dispatches prefill and decode
-    on an fp8 pool (repeated block ids) within ATOL of the reference on the
-    dequantized pool, with zero compiles; the artifacts take the scales as inputs
-    (two scales, two results)."""
+    """The tiny plan with ``--kv-cache-dtype fp8_e4m3``, cut to one query bucket
+    (32): warmup compiles its 2 variants for the CPU (real-KV prefill over
+    dequantized blocks, the plain decode kernel), ``verify`` passes, and an
+    engine start dispatches prefill and decode on an fp8 pool (repeated block
+    ids) within ATOL of the reference on the dequantized pool, with zero
+    compiles; the artifacts take the scales as inputs (two scales, two
+    results)."""
     from kernel_cache import load_plan
 
     cache = tmp_path / "cache"
-    flag = ["--kv-cache-dtype", "fp8_e4m3"]
+    flag = ["--kv-cache-dtype", "fp8_e4m3", "--query-buckets", "32"]
     run_cli(
         "warmup", *tiny_args(tiny_model), *flag, "--cache-dir", cache, "--jobs", "1", check=True
     )
     verify = run_cli("verify", *tiny_args(tiny_model), *flag, "--cache-dir", cache, "--json")
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] is True, verify.stdout
-    cfg = make_config(str(tiny_model), kv_cache_dtype="fp8_e4m3", **TINY_LIMITS)
+    cfg = make_config(
+        str(tiny_model), kv_cache_dtype="fp8_e4m3", **TINY_LIMITS, query_buckets=(32,)
+    )
     rt = load_plan(cfg, cache)
     kc, vc, ks, vs, _, _ = _pool(9, seed=15, d=8)
     kd, vd = dequantize(kc, ks), dequantize(vc, vs)
