@@ -82,6 +82,26 @@ def test_a_spec_is_immutable_hashable_and_round_trips_through_json():
         ({"inputs": []}, "declares no inputs"),
         ({"inputs": [MLP["inputs"][0], MLP["inputs"][0]]}, "input names given twice: x"),
         ({"output_rows": "decode_seqs"}, "output_rows='decode_seqs' is an axis no input follows"),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens", 10**20], "dtype": "float32"}]},
+            "at most 2147483647",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "int32", "pad": 1e10}]},
+            "pad 10000000000.0 is not an int32",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "int64", "pad": 0.5}]},
+            "pad 0.5 is not an int64",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "bool", "pad": 2}]},
+            "pad 2.0 is not a bool",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "float16", "pad": 1e6}]},
+            "pad 1000000.0 is beyond float16",
+        ),
     ],
 )
 def test_a_bad_spec_is_refused_naming_what_and_where(tiny_model, change, says):
