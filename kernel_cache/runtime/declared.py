@@ -325,6 +325,11 @@ class DeclaredSlots:
             state = s.state
         elif type(weights) is Weights and weights.slot == slot:
             state = weights.state
+        elif type(weights) is Weights:
+            raise ShapeError(
+                f"slot {slot!r}: weights=... were prepared for slot {weights.slot!r}; pass "
+                f"runtime.prepare({slot!r}, module_or_state_dict)"
+            )
         else:
             state = s.check_state(weights)
         if state is None:

@@ -196,6 +196,24 @@ def test_prepared_weights_run_one_checkpoint_of_several_without_rebinding(slots)
         ds.prepare("probe", {"w": torch.ones(2)})
 
 
+def test_weights_prepared_for_another_slot_are_refused_naming_both_slots(tiny_model):
+    other = {**SPEC, "name": "other"}
+    cfg = make_config(
+        str(tiny_model),
+        **{**TINY_LIMITS, "max_num_seqs": 8, "kv_buckets": (16, 32)},
+        slots=[SPEC, other],
+    )
+    b, mod = Bucketer(cfg), Probe()
+    runners = {v: Eager(mod) for v in b.variants if v.kernel in ("probe", "other")}
+    ds = DeclaredSlots(cfg, b, runners, {v: [list(p) for p in state_spec(mod)] for v in runners})
+    theirs = ds.prepare("other", mod)
+    x, table = torch.ones(4, 4), torch.zeros(4, 1, dtype=torch.int32)
+    with pytest.raises(ShapeError) as e:
+        ds.call("probe", x, table, weights=theirs)
+    msg = str(e.value)
+    assert "prepared for slot 'other'" in msg and "runtime.prepare('probe'" in msg, msg
+
+
 class Rows(nn.Module):
     """``x * w`` over rows of a dynamic width: no padding but the rows'."""
 
