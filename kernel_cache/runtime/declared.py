@@ -5,7 +5,8 @@
 A call reads each bucket axis' size from the host-side shapes of its inputs
 (never a tensor's values), picks the smallest bucket that holds it (a bisect
 over the plan's ladder), checks every input against the declared spec
-(rank, fixed dimensions, dtype, device, one size per axis), copies an input
+(rank, fixed dimensions, dtype, device, one size per axis and per
+``dynamic:NAME``), copies an input
 that is not exactly its bucket shape and contiguous into a buffer it keeps per
 variant and shape, fills the padded elements with the input's ``pad``, runs the
 loaded artifact on ``(*weights, *inputs)`` and returns the output's real rows
@@ -86,6 +87,15 @@ class _Slot:
             dtype = torch_dtype(inp.dtype)
             checks.append((inp.name, len(inp.shape), dtype, fixed, on_axis, inp.pad))
         self.checks = tuple(checks)
+        dims: dict[str, list[tuple[int, int]]] = {}  # dynamic name -> its (input, dim)s
+        for i, inp in enumerate(spec.inputs):
+            names = iter(inp.dynamic_names())
+            for d, x in enumerate(inp.shape):
+                if isinstance(x, str) and x.startswith("dynamic"):
+                    dims.setdefault(next(names), []).append((i, d))
+        #: ``((name, ((input, dim), ...)), ...)``: the dynamic names several
+        #: dimensions share (the artifact does not check they agree).
+        self.shared = tuple((n, tuple(w)) for n, w in dims.items() if len(w) > 1)
         self.rows = self.axes.index(spec.output_rows) if spec.output_rows else None
         #: ``{bucket tuple: runner}`` (bucket per axis, in :attr:`axes` order).
         self.runners = {
@@ -211,6 +221,14 @@ class _Slot:
                     raise ShapeError(
                         f"slot {self.name!r}: input {name!r} dim {d} is {t.shape[d]}, "
                         f"declared {size}"
+                    )
+        for dyn, ((i0, d0), *rest) in self.shared:
+            for i, d in rest:
+                if inputs[i].shape[d] != inputs[i0].shape[d0]:
+                    raise ShapeError(
+                        f"slot {self.name!r}: input {self.checks[i][0]!r} dim {d} is "
+                        f"{inputs[i].shape[d]}, but input {self.checks[i0][0]!r} dim {d0} is "
+                        f"{inputs[i0].shape[d0]}; both are declared dynamic:{dyn}, one size"
                     )
         sizes = [inputs[i].shape[d] for i, d in self.where]
         buckets = []

@@ -245,3 +245,36 @@ def test_a_dynamic_dimension_s_new_size_replaces_the_buffer_not_adds_one(tiny_mo
         x = torch.randn(5, width)
         assert torch.equal(ds.call("rows", x), x * 3)
     assert len(ds._slots["rows"].buffers) == 1
+
+
+class Scaled(nn.Module):
+    """``pool * scale[:, None]``: two inputs sharing the dynamic dimension ``pool``."""
+
+    def forward(self, pool, scale):
+        return pool * scale[:, None]
+
+
+def test_inputs_sharing_a_dynamic_name_with_different_sizes_are_refused(tiny_model):
+    """A compiled artifact does not check that dimensions sharing ``dynamic:NAME``
+    agree (one of 40 rows scaled by 3 values read past the end of ``scale``):
+    the call refuses them, naming both inputs, the dims, the sizes and the name."""
+    spec = {
+        "name": "scaled",
+        "factory": "tests.runtime.test_declared_dispatch:Scaled",
+        "inputs": [
+            {"name": "pool", "shape": ["dynamic:pool", 8], "dtype": "float32"},
+            {"name": "scale", "shape": ["dynamic:pool"], "dtype": "float32"},
+        ],
+    }
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, slots=[spec])
+    b, mod = Bucketer(cfg), Scaled()
+    runners = {v: Eager(mod) for v in b.variants if v.kernel == "scaled"}
+    ds = DeclaredSlots(cfg, b, runners, {v: [] for v in runners})
+    ds.bind("scaled", {})
+    assert ds.call("scaled", torch.ones(5, 8), torch.full((5,), 2.0)).shape == (5, 8)
+    with pytest.raises(ShapeError) as e:
+        ds.call("scaled", torch.ones(40, 8), torch.full((3,), 2.0))
+    msg = str(e.value)
+    for part in ("input 'scale' dim 0 is 3", "input 'pool' dim 0 is 40", "dynamic:pool"):
+        assert part in msg, msg
+    assert all(len(seen) == 1 for seen in (r.seen for r in runners.values()))
