@@ -190,9 +190,16 @@ class SlotSpec(BaseModel):
     def _args(cls, v):
         items = v.items() if isinstance(v, dict) else v
         try:
-            return tuple(sorted((str(k), x) for k, x in items))
+            out = tuple(sorted((str(k), x) for k, x in items))
         except (TypeError, ValueError):
             raise ValueError(f"args {v!r}: expected a mapping of keyword to JSON scalar") from None
+        for k, x in out:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(
+                    f"args {k!r}={x!r}: not a finite number (NaN and Infinity are not JSON, "
+                    "and the args are part of the key); pass a finite number or a string"
+                )
+        return out
 
     @field_serializer("args")
     def _args_out(self, v):
@@ -263,11 +270,15 @@ def parse_slot_option(text: str, flag: str = "--slot") -> tuple[SlotSpec, ...]:
                 raw = f.read()
         except OSError as e:
             raise ConfigError(f"{where}: cannot read {path!r}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: cannot read {path!r}: not UTF-8 text ({e})") from None
         where = f"{flag} @{path}"
     else:
         raw = text
     try:
         doc = json.loads(raw)
+    except RecursionError:
+        raise ConfigError(f"{where}: not JSON (nested too deep); expected a slot object") from None
     except ValueError as e:
         raise ConfigError(
             f"{where}: not JSON ({e}); expected a slot object "
