@@ -49,11 +49,12 @@ class Weights:
     pass it as ``call(..., weights=...)`` to run one checkpoint of several (one
     decoder layer's MLP of many) with no check per call."""
 
-    __slots__ = ("slot", "state")
+    __slots__ = ("slot", "state", "owner")
 
-    def __init__(self, slot: str, state: tuple):
+    def __init__(self, slot: str, state: tuple, owner=None):
         self.slot = slot
         self.state = state
+        self.owner = owner  # the _Slot that checked them (another runtime's: checked again)
 
 
 class _Slot:
@@ -324,7 +325,7 @@ class DeclaredSlots:
         ``call(..., weights=...)`` instead of kept (one per layer of a model
         whose layers share the slot)."""
         s = self._get(slot)
-        return Weights(slot, s.check_state(weights))
+        return Weights(slot, s.check_state(weights), s)
 
     def call(self, slot: str, *inputs, weights=None):
         """Run declared slot ``slot`` on ``inputs`` (the declared inputs, in order;
@@ -341,13 +342,16 @@ class DeclaredSlots:
         s = self._get(slot)
         if weights is None:
             state = s.state
-        elif type(weights) is Weights and weights.slot == slot:
+        elif type(weights) is Weights and weights.owner is s:
             state = weights.state
-        elif type(weights) is Weights:
+        elif type(weights) is Weights and weights.slot != slot:
             raise ShapeError(
                 f"slot {slot!r}: weights=... were prepared for slot {weights.slot!r}; pass "
                 f"runtime.prepare({slot!r}, module_or_state_dict)"
             )
+        elif type(weights) is Weights:  # another runtime's slot of this name
+            names = [n for n, _, _ in weights.owner.expected()]
+            state = s.check_state(dict(zip(names, weights.state, strict=True)))
         else:
             state = s.check_state(weights)
         if state is None:

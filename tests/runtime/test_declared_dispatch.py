@@ -278,3 +278,22 @@ def test_inputs_sharing_a_dynamic_name_with_different_sizes_are_refused(tiny_mod
     for part in ("input 'scale' dim 0 is 3", "input 'pool' dim 0 is 40", "dynamic:pool"):
         assert part in msg, msg
     assert all(len(seen) == 1 for seen in (r.seen for r in runners.values()))
+
+
+def test_weights_prepared_by_another_runtime_are_checked_not_trusted(tiny_model):
+    """Two loaded plans, one slot name, different parameter shapes: weights one
+    prepared are refused by the other, not run unchecked (an artifact does not
+    check its inputs' shapes)."""
+    limits = {**TINY_LIMITS, "max_num_seqs": 8, "kv_buckets": (16, 32)}
+    cfg = make_config(str(tiny_model), **limits, slots=[SPEC])
+    b = Bucketer(cfg)
+    mod, small = Probe(), {"w": torch.ones(2)}
+    runners = {v: Eager(mod) for v in b.variants if v.kernel == "probe"}
+    ours = DeclaredSlots(cfg, b, runners, {v: [list(p) for p in state_spec(mod)] for v in runners})
+    theirs = DeclaredSlots(cfg, b, runners, {v: [["w", [2], "float32"]] for v in runners})
+    prepared = theirs.prepare("probe", small)
+    x, table = torch.ones(4, 4), torch.zeros(4, 1, dtype=torch.int32)
+    with pytest.raises(
+        ShapeError, match=r"parameter 'w' is \[2\] float32, but the slot was built for \[4\]"
+    ):
+        ours.call("probe", x, table, weights=prepared)
