@@ -242,7 +242,8 @@ def _cubin_object(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> s
     name, run in its folder, instead of its absolute path.
 
     ``ld -r -b binary FILE`` names the symbols it makes after ``FILE``
-    (``_binary_<FILE, non-word characters as _>_start``, ``_end``, ``_size``)
+    (``_binary_<FILE, each byte not an ASCII letter or digit as _>_start``, ``_end``,
+    ``_size``)
     and writes them in its symbol hash table's order, which follows those
     names; Inductor then renames them to ``__<kernel>_start`` and so on. Given
     the absolute path, a builder's scratch folder decided the order, and so
@@ -256,6 +257,8 @@ def _cubin_object(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> s
 
     folder, name = os.path.split(os.path.abspath(cubin_file))
     obj = name + ".o"
+    if name.startswith("-"):  # a file, not an option of ld or objcopy
+        name, obj = f"./{name}", f"./{obj}"
 
     def run(*args: str) -> None:
         subprocess.run(args, cwd=folder, capture_output=True, text=True, check=True)
@@ -263,13 +266,13 @@ def _cubin_object(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> s
     run(*shlex.split(ld), "-r", "-b", "binary", "-z", "noexecstack", "-o", obj, name)
     rodata = ".data=.rodata,alloc,load,readonly,data,contents"
     run(*shlex.split(objcopy), "--rename-section", rodata, obj)
-    sym = re.sub(r"\W", "_", name)
+    sym = re.sub(rb"[^0-9A-Za-z]", b"_", os.fsencode(name)).decode()  # ld's, byte by byte
     renames = [
         f"--redefine-sym=_binary_{sym}_{part}=__{kernel_name}_{part}"
         for part in ("start", "size", "end")
     ]
     run(*shlex.split(objcopy), *renames, obj)
-    return os.path.join(folder, obj)
+    return os.path.normpath(os.path.join(folder, obj))
 
 
 @contextlib.contextmanager

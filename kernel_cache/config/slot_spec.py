@@ -23,6 +23,7 @@ off. The contract in full: docs/custom_kernels.md.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Literal
 
@@ -48,6 +49,18 @@ AXES: dict[str, tuple[str, str]] = {
 DYNAMIC = "dynamic"
 #: Element types of a declared input.
 SLOT_DTYPES = ("float32", "bfloat16", "float16", "int32", "int64", "bool")
+
+#: The largest fixed dimension: the largest size ``torch.export`` is given for a
+#: dynamic one (warmup's export); a larger one overflows torch's sizes.
+MAX_DIM = 2**31 - 1
+#: ``(low, high)`` of the values a ``pad`` of each integer dtype may hold
+#: (an integral value) and the largest finite magnitude of each float dtype.
+_INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1), "bool": (0, 1)}
+_FLOAT_MAX = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+}
 
 _NAME_RE = re.compile(r"[a-z_][a-z0-9_]*")
 _DYN_RE = re.compile(r"dynamic(:[A-Za-z_]\w*)?")
@@ -87,12 +100,35 @@ class SlotInput(BaseModel):
         for d in v:
             if isinstance(d, bool) or (isinstance(d, int) and d < 1):
                 raise ValueError(f"dimension {d!r}: a fixed dimension is an int >= 1")
+            if isinstance(d, int) and d > MAX_DIM:
+                raise ValueError(
+                    f"dimension {d}: a fixed dimension is at most {MAX_DIM}; declare it "
+                    "dynamic if its size varies"
+                )
             if isinstance(d, str) and d not in AXES and not _DYN_RE.fullmatch(d):
                 raise ValueError(
                     f"dimension {d!r}: expected an int, one of {', '.join(AXES)}, "
                     "dynamic or dynamic:NAME"
                 )
         return v
+
+    @model_validator(mode="after")
+    def _pad(self):
+        p = self.pad
+        if self.dtype in _INT_RANGE:
+            low, high = _INT_RANGE[self.dtype]
+            if not (math.isfinite(p) and p.is_integer() and low <= p <= high):
+                kind = "a bool" if self.dtype == "bool" else f"an {self.dtype}"
+                raise ValueError(
+                    f"input {self.name!r}: pad {p!r} is not {kind} (an integer from {low} "
+                    f"to {high}); give a pad the dtype holds"
+                )
+        elif math.isfinite(p) and abs(p) > _FLOAT_MAX[self.dtype]:
+            raise ValueError(
+                f"input {self.name!r}: pad {p!r} is beyond {self.dtype}'s range "
+                f"(+-{_FLOAT_MAX[self.dtype]:g}); give a pad the dtype holds, or inf"
+            )
+        return self
 
     def axes(self) -> tuple[str, ...]:
         """The bucket axes this input's dimensions follow, in dimension order."""
@@ -154,9 +190,16 @@ class SlotSpec(BaseModel):
     def _args(cls, v):
         items = v.items() if isinstance(v, dict) else v
         try:
-            return tuple(sorted((str(k), x) for k, x in items))
+            out = tuple(sorted((str(k), x) for k, x in items))
         except (TypeError, ValueError):
             raise ValueError(f"args {v!r}: expected a mapping of keyword to JSON scalar") from None
+        for k, x in out:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(
+                    f"args {k!r}={x!r}: not a finite number (NaN and Infinity are not JSON, "
+                    "and the args are part of the key); pass a finite number or a string"
+                )
+        return out
 
     @field_serializer("args")
     def _args_out(self, v):
@@ -227,11 +270,15 @@ def parse_slot_option(text: str, flag: str = "--slot") -> tuple[SlotSpec, ...]:
                 raw = f.read()
         except OSError as e:
             raise ConfigError(f"{where}: cannot read {path!r}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: cannot read {path!r}: not UTF-8 text ({e})") from None
         where = f"{flag} @{path}"
     else:
         raw = text
     try:
         doc = json.loads(raw)
+    except RecursionError:
+        raise ConfigError(f"{where}: not JSON (nested too deep); expected a slot object") from None
     except ValueError as e:
         raise ConfigError(
             f"{where}: not JSON ({e}); expected a slot object "

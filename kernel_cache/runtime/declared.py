@@ -5,7 +5,8 @@
 A call reads each bucket axis' size from the host-side shapes of its inputs
 (never a tensor's values), picks the smallest bucket that holds it (a bisect
 over the plan's ladder), checks every input against the declared spec
-(rank, fixed dimensions, dtype, device, one size per axis), copies an input
+(rank, fixed dimensions, dtype, device, one size per axis and per
+``dynamic:NAME``), copies an input
 that is not exactly its bucket shape and contiguous into a buffer it keeps per
 variant and shape, fills the padded elements with the input's ``pad``, runs the
 loaded artifact on ``(*weights, *inputs)`` and returns the output's real rows
@@ -48,11 +49,12 @@ class Weights:
     pass it as ``call(..., weights=...)`` to run one checkpoint of several (one
     decoder layer's MLP of many) with no check per call."""
 
-    __slots__ = ("slot", "state")
+    __slots__ = ("slot", "state", "owner")
 
-    def __init__(self, slot: str, state: tuple):
+    def __init__(self, slot: str, state: tuple, owner=None):
         self.slot = slot
         self.state = state
+        self.owner = owner  # the _Slot that checked them (another runtime's: checked again)
 
 
 class _Slot:
@@ -86,6 +88,15 @@ class _Slot:
             dtype = torch_dtype(inp.dtype)
             checks.append((inp.name, len(inp.shape), dtype, fixed, on_axis, inp.pad))
         self.checks = tuple(checks)
+        dims: dict[str, list[tuple[int, int]]] = {}  # dynamic name -> its (input, dim)s
+        for i, inp in enumerate(spec.inputs):
+            names = iter(inp.dynamic_names())
+            for d, x in enumerate(inp.shape):
+                if isinstance(x, str) and x.startswith("dynamic"):
+                    dims.setdefault(next(names), []).append((i, d))
+        #: ``((name, ((input, dim), ...)), ...)``: the dynamic names several
+        #: dimensions share (the artifact does not check they agree).
+        self.shared = tuple((n, tuple(w)) for n, w in dims.items() if len(w) > 1)
         self.rows = self.axes.index(spec.output_rows) if spec.output_rows else None
         #: ``{bucket tuple: runner}`` (bucket per axis, in :attr:`axes` order).
         self.runners = {
@@ -212,6 +223,14 @@ class _Slot:
                         f"slot {self.name!r}: input {name!r} dim {d} is {t.shape[d]}, "
                         f"declared {size}"
                     )
+        for dyn, ((i0, d0), *rest) in self.shared:
+            for i, d in rest:
+                if inputs[i].shape[d] != inputs[i0].shape[d0]:
+                    raise ShapeError(
+                        f"slot {self.name!r}: input {self.checks[i][0]!r} dim {d} is "
+                        f"{inputs[i].shape[d]}, but input {self.checks[i0][0]!r} dim {d0} is "
+                        f"{inputs[i0].shape[d0]}; both are declared dynamic:{dyn}, one size"
+                    )
         sizes = [inputs[i].shape[d] for i, d in self.where]
         buckets = []
         for a, n, ladder in zip(self.axes, sizes, self.ladders, strict=True):
@@ -306,7 +325,7 @@ class DeclaredSlots:
         ``call(..., weights=...)`` instead of kept (one per layer of a model
         whose layers share the slot)."""
         s = self._get(slot)
-        return Weights(slot, s.check_state(weights))
+        return Weights(slot, s.check_state(weights), s)
 
     def call(self, slot: str, *inputs, weights=None):
         """Run declared slot ``slot`` on ``inputs`` (the declared inputs, in order;
@@ -323,8 +342,16 @@ class DeclaredSlots:
         s = self._get(slot)
         if weights is None:
             state = s.state
-        elif type(weights) is Weights and weights.slot == slot:
+        elif type(weights) is Weights and weights.owner is s:
             state = weights.state
+        elif type(weights) is Weights and weights.slot != slot:
+            raise ShapeError(
+                f"slot {slot!r}: weights=... were prepared for slot {weights.slot!r}; pass "
+                f"runtime.prepare({slot!r}, module_or_state_dict)"
+            )
+        elif type(weights) is Weights:  # another runtime's slot of this name
+            names = [n for n, _, _ in weights.owner.expected()]
+            state = s.check_state(dict(zip(names, weights.state, strict=True)))
         else:
             state = s.check_state(weights)
         if state is None:

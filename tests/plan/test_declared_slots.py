@@ -82,6 +82,26 @@ def test_a_spec_is_immutable_hashable_and_round_trips_through_json():
         ({"inputs": []}, "declares no inputs"),
         ({"inputs": [MLP["inputs"][0], MLP["inputs"][0]]}, "input names given twice: x"),
         ({"output_rows": "decode_seqs"}, "output_rows='decode_seqs' is an axis no input follows"),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens", 10**20], "dtype": "float32"}]},
+            "at most 2147483647",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "int32", "pad": 1e10}]},
+            "pad 10000000000.0 is not an int32",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "int64", "pad": 0.5}]},
+            "pad 0.5 is not an int64",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "bool", "pad": 2}]},
+            "pad 2.0 is not a bool",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": ["query_tokens"], "dtype": "float16", "pad": 1e6}]},
+            "pad 1000000.0 is beyond float16",
+        ),
     ],
 )
 def test_a_bad_spec_is_refused_naming_what_and_where(tiny_model, change, says):
@@ -123,6 +143,24 @@ def test_slot_option_takes_json_or_a_file_and_names_the_flag_on_bad_input(tmp_pa
         parse_slot_option("@/nowhere.json")
     with pytest.raises(ConfigError, match=r"--slot .*inputs.0.dtype='f8'"):
         parse_slot_option(json.dumps(with_input(dtype="f8")))
+
+
+def test_a_slot_file_not_utf8_or_nested_too_deep_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match=r"--slot '@.*bin.json': cannot read .*not UTF-8"):
+        parse_slot_option(f"@{tmp_path}/bin.json")
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    with pytest.raises(ConfigError, match=r"--slot @.*deep.json: not JSON \(nested too deep"):
+        parse_slot_option(f"@{tmp_path}/deep.json")
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_factory_argument_that_is_not_a_finite_number_is_refused(value):
+    """``args`` are part of the key's JSON: Python's parser takes ``NaN`` and
+    ``Infinity``, which no JSON reader does (and NaN is not equal to itself)."""
+    text = json.dumps(MLP).replace('"hidden": 8', f'"hidden": {value}')
+    with pytest.raises(ConfigError, match=r"args.*'hidden'.*not a finite number"):
+        parse_slot_option(text)
 
 
 def test_one_name_declared_twice_differently_is_refused(tiny_model):

@@ -196,6 +196,24 @@ def test_prepared_weights_run_one_checkpoint_of_several_without_rebinding(slots)
         ds.prepare("probe", {"w": torch.ones(2)})
 
 
+def test_weights_prepared_for_another_slot_are_refused_naming_both_slots(tiny_model):
+    other = {**SPEC, "name": "other"}
+    cfg = make_config(
+        str(tiny_model),
+        **{**TINY_LIMITS, "max_num_seqs": 8, "kv_buckets": (16, 32)},
+        slots=[SPEC, other],
+    )
+    b, mod = Bucketer(cfg), Probe()
+    runners = {v: Eager(mod) for v in b.variants if v.kernel in ("probe", "other")}
+    ds = DeclaredSlots(cfg, b, runners, {v: [list(p) for p in state_spec(mod)] for v in runners})
+    theirs = ds.prepare("other", mod)
+    x, table = torch.ones(4, 4), torch.zeros(4, 1, dtype=torch.int32)
+    with pytest.raises(ShapeError) as e:
+        ds.call("probe", x, table, weights=theirs)
+    msg = str(e.value)
+    assert "prepared for slot 'other'" in msg and "runtime.prepare('probe'" in msg, msg
+
+
 class Rows(nn.Module):
     """``x * w`` over rows of a dynamic width: no padding but the rows'."""
 
@@ -227,3 +245,55 @@ def test_a_dynamic_dimension_s_new_size_replaces_the_buffer_not_adds_one(tiny_mo
         x = torch.randn(5, width)
         assert torch.equal(ds.call("rows", x), x * 3)
     assert len(ds._slots["rows"].buffers) == 1
+
+
+class Scaled(nn.Module):
+    """``pool * scale[:, None]``: two inputs sharing the dynamic dimension ``pool``."""
+
+    def forward(self, pool, scale):
+        return pool * scale[:, None]
+
+
+def test_inputs_sharing_a_dynamic_name_with_different_sizes_are_refused(tiny_model):
+    """A compiled artifact does not check that dimensions sharing ``dynamic:NAME``
+    agree (one of 40 rows scaled by 3 values read past the end of ``scale``):
+    the call refuses them, naming both inputs, the dims, the sizes and the name."""
+    spec = {
+        "name": "scaled",
+        "factory": "tests.runtime.test_declared_dispatch:Scaled",
+        "inputs": [
+            {"name": "pool", "shape": ["dynamic:pool", 8], "dtype": "float32"},
+            {"name": "scale", "shape": ["dynamic:pool"], "dtype": "float32"},
+        ],
+    }
+    cfg = make_config(str(tiny_model), **TINY_LIMITS, slots=[spec])
+    b, mod = Bucketer(cfg), Scaled()
+    runners = {v: Eager(mod) for v in b.variants if v.kernel == "scaled"}
+    ds = DeclaredSlots(cfg, b, runners, {v: [] for v in runners})
+    ds.bind("scaled", {})
+    assert ds.call("scaled", torch.ones(5, 8), torch.full((5,), 2.0)).shape == (5, 8)
+    with pytest.raises(ShapeError) as e:
+        ds.call("scaled", torch.ones(40, 8), torch.full((3,), 2.0))
+    msg = str(e.value)
+    for part in ("input 'scale' dim 0 is 3", "input 'pool' dim 0 is 40", "dynamic:pool"):
+        assert part in msg, msg
+    assert all(len(seen) == 1 for seen in (r.seen for r in runners.values()))
+
+
+def test_weights_prepared_by_another_runtime_are_checked_not_trusted(tiny_model):
+    """Two loaded plans, one slot name, different parameter shapes: weights one
+    prepared are refused by the other, not run unchecked (an artifact does not
+    check its inputs' shapes)."""
+    limits = {**TINY_LIMITS, "max_num_seqs": 8, "kv_buckets": (16, 32)}
+    cfg = make_config(str(tiny_model), **limits, slots=[SPEC])
+    b = Bucketer(cfg)
+    mod, small = Probe(), {"w": torch.ones(2)}
+    runners = {v: Eager(mod) for v in b.variants if v.kernel == "probe"}
+    ours = DeclaredSlots(cfg, b, runners, {v: [list(p) for p in state_spec(mod)] for v in runners})
+    theirs = DeclaredSlots(cfg, b, runners, {v: [["w", [2], "float32"]] for v in runners})
+    prepared = theirs.prepare("probe", small)
+    x, table = torch.ones(4, 4), torch.zeros(4, 1, dtype=torch.int32)
+    with pytest.raises(
+        ShapeError, match=r"parameter 'w' is \[2\] float32, but the slot was built for \[4\]"
+    ):
+        ours.call("probe", x, table, weights=prepared)

@@ -163,3 +163,41 @@ def test_a_cubin_converter_with_other_parameters_is_drift(monkeypatch):
         with torch_compat.cubin_objects_named_by_content():
             raise AssertionError("never entered")
     assert_drift(e.value, "torch._inductor.codecache.convert_cubin_to_obj", "takes (path, name)")
+
+
+def _symbols(obj: str) -> set[str]:
+    nm = subprocess.run(["nm", obj], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in nm.splitlines()}
+
+
+@pytest.mark.parametrize("name", ["c-ab.cd.cubin", "a b-c.d.cubin", "-x.cubin", "é1.cubin"])
+def test_a_cubin_file_name_with_odd_characters_still_gets_the_kernels_symbols(tmp_path, name):
+    """ld names its symbols after the file name, each byte not an ASCII letter
+    or digit as ``_``: spaces, dashes, dots, a leading dash (not an option to
+    ld or objcopy) and a non-ASCII name (two bytes, two ``_``) all end up as
+    the kernel's three symbols, as torch's own converter gives where it runs
+    (a name without spaces or a leading dash; torch's splits its command at spaces)."""
+    path = tmp_path / name
+    path.write_bytes(os.urandom(300))
+    want = {f"__triton_k_0_{p}" for p in ("start", "end", "size")}
+    if " " not in name and not name.startswith("-") and name.isascii():
+        theirs = cpp_builder.convert_cubin_to_obj(str(path), "triton_k_0", "ld", "objcopy")
+        assert _symbols(theirs) == want
+        os.remove(theirs)
+    with torch_compat.cubin_objects_named_by_content():
+        obj = codecache.convert_cubin_to_obj(str(path), "triton_k_0", "ld", "objcopy")
+    assert obj == f"{path}.o"
+    assert _symbols(obj) == want
+
+
+def test_torch_state_is_put_back_when_the_compile_raises_inside_the_blocks():
+    table = codecache.CudaKernelParamCache
+    own, original = vars(table)["set"], codecache.convert_cubin_to_obj
+    with pytest.raises(RuntimeError, match="compile failed"):
+        with (
+            torch_compat.gpu_kernels_in_name_order(),
+            torch_compat.cubin_objects_named_by_content(),
+        ):
+            assert codecache.convert_cubin_to_obj is not original
+            raise RuntimeError("compile failed")
+    assert vars(table)["set"] is own and codecache.convert_cubin_to_obj is original
