@@ -88,6 +88,17 @@ print(json.dumps(doc))
 """
 
 
+def engine_json(script: str, model, cache, spec: dict, env: dict) -> dict:
+    """Run engine script ``script`` (``argv``: model, cache, the slot's spec as
+    JSON) in a fresh process with ``env`` added; the JSON of its last line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(model), str(cache), json.dumps(spec)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def slot_site(tmp_path):
     site = tmp_path / "site"
@@ -138,12 +149,7 @@ def test_a_declared_mlp_slot_warms_verifies_and_runs_with_weights_as_inputs(
     assert verify["ok"] and verify["kernels"]["mlp"] == SPEC["factory"], verify
     assert verify["max_abs_err"] <= 1e-4
 
-    proc = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(tiny_model), str(cache_copy), json.dumps(SPEC)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = engine_json(ENGINE, tiny_model, cache_copy, SPEC, env)
     assert doc["imported_at_start"] == []  # engine start never imports the slot's module
     for n, (shape, err) in doc["calls"].items():
         assert shape == [int(n), HIDDEN] and err <= 1e-4, doc["calls"]
@@ -271,12 +277,7 @@ def test_a_slot_with_fixed_bucket_and_shared_dynamic_dimensions_runs_any_pool_si
     args = [*tiny_args(tiny_model), "--slot", json.dumps(GATHER), "--cache-dir", cache_copy]
     run_cli("warmup", *args, "--jobs", "1", "--quiet", env=env, check=True)
     assert [line.split()[1] for line in lines_of(log)] == ["gather:0:0:4"]
-    proc = subprocess.run(
-        [sys.executable, "-c", GATHER_ENGINE, str(tiny_model), str(cache_copy), json.dumps(GATHER)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = engine_json(GATHER_ENGINE, tiny_model, cache_copy, GATHER, env)
     for pool_rows, seqs, shape, err in doc["errs"]:
         assert shape == [seqs, 8] and err <= 1e-5, (pool_rows, seqs, shape, err)
     assert doc["stats"]["calls"] == {"gather:0:0:4": 15} and doc["stats"]["compiles"] == 0
