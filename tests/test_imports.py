@@ -149,6 +149,18 @@ def test_keygen_imports_no_torch(tmp_path):
     assert rc == 0 and heavy == []
 
 
+def test_warmup_s_check_of_the_cache_imports_no_torch():
+    """The warmup process sorts its plan into cached and to-do, then leaves the
+    compiles to its workers: what a cached entry must record is found without
+    torch (about 1 s of CPU a warmup)."""
+    code = (
+        "from kernel_cache.config.engine import make_config\n"
+        "from warmup.builder.worker import recorded_cpu_features\n"
+        "assert recorded_cpu_features(make_config('llama-3.2-1b'))"
+    )
+    assert imported_by(code) == []
+
+
 def test_engine_start_without_remote_urls_imports_no_remote_tier(tmp_path):
     # load_plan on an empty cache, no KERNEL_CACHE_REDIS_URL / _S3_URL: the remote
     # tiers' modules (and their pydantic models) are not imported

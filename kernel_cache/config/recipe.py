@@ -212,6 +212,15 @@ def resolve_cpu_target(name: str) -> CpuTarget:
     return target
 
 
+def required_cpu_features(cpu_target: str) -> list[str]:
+    """The ``/proc/cpuinfo`` flags an artifact built for ``cpu_target`` may use in
+    its host code (the CPU kernels, or a CUDA package's C++ wrapper; recorded in
+    its metadata; engine start refuses it on a CPU that lacks one). Raises
+    :class:`ConfigError` as :func:`resolve_cpu_target` does."""
+    target = resolve_cpu_target(cpu_target)
+    return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
+
+
 @functools.cache
 def cpu_model() -> str:
     """This CPU's vendor, family, model and name from ``/proc/cpuinfo``

@@ -236,14 +236,16 @@ FOR_THE_RUNNER = package(
 def fake_cache(directory: Path, plan: Plan, data: bytes) -> None:
     """Every key of ``plan`` holding ``data``, with valid metadata (the CPU
     target and features warmup would record)."""
-    from warmup.builder.compiler import required_cpu_features
+    from kernel_cache.config.recipe import required_cpu_features
 
     config = plan.config
     tier = DiskTier(directory)
     try:
         for item in plan:
             meta = make_meta(item.key, str(item.variant), data, 0.0)
-            meta.update(cpu_target=config.cpu_target, cpu_features=required_cpu_features(config))
+            meta.update(
+                cpu_target=config.cpu_target, cpu_features=required_cpu_features(config.cpu_target)
+            )
             tier.put(item.hexdigest, data, meta)
     finally:
         tier.close()

@@ -23,12 +23,10 @@ from pathlib import Path
 from kernel_cache.config.engine import EngineConfig
 from kernel_cache.config.recipe import (
     BASE_OPTIONS,
-    NATIVE,
     PINNED,
     classify,
     compile_environment,
     compile_options,
-    cpu_features,
     device_arch,
     resolve_cpu_target,
 )
@@ -126,14 +124,6 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
     return build_module(
         variant.kernel, c.num_heads, c.num_kv_heads, c.head_dim, impl=impl, **launch
     )
-
-
-def required_cpu_features(config: EngineConfig) -> list[str]:
-    """The ``/proc/cpuinfo`` flags an artifact of ``config`` may use in its host
-    code (the CPU kernels, or a CUDA package's C++ wrapper; recorded in its
-    metadata; engine start refuses it on a CPU that lacks one)."""
-    target = resolve_cpu_target(config.cpu_target)
-    return sorted(cpu_features()) if target.name == NATIVE else list(target.features)
 
 
 #: The folder under the precompiled headers' folder that keeps Inductor's

@@ -39,6 +39,7 @@ import signal
 import time
 
 from kernel_cache.config.engine import EngineConfig
+from kernel_cache.config.recipe import required_cpu_features
 from kernel_cache.errors import (
     CacheWriteError,
     CompileError,
@@ -109,9 +110,7 @@ def locate(tier, key) -> Current:
 
 def recorded_cpu_features(config: EngineConfig) -> list[str] | None:
     """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
-    from warmup.builder.compiler import required_cpu_features
-
-    return required_cpu_features(config)
+    return required_cpu_features(config.cpu_target)
 
 
 class _Rejected(Exception):
@@ -297,7 +296,7 @@ def _compile(
     """Step 3: run the compiler (precompiled headers kept in ``pch``);
     returns the package bytes and its metadata, keyed by ``key`` followed
     through ``derived`` (:attr:`Current.derived`)."""
-    from warmup.builder.compiler import compile_variant, required_cpu_features
+    from warmup.builder.compiler import compile_variant
 
     res.compiler_ran = True
     info: dict = {}
@@ -305,7 +304,7 @@ def _compile(
     res.timings = timings
     extra = {"timings": timings, "kernel": key.as_dict()["kernel"], **info}
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
-    extra["cpu_features"] = required_cpu_features(config)
+    extra["cpu_features"] = required_cpu_features(config.cpu_target)
     meta = make_meta(
         key, str(variant), data, timings["total_s"], traced=traced, derived=derived, **extra
     )
