@@ -108,7 +108,7 @@ def locate(tier, key) -> Current:
     return current_entry(tier.get, key.hexdigest, stop_on=(CorruptEntryError, UntrustedCacheError))
 
 
-def recorded_cpu_features(config: EngineConfig) -> list[str] | None:
+def recorded_cpu_features(config: EngineConfig) -> list[str]:
     """What an artifact of ``config`` records as ``cpu_features`` (its host code's)."""
     return required_cpu_features(config.cpu_target)
 
@@ -304,7 +304,7 @@ def _compile(
     res.timings = timings
     extra = {"timings": timings, "kernel": key.as_dict()["kernel"], **info}
     extra["cpu_target"] = config.cpu_target  # CUDA too: the C++ wrapper's host target
-    extra["cpu_features"] = required_cpu_features(config.cpu_target)
+    extra["cpu_features"] = recorded_cpu_features(config)
     meta = make_meta(
         key, str(variant), data, timings["total_s"], traced=traced, derived=derived, **extra
     )
