@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -289,24 +290,57 @@ def cache_copy(warm_cache, tmp_path) -> Path:
     return dst
 
 
+#: CPU seconds at the end of the test's last phase (see :func:`_cpu_s`).
+_CPU_MARK = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and of the children it has
+    waited for (``getrusage``): a test's subprocesses, their compile workers and
+    compilers count once reaped."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_CPU_MARK] = _cpu_s()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries its CPU seconds (``user_properties``, which
+    pytest-xdist sends to the main process)."""
+    rep = yield
+    now = _cpu_s()
+    rep.user_properties.append(("cpu_s", now - item.stash.get(_CPU_MARK, now)))
+    item.stash[_CPU_MARK] = now
+    return rep
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Seconds per test file (setup, call and teardown summed), slowest first, and
-    the same as JSON in ``$KERNEL_CACHE_TEST_DURATIONS`` when that is set."""
-    per_file: dict[str, float] = {}
+    """Wall and CPU seconds per test file (setup, call and teardown summed),
+    slowest first, and the same as JSON in ``$KERNEL_CACHE_TEST_DURATIONS`` when
+    that is set. The CPU column is the load a file puts on the machine, which the
+    wall column hides when the other xdist worker competes for the cores."""
+    per_file: dict[str, dict[str, float]] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:
             duration = getattr(rep, "duration", None)
             nodeid = getattr(rep, "nodeid", "")
             if duration is None or not nodeid:
                 continue
-            path = nodeid.split("::")[0]
-            per_file[path] = per_file.get(path, 0.0) + duration
+            row = per_file.setdefault(nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0})
+            row["wall_s"] += duration
+            row["cpu_s"] += sum(v for k, v in getattr(rep, "user_properties", ()) if k == "cpu_s")
     if not per_file:
         return
-    ranked = sorted(per_file.items(), key=lambda kv: -kv[1])
-    terminalreporter.write_sep("=", "seconds per test file")
-    for path, seconds in ranked:
-        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    ranked = sorted(per_file.items(), key=lambda kv: -kv[1]["wall_s"])
+    total = sum(r["cpu_s"] for r in per_file.values())
+    terminalreporter.write_sep("=", f"seconds per test file: wall, CPU (CPU in all: {total:.0f} s)")
+    for path, row in ranked:
+        terminalreporter.write_line(f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f}  {path}")
     out = os.environ.get("KERNEL_CACHE_TEST_DURATIONS")
     if out:
-        Path(out).write_text(json.dumps(dict(ranked), indent=1) + "\n")
+        doc = {p: {k: round(v, 1) for k, v in row.items()} for p, row in ranked}
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
