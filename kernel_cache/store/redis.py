@@ -41,7 +41,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from kernel_cache.config import settings as env_settings
-from kernel_cache.errors import CorruptEntryError
+from kernel_cache.errors import CorruptEntryError, shown
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.entry import META_MAX_BYTES
 from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are imported from here too
@@ -191,6 +191,7 @@ class RedisTier(RemoteTier):
             settings = RedisSettings.from_env(url=settings, environ={})
         super().__init__(settings, fail_open=fail_open, warn=warn)
         self._client = None
+        self._index_refused = False  # warned that EVAL is refused (_index_members)
 
     # -- plumbing ----------------------------------------------------------
     @property
@@ -386,20 +387,30 @@ class RedisTier(RemoteTier):
 
         return find
 
-    @staticmethod
-    def _index_members(c, name: str) -> list:
+    def _index_members(self, c, name: str) -> list:
         """At most :data:`INDEX_MAX` random members of the set ``name``, each
         at most :data:`INDEX_MEMBER_MAX_CHARS` long, filtered inside Redis
-        (:data:`_INDEX_MEMBERS`: the reply is at most 16 KiB); where scripting
-        is refused (ACL, a proxy), ``SRANDMEMBER`` itself, whose reply is then
-        as long as the members a writer put there."""
+        (:data:`_INDEX_MEMBERS`: the reply is at most 16 KiB). Where scripting
+        is refused (an ACL, a proxy) no member is read: Redis has no other
+        command whose reply is bounded whatever a writer put in the set
+        (``SRANDMEMBER`` returns the members whole). The index then finds
+        nothing, which costs an explanation or a compatible entry, never a
+        wrong load; a warning, once per tier, names the fix."""
         from redis.exceptions import ResponseError
 
         try:
             return c.eval(_INDEX_MEMBERS, 1, name, INDEX_MAX, INDEX_MEMBER_MAX_CHARS)
-        except ResponseError:
-            members = c.srandmember(name, INDEX_MAX)
-            return [m for m in members if len(m) <= INDEX_MEMBER_MAX_CHARS]
+        except ResponseError as e:
+            if not self._index_refused:
+                self._index_refused = True
+                log.warning(
+                    "Redis at %s refused EVAL (%s): its index sets are not read, since no "
+                    "other read of a set is bounded in bytes; lookups by runtime or build "
+                    "find nothing there. Fix: allow EVAL for this user (ACL +eval)",
+                    self.location,
+                    shown(str(e)),
+                )
+            return []
 
     def keys(self) -> list[str]:
         """Every entry key held (``SCAN``, so Redis is never blocked)."""

@@ -37,6 +37,7 @@ s3_server = test_s3_tier.s3_server
 s3 = test_s3_tier.s3
 redis_url = test_redis_tier.redis_url
 redis_db = test_redis_tier.redis_db
+private_redis = test_redis_tier.private_redis
 
 pytestmark = pytest.mark.usefixtures("shared_servers")
 
@@ -673,4 +674,35 @@ def test_a_redis_index_of_oversized_members_is_read_bounded(redis_db, tiny_confi
     assert lookup.find(key) is None
     sent = c.info("stats")["total_net_output_bytes"] - before
     assert sent < 64 << 10, f"{sent} bytes sent for an index of junk members"
+    tier.close()
+
+
+def test_where_redis_refuses_scripting_an_index_of_oversized_members_is_not_read(
+    private_redis, tiny_config, unsigned, caplog
+):
+    """The same junk index on a Redis whose ACL refuses EVAL (the bounded read is
+    a Lua script): no member is read at all (``SRANDMEMBER`` would send the
+    128 MiB back), lookups find nothing, and one warning names the fix."""
+    from kernel_cache.store.lookup import Lookup
+
+    tier = _redis(private_redis.url)
+    c = tier.client
+    c.execute_command("ACL", "SETUSER", "default", "-@scripting")
+    _, key = _tiny_key(tiny_config)
+    index = tier._name("index:runtime", key.runtime_digest)
+    for i in range(64):
+        c.sadd(index, f"{i:064x}".encode() + b"x" * (2 << 20))
+    c.config_resetstat()
+    before = c.info("stats")["total_net_output_bytes"]
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        lookup = Lookup([tier])
+        assert lookup.recorded_build_only(key.runtime_digest) == {}
+        assert lookup.find(key) is None
+    sent = c.info("stats")["total_net_output_bytes"] - before
+    assert sent < 64 << 10, f"{sent} bytes sent for an index of junk members"
+    calls = c.info("commandstats")
+    assert "cmdstat_srandmember" not in calls and "cmdstat_smembers" not in calls, calls
+    warned = [r.getMessage() for r in caplog.records if "refused EVAL" in r.getMessage()]
+    assert len(warned) == 1 and "ACL +eval" in warned[0], warned
+    assert not tier.is_down()
     tier.close()
