@@ -87,6 +87,23 @@ _INDEX_MEMBERS = (
 )
 
 
+def _sha1_of_data_read_bounded(c, name: str, size: int) -> str | None:
+    """SHA-1 (hex) of the ``data`` field of hash ``name`` read back only when
+    it is ``size`` bytes long (``HSTRLEN`` under ``WATCH``, then ``HGET`` in
+    the same transaction), so a writer's oversized field is never downloaded;
+    None when it is absent or of another length."""
+
+    def measured(pipe):
+        n = pipe.hstrlen(name, "data")
+        pipe.multi()
+        if n == size:
+            pipe.hget(name, "data")
+
+    got = c.transaction(measured, name)
+    raw = got[0] if got else None
+    return None if raw is None else hashlib.sha1(raw).hexdigest()
+
+
 def same_published(have: dict | None, want: dict) -> bool:
     """Whether a published entry's record ``have`` already stands for the entry
     ``want`` about to be published: the same fields but for :data:`BUILD_FIELDS`
@@ -342,7 +359,9 @@ class RedisTier(RemoteTier):
         signed record would never be replaced, and every reader would reject
         them). Compared by SHA-1 computed inside Redis (:data:`_DATA_SHA1`: no
         bytes move); where scripting is refused (ACL, a proxy), by reading the
-        bytes back. False when Redis fails (then the write fails too)."""
+        bytes back when their length is ``len(data)``
+        (:func:`_sha1_of_data_read_bounded`). False when Redis fails (then the
+        write fails too)."""
 
         def op(c):
             from redis.exceptions import ResponseError
@@ -350,8 +369,7 @@ class RedisTier(RemoteTier):
             try:
                 got = c.eval(_DATA_SHA1, 1, name)
             except ResponseError:
-                raw = c.hget(name, "data")
-                got = None if raw is None else hashlib.sha1(raw).hexdigest()
+                got = _sha1_of_data_read_bounded(c, name, len(data))
             return got.decode() if isinstance(got, bytes) else got
 
         return self._run("put", op) == hashlib.sha1(data).hexdigest()
@@ -374,8 +392,8 @@ class RedisTier(RemoteTier):
                 keys = self._run("index", lambda c: self._index_members(c, name), []) or []
                 metas = []
                 for raw in keys:
-                    key = raw.decode() if isinstance(raw, bytes) else str(raw)
-                    try:
+                    try:  # a writer's member need not be text: skipped, as any junk
+                        key = raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
                         meta = self.get_meta(key)
                         ok = meta is not None and of(meta) == value
                     except (CorruptEntryError, TypeError, ValueError, KeyError, AttributeError):
@@ -390,26 +408,36 @@ class RedisTier(RemoteTier):
     def _index_members(self, c, name: str) -> list:
         """At most :data:`INDEX_MAX` random members of the set ``name``, each
         at most :data:`INDEX_MEMBER_MAX_CHARS` long, filtered inside Redis
-        (:data:`_INDEX_MEMBERS`: the reply is at most 16 KiB). Where scripting
-        is refused (an ACL, a proxy) no member is read: Redis has no other
-        command whose reply is bounded whatever a writer put in the set
-        (``SRANDMEMBER`` returns the members whole). The index then finds
-        nothing, which costs an explanation or a compatible entry, never a
-        wrong load; a warning, once per tier, names the fix."""
-        from redis.exceptions import ResponseError
+        (:data:`_INDEX_MEMBERS`: the reply is at most 16 KiB). Where the server
+        refuses the script (an ACL without ``+@scripting``, a proxy) no member
+        is read, then or later: Redis has no other command whose reply is
+        bounded whatever a writer put in the set (``SRANDMEMBER`` returns the
+        members whole). The index then finds nothing, which costs an
+        explanation or a compatible entry, never a wrong load; a warning,
+        once per tier, names the fix. A key that is not a set (a writer's) is
+        an empty index. Other errors go to the caller (:meth:`_run`)."""
+        from redis.exceptions import NoPermissionError, ResponseError
 
+        if self._index_refused:
+            return []
         try:
             return c.eval(_INDEX_MEMBERS, 1, name, INDEX_MAX, INDEX_MEMBER_MAX_CHARS)
         except ResponseError as e:
-            if not self._index_refused:
-                self._index_refused = True
-                log.warning(
-                    "Redis at %s refused EVAL (%s): its index sets are not read, since no "
-                    "other read of a set is bounded in bytes; lookups by runtime or build "
-                    "find nothing there. Fix: allow EVAL for this user (ACL +eval)",
-                    self.location,
-                    shown(str(e)),
-                )
+            text = str(e)
+            if text.startswith("WRONGTYPE"):
+                return []
+            refused = isinstance(e, NoPermissionError) and "to run the" in text
+            if not (refused or text.lower().startswith("unknown command")):
+                raise
+            self._index_refused = True
+            log.warning(
+                "Redis at %s refused EVAL (%s): its index sets are not read, since no "
+                "other read of a set is bounded in bytes; lookups by runtime or build "
+                "find nothing there. Builders' leases need scripting too (EVALSHA). "
+                "Fix: allow scripting for this user (ACL +@scripting)",
+                self.location,
+                shown(text),
+            )
             return []
 
     def keys(self) -> list[str]:

@@ -38,6 +38,7 @@ s3 = test_s3_tier.s3
 redis_url = test_redis_tier.redis_url
 redis_db = test_redis_tier.redis_db
 private_redis = test_redis_tier.private_redis
+fleet_keys = test_redis_tier.fleet_keys
 
 pytestmark = pytest.mark.usefixtures("shared_servers")
 
@@ -703,6 +704,63 @@ def test_where_redis_refuses_scripting_an_index_of_oversized_members_is_not_read
     calls = c.info("commandstats")
     assert "cmdstat_srandmember" not in calls and "cmdstat_smembers" not in calls, calls
     warned = [r.getMessage() for r in caplog.records if "refused EVAL" in r.getMessage()]
-    assert len(warned) == 1 and "ACL +eval" in warned[0], warned
+    assert len(warned) == 1 and "ACL +@scripting" in warned[0], warned
     assert not tier.is_down()
+    refused = c.info("commandstats")["cmdstat_eval"]["rejected_calls"]
+    assert Lookup([tier]).recorded_build_only(key.runtime_digest) == {}
+    assert c.info("commandstats")["cmdstat_eval"]["rejected_calls"] == refused  # not sent again
+    tier.close()
+
+
+@pytest.mark.parametrize("junk", ["not-utf-8", "not-a-set"])
+def test_a_redis_index_that_is_junk_finds_nothing_and_fails_no_engine_start(
+    redis_db, tiny_config, unsigned, caplog, junk
+):
+    """A writer's index member that is not text, or an index key that is not a
+    set: engine start's lookups find nothing, raise nothing, leave the tier up."""
+    from kernel_cache.store.lookup import Lookup
+
+    tier = _redis(redis_db)
+    c = tier.client
+    _, key = _tiny_key(tiny_config)
+    index = tier._name("index:runtime", key.runtime_digest)
+    if junk == "not-utf-8":
+        c.sadd(index, b"\xff\xfe", b"\x80" * 64)
+    else:
+        c.set(index, b"a string, not a set")
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        lookup = Lookup([tier])
+        assert lookup.recorded_build_only(key.runtime_digest) == {}
+        assert lookup.find(key) is None
+    assert not tier.is_down() and tier.error is None
+    assert not [r for r in caplog.records if "refused EVAL" in r.getMessage()]
+    tier.close()
+
+
+def test_where_redis_refuses_scripting_a_put_reads_no_oversized_bytes_back(
+    private_redis, tiny_config, monkeypatch, fleet_keys
+):
+    """A writer keeps a genuine signed record and puts 64 MiB of junk under it
+    on a Redis that refuses EVAL: the next builder's put of the genuine entry
+    measures the junk (``HSTRLEN``) instead of downloading it, and replaces it."""
+    from kernel_cache.store.disk_tier import PutOutcome
+    from kernel_cache.trust.signing import sign_meta
+
+    for var in ("KERNEL_CACHE_SIGNING_KEY", "KERNEL_CACHE_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KERNEL_CACHE_TRUSTED_KEYS", str(fleet_keys["fleet"].public))
+    tier = _redis(private_redis.url)
+    c = tier.client
+    c.execute_command("ACL", "SETUSER", "default", "-@scripting")
+    _, key = _tiny_key(tiny_config)
+    data = b"package bytes" * 100
+    signed = sign_meta(make_meta(key, "v", data, 1.0), data, fleet_keys["fleet"].signer)
+    assert tier.put(key.hexdigest, data, signed).outcome is PutOutcome.STORED
+    c.hset(tier._name("entry", key.hexdigest), "data", b"x" * (64 << 20))
+    c.config_resetstat()
+    before = c.info("stats")["total_net_output_bytes"]
+    assert tier.put(key.hexdigest, data, signed).outcome is PutOutcome.STORED
+    sent = c.info("stats")["total_net_output_bytes"] - before
+    assert sent < 64 << 10, f"{sent} bytes sent back to a put"
+    assert c.hget(tier._name("entry", key.hexdigest), "data") == data
     tier.close()
