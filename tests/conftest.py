@@ -309,11 +309,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Each phase's report carries its CPU seconds (``user_properties``, which
-    pytest-xdist sends to the main process)."""
+    """Each phase's report carries its CPU seconds as ``cpu_s``, an attribute
+    pytest's report serialization takes to the main process under pytest-xdist
+    (not ``user_properties``, which ``--junitxml`` would write)."""
     rep = yield
     now = _cpu_s()
-    rep.user_properties.append(("cpu_s", now - item.stash.get(_CPU_MARK, now)))
+    rep.cpu_s = now - item.stash.get(_CPU_MARK, now)
     item.stash[_CPU_MARK] = now
     return rep
 
@@ -332,12 +333,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                 continue
             row = per_file.setdefault(nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0})
             row["wall_s"] += duration
-            row["cpu_s"] += sum(v for k, v in getattr(rep, "user_properties", ()) if k == "cpu_s")
+            row["cpu_s"] += getattr(rep, "cpu_s", 0.0)
     if not per_file:
         return
     ranked = sorted(per_file.items(), key=lambda kv: -kv[1]["wall_s"])
     total = sum(r["cpu_s"] for r in per_file.values())
-    terminalreporter.write_sep("=", f"seconds per test file: wall, CPU (CPU in all: {total:.0f} s)")
+    terminalreporter.write_sep("=", f"seconds per test file: wall, CPU (CPU in all: {total:.1f} s)")
     for path, row in ranked:
         terminalreporter.write_line(f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f}  {path}")
     out = os.environ.get("KERNEL_CACHE_TEST_DURATIONS")
