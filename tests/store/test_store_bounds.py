@@ -653,18 +653,14 @@ def test_explain_text_escapes_what_a_stored_record_says(redis_db, tiny_config, u
     tier.close()
 
 
-def test_a_redis_index_of_oversized_members_is_read_bounded(redis_db, tiny_config, unsigned):
-    """A writer of the shared Redis fills the runtime index set of a variant
-    with 64 members of 2 MiB each (no entry has such a key): the read engine
-    start makes of it for its ``cxx`` (:meth:`Lookup.recorded_build_only`) and
-    the compatible lookup send at most a few KiB back (the server's own
-    ``total_net_output_bytes``), never the 128 MiB of members, and find
-    nothing."""
+def _bytes_sent_by_lookups_over_a_junk_index(tier: RedisTier, key) -> int:
+    """Fill the runtime index set of ``key`` with 64 members of 2 MiB each (no
+    entry has such a key), run engine start's two lookups through it (both
+    must find nothing) and return the bytes the server sent meanwhile (its own
+    ``total_net_output_bytes``)."""
     from kernel_cache.store.lookup import Lookup
 
-    tier = _redis(redis_db)
     c = tier.client
-    _, key = _tiny_key(tiny_config)
     index = tier._name("index:runtime", key.runtime_digest)
     for i in range(64):
         c.sadd(index, f"{i:064x}".encode() + b"x" * (2 << 20))
@@ -673,7 +669,18 @@ def test_a_redis_index_of_oversized_members_is_read_bounded(redis_db, tiny_confi
     lookup = Lookup([tier])
     assert lookup.recorded_build_only(key.runtime_digest) == {}
     assert lookup.find(key) is None
-    sent = c.info("stats")["total_net_output_bytes"] - before
+    return c.info("stats")["total_net_output_bytes"] - before
+
+
+def test_a_redis_index_of_oversized_members_is_read_bounded(redis_db, tiny_config, unsigned):
+    """A writer of the shared Redis fills the runtime index set of a variant
+    with 64 members of 2 MiB each (no entry has such a key): the read engine
+    start makes of it for its ``cxx`` (:meth:`Lookup.recorded_build_only`) and
+    the compatible lookup send at most a few KiB back (the server's own
+    ``total_net_output_bytes``), never the 128 MiB of members, and find
+    nothing."""
+    tier = _redis(redis_db)
+    sent = _bytes_sent_by_lookups_over_a_junk_index(tier, _tiny_key(tiny_config)[1])
     assert sent < 64 << 10, f"{sent} bytes sent for an index of junk members"
     tier.close()
 
@@ -690,16 +697,8 @@ def test_where_redis_refuses_scripting_an_index_of_oversized_members_is_not_read
     c = tier.client
     c.execute_command("ACL", "SETUSER", "default", "-@scripting")
     _, key = _tiny_key(tiny_config)
-    index = tier._name("index:runtime", key.runtime_digest)
-    for i in range(64):
-        c.sadd(index, f"{i:064x}".encode() + b"x" * (2 << 20))
-    c.config_resetstat()
-    before = c.info("stats")["total_net_output_bytes"]
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        lookup = Lookup([tier])
-        assert lookup.recorded_build_only(key.runtime_digest) == {}
-        assert lookup.find(key) is None
-    sent = c.info("stats")["total_net_output_bytes"] - before
+        sent = _bytes_sent_by_lookups_over_a_junk_index(tier, key)
     assert sent < 64 << 10, f"{sent} bytes sent for an index of junk members"
     calls = c.info("commandstats")
     assert "cmdstat_srandmember" not in calls and "cmdstat_smembers" not in calls, calls
