@@ -953,8 +953,10 @@ def test_a_function_first_run_by_an_import_is_recorded_when_it_runs_outside_one(
 
 
 def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch):
-    """Two windows closed in the order they opened (not nested): once both are
-    closed, a call records into neither (the outer one is not put back)."""
+    """Two windows closed in the order they opened (not nested): each refuses
+    (the second replaced the first's hook while the first was open, and the
+    first put back the hook it found before the second closed), and once both
+    are closed, a call records into neither and no hook is left."""
     import importlib
 
     from kernel_cache.errors import CompileError
@@ -971,10 +973,11 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     try:
         a.__enter__()
         b.__enter__()
-        a.__exit__(None, None, None)
+        with pytest.raises(CompileError, match="was replaced"):  # by b's
+            a.__exit__(None, None, None)
         with pytest.raises(CompileError, match="was replaced"):  # a put its saved hook back
             b.__exit__(None, None, None)
-        assert sys.getprofile() is recorder._dispatch  # b put back the hook it found
+        assert sys.getprofile() is before
         assert recorder._WINDOW is None and not recorder._OPEN
         late = importlib.import_module("orderpkg.late")
         assert late.late() == 5

@@ -9,6 +9,12 @@ public names. docs/keys.md says what is recorded and what is not seen.
 
 from __future__ import annotations
 
+import _lsprof
+import _thread
+import sys
+import threading
+from types import CodeType
+
 from kernel_cache.errors import CompileError
 from kernel_cache.plan import traced_build as traced_files
 from kernel_cache.plan.traced import Manifest
@@ -63,6 +69,27 @@ _OPEN: list = []
 _WINDOW = None
 #: That window's :attr:`RunRecorder.seen` (empty outside one).
 _SEEN: set[int] = set()
+#: The window whose C profiler (``_lsprof``) records its thread now; None while
+#: none does (outside windows, and while a window nested in it is open).
+_PROFILING = None
+#: Whether :func:`_audit` is installed (once per process: audit hooks stay).
+_AUDITING = False
+
+
+def _audit(event: str, args: tuple) -> None:
+    """The audit hook (``sys.addaudithook``) that sees, for a window recording
+    with the C profiler, every ``exec``/``eval`` of code, imports' module code
+    included, with the frame that called it: the profiler keeps which function
+    called which, not frames, so :meth:`RunRecorder._exec_run` checks them
+    here. Other events, other threads and times outside such a window return
+    at once."""
+    if event != "exec":
+        return
+    window = _PROFILING
+    if window is not None and _thread.get_ident() == window._thread:
+        code = args[0]
+        if isinstance(code, CodeType) and not code.co_flags & _FUNCTION_FLAGS:
+            window._exec_run(code, sys._getframe(1))
 
 
 def _set_window() -> None:
@@ -93,6 +120,28 @@ def _dispatch(frame, event, arg, _id=id) -> None:
             window._depth -= 1
 
 
+class _WindowProfiler(_lsprof.Profiler):
+    """The C profiler (``_lsprof``, what ``cProfile`` runs on) of a
+    :class:`RunRecorder` in the thread that opened it: it keeps each function's
+    code and the functions it called, with no Python call per event."""
+
+    def __init__(self, window):
+        super().__init__(builtins=False)
+        self.window = window
+
+
+def _reach(start, callees: dict, stop: set) -> set[int]:
+    """The ids reached from ids ``start`` along ``callees``, entering none of ``stop``."""
+    seen: set[int] = set()
+    todo = [c for c in start if c not in stop]
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo.extend(n for n in callees.get(c, ()) if n not in seen and n not in stop)
+    return seen
+
+
 class RunRecorder:
     """A context in which every Python function called (the factory's import,
     the factory, ``torch.export``), in this thread and in threads started
@@ -108,15 +157,23 @@ class RunRecorder:
     code ran outside an import (so the setuptools and editable-install import
     hooks, and the libraries torch's export stack imports on first use, do not).
 
-    Uses ``sys.setprofile``/``threading.setprofile`` with one module-level
+    In the thread that opens it, and where no other profiler runs there, the
+    window records with Python's C profiler (:class:`_WindowProfiler`), which
+    keeps each function's code and the functions it called with no Python call
+    per event; who called whom then stands in for the stack
+    (:meth:`_from_profile`, which errs towards recording more), and an audit
+    hook sees each ``exec``/``eval`` with its frames (:func:`_audit`). Threads
+    started inside a window get ``threading.setprofile`` with one module-level
     function (:func:`_dispatch`) that records into the open window: a thread
     started in an earlier window keeps that function, so its code is recorded
-    in the window open when it runs. A previous profile function is restored
-    on exit. Measured on the tiny plan's three variants (Python 3.11, the
-    project's 2-core CPU, idle, ``perf_counter`` around ``export_variant``):
-    2.0-4.3 s untraced, 5.0-9.7 s traced, of which about 4 s is what any
-    Python profile function costs for the 15 million events of such an export
-    (one that does nothing: 6.8 s against 2.8 s untraced).
+    in the window open when it runs. A window nested in another of the same
+    thread, or opened under another profile hook, records with that function
+    too. The previous hook is restored on exit. Measured on the tiny plan's
+    three variants in one process (Python 3.11, the project's 2-core CPU, idle,
+    CPU seconds of ``export_variant``): 1.4-2.2 s untraced, 2.8-4.1 s under
+    the C profiler against 4.5-6.8 s under the Python profile function, whose
+    every one of the export's 15 million call, return and C-call events is a
+    Python call; the first export of a process 3.8 s against 10.7 s.
 
     Refused with :class:`~kernel_cache.errors.CompileError` on exit, since the
     record would be incomplete: the profile hook was replaced during the window
@@ -142,6 +199,11 @@ class RunRecorder:
         self._own: dict[str, bool] = {}  # _own_source by file name, for this window
         self._depth = 0
         self._import = _find_and_load_code()
+        self._profiler = None  # the C profiler of the window's own thread, if it has one
+        self._thread = None  # that thread's ident
+        self._base = None  # the frame the window was opened from
+        self._exec_inside: set[int] = set()  # ids of module code exec'd inside imports
+        self._exec_outside: set[int] = set()  # ... and outside them
 
     def _call(self, code, frame) -> None:
         """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
@@ -194,6 +256,111 @@ class RunRecorder:
                 return
             frame = frame.f_back
 
+    def _exec_run(self, code, caller) -> None:
+        """Module code ``code`` that ``exec``/``eval`` is about to run for the code
+        of frame ``caller``, in the thread the C profiler records (:func:`_audit`):
+        what :meth:`_call` does for such code, with the import depth read from
+        the frames between ``caller`` and the one the window was opened from."""
+        frame, inside, base = caller, False, self._base
+        while frame is not None and frame is not base:
+            if frame.f_code is self._import:
+                inside = True
+                break
+            frame = frame.f_back
+        if inside:
+            self._exec_inside.add(id(code))
+            self.imported.add(code.co_filename)
+        else:
+            self._exec_outside.add(id(code))
+            self.files.add(code.co_filename)
+        self.codes[id(code)] = code
+        self._module_run(code, caller)
+
+    def _own_file(self, filename: str) -> bool:
+        own = self._own.get(filename)
+        if own is None:
+            own = self._own[filename] = _own_source(filename)
+        return own
+
+    def _from_profile(self, stats) -> None:
+        """Add what the C profiler saw (``stats``: ``_lsprof`` entries, each a
+        function's code with the functions it called) to the record. The
+        profiler keeps which function called which, not the stack, so a call is
+        taken to be inside an import when the import system's
+        ``_find_and_load`` reaches it, and outside one when a function the
+        window's frame called reaches it without passing through
+        ``_find_and_load`` or through module code that only imports ran (told
+        by :meth:`_exec_run`): a function both reach counts as both, as it
+        does when it runs both ways. Module code that no ``exec`` ran (class
+        bodies) is checked as :meth:`_module_run` checks it, with the callers
+        the profile names in place of the frames above it."""
+        codes: dict[int, object] = {}
+        callees: dict[int, list[int]] = {}
+        callers: dict[int, list[int]] = {}
+        called: dict[int, int] = {}
+        for entry in stats:
+            code = entry.code
+            if not isinstance(code, CodeType):
+                continue
+            codes[id(code)] = code
+            out = callees.setdefault(id(code), [])
+            for sub in entry.calls or ():
+                if isinstance(sub.code, CodeType):
+                    out.append(id(sub.code))
+                    callers.setdefault(id(sub.code), []).append(id(code))
+                    called[id(sub.code)] = called.get(id(sub.code), 0) + sub.callcount
+        # called by the window's frame: more calls than its callers made
+        roots = {
+            id(e.code)
+            for e in stats
+            if isinstance(e.code, CodeType) and e.callcount > called.get(id(e.code), 0)
+        }
+        imports = {c for c, code in codes.items() if code is self._import}
+        only_imports = self._exec_inside - self._exec_outside
+        outside = _reach(roots, callees, stop=imports | only_imports)
+        inside = _reach({c for i in imports for c in callees.get(i, ())}, callees, stop=set())
+        self.files.update(codes[c].co_filename for c in outside)
+        self.imported.update(codes[c].co_filename for c in inside)
+        self.codes.update(codes)
+        audited = self._exec_inside | self._exec_outside
+        for c, code in codes.items():
+            if code.co_flags & _FUNCTION_FLAGS or c in audited:
+                continue
+            if c in outside or c in inside:
+                self._profiled_module_run(code, c in roots, callers.get(c, ()), callers, codes)
+
+    def _profiled_module_run(self, code, root: bool, direct, callers, codes) -> None:
+        """:meth:`_module_run` for module code no ``exec`` ran (a class body, or
+        module code called as a function), from the callers the profile names
+        (``root``: the window's frame called it): code from text is refused
+        where a direct caller is the engine's; code under a file's name is
+        checked where the engine's code is among its callers, their callers
+        and so on, up to :data:`_CALLER_DEPTH` levels, before the import
+        system's."""
+        name = code.co_filename
+        text = not name or name.startswith("<")
+        level = [(self._base.f_code.co_filename, self._base.f_lineno)] if root else []
+        level += [(codes[c].co_filename, codes[c].co_firstlineno, c) for c in direct]
+        seen: set[int] = set()
+        for _ in range(1 if text else _CALLER_DEPTH):
+            upper = []
+            for filename, line, *c in level:
+                if filename.startswith("<frozen importlib"):
+                    continue
+                if self._own_file(filename):
+                    if text:
+                        self.from_text.append(f"{filename}:{line}")
+                    else:
+                        self.module_runs.append((name, code, f"{filename}:{line}"))
+                    return
+                for up in callers.get(c[0], ()) if c else ():
+                    if up not in seen:
+                        seen.add(up)
+                        upper.append((codes[up].co_filename, codes[up].co_firstlineno, up))
+            if not upper:
+                return
+            level = upper
+
     def _check_module_runs(self) -> None:
         """Module code the engine ran under a file's name must be that file's (the
         bytes imported, else those on disk), whatever the file is: a standard
@@ -231,26 +398,53 @@ class RunRecorder:
             )
 
     def __enter__(self) -> RunRecorder:
-        import sys
-        import threading
+        global _PROFILING, _AUDITING
 
-        self._saved = (sys.getprofile(), threading.getprofile())
+        hook = sys.getprofile()
+        self._saved = (hook, threading.getprofile())
+        self._base = sys._getframe(1)
         _OPEN.append(self)
         _set_window()
         threading.setprofile(_dispatch)
-        sys.setprofile(_dispatch)
+        if hook is None and _PROFILING is None:
+            if not _AUDITING:
+                sys.addaudithook(_audit)
+                _AUDITING = True
+            self._thread = _thread.get_ident()
+            self._profiler = _WindowProfiler(self)
+            _PROFILING = self
+            self._profiler.enable(subcalls=True, builtins=False)
+        else:
+            if isinstance(hook, _WindowProfiler) and hook.window is _PROFILING:
+                _PROFILING = None  # a window of this thread: paused while this one is open
+            sys.setprofile(_dispatch)
         return self
 
     def __exit__(self, *exc) -> None:
-        import sys
-        import threading
+        global _PROFILING
 
         hook = sys.getprofile()
-        intact = hook is _dispatch and threading.getprofile() is _dispatch
-        sys.setprofile(self._saved[0])
-        threading.setprofile(self._saved[1])
+        ours = _dispatch if self._profiler is None else self._profiler
+        intact = hook is ours and threading.getprofile() is _dispatch
+        if self._profiler is not None:
+            self._profiler.disable()
+            if _PROFILING is self:
+                _PROFILING = None
         _OPEN.remove(self)
         _set_window()
+        saved = self._saved[0]
+        if isinstance(saved, _WindowProfiler):  # the window this one was opened in
+            if saved.window in _OPEN:
+                saved.enable(subcalls=True, builtins=False)
+                _PROFILING = saved.window
+            else:  # closed before this one: nothing records now
+                sys.setprofile(None)
+        else:
+            sys.setprofile(saved)
+        threading.setprofile(self._saved[1])
+        if self._profiler is not None:
+            self._from_profile(self._profiler.getstats())
+        self._profiler = self._base = None
         if exc[0] is None:
             self._refuse_incomplete(intact, hook)
         own = {f for f in self.imported if _own_source(f)}
