@@ -1027,3 +1027,46 @@ def test_a_same_size_edit_that_puts_the_modification_time_back_is_hashed_again(t
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (os.stat(f).st_size, os.stat(f).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     assert file_sha256(str(f)) != before
+
+
+def _helper_pkg(tmp_path, monkeypatch, name: str, **files: str):
+    """A package ``name`` in ``tmp_path/site`` with the modules ``files`` (module name:
+    text), on ``sys.path``; returns its folder."""
+    pkg = tmp_path / "site" / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for module, text in files.items():
+        (pkg / f"{module}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return pkg
+
+
+@pytest.mark.parametrize("how", ["monitoring", "busy"])
+def test_a_c_profiler_that_does_not_take_the_profile_hook_leaves_the_window_to_the_function(
+    tmp_path, monkeypatch, how
+):
+    """From Python 3.12 ``_lsprof`` runs on ``sys.monitoring``: enabled, it is not
+    the thread's profile hook (``sys.getprofile()`` stays None), and enabling it
+    while another profiler runs raises ValueError. The window then records with
+    the profile function: it closes without a refusal, with the helper recorded."""
+    import importlib
+
+    from warmup.builder import recorder
+
+    class Monitoring(recorder._WindowProfiler):
+        def enable(self, *args, **kwargs):
+            if how == "busy":
+                raise ValueError("Another profiling tool is already active")
+
+    _fresh_memos(monkeypatch)
+    monkeypatch.setattr(recorder, "_WindowProfiler", Monitoring)
+    pkg = _helper_pkg(tmp_path, monkeypatch, "monpkg", helper="def gain():\n    return 2.0\n")
+    before = sys.getprofile()
+    try:
+        helper = importlib.import_module("monpkg.helper")
+        with recorder.RunRecorder("monpkg.kern:K") as w:
+            assert helper.gain() == 2.0
+        assert str(pkg / "helper.py") in w.files
+        assert sys.getprofile() is before and recorder._PROFILING is None
+    finally:
+        _forget_modules("monpkg")

@@ -130,6 +130,24 @@ class _WindowProfiler(_lsprof.Profiler):
         self.window = window
 
 
+def _start_profiler(window) -> _WindowProfiler | None:
+    """A :class:`_WindowProfiler` of ``window`` recording this thread, or None
+    where it cannot be this thread's profile hook: from Python 3.12 ``_lsprof``
+    runs on ``sys.monitoring``, so ``sys.getprofile()`` does not show it (a
+    replacement of the hook could not be told from it) and enabling it while
+    another profiler runs raises ValueError. The window then records with
+    :func:`_dispatch`."""
+    profiler = _WindowProfiler(window)
+    try:
+        profiler.enable(subcalls=True, builtins=False)
+    except ValueError:
+        return None
+    if sys.getprofile() is not profiler:
+        profiler.disable()
+        return None
+    return profiler
+
+
 def _reach(start, callees: dict, stop: set) -> set[int]:
     """The ids reached from ids ``start`` along ``callees``, entering none of ``stop``."""
     seen: set[int] = set()
@@ -157,8 +175,10 @@ class RunRecorder:
     code ran outside an import (so the setuptools and editable-install import
     hooks, and the libraries torch's export stack imports on first use, do not).
 
-    In the thread that opens it, and where no other profiler runs there, the
-    window records with Python's C profiler (:class:`_WindowProfiler`), which
+    In the thread that opens it, where no other profiler runs there and where
+    the C profiler is the thread's profile hook (before Python 3.12:
+    :func:`_start_profiler`), the window records with Python's C profiler
+    (:class:`_WindowProfiler`), which
     keeps each function's code and the functions it called with no Python call
     per event; who called whom then stands in for the stack
     (:meth:`_from_profile`, which errs towards recording more), and an audit
@@ -407,13 +427,13 @@ class RunRecorder:
         _set_window()
         threading.setprofile(_dispatch)
         if hook is None and _PROFILING is None:
+            self._profiler = _start_profiler(self)
+        if self._profiler is not None:
             if not _AUDITING:
                 sys.addaudithook(_audit)
                 _AUDITING = True
             self._thread = _thread.get_ident()
-            self._profiler = _WindowProfiler(self)
             _PROFILING = self
-            self._profiler.enable(subcalls=True, builtins=False)
         else:
             if isinstance(hook, _WindowProfiler) and hook.window is _PROFILING:
                 _PROFILING = None  # a window of this thread: paused while this one is open
