@@ -1070,3 +1070,36 @@ def test_a_c_profiler_that_does_not_take_the_profile_hook_leaves_the_window_to_t
         assert sys.getprofile() is before and recorder._PROFILING is None
     finally:
         _forget_modules("monpkg")
+
+
+def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(tmp_path, monkeypatch):
+    """Kernel code that saves the profile hook, replaces it and puts it back
+    (``saved = sys.getprofile()`` ... ``sys.setprofile(saved)``): where the window
+    records with the C profiler, the put-back profiler takes the hook again and
+    the window is refused (what ran in between went unrecorded), with no error
+    in the kernel's code and nothing left installed once it closed."""
+    import importlib
+    import threading
+
+    from kernel_cache.errors import CompileError
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    _helper_pkg(tmp_path, monkeypatch, "backpkg", helper="def gain():\n    return 2.0\n")
+    before, before_threads = sys.getprofile(), threading.getprofile()
+    try:
+        helper = importlib.import_module("backpkg.helper")
+        window = recorder.RunRecorder("backpkg.kern:K")
+        with pytest.raises(CompileError, match="was replaced"):
+            with window:
+                saved = sys.getprofile()
+                if not isinstance(saved, recorder._WindowProfiler):
+                    pytest.skip("the C profiler does not hold the hook here (Python 3.12+)")
+                sys.setprofile(None)
+                assert helper.gain() == 2.0  # unrecorded
+                sys.setprofile(saved)
+                assert helper.gain() == 2.0
+        assert sys.getprofile() is before and threading.getprofile() is before_threads
+        assert recorder._PROFILING is None and window not in recorder._OPEN
+    finally:
+        _forget_modules("backpkg")

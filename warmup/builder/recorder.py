@@ -129,6 +129,20 @@ class _WindowProfiler(_lsprof.Profiler):
         super().__init__(builtins=False)
         self.window = window
 
+    def __call__(self, frame, event, arg) -> None:
+        """Python calls the profiler only where code put it back with
+        ``sys.setprofile`` after replacing it (``saved = sys.getprofile()`` ...
+        ``sys.setprofile(saved)``), which makes it a Python profile function:
+        what ran in between went unrecorded, so its window is refused
+        (:attr:`RunRecorder._put_back`). The C profiler takes the hook back
+        while its window records in this thread; elsewhere none is left."""
+        window = self.window
+        window._put_back = True
+        if _PROFILING is window and _thread.get_ident() == window._thread:
+            self.enable(subcalls=True, builtins=False)
+        else:
+            sys.setprofile(None)
+
 
 def _start_profiler(window) -> _WindowProfiler | None:
     """A :class:`_WindowProfiler` of ``window`` recording this thread, or None
@@ -202,9 +216,11 @@ class RunRecorder:
     (``exec``/``eval`` of text with no file name), whose source no file holds,
     or module code under a file's name that is not that file's (checked for
     every file, the standard library's, torch's and distributions' included).
+    A replacement that put the C profiler back is refused too (the profiler
+    is then called as a Python profile function: :meth:`_WindowProfiler.__call__`).
     Not seen: a thread started before the process's first window (Python
     before 3.12 cannot hook a running thread), and a replacement that put the
-    hook back before the window closed.
+    profile function (:func:`_dispatch`) back before the window closed.
     """
 
     def __init__(self, kernel: str):
@@ -224,6 +240,7 @@ class RunRecorder:
         self._base = None  # the frame the window was opened from
         self._exec_inside: set[int] = set()  # ids of module code exec'd inside imports
         self._exec_outside: set[int] = set()  # ... and outside them
+        self._put_back = False  # its C profiler was replaced and put back (_WindowProfiler)
 
     def _call(self, code, frame) -> None:
         """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
@@ -400,9 +417,10 @@ class RunRecorder:
         (class docstring): the hook replaced, module code that is not its file's,
         code compiled from text with no file name."""
         if not intact:
+            now = "then put back" if self._put_back else f"now {hook!r}"
             raise CompileError(
                 f"kernel {self.kernel}: the profile hook that records the files the "
-                f"kernel's code runs was replaced while it was traced (now {hook!r}: a "
+                f"kernel's code runs was replaced while it was traced ({now}: a "
                 "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
                 "that calls sys.setprofile), so the record of the files it ran is "
                 "incomplete and the build is refused; build the kernel without it"
@@ -445,7 +463,7 @@ class RunRecorder:
 
         hook = sys.getprofile()
         ours = _dispatch if self._profiler is None else self._profiler
-        intact = hook is ours and threading.getprofile() is _dispatch
+        intact = hook is ours and threading.getprofile() is _dispatch and not self._put_back
         if self._profiler is not None:
             self._profiler.disable()
             if _PROFILING is self:
