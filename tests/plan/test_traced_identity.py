@@ -1103,3 +1103,41 @@ def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(tmp_p
         assert recorder._PROFILING is None and window not in recorder._OPEN
     finally:
         _forget_modules("backpkg")
+
+
+def test_a_window_opened_under_cprofile_records_and_gives_cprofile_back(tmp_path, monkeypatch):
+    """A worker run under cProfile: the window records with the profile function
+    and, once closed, cProfile records again (``sys.setprofile`` cannot put back
+    a C profiler: it would call it as a Python function)."""
+    import cProfile
+    import importlib
+
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    pkg = _helper_pkg(
+        tmp_path,
+        monkeypatch,
+        "cprofpkg",
+        inside="def gain():\n    return 2.0\n",
+        after="def gain():\n    return 3.0\n",
+    )
+    before = sys.getprofile()
+    prof = cProfile.Profile()
+    try:
+        inside = importlib.import_module("cprofpkg.inside")
+        after = importlib.import_module("cprofpkg.after")
+        prof.enable()
+        hook = sys.getprofile()
+        with recorder.RunRecorder("cprofpkg.kern:K") as w:
+            assert inside.gain() == 2.0
+        assert sys.getprofile() is hook
+        assert after.gain() == 3.0
+        prof.disable()
+        assert str(pkg / "inside.py") in w.files
+        profiled = {getattr(e.code, "co_filename", None) for e in prof.getstats()}
+        assert str(pkg / "after.py") in profiled  # cProfile records again
+    finally:
+        prof.disable()
+        sys.setprofile(before)
+        _forget_modules("cprofpkg")

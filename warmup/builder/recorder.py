@@ -477,6 +477,10 @@ class RunRecorder:
                 _PROFILING = saved.window
             else:  # closed before this one: nothing records now
                 sys.setprofile(None)
+        elif isinstance(saved, _lsprof.Profiler):
+            # cProfile's: sys.setprofile would make it a Python profile function,
+            # which it cannot be; enable() with no options keeps the ones it had
+            saved.enable()
         else:
             sys.setprofile(saved)
         threading.setprofile(self._saved[1])
