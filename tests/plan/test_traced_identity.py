@@ -1141,3 +1141,23 @@ def test_a_window_opened_under_cprofile_records_and_gives_cprofile_back(tmp_path
         prof.disable()
         sys.setprofile(before)
         _forget_modules("cprofpkg")
+
+
+def test_module_code_a_library_runs_for_the_windows_own_frame_is_checked(monkeypatch):
+    """Module code under ``os.py``'s name, run as a function (no ``exec``) by a
+    standard-library function that the window's own frame called (an
+    ``ExitStack`` callback): the engine's frame above it is the window's, and
+    the build is refused as when an engine function calls the library."""
+    import contextlib
+    import os as os_module
+    import types
+
+    from kernel_cache.errors import CompileError
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    code = compile("GAIN = 3.0\n", os_module.__file__, "exec")
+    with pytest.raises(CompileError, match="module code under the name .*os.py"):
+        with recorder.RunRecorder("namepkg.kern:K"):
+            with contextlib.ExitStack() as stack:
+                stack.callback(types.FunctionType(code, {}))

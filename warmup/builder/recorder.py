@@ -364,24 +364,30 @@ class RunRecorder:
             if code.co_flags & _FUNCTION_FLAGS or c in audited:
                 continue
             if c in outside or c in inside:
-                self._profiled_module_run(code, c in roots, callers.get(c, ()), callers, codes)
+                self._profiled_module_run(c, roots, callers, codes)
 
-    def _profiled_module_run(self, code, root: bool, direct, callers, codes) -> None:
-        """:meth:`_module_run` for module code no ``exec`` ran (a class body, or
-        module code called as a function), from the callers the profile names
-        (``root``: the window's frame called it): code from text is refused
-        where a direct caller is the engine's; code under a file's name is
-        checked where the engine's code is among its callers, their callers
-        and so on, up to :data:`_CALLER_DEPTH` levels, before the import
-        system's."""
+    def _profiled_module_run(self, c: int, roots: set, callers: dict, codes: dict) -> None:
+        """:meth:`_module_run` for module code ``codes[c]`` no ``exec`` ran (a class
+        body, or module code called as a function), from the callers the profile
+        names (``roots``: the functions the window's frame called, which has
+        them as its callers): code from text is refused where a direct caller is
+        the engine's; code under a file's name is checked where the engine's code
+        is among its callers, their callers and so on, up to
+        :data:`_CALLER_DEPTH` levels, before the import system's."""
+        code = codes[c]
         name = code.co_filename
         text = not name or name.startswith("<")
-        level = [(self._base.f_code.co_filename, self._base.f_lineno)] if root else []
-        level += [(codes[c].co_filename, codes[c].co_firstlineno, c) for c in direct]
-        seen: set[int] = set()
+        base = (self._base.f_code.co_filename, self._base.f_lineno, None)
+
+        def above(c):  # the callers of c, with the window's frame where it called c
+            ups = [(codes[u].co_filename, codes[u].co_firstlineno, u) for u in callers.get(c, ())]
+            return ups + [base] if c in roots else ups
+
+        level = above(c)
+        seen: set = {c}
         for _ in range(1 if text else _CALLER_DEPTH):
             upper = []
-            for filename, line, *c in level:
+            for filename, line, up in level:
                 if filename.startswith("<frozen importlib"):
                     continue
                 if self._own_file(filename):
@@ -390,10 +396,10 @@ class RunRecorder:
                     else:
                         self.module_runs.append((name, code, f"{filename}:{line}"))
                     return
-                for up in callers.get(c[0], ()) if c else ():
-                    if up not in seen:
-                        seen.add(up)
-                        upper.append((codes[up].co_filename, codes[up].co_firstlineno, up))
+                if up is None or up in seen:
+                    continue
+                seen.add(up)
+                upper += above(up)
             if not upper:
                 return
             level = upper
