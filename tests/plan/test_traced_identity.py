@@ -1161,3 +1161,32 @@ def test_module_code_a_library_runs_for_the_windows_own_frame_is_checked(monkeyp
         with recorder.RunRecorder("namepkg.kern:K"):
             with contextlib.ExitStack() as stack:
                 stack.callback(types.FunctionType(code, {}))
+
+
+def test_module_code_run_again_outside_its_import_records_what_it_calls(tmp_path, monkeypatch):
+    """A module's own code object, run by its import and then again outside any
+    import as a function (``types.FunctionType``, no ``exec``): the helper its
+    body calls ran outside an import too, and is in ``files``."""
+    import importlib
+    import types
+
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    pkg = _helper_pkg(
+        tmp_path,
+        monkeypatch,
+        "againpkg",
+        helper="def gain():\n    return 2.0\n",
+        body="import sys\n\nfrom againpkg import helper\n\nCODE = sys._getframe().f_code\n"
+        "GAIN = helper.gain()\n",
+    )
+    try:
+        with recorder.RunRecorder("againpkg.kern:K") as w:
+            body = importlib.import_module("againpkg.body")
+            ns = dict(vars(body))
+            types.FunctionType(body.CODE, ns)()
+        assert ns["GAIN"] == 2.0
+        assert str(pkg / "helper.py") in w.files and str(pkg / "body.py") in w.files
+    finally:
+        _forget_modules("againpkg")

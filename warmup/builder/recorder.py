@@ -238,8 +238,8 @@ class RunRecorder:
         self._profiler = None  # the C profiler of the window's own thread, if it has one
         self._thread = None  # that thread's ident
         self._base = None  # the frame the window was opened from
-        self._exec_inside: set[int] = set()  # ids of module code exec'd inside imports
-        self._exec_outside: set[int] = set()  # ... and outside them
+        self._exec_inside: dict[int, int] = {}  # runs by exec inside imports, by code id
+        self._exec_outside: dict[int, int] = {}  # ... and outside them
         self._put_back = False  # its C profiler was replaced and put back (_WindowProfiler)
 
     def _call(self, code, frame) -> None:
@@ -305,10 +305,10 @@ class RunRecorder:
                 break
             frame = frame.f_back
         if inside:
-            self._exec_inside.add(id(code))
+            self._exec_inside[id(code)] = self._exec_inside.get(id(code), 0) + 1
             self.imported.add(code.co_filename)
         else:
-            self._exec_outside.add(id(code))
+            self._exec_outside[id(code)] = self._exec_outside.get(id(code), 0) + 1
             self.files.add(code.co_filename)
         self.codes[id(code)] = code
         self._module_run(code, caller)
@@ -326,12 +326,14 @@ class RunRecorder:
         taken to be inside an import when the import system's
         ``_find_and_load`` reaches it, and outside one when a function the
         window's frame called reaches it without passing through
-        ``_find_and_load`` or through module code that only imports ran (told
-        by :meth:`_exec_run`): a function both reach counts as both, as it
-        does when it runs both ways. Module code that no ``exec`` ran (class
-        bodies) is checked as :meth:`_module_run` checks it, with the callers
+        ``_find_and_load`` or through module code whose every run was an
+        ``exec`` inside an import (told by :meth:`_exec_run`): a function both
+        reach counts as both, as it does when it runs both ways. Module code
+        that ran other than by ``exec`` (class bodies, module code called as a
+        function) is checked as :meth:`_module_run` checks it, with the callers
         the profile names in place of the frames above it."""
         codes: dict[int, object] = {}
+        runs: dict[int, int] = {}
         callees: dict[int, list[int]] = {}
         callers: dict[int, list[int]] = {}
         called: dict[int, int] = {}
@@ -340,6 +342,7 @@ class RunRecorder:
             if not isinstance(code, CodeType):
                 continue
             codes[id(code)] = code
+            runs[id(code)] = entry.callcount
             out = callees.setdefault(id(code), [])
             for sub in entry.calls or ():
                 if isinstance(sub.code, CodeType):
@@ -353,16 +356,20 @@ class RunRecorder:
             if isinstance(e.code, CodeType) and e.callcount > called.get(id(e.code), 0)
         }
         imports = {c for c, code in codes.items() if code is self._import}
-        only_imports = self._exec_inside - self._exec_outside
+        inside_execs, outside_execs = self._exec_inside, self._exec_outside
+        only_imports = {
+            c for c, n in inside_execs.items() if c not in outside_execs and runs.get(c, 0) <= n
+        }
         outside = _reach(roots, callees, stop=imports | only_imports)
         inside = _reach({c for i in imports for c in callees.get(i, ())}, callees, stop=set())
         self.files.update(codes[c].co_filename for c in outside)
         self.imported.update(codes[c].co_filename for c in inside)
         self.codes.update(codes)
-        audited = self._exec_inside | self._exec_outside
         for c, code in codes.items():
-            if code.co_flags & _FUNCTION_FLAGS or c in audited:
+            if code.co_flags & _FUNCTION_FLAGS:
                 continue
+            if runs[c] <= inside_execs.get(c, 0) + outside_execs.get(c, 0):
+                continue  # every run an exec, checked by _exec_run
             if c in outside or c in inside:
                 self._profiled_module_run(c, roots, callers, codes)
 
