@@ -1190,3 +1190,19 @@ def test_module_code_run_again_outside_its_import_records_what_it_calls(tmp_path
         assert str(pkg / "helper.py") in w.files and str(pkg / "body.py") in w.files
     finally:
         _forget_modules("againpkg")
+
+
+def test_a_closed_window_holds_no_profiler(tmp_path, monkeypatch):
+    """A window kept for its manifest, nested in another: once both closed,
+    no C profiler (each holds every code object its window ran) is left."""
+    import gc
+
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    with recorder.RunRecorder("nestpkg.kern:K"):
+        with recorder.RunRecorder("nestpkg.kern:K") as inner:
+            sum(range(3))
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, recorder._WindowProfiler)]
+    assert inner.files is not None

@@ -497,6 +497,7 @@ class RunRecorder:
         else:
             sys.setprofile(saved)
         threading.setprofile(self._saved[1])
+        self._saved = None  # an outer window's profiler among them
         if self._profiler is not None:
             self._from_profile(self._profiler.getstats())
         self._profiler = self._base = None
