@@ -958,6 +958,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     first put back the hook it found before the second closed), and once both
     are closed, a call records into neither and no hook is left."""
     import importlib
+    import threading
 
     from kernel_cache.errors import CompileError
     from warmup.builder import recorder
@@ -968,7 +969,7 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
     (pkg / "__init__.py").write_text("")
     (pkg / "late.py").write_text("def late():\n    return 5\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    before = sys.getprofile()
+    before, before_threads = sys.getprofile(), threading.getprofile()
     a, b = recorder.RunRecorder("orderpkg.kern:K"), recorder.RunRecorder("orderpkg.kern:K")
     try:
         a.__enter__()
@@ -977,13 +978,14 @@ def test_windows_closed_out_of_order_leave_none_recording(tmp_path, monkeypatch)
             a.__exit__(None, None, None)
         with pytest.raises(CompileError, match="was replaced"):  # a put its saved hook back
             b.__exit__(None, None, None)
-        assert sys.getprofile() is before
+        assert sys.getprofile() is before and threading.getprofile() is before_threads
         assert recorder._WINDOW is None and not recorder._OPEN
         late = importlib.import_module("orderpkg.late")
         assert late.late() == 5
         assert not any("orderpkg" in f for f in a.files | a.imported | b.files | b.imported)
     finally:
         sys.setprofile(before)
+        threading.setprofile(before_threads)
         recorder._OPEN.clear()
         recorder._set_window()
         _forget_modules("orderpkg")
@@ -1206,3 +1208,35 @@ def test_a_closed_window_holds_no_profiler(tmp_path, monkeypatch):
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, recorder._WindowProfiler)]
     assert inner.files is not None
+
+
+@pytest.mark.parametrize("how", ["paused", "cleared"])
+def test_code_that_pauses_or_clears_the_profiler_it_finds_is_refused(tmp_path, monkeypatch, how):
+    """Kernel code that takes the profiler it finds (``sys.getprofile()``) and
+    disables it for a while, or clears what it recorded: what ran meanwhile is
+    not in the record, so the window is refused."""
+    import importlib
+
+    from kernel_cache.errors import CompileError
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    _helper_pkg(tmp_path, monkeypatch, "pausepkg", helper="def gain():\n    return 2.0\n")
+    before = sys.getprofile()
+    try:
+        helper = importlib.import_module("pausepkg.helper")
+        with pytest.raises(CompileError, match="was replaced"):
+            with recorder.RunRecorder("pausepkg.kern:K"):
+                found = sys.getprofile()
+                if not isinstance(found, recorder._WindowProfiler):
+                    pytest.skip("the C profiler does not hold the hook here (Python 3.12+)")
+                if how == "paused":
+                    found.disable()
+                    assert helper.gain() == 2.0  # unrecorded
+                    found.enable()
+                else:
+                    assert helper.gain() == 2.0
+                    found.clear()
+        assert sys.getprofile() is before and recorder._PROFILING is None
+    finally:
+        _forget_modules("pausepkg")

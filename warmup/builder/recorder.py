@@ -74,6 +74,9 @@ _SEEN: set[int] = set()
 _PROFILING = None
 #: Whether :func:`_audit` is installed (once per process: audit hooks stay).
 _AUDITING = False
+#: ``threading``'s profile hook when the first of the open windows opened, put
+#: back when the last one closes (windows closed out of order included).
+_THREADS_BEFORE = None
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -134,14 +137,27 @@ class _WindowProfiler(_lsprof.Profiler):
         ``sys.setprofile`` after replacing it (``saved = sys.getprofile()`` ...
         ``sys.setprofile(saved)``), which makes it a Python profile function:
         what ran in between went unrecorded, so its window is refused
-        (:attr:`RunRecorder._put_back`). The C profiler takes the hook back
-        while its window records in this thread; elsewhere none is left."""
+        (:attr:`RunRecorder._lost`). The C profiler takes the hook back while
+        its window records in this thread; elsewhere none is left."""
         window = self.window
-        window._put_back = True
+        window._lost = "then put back"
         if _PROFILING is window and _thread.get_ident() == window._thread:
             self.enable(subcalls=True, builtins=False)
         else:
             sys.setprofile(None)
+
+    def disable(self) -> None:
+        """Disabled by other code than its window's (which calls
+        ``_lsprof.Profiler.disable``), the profiler may be enabled again before
+        the window closes: what ran in between went unrecorded, so its window
+        is refused."""
+        self.window._lost = "disabled, perhaps enabled again"
+        _lsprof.Profiler.disable(self)
+
+    def clear(self) -> None:
+        """What the profiler recorded, cleared: its window is refused."""
+        self.window._lost = "its record cleared"
+        _lsprof.Profiler.clear(self)
 
 
 def _start_profiler(window) -> _WindowProfiler | None:
@@ -157,7 +173,7 @@ def _start_profiler(window) -> _WindowProfiler | None:
     except ValueError:
         return None
     if sys.getprofile() is not profiler:
-        profiler.disable()
+        _lsprof.Profiler.disable(profiler)
         return None
     return profiler
 
@@ -202,7 +218,8 @@ class RunRecorder:
     started in an earlier window keeps that function, so its code is recorded
     in the window open when it runs. A window nested in another of the same
     thread, or opened under another profile hook, records with that function
-    too. The previous hook is restored on exit. Measured on the tiny plan's
+    too. The previous hooks are restored on exit, ``threading``'s when the last
+    open window closes. Measured on the tiny plan's
     three variants in one process (Python 3.11, the project's 2-core CPU, idle,
     CPU seconds of ``export_variant``): 1.4-2.2 s untraced, 2.8-4.1 s under
     the C profiler against 4.5-6.8 s under the Python profile function, whose
@@ -217,7 +234,9 @@ class RunRecorder:
     or module code under a file's name that is not that file's (checked for
     every file, the standard library's, torch's and distributions' included).
     A replacement that put the C profiler back is refused too (the profiler
-    is then called as a Python profile function: :meth:`_WindowProfiler.__call__`).
+    is then called as a Python profile function: :meth:`_WindowProfiler.__call__`),
+    and so is code that disables the profiler it finds (and enables it again)
+    or clears its record.
     Not seen: a thread started before the process's first window (Python
     before 3.12 cannot hook a running thread), and a replacement that put the
     profile function (:func:`_dispatch`) back before the window closed.
@@ -240,7 +259,7 @@ class RunRecorder:
         self._base = None  # the frame the window was opened from
         self._exec_inside: dict[int, int] = {}  # runs by exec inside imports, by code id
         self._exec_outside: dict[int, int] = {}  # ... and outside them
-        self._put_back = False  # its C profiler was replaced and put back (_WindowProfiler)
+        self._lost = ""  # how other code made its C profiler miss calls (_WindowProfiler)
 
     def _call(self, code, frame) -> None:
         """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
@@ -430,7 +449,7 @@ class RunRecorder:
         (class docstring): the hook replaced, module code that is not its file's,
         code compiled from text with no file name."""
         if not intact:
-            now = "then put back" if self._put_back else f"now {hook!r}"
+            now = self._lost or f"now {hook!r}"
             raise CompileError(
                 f"kernel {self.kernel}: the profile hook that records the files the "
                 f"kernel's code runs was replaced while it was traced ({now}: a "
@@ -449,11 +468,13 @@ class RunRecorder:
             )
 
     def __enter__(self) -> RunRecorder:
-        global _PROFILING, _AUDITING
+        global _PROFILING, _AUDITING, _THREADS_BEFORE
 
         hook = sys.getprofile()
-        self._saved = (hook, threading.getprofile())
+        self._saved = hook
         self._base = sys._getframe(1)
+        if not _OPEN:
+            _THREADS_BEFORE = threading.getprofile()
         _OPEN.append(self)
         _set_window()
         threading.setprofile(_dispatch)
@@ -476,14 +497,14 @@ class RunRecorder:
 
         hook = sys.getprofile()
         ours = _dispatch if self._profiler is None else self._profiler
-        intact = hook is ours and threading.getprofile() is _dispatch and not self._put_back
+        intact = hook is ours and threading.getprofile() is _dispatch and not self._lost
         if self._profiler is not None:
-            self._profiler.disable()
+            _lsprof.Profiler.disable(self._profiler)
             if _PROFILING is self:
                 _PROFILING = None
         _OPEN.remove(self)
         _set_window()
-        saved = self._saved[0]
+        saved = self._saved
         if isinstance(saved, _WindowProfiler):  # the window this one was opened in
             if saved.window in _OPEN:
                 saved.enable(subcalls=True, builtins=False)
@@ -496,7 +517,8 @@ class RunRecorder:
             saved.enable()
         else:
             sys.setprofile(saved)
-        threading.setprofile(self._saved[1])
+        # threads started while another window is open still record into it
+        threading.setprofile(_dispatch if _OPEN else _THREADS_BEFORE)
         self._saved = None  # an outer window's profiler among them
         if self._profiler is not None:
             self._from_profile(self._profiler.getstats())
