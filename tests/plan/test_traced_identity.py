@@ -1240,3 +1240,55 @@ def test_code_that_pauses_or_clears_the_profiler_it_finds_is_refused(tmp_path, m
         assert sys.getprofile() is before and recorder._PROFILING is None
     finally:
         _forget_modules("pausepkg")
+
+
+def test_windows_open_at_once_in_two_threads_are_refused(tmp_path, monkeypatch):
+    """Another thread opens a window while this thread's is open, and this
+    window's kernel runs its helper in a thread of its own meanwhile: the
+    helper is recorded into the window opened last (one window records the
+    threads the kernels start), so neither record can be trusted and both
+    windows are refused."""
+    import importlib
+    import threading
+
+    from kernel_cache.errors import CompileError
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    _helper_pkg(
+        tmp_path,
+        monkeypatch,
+        "twopkg",
+        first="def gain():\n    return 1.0\n",
+        second="def gain():\n    return 2.0\n",
+    )
+    opened, go = threading.Event(), threading.Event()
+    errors: dict = {}
+
+    def other(second):
+        try:
+            with recorder.RunRecorder("twopkg.kern:K2"):
+                opened.set()
+                go.wait(10)
+                assert second.gain() == 2.0
+        except CompileError as e:
+            errors["second"] = str(e)
+
+    try:
+        first = importlib.import_module("twopkg.first")
+        second = importlib.import_module("twopkg.second")
+        with pytest.raises(CompileError, match="another thread") as refused:
+            with recorder.RunRecorder("twopkg.kern:K1"):
+                t = threading.Thread(target=other, args=(second,))
+                t.start()
+                assert opened.wait(10)
+                helper = threading.Thread(target=first.gain)  # window 1's kernel's thread
+                helper.start()
+                helper.join()
+                go.set()
+                t.join()
+        assert "another thread" in errors.get("second", "")
+        assert "twopkg.kern:K1" in str(refused.value)
+    finally:
+        go.set()
+        _forget_modules("twopkg")

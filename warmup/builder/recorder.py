@@ -63,7 +63,8 @@ _CALLER_DEPTH = 64
 _own_source = traced_files.is_own_source
 
 
-#: The open :class:`RunRecorder` s, innermost last (one at a time in a compile).
+#: The open :class:`RunRecorder` s, innermost last (one at a time in a compile;
+#: windows of two threads open at once are refused).
 _OPEN: list = []
 #: The innermost open window, which :func:`_dispatch` records into; None outside one.
 _WINDOW = None
@@ -229,7 +230,9 @@ class RunRecorder:
     Refused with :class:`~kernel_cache.errors.CompileError` on exit, since the
     record would be incomplete: the profile hook was replaced during the window
     (cProfile, ``torch.profiler`` with ``with_stack``, a tool that sets
-    ``sys.setprofile``), or the engine's code ran code compiled from a string
+    ``sys.setprofile``), a window of another thread was open at the same time
+    (threads' code is recorded into the window opened last, whichever
+    kernel's code started them), or the engine's code ran code compiled from a string
     (``exec``/``eval`` of text with no file name), whose source no file holds,
     or module code under a file's name that is not that file's (checked for
     every file, the standard library's, torch's and distributions' included).
@@ -260,6 +263,8 @@ class RunRecorder:
         self._exec_inside: dict[int, int] = {}  # runs by exec inside imports, by code id
         self._exec_outside: dict[int, int] = {}  # ... and outside them
         self._lost = ""  # how other code made its C profiler miss calls (_WindowProfiler)
+        self._opener = None  # the ident of the thread that opened it
+        self._concurrent = False  # a window of another thread was open at the same time
 
     def _call(self, code, frame) -> None:
         """A call of ``code`` that :func:`_dispatch` has not ruled out: the first
@@ -446,8 +451,9 @@ class RunRecorder:
 
     def _refuse_incomplete(self, intact: bool, hook) -> None:
         """Raise :class:`CompileError` where the window's record cannot be trusted
-        (class docstring): the hook replaced, module code that is not its file's,
-        code compiled from text with no file name."""
+        (class docstring): the hook replaced, a window of another thread open
+        at the same time, module code that is not its file's, code compiled
+        from text with no file name."""
         if not intact:
             now = self._lost or f"now {hook!r}"
             raise CompileError(
@@ -456,6 +462,13 @@ class RunRecorder:
                 "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
                 "that calls sys.setprofile), so the record of the files it ran is "
                 "incomplete and the build is refused; build the kernel without it"
+            )
+        if self._concurrent:
+            raise CompileError(
+                f"kernel {self.kernel}: a run recorder of another thread was open while it "
+                "was traced: code that threads run is recorded into the window opened "
+                "last, so either record may lack files its kernel's code ran and the "
+                "build is refused; trace one kernel at a time in a process"
             )
         self._check_module_runs()
         if self.from_text:
@@ -475,6 +488,10 @@ class RunRecorder:
         self._base = sys._getframe(1)
         if not _OPEN:
             _THREADS_BEFORE = threading.getprofile()
+        self._opener = _thread.get_ident()
+        if any(w._opener != self._opener for w in _OPEN):
+            for w in [*_OPEN, self]:
+                w._concurrent = True
         _OPEN.append(self)
         _set_window()
         threading.setprofile(_dispatch)
