@@ -27,10 +27,24 @@ IEEE products (no TF32).
 
 An fp8 pool (``float8_e4m3fn``, vLLM's ``fp8_e4m3`` with per-tensor
 ``k_scale`` and ``v_scale``) is read as it is stored, one byte per element, and
-widened in registers to the query's dtype (exact: every e4m3 value is a
-bfloat16, float16 and float32 value); the scales are applied to the float32
-scores (``k_scale``, folded into the softmax scale) and the float32 output
-(``v_scale``), which is ``float(stored) * scale`` moved out of the sums.
+widened in registers (exact: every e4m3 value is a float16 and a float32
+value): to float16 for 16-bit queries, to float32 for float32 ones. For 16-bit
+queries and an even head dim (padded to at least 32) the pool is read as int16
+pairs: pair ``j`` of a head row holds columns ``2j`` and ``2j + 1``, one
+``cvt.rn.f16x2.e4m3x2`` turns it into one float16 of each, and the kernel
+computes ``q . k`` as ``q_even . k_even + q_odd . k_odd`` and the output's even
+and odd columns as ``p . v_even`` and ``p . v_odd``. The tiles then pass
+through shared memory as 16-bit matrices (``ldmatrix``); a one-byte ``tl.dot``
+operand that is widened after the load is read from shared memory a byte at a
+time, which took twice the bf16 kernel's instructions per byte
+(docs/benchmarks/gpu-decode.md, FP8 section). Float16, not bfloat16, because
+e4m3 to bfloat16 takes two more conversions per pair on the slow conversion
+pipe; a bfloat16 query is moved into float16's range by a power of two (exact)
+that the score scale takes back, and the probabilities are rounded to float16
+for the second product (more precise than bfloat16 on ``[0, 1]``). The scales
+are applied to the float32 scores (``k_scale``, folded into the softmax scale)
+and the float32 output (``v_scale``), which is ``float(stored) * scale`` moved
+out of the sums.
 
 The op is registered with :func:`torch.library.triton_op`, so ``torch.export``
 keeps it and AOTInductor compiles both kernels into the variant's ``.pt2``
@@ -57,10 +71,20 @@ from kernel_cache.kernels.tiles import cuda_default_splits
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-#: Pipeline stages over an fp8 pool: 2 read a step of 64 one-byte tokens in
-#: 0.266 ms against 0.299 ms with 3 (granite-3.3-8b, 32 x 8192, block_size 16,
-#: graph replays, one H100: docs/benchmarks/gpu-decode.md, launch sweep).
-NUM_STAGES_FP8 = 2
+#: The same over an fp8 pool, picked on an H100 by ``benchmarks/gpu_fp8_variants.py``
+#: (granite-3.3-8b, 32 x 8192, block_size 16, graph replays; 1024 programs):
+#: 0.201 ms against 0.209 at 64 tokens, 4 warps, 3 stages (docs/benchmarks/gpu-decode.md,
+#: FP8 section).
+BLOCK_N_FP8 = 32
+NUM_WARPS_FP8 = 1
+NUM_STAGES_FP8 = 3
+#: An fp8 launch of fewer programs (``num_seqs * num_kv_heads * splits``) than this
+#: takes the 16-bit launch (:data:`BLOCK_N`, :data:`NUM_WARPS`, :data:`NUM_STAGES`):
+#: one sequence of 8192 tokens (256 programs) took 22.2 us with it against 25.0 with
+#: the ``_FP8`` launch, while from 1024 programs on (4 to 32 sequences) the ``_FP8``
+#: launch was 3-6% faster. Few programs happen where ``MIN_SPLIT_TOKENS`` holds the
+#: split count down (one or two short-batch sequences).
+FP8_FEW_PROGRAMS = 512
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -97,15 +121,44 @@ def split_plan(
 
 
 @triton.jit
+def _f16_pow2(amax):
+    """``(2**e, 2**-e)`` for a float32 ``amax >= 0``: ``e`` puts ``amax`` in ``[2**14,
+    2**15)``, inside float16's range (65504), read off the float32 exponent bits
+    and clamped to ``[-126, 126]`` (``amax`` 0: any ``e``). A bfloat16 tile of
+    largest magnitude ``amax`` times ``2**e`` is exact in float16 for every
+    element down to ``2**-38`` of the largest."""
+    expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+    e = tl.minimum(tl.maximum(14 - expo, -126), 126)
+    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return up, down
+
+
+@triton.jit
+def _e4m3x2_to_f16(w):
+    """The two e4m3 values packed in each int16 of ``w`` (the first in the low
+    byte, as a pool row stores them) as float16 tensors ``(first, second)``: one
+    ``cvt.rn.f16x2.e4m3x2`` per pair (sm_89 and later)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+        "=h,=h,h",
+        [w],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _online_softmax_step(q, k, v_ptrs, kv_mask, tmask, scale, acc, m_i, l_i, KV_FP8: tl.constexpr):
     """One ``BLOCK_N``-token step of the online softmax: ``q`` ``[G_PAD, D_PAD]``,
     ``k`` ``[BLOCK_N, D_PAD]`` (masked tokens loaded as 0, ``tmask`` false), the
     step's V rows ``v_ptrs`` (loaded here, after the scores, as the kernel always
     did), running ``acc`` ``[G_PAD, D_PAD]``, max ``m_i`` and sum ``l_i``
     ``[G_PAD]``, float32. With ``KV_FP8`` the fp8 ``k`` and V rows are widened to
-    the query's dtype (exact) and their scales applied outside (``scale`` holds
-    ``k_scale``; the caller multiplies the output by ``v_scale``). Returns the
-    updated ``acc``, ``m_i``, ``l_i``."""
+    ``q``'s dtype (float16 or float32, exact) and their scales applied outside
+    (``scale`` holds ``k_scale``; the caller multiplies the output by
+    ``v_scale``). Returns the updated ``acc``, ``m_i``, ``l_i``."""
     if KV_FP8:
         k = k.to(q.dtype)
     # AOTInductor passes ``scale`` as fp64: keep the scores float32.
@@ -160,6 +213,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,47 +224,107 @@ def _decode_split_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    gd_mask = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+    gmask = offs_g < G
     heads = kvh * G + offs_g
     q_rows = Q + s * stride_qs + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=gd_mask, other=0.0)
-
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     # fp8: q . (k * k_scale) = (q . k) * k_scale, sum p (v * v_scale) = v_scale sum p v
     qk_scale = scale
     if KV_FP8:
         qk_scale = (scale * tl.load(K_SCALE)).to(tl.float32)
     bt_row = BT + s * stride_bts
-    k_head = K + kvh * stride_kh
-    v_head = V + kvh * stride_vh
-    for t0 in range(start, end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)
-        tmask = offs_t < end
-        blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        tok = offs_t % BLOCK_SIZE
-        kv_mask = tmask[:, None] & (offs_d < D)[None, :]
-        k_rows = (blk * stride_kb + tok * stride_kt)[:, None] + offs_d[None, :]
-        v_rows = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
-        k = tl.load(k_head + k_rows, mask=kv_mask, other=0.0)
-        acc, m_i, l_i = _online_softmax_step(
-            q, k, v_head + v_rows, kv_mask, tmask, qk_scale, acc, m_i, l_i, KV_FP8
-        )
-
-    # An empty split (start >= seq_len) has l_i == 0: its output is 0, its lse -inf.
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if KV_FP8:
-        o = o * tl.load(V_SCALE)
-    if DIRECT:
-        out_rows = OUT + s * stride_os + heads[:, None] * stride_oh
-        tl.store(out_rows + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=gd_mask)
+    if PAIRS:
+        # An fp8 pool read as int16 pairs (strides in int16 units): pair j of a row
+        # holds columns 2j (low byte) and 2j + 1, so q . k = q_e . k_e + q_o . k_o over
+        # the even and odd columns, and the output's even and odd columns are
+        # p . v_e and p . v_o. The query is loaded as the same two halves.
+        offs_j = tl.arange(0, D_PAD // 2)
+        jmask = offs_j < D // 2
+        gj_mask = gmask[:, None] & jmask[None, :]
+        q_e = tl.load(q_rows + 2 * offs_j[None, :], mask=gj_mask, other=0.0)
+        q_o = tl.load(q_rows + 2 * offs_j[None, :] + 1, mask=gj_mask, other=0.0)
+        if Q_BF16:  # the products in float16: see the module's docstring
+            q_e, q_o = q_e.to(tl.float32), q_o.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(q_e), 1), 0), tl.max(tl.max(tl.abs(q_o), 1), 0))
+            up, down = _f16_pow2(amax)
+            q_e, q_o = (q_e * up).to(tl.float16), (q_o * up).to(tl.float16)
+            qk_scale = qk_scale * down
+        acc_e = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        acc_o = tl.zeros([G_PAD, D_PAD // 2], tl.float32)
+        k_head = K.to(tl.pointer_type(tl.int16)) + kvh * stride_kh
+        v_head = V.to(tl.pointer_type(tl.int16)) + kvh * stride_vh
+        for t0 in range(start, end, BLOCK_N):
+            offs_t = t0 + tl.arange(0, BLOCK_N)
+            tmask = offs_t < end
+            blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            tok = offs_t % BLOCK_SIZE
+            kv_mask = tmask[:, None] & jmask[None, :]
+            k_rows = (blk * stride_kb + tok * stride_kt)[:, None] + offs_j[None, :]
+            v_rows = (blk * stride_vb + tok * stride_vt)[:, None] + offs_j[None, :]
+            k_e, k_o = _e4m3x2_to_f16(tl.load(k_head + k_rows, mask=kv_mask, other=0))
+            qk = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e))) * qk_scale
+            qk = tl.where(tmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_e, v_o = _e4m3x2_to_f16(tl.load(v_head + v_rows, mask=kv_mask, other=0))
+            p = p.to(tl.float16)
+            acc_e = tl.dot(p, v_e, acc_e * alpha[:, None])
+            acc_o = tl.dot(p, v_o, acc_o * alpha[:, None])
+            m_i = m_new
+        # An empty split (start >= seq_len) has l_i == 0: its output is 0, its lse -inf.
+        norm = tl.load(V_SCALE) / tl.where(l_i > 0, l_i, 1.0)
+        o_e = acc_e * norm[:, None]
+        o_o = acc_o * norm[:, None]
+        cols = 2 * offs_j[None, :]
+        if DIRECT:
+            out_rows = OUT + s * stride_os + heads[:, None] * stride_oh + cols
+            tl.store(out_rows, o_e.to(OUT.dtype.element_ty), mask=gj_mask)
+            tl.store(out_rows + 1, o_o.to(OUT.dtype.element_ty), mask=gj_mask)
+        else:
+            part_rows = PART_O + s * stride_pos + heads[:, None] * stride_poh + split * stride_pop
+            tl.store(part_rows + cols, o_e, mask=gj_mask)
+            tl.store(part_rows + cols + 1, o_o, mask=gj_mask)
     else:
-        part_rows = PART_O + s * stride_pos + heads[:, None] * stride_poh + split * stride_pop
-        tl.store(part_rows + offs_d[None, :], o, mask=gd_mask)
+        offs_d = tl.arange(0, D_PAD)
+        gd_mask = gmask[:, None] & (offs_d < D)[None, :]
+        q = tl.load(q_rows + offs_d[None, :], mask=gd_mask, other=0.0)
+        if KV_FP8:
+            if Q_BF16:  # the products in float16: see the module's docstring
+                qf = q.to(tl.float32)
+                up, down = _f16_pow2(tl.max(tl.max(tl.abs(qf), 1), 0))
+                q = (qf * up).to(tl.float16)
+                qk_scale = qk_scale * down
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        k_head = K + kvh * stride_kh
+        v_head = V + kvh * stride_vh
+        for t0 in range(start, end, BLOCK_N):
+            offs_t = t0 + tl.arange(0, BLOCK_N)
+            tmask = offs_t < end
+            blk = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            tok = offs_t % BLOCK_SIZE
+            kv_mask = tmask[:, None] & (offs_d < D)[None, :]
+            k_rows = (blk * stride_kb + tok * stride_kt)[:, None] + offs_d[None, :]
+            v_rows = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
+            k = tl.load(k_head + k_rows, mask=kv_mask, other=0.0)
+            acc, m_i, l_i = _online_softmax_step(
+                q, k, v_head + v_rows, kv_mask, tmask, qk_scale, acc, m_i, l_i, KV_FP8
+            )
+        # An empty split (start >= seq_len) has l_i == 0: its output is 0, its lse -inf.
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * tl.load(V_SCALE)
+        if DIRECT:
+            out_rows = OUT + s * stride_os + heads[:, None] * stride_oh
+            tl.store(out_rows + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=gd_mask)
+        else:
+            part_rows = PART_O + s * stride_pos + heads[:, None] * stride_poh + split * stride_pop
+            tl.store(part_rows + offs_d[None, :], o, mask=gd_mask)
+    if not DIRECT:
         lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
-        tl.store(PART_LSE + s * stride_pls + heads * stride_plh + split, lse, mask=offs_g < G)
+        tl.store(PART_LSE + s * stride_pls + heads * stride_plh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -274,8 +389,8 @@ def launch_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     *,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     wrap=wrap_triton,
 ) -> torch.Tensor:
@@ -283,11 +398,27 @@ def launch_decode(
     ``num_warps`` and ``num_stages`` are exposed for the kernel sweep
     (``benchmarks/gpu_kernel.py``); ``wrap`` is :func:`wrap_triton` inside the
     op and the identity for a direct launch. ``k_scale``, ``v_scale``: ``[1]``
-    float32 on the device for an fp8 pool (both), else None. ``num_stages``
-    None: :data:`NUM_STAGES`, :data:`NUM_STAGES_FP8` for an fp8 pool."""
+    float32 on the device for an fp8 pool (both), else None. ``block_n``,
+    ``num_warps``, ``num_stages`` None: :data:`BLOCK_N`, :data:`NUM_WARPS`,
+    :data:`NUM_STAGES`, or their ``_FP8`` values for an fp8 pool launched as at
+    least :data:`FP8_FEW_PROGRAMS` programs.
+
+    An fp8 pool with a 16-bit query and an even head dim padded to at least 32 is
+    read as int16 pairs (``PAIRS``; the strides passed in int16 units): 16-bit
+    tiles go through shared memory as 16-bit matrices, where one-byte elements
+    of a ``tl.dot`` operand are gathered a byte at a time."""
     s, h, d = query.shape
     nb = block_tables.shape[1]
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
+    fp8 = k_scale is not None
+    launch = (BLOCK_N, NUM_WARPS, NUM_STAGES)
+    if fp8 and s * kvh * split_plan(s, kvh, nb, bs, num_kv_splits, BLOCK_N_FP8)[0] >= (
+        FP8_FEW_PROGRAMS
+    ):
+        launch = (BLOCK_N_FP8, NUM_WARPS_FP8, NUM_STAGES_FP8)
+    block_n = launch[0] if block_n is None else block_n
+    num_warps = launch[1] if num_warps is None else num_warps
+    num_stages = launch[2] if num_stages is None else num_stages
     splits, per = split_plan(s, kvh, nb, bs, num_kv_splits, block_n)
     out = torch.empty_like(query)
     direct = splits == 1
@@ -298,15 +429,23 @@ def launch_decode(
     po = torch.empty(po_shape, dtype=torch.float32, device=query.device)
     pl = torch.empty(pl_shape, dtype=torch.float32, device=query.device)
     d_pad = _pow2_at_least(d, 16)
-    fp8 = k_scale is not None
-    if num_stages is None:
-        num_stages = NUM_STAGES_FP8 if fp8 else NUM_STAGES
     ks, vs = (k_scale, v_scale) if fp8 else (pl, pl)  # not read without KV_FP8
+    kv_strides = [*key_cache.stride()[:3], *value_cache.stride()[:3]]
+    pairs = (
+        fp8
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and d % 2 == 0
+        and d_pad >= 32
+        and all(x % 2 == 0 for x in kv_strides)
+        and key_cache.storage_offset() % 2 == 0
+        and value_cache.storage_offset() % 2 == 0
+    )
+    if pairs:
+        kv_strides = [x // 2 for x in kv_strides]
     wrap(_decode_split_kernel)[(s, kvh, splits)](
         *(query, key_cache, value_cache, block_tables, seq_lens, out, po, pl, ks, vs, scale),
         *query.stride()[:2],
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
+        *kv_strides,
         block_tables.stride(0),
         *out.stride()[:2],
         *po.stride()[:3],
@@ -320,6 +459,8 @@ def launch_decode(
         BLOCK_N=block_n,
         DIRECT=direct,
         KV_FP8=fp8,
+        Q_BF16=query.dtype == torch.bfloat16,
+        PAIRS=pairs,
         num_warps=num_warps,
         num_stages=num_stages,
     )
