@@ -22,8 +22,8 @@ time, as a fraction of the device-to-device copy bandwidth
 fp8 output's error against the float32 reference on the dequantized pool (two
 sequences). Also the Triton decode kernel launched directly (a CUDA graph of
 ``launch_decode``, the code the artifacts hold) for each pool at ``block_n`` 64
-(the default) and 128, the tokens per step: with one byte per element a step
-of 64 tokens moves half the bytes it moves in bf16. Writes
+and 128 tokens per step, with the module's default warps and stages for the
+pool (``gpu_fp8_variants.py`` sweeps all three for the fp8 pool). Writes
 ``gpu_fp8_decode.json`` to ``--out``.
 """
 

@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_run.sh prefill  # prefill kernel variants vs flash and cuDNN, block_size 16 and 128
 #   bash benchmarks/gpu_run.sh pipeline # software-pipelined and longest-first prefill variants, block_size 128
 #   bash benchmarks/gpu_run.sh fp8      # the FP8 KV cache: its GPU tests, then decode bf16 vs fp8 pool
+#   bash benchmarks/gpu_run.sh fp8prof  # the fp8 decode kernel: its variants and launch sweep, ncu, decode tests
 # CXX is set to /usr/bin/g++: the image's CXX=/opt/gcc/bin/g++ builds packages that crash
 # on load (docs/gpu.md, "When a compiled package crashes on load"); the suite checks that warmup catches that with
 # KERNEL_CACHE_TEST_OTHER_CXX (the image's CXX, /opt/gcc/bin/g++ if that is g++ already, or
@@ -101,6 +102,13 @@ suite() {
     ${SUITE_K:+-k "$SUITE_K"}
 }
 
+# The fp8 KV cache's CPU tests (tests/kernels/test_fp8_kv.py without the compiles): with
+# Triton installed they include the CUDA kernels' code under Triton's interpreter.
+fp8_cpu_tests() {
+  timeout 90 python3 -m pytest -o addopts= -q -p no:cacheprovider -m "not compile and not slow" \
+    tests/kernels/test_fp8_kv.py
+}
+
 case "${1:-probe}" in
   probe)
     { env_report; diag; } 2>&1 | tee "$OUT/env.txt"
@@ -169,13 +177,53 @@ print(json.dumps({"jobs": int(sys.argv[1]), "rc": p.returncode, "wall_s": round(
     ;;
   fp8)
     # The fp8 tests of the GPU suite (kernels against the reference on the dequantized
-    # pool; a tiny fp8 plan warmed, dispatched and graph-replayed with new scales),
-    # then decode 32 x 8192 through dispatch with a bf16 and an fp8 pool (two plans
-    # warmed into $CACHE/fp8). About 6 minutes on an H200.
+    # pool; a tiny fp8 plan warmed, dispatched and graph-replayed with new scales;
+    # FP8_SUITE_K to choose others) and the fp8 CPU tests, then decode 32 x 8192
+    # through dispatch with a bf16 and an fp8 pool (two plans warmed into
+    # $CACHE/fp8). About 6 minutes on an H200.
     env_report 2>&1 | tee "$OUT/env.txt"
-    SUITE_K=fp8 SUITE_TIMEOUT=${FP8_SUITE_TIMEOUT:-290} suite 2>&1 | tee "$OUT/pytest_fp8.log"
+    SUITE_K=${FP8_SUITE_K:-fp8} SUITE_TIMEOUT=${FP8_SUITE_TIMEOUT:-290} suite 2>&1 \
+      | tee "$OUT/pytest_fp8.log"
+    fp8_cpu_tests 2>&1 | tee -a "$OUT/pytest_fp8.log"
     timeout "${FP8_BENCH_TIMEOUT:-170}" python3 benchmarks/gpu_fp8_decode.py --out "$OUT" \
       --cache-dir "$CACHE/fp8" 2>&1 | tee "$OUT/fp8_decode.log"
+    ;;
+  fp8prof)
+    # The fp8 decode kernel at 32 x 8192 (benchmarks/gpu_fp8_variants.py): its variants,
+    # probes and launch sweep against the bf16 pool; with APPLY_BEST=1 the fp8 launch
+    # defaults in triton_decode.py set to the sweep's fastest; ncu of the bf16 and fp8
+    # kernels, the fp8 kernel before the int16 pairs and the load-only probe (named
+    # sections, then the pipes' utilization as raw metrics); then (PROF_TESTS=1, the
+    # default) the decode kernels' GPU tests and the fp8 CPU tests (the Triton
+    # interpreter among them). About 5 minutes on an H100.
+    env_report 2>&1 | tee "$OUT/env.txt"
+    timeout "${VARIANTS_TIMEOUT:-200}" python3 benchmarks/gpu_fp8_variants.py --out "$OUT" 2>&1 \
+      | tee "$OUT/fp8_variants.log"
+    if [ "${APPLY_BEST:-0}" = 1 ]; then
+      python3 benchmarks/gpu_fp8_variants.py --apply-best "$OUT/gpu_fp8_variants.json" 2>&1 \
+        | tee -a "$OUT/fp8_variants.log"
+    fi
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu \
+      /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    KERNELS='regex:_decode_split|_decode_combine|_split_v|_load_probe'
+    if [ -n "$NCU" ]; then
+      timeout "${NCU_TIMEOUT:-140}" "$NCU" --clock-control none -k "$KERNELS" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section WarpStateStats --section InstructionStats \
+        --section SourceCounters --print-details all \
+        python3 benchmarks/gpu_fp8_variants.py --ncu-target >"$OUT/ncu_fp8_decode.txt" 2>&1
+      timeout 60 "$NCU" --clock-control none -k "$KERNELS" --metrics \
+        'regex:^sm__inst_executed_pipe_[a-z0-9_]+\.avg\.pct_of_peak_sustained_active$,regex:^sm__pipe_[a-z0-9_]+_cycles_active\.avg\.pct_of_peak_sustained_active$,smsp__inst_executed.sum,dram__bytes_read.sum,gpu__time_duration.sum' \
+        python3 benchmarks/gpu_fp8_variants.py --ncu-target >"$OUT/ncu_fp8_metrics.txt" 2>&1
+    else
+      echo "no ncu found" | tee "$OUT/ncu_fp8_decode.txt"
+    fi
+    if [ "${PROF_TESTS:-1}" = 1 ]; then
+      SUITE_K=triton_decode SUITE_TIMEOUT=${DECODE_SUITE_TIMEOUT:-150} suite 2>&1 \
+        | tee "$OUT/pytest_decode.log"
+      fp8_cpu_tests 2>&1 | tee -a "$OUT/pytest_decode.log"
+    fi
     ;;
   suite)
     { env_report; file -L "$OTHER_CXX" | grep -q "shell script" && head -c 800 "$OTHER_CXX"; } \
@@ -197,7 +245,7 @@ print(json.dumps({"jobs": int(sys.argv[1]), "rc": p.returncode, "wall_s": round(
       >"$OUT/tune.json" 2> >(tee "$OUT/tune.log" >&2)
     ;;
   *)
-    echo "usage: $0 probe|bench|suite|repro|jobs|tune|engine|prefill|pipeline|fp8" >&2
+    echo "usage: $0 probe|bench|suite|repro|jobs|tune|engine|prefill|pipeline|fp8|fp8prof" >&2
     exit 2
     ;;
 esac
