@@ -398,13 +398,13 @@ class RunRecorder:
                 self._profiled_module_run(c, roots, callers, codes)
 
     def _profiled_module_run(self, c: int, roots: set, callers: dict, codes: dict) -> None:
-        """:meth:`_module_run` for module code ``codes[c]`` no ``exec`` ran (a class
-        body, or module code called as a function), from the callers the profile
-        names (``roots``: the functions the window's frame called, which has
-        them as its callers): code from text is refused where a direct caller is
-        the engine's; code under a file's name is checked where the engine's code
-        is among its callers, their callers and so on, up to
-        :data:`_CALLER_DEPTH` levels, before the import system's."""
+        """:meth:`_module_run` for module code ``codes[c]`` that ran other than by
+        ``exec`` (a class body, or module code called as a function), from the
+        callers the profile names (``roots``: the functions the window's frame
+        called, which has them as its callers): code from text is refused where
+        a direct caller is the engine's; code under a file's name is checked
+        where the engine's code is among its callers, their callers and so on,
+        up to :data:`_CALLER_DEPTH` levels, before the import system's."""
         code = codes[c]
         name = code.co_filename
         text = not name or name.startswith("<")
