@@ -1074,12 +1074,18 @@ def test_a_c_profiler_that_does_not_take_the_profile_hook_leaves_the_window_to_t
         _forget_modules("monpkg")
 
 
-def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["none", "chained"])
+def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(
+    tmp_path, monkeypatch, how
+):
     """Kernel code that saves the profile hook, replaces it and puts it back
-    (``saved = sys.getprofile()`` ... ``sys.setprofile(saved)``): where the window
-    records with the C profiler, the put-back profiler takes the hook again and
-    the window is refused (what ran in between went unrecorded), with no error
-    in the kernel's code and nothing left installed once it closed."""
+    (``saved = sys.getprofile()`` ... ``sys.setprofile(saved)``), its own hook
+    calling the saved one meanwhile (``chained``, as torch's cycle observer
+    does): where the window records with the C profiler, the put-back profiler
+    takes the hook again and the window is refused (what ran in between went
+    unrecorded), with no error in the kernel's code, the replacement's hook
+    called for every event while installed, and nothing left installed once
+    the window closed."""
     import importlib
     import threading
 
@@ -1097,10 +1103,17 @@ def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(tmp_p
                 saved = sys.getprofile()
                 if not isinstance(saved, recorder._WindowProfiler):
                     pytest.skip("the C profiler does not hold the hook here (Python 3.12+)")
-                sys.setprofile(None)
+                events = []
+
+                def chained(frame, event, arg):
+                    events.append(event)
+                    saved(frame, event, arg)
+
+                sys.setprofile(chained if how == "chained" else None)
                 assert helper.gain() == 2.0  # unrecorded
                 sys.setprofile(saved)
                 assert helper.gain() == 2.0
+        assert how == "none" or events.count("call") >= 1 and len(events) >= 3
         assert sys.getprofile() is before and threading.getprofile() is before_threads
         assert recorder._PROFILING is None and window not in recorder._OPEN
     finally:

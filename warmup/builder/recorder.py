@@ -136,10 +136,13 @@ class _WindowProfiler(_lsprof.Profiler):
     def __call__(self, frame, event, arg) -> None:
         """Python calls the profiler only where code put it back with
         ``sys.setprofile`` after replacing it (``saved = sys.getprofile()`` ...
-        ``sys.setprofile(saved)``), which makes it a Python profile function:
-        what ran in between went unrecorded, so its window is refused
-        (:attr:`RunRecorder._lost`). The C profiler takes the hook back while
-        its window records in this thread; elsewhere none is left."""
+        ``sys.setprofile(saved)``), which makes it a Python profile function,
+        or where the profile function that replaced it calls it in turn: what
+        ran meanwhile went unrecorded, so its window is refused
+        (:attr:`RunRecorder._lost`). Put back, the C profiler takes the hook
+        again while its window records in this thread; elsewhere none is left."""
+        if sys.getprofile() is not self:
+            return  # called by the profile function that replaced it, which the window sees
         window = self.window
         window._lost = "then put back"
         if _PROFILING is window and _thread.get_ident() == window._thread:
