@@ -312,10 +312,7 @@ class RunRecorder:
             filename = frame.f_code.co_filename
             if filename.startswith("<frozen importlib"):
                 return
-            own = self._own.get(filename)
-            if own is None:
-                own = self._own[filename] = _own_source(filename)
-            if own:
+            if self._own_file(filename):
                 self.module_runs.append((name, code, f"{filename}:{frame.f_lineno}"))
                 return
             frame = frame.f_back
@@ -341,6 +338,7 @@ class RunRecorder:
         self._module_run(code, caller)
 
     def _own_file(self, filename: str) -> bool:
+        """:func:`_own_source` of ``filename``, kept for the window."""
         own = self._own.get(filename)
         if own is None:
             own = self._own[filename] = _own_source(filename)
@@ -377,11 +375,7 @@ class RunRecorder:
                     callers.setdefault(id(sub.code), []).append(id(code))
                     called[id(sub.code)] = called.get(id(sub.code), 0) + sub.callcount
         # called by the window's frame: more calls than its callers made
-        roots = {
-            id(e.code)
-            for e in stats
-            if isinstance(e.code, CodeType) and e.callcount > called.get(id(e.code), 0)
-        }
+        roots = {c for c, n in runs.items() if n > called.get(c, 0)}
         imports = {c for c, code in codes.items() if code is self._import}
         inside_execs, outside_execs = self._exec_inside, self._exec_outside
         only_imports = {
