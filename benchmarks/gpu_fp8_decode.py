@@ -41,6 +41,8 @@ from gpu_common import (
     ROOT,
     copy_bandwidth,
     device_info,
+    flush_l2,
+    graphed,
     kv_bytes,
     time_cuda,
     write_json,
@@ -169,6 +171,98 @@ def launch_sweep(pools, q, bt, lens, ceiling: float, reps: int) -> list[dict]:
     return rows
 
 
+def overhead(pools, q, bt, host, dev_lens, cache_dir: str, reps: int) -> dict:
+    """Where dispatch's time over the graph's goes, per pool: the call timed with
+    host lengths read in place (``map_pinned_lengths = True``), copied to the
+    device per call (the default), and with ``device_seq_lens``
+    outside a graph; each also ``queued`` (``time_cuda(queued=True)``: the GPU's
+    time alone); host µs per call (``perf_counter`` over 30 back-to-back calls,
+    fewer than the ring's half, 15 rounds, median); and the GPU's work per call
+    from ``torch.profiler`` (kernel and copy names, µs)."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    res = {}
+    for name, (kc, vc, sc) in pools.items():
+        cfg = make_config("granite-3.3-8b", device="cuda", kv_cache_dtype=name, **LIMITS)
+        rt = load_plan(cfg, cache_dir)
+        rt.map_pinned_lengths = True  # where mapped_pinned_reads passes
+        rc = load_plan(cfg, cache_dir)
+        rc.map_pinned_lengths = False  # the default
+        calls = {
+            "mapped": lambda rt=rt, kc=kc, vc=vc, sc=sc: rt.decode(q, kc, vc, bt, host, **sc),
+            "copied": lambda rc=rc, kc=kc, vc=vc, sc=sc: rc.decode(q, kc, vc, bt, host, **sc),
+            "device_lens": lambda rt=rt, kc=kc, vc=vc, sc=sc: rt.decode(
+                q, kc, vc, bt, host, device_seq_lens=dev_lens, **sc
+            ),
+        }
+        row = {}
+        for mode, fn in calls.items():
+            row[mode] = time_cuda(fn, reps=reps)
+            row[mode + "_queued"] = time_cuda(fn, reps=reps, queued=True)
+        g = graphed(calls["device_lens"])
+        row["graph"] = time_cuda(g, reps=reps)
+        row["graph_queued"] = time_cuda(g, reps=reps, queued=True)
+        for mode in ("mapped", "copied", "device_lens"):
+            fn = calls[mode]
+            rounds = []
+            for _ in range(15):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(30):
+                    fn()
+                rounds.append((time.perf_counter() - t) / 30 * 1e6)
+            torch.cuda.synchronize()
+            row[f"host_us_{mode}"] = {
+                "median": statistics.median(rounds), "min": min(rounds), "max": max(rounds),
+            }  # fmt: skip
+        # Pieces of the call's host time, same method: the runner alone (the
+        # artifact's run, device lengths), the scales' and the pool's checks.
+        slot = next(iter(rt._slots.values()))
+        args = [q, kc, vc, bt, dev_lens, *rt._scales(sc.get("k_scale"), sc.get("v_scale"))]
+        pieces = {
+            "runner.run": (lambda slot=slot, args=args: slot.runner.run(args), 30),
+            "_scales": (lambda rt=rt, a=args[5:]: rt._scales(*(a or (None, None))), 1000),
+            "_check": (lambda rt=rt, kc=kc, vc=vc: rt._check(q, kc, vc), 1000),
+        }  # fmt: skip
+        for piece, (fn, n) in pieces.items():
+            rounds = []
+            for _ in range(15):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                rounds.append((time.perf_counter() - t) / n * 1e6)
+            torch.cuda.synchronize()
+            row[f"host_us_piece_{piece}"] = {
+                "median": statistics.median(rounds), "min": min(rounds), "max": max(rounds),
+            }  # fmt: skip
+        prof_rows = {}
+        for mode, fn in (*calls.items(), ("graph", g)):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                for _ in range(3):
+                    flush_l2()
+                    fn()
+                torch.cuda.synchronize()
+            gpu = [
+                (e.name, round(e.device_time, 2))
+                for e in p.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and "fill" not in e.name
+            ]
+            prof_rows[mode] = gpu
+        row["gpu_events_3_calls"] = prof_rows
+        res[name] = row
+        us = {m: round(v["median_ms"] * 1e3, 1) for m, v in row.items() if "median_ms" in v}
+        print(name, "GPU us", us, flush=True)
+        host_us = {m[8:]: round(v["median"], 1) for m, v in row.items() if m.startswith("host_us_")}
+        print(name, "host us", host_us, flush=True)
+        for mode, ev in prof_rows.items():
+            print(" ", mode, ev[:8], flush=True)
+    return res
+
+
 def _identity(f):
     return f
 
@@ -180,6 +274,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument(
         "--sweep", action="store_true", help="only the kernel's launch sweep (no warmup)"
+    )
+    ap.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also where dispatch's time over the graph's goes (lengths in place, copied, "
+        "on the device; queued; host time; a profiler trace per mode)",
     )
     args = ap.parse_args(argv)
     info = device_info()
@@ -241,6 +341,8 @@ def main(argv=None) -> int:
             f"{row['graph']['median_ms']:.3f} ms ({row['graph_of_copy_bw']:.0%})"
         )
     doc["rows"] = rows
+    if args.overhead:
+        doc["overhead"] = overhead(pools, q, bt, host, dev_lens, args.cache_dir, args.reps)
     doc["kernel_block_n"] = kernel_block_n(pools, q, bt, dev_lens, ceiling, args.reps)
     doc["speedup"] = {
         m: rows["auto"][m]["median_ms"] / rows["fp8_e4m3"][m]["median_ms"]

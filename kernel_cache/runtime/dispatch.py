@@ -103,12 +103,15 @@ class AttentionRuntime(InputChecks):
         #: time here (docs/benchmarks/dispatch.md, "Dispatch overhead"). An engine that
         #: builds its block tables itself may set it to False.
         self.check_block_ids = True
-        #: CUDA only: kernels read each call's host lengths from a pinned staging
-        #: row directly (True where :func:`mapped_pinned_reads` passed at load),
-        #: saving a host-to-device copy per call (about 8 us of host time on the
-        #: H200 machine); False copies the row to the device first. Applies to
-        #: variants not called yet.
-        self.map_pinned_lengths = self._device.type == "cuda" and mapped_pinned_reads(self._device)
+        #: CUDA only: False (the default) copies each call's host lengths from a
+        #: pinned staging row to the device before the kernel; True lets the
+        #: kernels read the pinned row in place where :func:`mapped_pinned_reads`
+        #: passes, saving the copy's host time (about 8 us a call on the H200
+        #: machine) but costing GPU time, as every program reads the lengths over
+        #: PCIe (decode 32 x 8192 on an H100: 27 us more for a bfloat16 pool,
+        #: 37 us for fp8; docs/benchmarks/gpu-dispatch.md). Applies to variants
+        #: not called yet.
+        self.map_pinned_lengths = False
         #: The declared slots (:mod:`kernel_cache.runtime.declared`): :meth:`call`, :meth:`bind`.
         self.declared = DeclaredSlots(config, bucketer, runners, dict(slot_params or {}))
 
@@ -182,8 +185,9 @@ class AttentionRuntime(InputChecks):
                     f"variant {v} is not loaded; warm it up: kernel-cache warmup "
                     f"{config_to_cli(self.config)}"
                 )
+            mapped = self.map_pinned_lengths and mapped_pinned_reads(self._device)
             slot = self._slots[key] = VariantSlot(
-                v, r, self.config, self._dtype, self._device, self.map_pinned_lengths
+                v, r, self.config, self._dtype, self._device, mapped
             )
         return slot
 
