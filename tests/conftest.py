@@ -156,6 +156,10 @@ def pytest_configure(config):
             pid.unlink()  # a build of a killed earlier run: start it again
         os.environ[ENV_WARM_DIR] = shared
         config.stash[_OWN_DIR] = (shared, False)
+        # Runs that share the folder at the same time (.ci/run: both tiers side
+        # by side) each leave a file here; the last to end stops the build.
+        Path(shared, "sessions").mkdir(exist_ok=True)
+        Path(shared, "sessions", str(os.getpid())).touch()
     else:
         d = tempfile.mkdtemp(prefix="kernel_cache-tests-")
         os.environ[ENV_WARM_DIR] = d
@@ -202,12 +206,30 @@ def _stop_warm_build(d: str, wait_s: float = 30) -> None:
         Path(d, "report.json").unlink(missing_ok=True)
 
 
+def _other_sessions(d: str) -> list[int]:
+    """The pids of other live pytest runs sharing ``d`` (its ``sessions`` files),
+    after this run's file is removed."""
+    sessions = Path(d, "sessions")
+    Path(sessions, str(os.getpid())).unlink(missing_ok=True)
+    live = []
+    for f in sessions.iterdir() if sessions.is_dir() else ():
+        try:
+            os.kill(int(f.name), 0)
+        except (ValueError, ProcessLookupError):
+            continue
+        except PermissionError:
+            pass
+        live.append(int(f.name))
+    return live
+
+
 def pytest_unconfigure(config):
     own = config.stash.get(_OWN_DIR, None)
     if own is None:
         return
     d, remove = own
-    _stop_warm_build(d)
+    if remove or not _other_sessions(d):
+        _stop_warm_build(d)
     if remove:
         shutil.rmtree(d, ignore_errors=True)
     os.environ.pop(ENV_WARM_DIR, None)
