@@ -106,10 +106,10 @@ class AttentionRuntime(InputChecks):
         #: CUDA only: False (the default) copies each call's host lengths from a
         #: pinned staging row to the device before the kernel; True lets the
         #: kernels read the pinned row in place where :func:`mapped_pinned_reads`
-        #: passes, saving the copy's host time (about 8 us a call on the H200
-        #: machine) but costing GPU time, as every program reads the lengths over
+        #: passes, saving the copy's host time (9-16 us a decode call, H100 and
+        #: H200) but costing GPU time, as every program reads the lengths over
         #: PCIe (decode 32 x 8192 on an H100: 27 us more for a bfloat16 pool,
-        #: 37 us for fp8; docs/benchmarks/gpu-dispatch.md). Applies to variants
+        #: 37 us for fp8; docs/benchmarks/gpu-decode.md). Applies to variants
         #: not called yet.
         self.map_pinned_lengths = False
         #: The declared slots (:mod:`kernel_cache.runtime.declared`): :meth:`call`, :meth:`bind`.
