@@ -1,8 +1,9 @@
-"""Many warmups at once, killed warmups, damaged entries, failing compiles, a full disk.
+"""Many warmups at once, a held lock, interrupted and killed warmups of cold caches.
 
 Real processes and real compiles of the tiny geometry; each test compiles as
 few variants as it can (a compiling process costs ~25 s once, ~8 s a variant,
-on a 2-core CPU).
+on a 2-core CPU). The faults over a copy of the run's warm cache are in
+``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,52 +19,26 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cache import CorruptEntryError, load_plan
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import Bucketer
-from kernel_cache.plan.keys import build_key
-from kernel_cache.store.disk_tier import DiskTier, make_meta
-from kernel_cache.store.quarantine import list_quarantine
+from kernel_cache.store.disk_tier import DiskTier
 
-from ..conftest import N_TINY, ROOT, TINY_LIMITS, TINY_VARIANTS, run_cli, tiny_args
-from ..fsutil import resize_tmpfs, tmpfs, tree_state
+from ..conftest import ROOT, TINY_LIMITS, TINY_VARIANTS, run_cli, tiny_args
 from ..kc_helpers import counting_cxx, lines_of, wait_for_pause
+from .warmup_procs import cli, keys_of, verify_json
 
 pytestmark = pytest.mark.compile
 
 
-def cli(*args, env=None, terminal=False) -> subprocess.Popen:
-    """``kernel-cache ARGS`` started in its own process group (so a test can kill
-    the warmup and its compile workers together, as an OOM killer or a pod
-    deletion does); with ``terminal``, as a terminal starts it: SIGINT at its
-    default, even where this test runs with SIGINT ignored."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "warmup.cli.main", *map(str, args)],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None,
-    )
-
-
-def keys_of(config, variants):
-    return [build_key(config, v).hexdigest for v in variants]
-
-
-def remove_entries(cache: Path, keys) -> None:
-    tier = DiskTier(cache)
-    for k in keys:
-        tier.delete(k)
-    tier.close()
-
-
-def verify_json(model, cache, *extra, expect_rc=0) -> dict:
-    proc = run_cli("verify", *tiny_args(model), *extra, "--cache-dir", cache, "--json")
-    assert proc.returncode == expect_rc, proc.stderr
-    return json.loads(proc.stdout)
+HOLD_KEYS = r"""
+import sys, time
+from kernel_cache.store.locks import KeyLock
+locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
+for lock in locks:
+    lock.acquire(10)
+print("held", flush=True)
+time.sleep(600)
+"""
 
 
 def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp_path):
@@ -105,150 +79,6 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp
     proc = run_cli("verify", *tiny_args(tiny_model), *subset, "--cache-dir", cache, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"]
-
-
-def test_sigkill_during_compile_and_publish_then_warmup_completes(
-    cache_copy, tiny_model, tiny_config
-):
-    v = Bucketer(tiny_config).variants[-1]
-    (key,) = keys_of(tiny_config, [v])
-    remove_entries(cache_copy, [key])
-    for point in ("compile", "publish-write"):
-        marker = cache_copy.parent / f"paused-{point}"
-        env = {"KERNEL_CACHE_TEST_PAUSE_AT": point, "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
-        proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", env=env)
-        try:
-            wait_for_pause(marker, proc, point)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the warmup and its compile worker
-            proc.wait(timeout=60)
-        # killed holding the key's lock (and, at publish, inside the index transaction
-        # with half an artifact file written): no entry, not half of one
-        assert DiskTier(cache_copy, read_only=True).get(key) is None
-        owner = json.loads((cache_copy / "locks" / f"{key}.owner").read_text())
-        assert owner["pid"] == int(marker.read_text().split()[1])  # a dead holder's record
-    proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
-    )
-    report = json.loads(proc.stdout)
-    assert (report["compiled"], report["cached"], report["failed"]) == (1, N_TINY - 1, [])
-    assert verify_json(tiny_model, cache_copy)["ok"] is True
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (absent, or a zombie not reaped yet)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
-    except OSError:
-        return True
-    return "\nState:\tZ" in status
-
-
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killing_the_warmup_process_alone_ends_its_compile_workers(
-    cache_copy, tiny_model, tiny_config, sig
-):
-    """Only the warmup process is killed (not its process group): its worker,
-    paused inside a compile, must not run on (the kernel kills it with the parent)."""
-    v = Bucketer(tiny_config).variants[-1]
-    remove_entries(cache_copy, keys_of(tiny_config, [v]))
-    marker = cache_copy.parent / f"paused-{sig.name}"
-    env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
-    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env)
-    try:
-        wait_for_pause(marker, proc, "compile")
-        worker = int(marker.read_text().split()[1])
-        assert worker != proc.pid
-        proc.send_signal(sig)
-        proc.wait(timeout=60)
-        t0 = time.monotonic()
-        while not gone(worker) and time.monotonic() - t0 < 30:
-            time.sleep(0.1)
-        alive = not gone(worker)
-        assert not alive, f"worker {worker} outlived the warmup (killed with {sig.name})"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-
-
-def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, tiny_config):
-    """One damage per entry of the tiny plan (a truncated artifact:
-    tests/store/test_disk_tier.py): verify names each, engine start refuses, warmup
-    quarantines and rebuilds all three."""
-    variants = Bucketer(tiny_config).variants
-    keys = keys_of(tiny_config, variants)
-    tier = DiskTier(cache_copy)
-    art = [tier.artifact_path(k) for k in keys]
-    data = bytearray(art[0].read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte
-    art[0].write_bytes(bytes(data))
-    tier.cache.set("meta/" + keys[1], b'{"key": "garbage')  # metadata that does not parse
-    junk = os.urandom(300_000)  # bytes whose checksum matches, but not a package
-    cpu = {k: tier.get(keys[2]).meta[k] for k in ("cpu_target", "cpu_features")}
-    tier.put(keys[2], junk, make_meta(build_key(tiny_config, variants[2]), "x", junk, 0.0, **cpu))
-    tier.close()
-    reasons = ["sha256", "not JSON", "loader rejected"]
-
-    report = verify_json(tiny_model, cache_copy, expect_rc=1)
-    assert report["loaded"] == 0
-    got = {c["variant"]: c["reason"] for c in report["corrupt"]}
-    for v, reason in zip(variants, reasons, strict=True):
-        assert reason in got[str(v)]
-    with pytest.raises(CorruptEntryError, match="repair with: kernel-cache warmup --model"):
-        load_plan(tiny_config, cache_copy)
-
-    proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "1", "--json"
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert (report["compiled"], report["cached"], report["failed"]) == (N_TINY, 0, [])
-    moved = {q["variant"]: q for q in report["quarantined"]}
-    assert "quarantined cache entry" in proc.stderr  # logged
-    for v, reason in zip(variants, reasons, strict=True):
-        assert reason in moved[str(v)]["reason"]
-    records = list_quarantine(cache_copy)
-    assert sorted(r["key"] for r in records) == sorted(keys)
-    for r in records:
-        assert (Path(r["path"]) / "reason.json").is_file() and r["reason"]
-        assert "artifact.pt2" in r["files"] and "meta.json" in r["files"]
-    assert verify_json(tiny_model, cache_copy)["ok"] is True
-
-
-def test_compile_failure_is_reported_and_the_other_variants_finish(
-    cache_copy, tiny_model, tiny_config
-):
-    # The good variant is the cheaper prefill (query length 1); the bad one costs
-    # its export only, since Inductor refuses the option before generating code.
-    # One worker takes both: the good one compiles after the other failed there.
-    good, bad = Bucketer(tiny_config).variants[:2]
-    remove_entries(cache_copy, keys_of(tiny_config, [bad, good]))
-    env = {"KERNEL_CACHE_TEST_BAD_COMPILE": str(bad)}  # a real Inductor error for one variant
-    proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "1", "--json",
-        env=env,
-    )  # fmt: skip
-    assert proc.returncode == 1
-    report = json.loads(proc.stdout)
-    assert (report["compiled"], report["cached"]) == (1, N_TINY - 2)
-    (failure,) = report["failed"]
-    assert failure["variant"] == str(bad)
-    assert f"AOTInductor failed for {bad}" in failure["error"]
-    assert "kernel_cache_test_no_such_option does not exist" in failure["error"]
-    assert f"failed {bad}: AOTInductor failed" in proc.stderr
-    assert DiskTier(cache_copy, read_only=True).get(keys_of(tiny_config, [good])[0]) is not None
-
-
-HOLD_KEYS = r"""
-import sys, time
-from kernel_cache.store.locks import KeyLock
-locks = [KeyLock(sys.argv[1], k, variant="held by the test") for k in sys.argv[2:]]
-for lock in locks:
-    lock.acquire(10)
-print("held", flush=True)
-time.sleep(600)
-"""
 
 
 def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
@@ -293,48 +123,6 @@ def test_lock_wait_timeout_names_key_lock_file_and_holder(tmp_path, tiny_model):
         assert str(cache / "locks" / f"{key}.lock") in msg and f"pid {holder.pid}" in msg
 
 
-def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
-    tmp_path, warm_cache, tiny_model, tiny_config
-):
-    """A real tmpfs sized to hold the cache plus half an artifact where mount is
-    allowed (root); elsewhere an injected ENOSPC at the same point."""
-    v = Bucketer(tiny_config).variants[0]
-    (key,) = keys_of(tiny_config, [v])
-    mnt = tmp_path / "mnt"
-    with tmpfs(mnt, 64 * 2**20) as mounted:
-        cache = (mnt if mounted else tmp_path) / "cache"
-        shutil.copytree(warm_cache[0], cache)
-        art_size = DiskTier(cache, read_only=True).get_meta(key)["size"]
-        remove_entries(cache, [key])
-        env = {}
-        if mounted:
-            st = os.statvfs(mnt)
-            used = (st.f_blocks - st.f_bfree) * st.f_frsize
-            assert resize_tmpfs(mnt, used + art_size // 2)
-        else:
-            env = {"KERNEL_CACHE_TEST_FAULT": "enospc@publish-write"}
-
-        def entries():
-            return {
-                k: h
-                for k, h in tree_state(cache).items()
-                if not k.startswith(("cache.db", "locks", "usage.json"))  # index, locks, usage
-            }
-
-        before = entries()
-        proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--json", env=env)
-        assert proc.returncode == 1, proc.stderr
-        (failure,) = json.loads(proc.stdout)["failed"]
-        assert f"no space left in cache directory {cache}" in failure["error"]
-        needed = int(re.search(r"it needed (\d+) bytes", failure["error"]).group(1))
-        assert needed > art_size // 2  # the new artifact plus its metadata
-        assert f"no space left in cache directory {cache}" in proc.stderr
-        assert entries() == before  # no partial artifact file or directory
-        report = verify_json(tiny_model, cache, expect_rc=1)
-        assert report["loaded"] == N_TINY - 1 and report["missing"] == [str(v)]
-        assert report["corrupt"] == []
-
-
 def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, tiny_model):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) after
     the first variant is published: exit 130, one summary line, no traceback,
@@ -376,33 +164,6 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     report = json.loads(proc.stdout)
     assert report["cached"] == kept and report["compiled"] == n - kept
     assert report["compiler_runs"] == n - kept
-
-
-def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
-    cache_copy, tiny_model, tiny_config
-):
-    """Ctrl-C while warmup waits for its workers to exit, every variant done: exit
-    130, the summary line counting the variant compiled, no traceback."""
-    v = Bucketer(tiny_config).variants[-1]
-    remove_entries(cache_copy, keys_of(tiny_config, [v]))
-    marker = cache_copy.parent / "paused"
-    env = {
-        "KERNEL_CACHE_TEST_PAUSE_AT": "pool-shutdown",
-        "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
-    }
-    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env, terminal=True)
-    try:
-        wait_for_pause(marker, proc, "pool-shutdown")
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-    assert proc.returncode == 130, (out, err)
-    assert "Traceback" not in err, err
-    summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
-    assert len(summary) == 1 and "1 compiled and kept" in summary[0], err
 
 
 def _spawned_workers(pid: int) -> list[int]:
