@@ -241,22 +241,12 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """The tests that need the warm cache run last, and the files that hold one
-    after the files that hold none (pytest-xdist's ``--dist loadfile`` hands out
-    whole files in the order of their first test: a file's tests would otherwise
-    wait for the build on a core the other files could use); the build starts
-    now."""
+    """The tests that need the warm cache run last; its build starts now."""
     warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
     if warm:
         _start_warm_build()
         ids = {id(i) for i in warm}
-        files = {i.nodeid.split("::")[0] for i in warm}
-        cold = [i for i in items if id(i) not in ids]
-        items[:] = (
-            [i for i in cold if i.nodeid.split("::")[0] not in files]
-            + [i for i in cold if i.nodeid.split("::")[0] in files]
-            + warm
-        )
+        items[:] = [i for i in items if id(i) not in ids] + warm
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ the warmup process killed alone, damaged entries, a failing compile, a full
 disk, Ctrl-C after the last variant.
 
 Real processes and real compiles of the tiny geometry: each test removes the
-entries it needs cold from its copy, so it compiles only those. In a file of
-its own so that, with ``--dist loadfile``, these tests (which wait for the
-run's warm build) do not hold back the cold ones in ``test_many_workers.py``.
+entries it needs cold from its copy, so it compiles only those. A file apart
+from ``test_many_workers.py`` so that ``--dist loadfile`` can give the two to
+different workers.
 """
 
 from __future__ import annotations
