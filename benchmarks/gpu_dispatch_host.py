@@ -88,7 +88,8 @@ def cases() -> dict:
         dec: StubRunner(torch.empty(32, 32, 128, device=dev, dtype=dt)),
         pre: StubRunner(torch.empty(2048, 32, 128, device=dev, dtype=dt)),
     }
-    rt = AttentionRuntime(cfg, b, runners)
+    rt = AttentionRuntime(cfg, b, runners)  # lengths read in place where that works
+    rt.map_pinned_lengths = True
     copied = AttentionRuntime(cfg, b, runners)  # lengths copied to the device per call
     copied.map_pinned_lengths = False
     kc = torch.zeros(64, 16, 8, 128, device=dev, dtype=dt)  # block ids are not read

@@ -159,7 +159,7 @@ def pytest_configure(config):
         # Runs that share the folder at the same time (.ci/run: both tiers side
         # by side) each leave a file here; the last to end stops the build.
         Path(shared, "sessions").mkdir(exist_ok=True)
-        Path(shared, "sessions", str(os.getpid())).touch()
+        Path(shared, "sessions", str(os.getpid())).write_text(_started(os.getpid()))
     else:
         d = tempfile.mkdtemp(prefix="kernel_cache-tests-")
         os.environ[ENV_WARM_DIR] = d
@@ -206,20 +206,33 @@ def _stop_warm_build(d: str, wait_s: float = 30) -> None:
         Path(d, "report.json").unlink(missing_ok=True)
 
 
+def _started(pid: int | str) -> str:
+    """When process ``pid`` started (``/proc/PID/stat``, clock ticks since boot;
+    "" if it is gone): with the pid, names one process even after the pid is
+    reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def _other_sessions(d: str) -> list[int]:
-    """The pids of other live pytest runs sharing ``d`` (its ``sessions`` files),
-    after this run's file is removed."""
+    """The pids of other live pytest runs sharing ``d`` (its ``sessions`` files,
+    each holding its run's start time), after this run's file is removed; the
+    files of runs that have ended (a killed run leaves one) are removed too."""
     sessions = Path(d, "sessions")
     Path(sessions, str(os.getpid())).unlink(missing_ok=True)
     live = []
     for f in sessions.iterdir() if sessions.is_dir() else ():
         try:
-            os.kill(int(f.name), 0)
-        except (ValueError, ProcessLookupError):
+            started = f.read_text()
+        except OSError:
             continue
-        except PermissionError:
-            pass
-        live.append(int(f.name))
+        if f.name.isdigit() and started and _started(f.name) == started:
+            live.append(int(f.name))
+        else:
+            f.unlink(missing_ok=True)
     return live
 
 
