@@ -11,10 +11,12 @@ AOTInductor artifact launches from C++.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,6 +85,30 @@ def time_cuda(
         "max_ms": max(times),
         "reps": reps,
     }
+
+
+def host_us(fn, calls: int, repeats: int, warmup: int = 50, gc_off: bool = True) -> dict:
+    """Host microseconds per call of ``fn``: ``time.perf_counter`` over ``calls``
+    back-to-back calls / ``calls``, ``repeats`` rounds, the GPU synchronized
+    between rounds (after ``warmup`` untimed calls), the garbage collector off
+    with ``gc_off``: ``{"median", "min", "max"}``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    xs = []
+    if gc_off:
+        gc.disable()
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            xs.append((time.perf_counter() - t) / calls * 1e6)
+            torch.cuda.synchronize()
+    finally:
+        if gc_off:
+            gc.enable()
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def device_info() -> dict:

@@ -14,10 +14,7 @@ Writes ``gpu_dispatch_host.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import sys
-import time
 from array import array
 
 import torch
@@ -25,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     sys.exit(f"{sys.argv[0]}: needs a CUDA GPU; run it on the GPU machine")
 
-from gpu_common import write_json
+from gpu_common import host_us, write_json
 
 from kernel_cache import AttentionRuntime, make_config
 from kernel_cache.plan.buckets import BATCHED_DECODE, PAGED_ATTENTION, Bucketer, KernelVariant
@@ -57,24 +54,6 @@ class StubRunner:
 
     def run(self, args):
         return self.out
-
-
-def timed(fn, calls: int, repeats: int) -> dict:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    xs = []
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            xs.append((time.perf_counter() - t) / calls * 1e6)
-            torch.cuda.synchronize()
-    finally:
-        gc.enable()
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def cases() -> dict:
@@ -144,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    rows = {name: timed(fn, args.calls, args.repeats) for name, fn in cases().items()}
+    rows = {name: host_us(fn, args.calls, args.repeats) for name, fn in cases().items()}
     write_json({"calls": args.calls, "repeats": args.repeats, "rows": rows}, args.out,
                "gpu_dispatch_host.json")  # fmt: skip
     print(f"lengths read from pinned rows by the kernels: {mapped_pinned_reads('cuda')}")

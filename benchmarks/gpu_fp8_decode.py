@@ -43,6 +43,7 @@ from gpu_common import (
     device_info,
     flush_l2,
     graphed,
+    host_us,
     kv_bytes,
     time_cuda,
     write_json,
@@ -176,11 +177,9 @@ def overhead(pools, q, bt, host, dev_lens, cache_dir: str, reps: int) -> dict:
     host lengths read in place (``map_pinned_lengths = True``), copied to the
     device per call (the default), and with ``device_seq_lens``
     outside a graph; each also ``queued`` (``time_cuda(queued=True)``: the GPU's
-    time alone); host µs per call (``perf_counter`` over 30 back-to-back calls,
-    fewer than the ring's half, 15 rounds, median); and the GPU's work per call
-    from ``torch.profiler`` (kernel and copy names, µs)."""
-    import statistics
-
+    time alone); host µs per call (``gpu_common.host_us``: ``perf_counter`` over
+    30 back-to-back calls, fewer than the ring's half, 15 rounds, median); and
+    the GPU's work per call from ``torch.profiler`` (kernel and copy names, µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     res = {}
@@ -204,19 +203,8 @@ def overhead(pools, q, bt, host, dev_lens, cache_dir: str, reps: int) -> dict:
         g = graphed(calls["device_lens"])
         row["graph"] = time_cuda(g, reps=reps)
         row["graph_queued"] = time_cuda(g, reps=reps, queued=True)
-        for mode in ("mapped", "copied", "device_lens"):
-            fn = calls[mode]
-            rounds = []
-            for _ in range(15):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(30):
-                    fn()
-                rounds.append((time.perf_counter() - t) / 30 * 1e6)
-            torch.cuda.synchronize()
-            row[f"host_us_{mode}"] = {
-                "median": statistics.median(rounds), "min": min(rounds), "max": max(rounds),
-            }  # fmt: skip
+        for mode, fn in calls.items():
+            row[f"host_us_{mode}"] = host_us(fn, 30, 15, warmup=0, gc_off=False)
         # Pieces of the call's host time, same method: the runner alone (the
         # artifact's run, device lengths), the scales' and the pool's checks.
         slot = next(iter(rt._slots.values()))
@@ -227,17 +215,7 @@ def overhead(pools, q, bt, host, dev_lens, cache_dir: str, reps: int) -> dict:
             "_check": (lambda rt=rt, kc=kc, vc=vc: rt._check(q, kc, vc), 1000),
         }  # fmt: skip
         for piece, (fn, n) in pieces.items():
-            rounds = []
-            for _ in range(15):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                rounds.append((time.perf_counter() - t) / n * 1e6)
-            torch.cuda.synchronize()
-            row[f"host_us_piece_{piece}"] = {
-                "median": statistics.median(rounds), "min": min(rounds), "max": max(rounds),
-            }  # fmt: skip
+            row[f"host_us_piece_{piece}"] = host_us(fn, n, 15, warmup=0, gc_off=False)
         prof_rows = {}
         for mode, fn in (*calls.items(), ("graph", g)):
             torch.cuda.synchronize()
@@ -256,8 +234,10 @@ def overhead(pools, q, bt, host, dev_lens, cache_dir: str, reps: int) -> dict:
         res[name] = row
         us = {m: round(v["median_ms"] * 1e3, 1) for m, v in row.items() if "median_ms" in v}
         print(name, "GPU us", us, flush=True)
-        host_us = {m[8:]: round(v["median"], 1) for m, v in row.items() if m.startswith("host_us_")}
-        print(name, "host us", host_us, flush=True)
+        host_table = {
+            m[8:]: round(v["median"], 1) for m, v in row.items() if m.startswith("host_us_")
+        }
+        print(name, "host us", host_table, flush=True)
         for mode, ev in prof_rows.items():
             print(" ", mode, ev[:8], flush=True)
     return res
