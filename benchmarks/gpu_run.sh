@@ -153,11 +153,12 @@ case "${1:-probe}" in
       SUITE_TIMEOUT=${LOAD_TIMEOUT:-200} suite 2>&1 | tee "$OUT/pytest_load.log"
     ;;
   jobs)
-    # Warmup throughput against --jobs on this host's cores: a 15-variant granite-3.3-8b
-    # CUDA plan into an empty cache (precompiled headers off on CUDA) per worker count;
-    # wall seconds and the CPU seconds of the warmup's process tree (getrusage).
+    # Warmup throughput against --jobs on this host's cores: a 39-variant granite-3.3-8b
+    # CUDA plan (enough variants that 16 workers get more than two rounds each) into an
+    # empty cache (precompiled headers off on CUDA) per worker count; wall seconds and
+    # the CPU seconds of the warmup's process tree (getrusage).
     env_report 2>&1 | tee "$OUT/env.txt"
-    for j in ${JOBS_LIST:-1 4 15}; do
+    for j in ${JOBS_LIST:-1 16 4}; do
       rm -rf "/tmp/kc-jobs-$j"
       timeout "${JOBS_TIMEOUT:-300}" python3 -c '
 import json, resource, subprocess, sys, time
@@ -170,8 +171,8 @@ print(json.dumps({"jobs": int(sys.argv[1]), "rc": p.returncode, "wall_s": round(
   "cpu_s": round(r.ru_utime + r.ru_stime, 1), "compiled": rep.get("compiled"),
   "failed": rep.get("failed"), "stderr_tail": p.stderr[-400:] if p.returncode else ""}))
 ' "$j" python3 -m warmup.cli.main warmup --model granite-3.3-8b --device cuda \
-        --dtype bfloat16 --max-model-len 1024 --block-size 16 --max-num-seqs 8 \
-        --kv-buckets 16,32,64 --jobs "$j" --cache-dir "/tmp/kc-jobs-$j" --json -q \
+        --dtype bfloat16 --max-model-len 1024 --block-size 16 --max-num-seqs 8 --query-step 128 \
+        --kv-buckets 16,32,64,128,256,512,1024 --jobs "$j" --cache-dir "/tmp/kc-jobs-$j" --json -q \
         2>&1 | tee -a "$OUT/jobs.jsonl"
     done
     ;;
