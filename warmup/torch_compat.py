@@ -38,6 +38,8 @@ _CFLAGS = "torch._inductor.cpp_builder._get_optimization_cflags"
 _HEADER_DIR = "torch._inductor.codecache._HEADER_DIR"
 _HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
 _PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
+_ISA_LIST = "torch._inductor.cpu_vec_isa.supported_vec_isa_list"
+_VALID_ISAS = "torch._inductor.cpu_vec_isa.valid_vec_isa_list"
 _AOTI = "torch._inductor.aoti_compile_and_package"
 _GPU_KERNELS = "torch._inductor.codecache.CudaKernelParamCache"
 _CUBIN_OBJECT = "torch._inductor.codecache.convert_cubin_to_obj"
@@ -59,6 +61,17 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         for m in CONFIG_MODULES
     ),
     PrivateAPI(_PICK, "builder/compiler.py: the vector ISA Inductor chose", CHECKED),
+    PrivateAPI(
+        _ISA_LIST,
+        "builder/compiler.py: narrowed to the target's ISA for a process's first pick, "
+        "so that no other ISA is probed",
+        CHECKED,
+    ),
+    PrivateAPI(
+        _VALID_ISAS,
+        "builder/compiler.py: the ISAs a pick chooses from, kept for the process (functools.cache)",
+        CHECKED,
+    ),
     PrivateAPI(
         _GPU_KERNELS,
         "builder/compiler.py: emptied, then kept in name order (the GPU kernels' link order)",
@@ -152,35 +165,53 @@ def config_modules() -> dict[str, ModuleType]:
     return out
 
 
-def chosen_vec_isa(options: dict, probe_dir: str | None = None) -> str:
+def chosen_vec_isa(options: dict, only: str | None = None) -> str:
     """The vector ISA Inductor picks (``str`` of ``pick_vec_isa()``:
     ``avx512``, ``avx2``, ``INVALID_VEC_ISA``...) under ``options``'
     ``cpp.vec_isa_ok`` (the other options are ignored).
 
-    The first pick of a process builds Inductor's probes of the ISAs this CPU
-    lists (a dry compile of a few lines each, named by a hash of the compiler's
-    version, the ISA's flags and torch's version; ``cpp.vec_isa_ok`` does not
-    skip those of AVX-512 VNNI, BF16 and AMX) and keeps the result for the
-    process. ``probe_dir``: the folder Inductor keeps those builds in for that
-    pick (its ``TORCHINDUCTOR_CACHE_DIR``), so that later processes reuse them
-    instead of compiling them again; None: the environment's.
+    Inductor keeps the list of ISAs it picks from for the life of the process
+    (``valid_vec_isa_list``). Building it probes every ISA this CPU lists
+    whose class checks more than ``cpp.vec_isa_ok`` (AVX-512 VNNI and BF16,
+    AMX): a dry compile of a few lines, then a child Python that loads the
+    result. On torch before 2.13 that child imports torch: several seconds of
+    CPU each, in every compile worker (docs/benchmarks/compile.md).
+    ``only``: the ISA the target names (``avx2``; ``INVALID_VEC_ISA`` for
+    none): where the list is not built yet, it is built from that ISA alone,
+    so nothing is probed, and every later pick of the process (the compiles'
+    own) chooses from it. The pick is the same: Inductor takes the ISA
+    ``ATEN_CPU_CAPABILITY`` names from the list, and that ISA's own check is
+    ``cpp.vec_isa_ok``.
 
     Raises:
-        TorchAPIDriftError: ``pick_vec_isa`` is missing.
+        TorchAPIDriftError: ``pick_vec_isa``, ``supported_vec_isa_list`` or a
+            per-process ``valid_vec_isa_list`` is missing.
     """
     pick = _function(_PICK, ())
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if probe_dir is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = probe_dir
+    patch = {k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}
+    with inductor_config().patch(patch):
+        if only is not None:
+            _narrow_first_pick(only)
+        return str(pick())
+
+
+def _narrow_first_pick(only: str) -> None:
+    """Build Inductor's per-process ISA list from the ISA named ``only`` alone
+    (see :func:`chosen_vec_isa`); a list built already is left as it is."""
+    valid = _get(_VALID_ISAS)
+    if not callable(getattr(valid, "cache_info", None)):
+        raise drift(_VALID_ISAS, "is not cached per process (functools.cache)", _BY_NAME)
+    if valid.cache_info().currsize:
+        return
+    module = _module(_VALID_ISAS.rpartition(".")[0])
+    full = _get(_ISA_LIST)
+    if not isinstance(full, list):
+        raise drift(_ISA_LIST, f"is a {type(full).__name__}, not a list", _BY_NAME)
+    module.supported_vec_isa_list = [isa for isa in full if str(isa) == only]
     try:
-        patch = {k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}
-        with inductor_config().patch(patch):
-            return str(pick())
+        valid()
     finally:
-        if saved is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        module.supported_vec_isa_list = full
 
 
 def aoti_compile_and_package() -> Callable:

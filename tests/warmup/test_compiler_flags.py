@@ -84,76 +84,63 @@ def test_a_file_given_as_the_precompiled_headers_folder_is_named_by_its_setting(
         assert "KERNEL_CACHE_PCH_DIR" in msg and str(given) in msg and "not a directory" in msg
 
 
-def test_the_vector_isa_probes_folder_must_be_a_real_folder(tmp_path, monkeypatch):
-    """``<pch>/vec-isa`` holds shared objects a probe loads: a file there is named
-    with the fix (not a FileExistsError from os.makedirs per variant), and a link
-    (to a folder others may write) is refused as the cache's own links are."""
-    from kernel_cache.errors import UntrustedCacheError
-    from warmup.builder.worker import pch_dir
-
-    folder = tmp_path / "pch"
-    folder.mkdir(mode=0o700)
-    monkeypatch.setenv("KERNEL_CACHE_PCH_DIR", str(folder))
-    probes = folder / "vec-isa"
-    probes.write_text("x")
-    with pytest.raises(UntrustedCacheError) as e:
-        pch_dir(str(tmp_path / "cache"), allow_shared=False)
-    assert f"{probes}: it is not a folder; fix: rm {probes}" in str(e.value)
-    probes.unlink()
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    probes.symlink_to(elsewhere)
-    for shared in (False, True):
-        with pytest.raises(UntrustedCacheError) as e:
-            pch_dir(str(tmp_path / "cache"), allow_shared=shared)
-        assert str(probes) in str(e.value) and str(elsewhere) in str(e.value)
-    probes.unlink()
-    assert pch_dir(str(tmp_path / "cache"), allow_shared=False) == str(folder)
-
-
 #: Inductor probes these ISAs even under ``cpp.vec_isa_ok`` (when the CPU lists them).
-_PROBED = {"avx512_vnni", "amx_tile"}
+_PROBED = {"avx512_vnni", "avx512_bf16", "amx_tile"}
 
-_PROBE_CHILD = r"""
-import sys
+_PICK_CHILD = r"""
+import json, sys
 from kernel_cache import make_config
+from warmup import torch_compat
 from warmup.builder.compiler import _check_vec_isa, compile_options, pin_environment
+from torch._inductor import cpu_vec_isa
 cfg = make_config(sys.argv[1])
-pin_environment(cfg.device, cfg.cpu_target, sys.argv[3])
-_check_vec_isa(cfg, compile_options(cfg.device, cfg.cpu_target), sys.argv[2])
-print("checked")
+pin_environment(cfg.device, cfg.cpu_target, sys.argv[2])
+opts = compile_options(cfg.device, cfg.cpu_target)
+listed = list(cpu_vec_isa.supported_vec_isa_list)
+if sys.argv[3] == "narrowed":
+    _check_vec_isa(cfg, opts)  # what a compile runs first
+chosen = torch_compat.chosen_vec_isa(opts)  # a later pick of the process
+print(json.dumps({"chosen": chosen, "restored": cpu_vec_isa.supported_vec_isa_list == listed}))
 """
 
 
-@pytest.mark.skipif(
-    not _PROBED & set(open("/proc/cpuinfo").read().split()),
-    reason="this CPU lists no ISA that Inductor probes under cpp.vec_isa_ok",
-)
-def test_a_vector_isa_probes_folder_that_cannot_be_written_falls_back_with_a_warning(
-    tmp_path, tiny_model
-):
-    """Inductor cannot write its probes under ``<pch>/vec-isa`` (its ``locks``
-    folder is a file here; another user's folder in a shared ``pch`` fails the
-    same way): the ISA check still passes, the probes are built in the scratch
-    folder (as before they were shared), and a warning names the folder and the
-    fix, rather than a bare OSError failing every variant. In a fresh process:
-    Inductor keeps the probes' outcome for the life of a process."""
+def _pick_in_a_fresh_process(tmp_path, tiny_model, how: str) -> tuple[dict, list[str]]:
+    """Inductor's pick in a new process (it keeps its ISA list per process),
+    ``CXX`` a ``g++`` that logs every run; returns the child's report and the
+    compiler runs."""
+    import json
+    import shutil
     import subprocess
     import sys
 
-    pch, scratch = tmp_path / "pch", tmp_path / "scratch"
-    (pch / "vec-isa").mkdir(parents=True, mode=0o700)
-    (pch / "vec-isa" / "locks").write_text("x")
-    scratch.mkdir()
+    side = tmp_path / how
+    (side / "bin").mkdir(parents=True)
+    log = side / "cxx.log"
+    cxx = side / "bin" / "g++"  # named g++: Inductor picks its flags by the name
+    cxx.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {shutil.which("g++")} "$@"\n')
+    cxx.chmod(0o755)
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE_CHILD, str(tiny_model), str(pch), str(scratch)],
+        [sys.executable, "-c", _PICK_CHILD, str(tiny_model), str(side / "scratch"), how],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "CXX": str(cxx)},
     )
-    assert run.returncode == 0 and run.stdout == "checked\n", run.stderr[-2000:]
-    probes = pch / "vec-isa"
-    assert f"vector-ISA probes cannot be kept in {probes} (FileExistsError" in run.stderr
-    assert f"rm -r {probes}" in run.stderr, run.stderr[-2000:]
-    assert list(scratch.rglob("*.so")), "the probes were built in the scratch folder"
-    assert not list(probes.rglob("*.so"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    runs = log.read_text().splitlines() if log.exists() else []
+    return json.loads(run.stdout.splitlines()[-1]), [r for r in runs if "--version" not in r]
+
+
+def test_the_targets_pick_probes_no_other_isa(tmp_path, tiny_model):
+    """Under the default target (AVX2) the compile's first pick considers AVX2
+    alone: no probe is compiled (counted by the compiler itself) and the pick,
+    and every later pick of the process, is AVX2; Inductor's list of ISAs is
+    put back. Where this CPU lists an ISA Inductor probes, the same pick left
+    to Inductor compiles its probes, so the count is not a constant."""
+    narrowed, runs = _pick_in_a_fresh_process(tmp_path, tiny_model, "narrowed")
+    assert narrowed == {"chosen": "avx2", "restored": True}
+    assert runs == []
+    if _PROBED & set(open("/proc/cpuinfo").read().split()):
+        probed, runs = _pick_in_a_fresh_process(tmp_path, tiny_model, "probed")
+        assert probed["chosen"] == "avx2"
+        assert any(".so" in r for r in runs), runs

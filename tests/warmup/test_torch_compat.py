@@ -86,6 +86,27 @@ def test_a_missing_vec_isa_picker_is_drift(monkeypatch):
     assert_drift(e.value, "torch._inductor.cpu_vec_isa.pick_vec_isa")
 
 
+def test_a_missing_or_uncached_vec_isa_list_is_drift(monkeypatch):
+    """The pick narrowed to the target's ISA needs Inductor's ISA list and its
+    per-process cache; either missing is drift, named."""
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: [])  # no cache
+    with pytest.raises(TorchAPIDriftError) as e:
+        torch_compat.chosen_vec_isa({}, only="avx2")
+    assert_drift(
+        e.value,
+        "torch._inductor.cpu_vec_isa.valid_vec_isa_list",
+        "is not cached per process (functools.cache)",
+    )
+    monkeypatch.undo()
+    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+        monkeypatch.delattr(cpu_vec_isa, "supported_vec_isa_list")
+        with pytest.raises(TorchAPIDriftError) as e:
+            torch_compat.chosen_vec_isa({}, only="avx2")
+        assert_drift(e.value, "torch._inductor.cpu_vec_isa.supported_vec_isa_list")
+
+
 def test_a_missing_config_module_is_drift(monkeypatch):
     assert set(torch_compat.config_modules()) == set(torch_compat.CONFIG_MODULES)
     monkeypatch.setitem(sys.modules, "torch._functorch.config", None)  # import fails

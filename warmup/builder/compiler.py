@@ -126,27 +126,16 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
     )
 
 
-#: The folder under the precompiled headers' folder that keeps Inductor's
-#: vector-ISA probes (:func:`_check_vec_isa`); checked by
-#: :func:`warmup.builder.worker.pch_dir`.
-VEC_ISA_DIR = "vec-isa"
-
-
-def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> None:
+def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
     wrapper's), chosen under the recipe's ``options`` (``cpp.vec_isa_ok``).
 
-    Inductor's ISA probes are built once per builder, in ``pch_dir/vec-isa``
-    (:func:`warmup.torch_compat.chosen_vec_isa`; about 2 s of ``g++`` a worker
-    process otherwise): under a portable target their outcome cannot change the
-    ISA, which ``ATEN_CPU_CAPABILITY`` names, and this check refuses any other.
-    ``native`` keeps them in each compile's own folder.
-
-    Where ``pch_dir/vec-isa`` cannot be written (another user's folder in a
-    deliberately shared ``pch_dir``, a read-only one), the probes are built in
-    the compile's scratch folder, as under ``native``, with a warning naming the
-    folder and the fix.
+    Under a portable target the process's first pick is narrowed to the
+    target's ISA (:func:`warmup.torch_compat.chosen_vec_isa`), so Inductor
+    probes no other: their outcome cannot change the pick, and on torch before
+    2.13 each probe is a child process that imports torch. ``native`` keeps
+    Inductor's probes.
 
     Raises:
         CompileError: Inductor chose another ISA.
@@ -154,28 +143,8 @@ def _check_vec_isa(config: EngineConfig, options: dict, pch_dir: str | None) -> 
     target = resolve_cpu_target(config.cpu_target)
     if target.capability is None:
         return
-    probes = None
-    try:
-        if pch_dir is not None:
-            probes = os.path.join(os.path.abspath(pch_dir), VEC_ISA_DIR)
-            os.makedirs(probes, mode=0o700, exist_ok=True)
-        chosen = torch_compat.chosen_vec_isa(options, probes)
-    except OSError as e:
-        if probes is None:
-            raise
-        import logging
-
-        logging.getLogger("kernel_cache").warning(
-            "Inductor's vector-ISA probes cannot be kept in %s (%s: %s): built in this "
-            "compile's scratch folder instead (about 2 s of g++ a worker process); fix: "
-            "make it writable by this user, or remove it (rm -r %s; warmup makes it again)",
-            probes,
-            type(e).__name__,
-            e,
-            probes,
-        )
-        chosen = torch_compat.chosen_vec_isa(options, None)
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
+    chosen = torch_compat.chosen_vec_isa(options, only=want)
     if chosen != want:
         raise CompileError(
             f"cpu_target={target.name}: Inductor chose the {chosen} vector ISA, not {want}; "
@@ -342,7 +311,7 @@ def compile_variant(
     traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = compile_options(config.device, config.cpu_target)
-    _check_vec_isa(config, opts, pch_dir)
+    _check_vec_isa(config, opts)
     window = RunRecorder(kernel_path(config, variant.kernel))
     data, timings = compile_with_options(
         config, variant, opts, launch, window=window, pch_dir=pch_dir, info=info

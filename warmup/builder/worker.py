@@ -245,21 +245,17 @@ def pch_dir(cache_dir: str, allow_shared: bool) -> str:
     """The folder of the compile workers' precompiled headers: ``KERNEL_CACHE_PCH_DIR``,
     else ``<cache_dir>/pch``. A header is code every later compile includes, so
     the folder is checked as the cache directory is (owner, mode, no links:
-    :func:`kernel_cache.trust.permissions.check_cache_dir`), and its ``vec-isa``
-    folder (Inductor's vector-ISA probes, shared objects a probe loads) must be
-    a real folder if it exists, not a link or a file.
+    :func:`kernel_cache.trust.permissions.check_cache_dir`).
 
     Raises:
-        UntrustedCacheError: names the setting, the folder, why and the fix; or
-            ``vec-isa`` is a link or not a folder (names it and the fix).
+        UntrustedCacheError: names the setting, the folder, why and the fix.
         ConfigError: the path, or a folder above it, is a file (names it).
     """
     from pathlib import Path
 
     from kernel_cache.config import settings
     from kernel_cache.errors import ConfigError, UntrustedCacheError
-    from kernel_cache.trust.permissions import check_cache_dir, refuse_link
-    from warmup.builder.compiler import VEC_ISA_DIR
+    from kernel_cache.trust.permissions import check_cache_dir
 
     path = settings.get("pch_dir") or Path(cache_dir) / "pch"
     var = settings.var("pch_dir")
@@ -280,13 +276,6 @@ def pch_dir(cache_dir: str, allow_shared: bool) -> str:
             f"checked as a cache directory is: {e}; or set {var} to a folder only this "
             "user can write"
         ) from None
-    probes = path / VEC_ISA_DIR
-    if probes.is_symlink() or (probes.exists() and not probes.is_dir()):
-        raise refuse_link(
-            "vector-ISA probes folder",
-            probes,
-            "rm {p} (the link only; warmup creates a real folder)",
-        )
     return str(path)
 
 
