@@ -67,6 +67,39 @@ INDEX_MAX = 64
 BUILD_FIELDS = ("created", "compile_seconds", "timings", "signature", "imported_from")
 
 
+#: Tries of a read or a lock takeover whose watched keys change between its
+#: ``WATCH`` and ``EXEC``. redis-py's ``transaction`` tries again without end,
+#: so a writer that rewrites the key in a loop would hold the reader there; a
+#: builder writes an entry once, so even a second try is rare.
+WATCH_TRIES = 5
+
+
+def watched(c, fn, *names: str) -> list:
+    """redis-py's ``c.transaction(fn, *names)`` (``WATCH`` ``names``; ``fn(pipe)``
+    reads, then queues commands after ``pipe.multi()``; ``EXEC``), tried at most
+    :data:`WATCH_TRIES` times; returns ``EXEC``'s replies.
+
+    Raises:
+        redis.exceptions.WatchError: the keys changed during every try (a tier's
+            ``_run`` counts it as the remote failing, with this text: the keys
+            and the count).
+    """
+    from redis.exceptions import WatchError
+
+    with c.pipeline(transaction=True) as pipe:
+        for _ in range(WATCH_TRIES):
+            try:
+                pipe.watch(*names)
+                fn(pipe)
+                return pipe.execute()
+            except WatchError:
+                continue
+    raise WatchError(
+        f"{shown(' '.join(names), 200)} changed between WATCH and EXEC in each of "
+        f"{WATCH_TRIES} tries: another client keeps rewriting it"
+    )
+
+
 #: Lua: the SHA-1 (hex) of an entry hash's ``data`` field, "" when it has none.
 _DATA_SHA1 = (
     "local d = redis.call('HGET', KEYS[1], 'data') "
@@ -99,7 +132,7 @@ def _sha1_of_data_read_bounded(c, name: str, size: int) -> str | None:
         if n == size:
             pipe.hget(name, "data")
 
-    got = c.transaction(measured, name)
+    got = watched(c, measured, name)
     raw = got[0] if got else None
     return None if raw is None else hashlib.sha1(raw).hexdigest()
 
@@ -277,7 +310,7 @@ class RedisTier(RemoteTier):
             pipe.multi()
             pipe.hmget(name, *fields)
 
-        got = self._run("get", lambda c: c.transaction(measured, name))
+        got = self._run("get", lambda c: watched(c, measured, name))
         if over:
             f, n, limit = over[0]
             what = "metadata" if f == "meta" else "artifact"
@@ -468,7 +501,7 @@ class RedisTier(RemoteTier):
                     for k in read:
                         pipe.hget(self._name("entry", k), "meta")
 
-                return c.transaction(measured, *names)
+                return watched(c, measured, *names)
 
             for key, raw in zip(read, self._run("iter_meta", op, []), strict=False):
                 if raw is None:

@@ -6,6 +6,7 @@ compiling a key, so that one builder across the fleet compiles it
 from __future__ import annotations
 
 from kernel_cache.errors import shown
+from kernel_cache.store.redis import watched
 from kernel_cache.store.remote_base import LEASE_MAX_BYTES, LEASE_SLACK_S, BuildLease, RemoteTier
 
 
@@ -82,7 +83,7 @@ class BuildLock(BuildLease):
             pipe.multi()
             pipe.set(self.name, self.token, px=int(self.ttl_s * 1000))
 
-        c.transaction(check, self.name)
+        watched(c, check, self.name)
         if not why:
             return False
         self._note_takeover(why[0])

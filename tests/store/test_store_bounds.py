@@ -763,3 +763,69 @@ def test_where_redis_refuses_scripting_a_put_reads_no_oversized_bytes_back(
     assert sent < 64 << 10, f"{sent} bytes sent back to a put"
     assert c.hget(tier._name("entry", key.hexdigest), "data") == data
     tier.close()
+
+
+def _rewritten_after_each_watch(tier: RedisTier, url: str, name: str) -> list[int]:
+    """Make another client rewrite ``name`` right after every ``WATCH`` the
+    tier's connection sends (the worst timing a writer looping on ``HSET``
+    or ``SET`` can reach): each of the tier's ``EXEC`` then aborts. Returns the
+    list the rewrites are counted in."""
+    import redis
+
+    other = redis.Redis.from_url(url)
+    rewrites: list[int] = []
+    pipeline = tier.client.pipeline
+
+    def rewriting_pipeline(*a, **kw):
+        pipe = pipeline(*a, **kw)
+        watch = pipe.watch
+
+        def watch_then_rewrite(*names):
+            out = watch(*names)
+            if other.type(name) == b"hash":
+                other.hset(name, "x", len(rewrites))
+            else:
+                other.set(name, f"w:{len(rewrites)}")
+            rewrites.append(1)
+            return out
+
+        pipe.watch = watch_then_rewrite
+        return pipe
+
+    tier.client.pipeline = rewriting_pipeline
+    return rewrites
+
+
+@pytest.mark.parametrize("what", ["entry", "planted lock"])
+def test_a_key_rewritten_during_every_watched_read_stops_the_reader_after_a_few_tries(
+    redis_db, tiny_config, what, caplog
+):
+    """A writer that rewrites the key between the reader's ``WATCH`` and
+    ``EXEC`` every time: redis-py's ``transaction`` would try forever. The
+    tier gives up after :data:`~kernel_cache.store.redis.WATCH_TRIES` tries
+    (the server's own count of ``EXEC``), returns a miss (the entry) or
+    unavailable (the lock), and warns once, naming the key."""
+    from kernel_cache.store.redis import UNAVAILABLE, WATCH_TRIES
+
+    tier = _redis(redis_db)
+    _variant, key = _tiny_key(tiny_config)
+    k = key.hexdigest
+    if what == "entry":
+        name = tier._name("entry", k)
+        _redis_entry(tier, k, b"{}", b"code")
+    else:
+        name = tier._name("lock", k)
+        tier.client.set(name, FORGED)  # no expiry: a takeover is tried, under WATCH
+    rewrites = _rewritten_after_each_watch(tier, redis_db, name)
+    tier.client.config_resetstat()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kernel_cache"):
+        if what == "entry":
+            assert tier.get(k) is None
+        else:
+            assert tier.build_lock(k).acquire() == UNAVAILABLE
+    assert time.monotonic() - t0 < 5
+    assert _redis_calls(tier.client).get("exec") == WATCH_TRIES == len(rewrites)
+    lines = [r.getMessage() for r in caplog.records if "WATCH and EXEC" in r.getMessage()]
+    assert len(lines) == 1 and name in lines[0] and f"each of {WATCH_TRIES} tries" in lines[0]
+    tier.close()
