@@ -63,13 +63,14 @@ BUILD_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(_PICK, "builder/compiler.py: the vector ISA Inductor chose", CHECKED),
     PrivateAPI(
         _ISA_LIST,
-        "builder/compiler.py: narrowed to the target's ISA for a process's first pick, "
-        "so that no other ISA is probed",
+        "builder/compiler.py: narrowed to the target's ISA while a compile builds "
+        "the list it picks from, so that no other ISA is probed",
         CHECKED,
     ),
     PrivateAPI(
         _VALID_ISAS,
-        "builder/compiler.py: the ISAs a pick chooses from, kept for the process (functools.cache)",
+        "builder/compiler.py: the ISAs a pick chooses from, kept for the process "
+        "(functools.cache), cleared after the compile",
         CHECKED,
     ),
     PrivateAPI(
@@ -165,53 +166,80 @@ def config_modules() -> dict[str, ModuleType]:
     return out
 
 
-def chosen_vec_isa(options: dict, only: str | None = None) -> str:
+def chosen_vec_isa(options: dict) -> str:
     """The vector ISA Inductor picks (``str`` of ``pick_vec_isa()``:
     ``avx512``, ``avx2``, ``INVALID_VEC_ISA``...) under ``options``'
     ``cpp.vec_isa_ok`` (the other options are ignored).
 
-    Inductor keeps the list of ISAs it picks from for the life of the process
-    (``valid_vec_isa_list``). Building it probes every ISA this CPU lists
-    whose class checks more than ``cpp.vec_isa_ok`` (AVX-512 VNNI and BF16,
-    AMX): a dry compile of a few lines, then a child Python that loads the
-    result. On torch before 2.13 that child imports torch: several seconds of
-    CPU each, in every compile worker (docs/benchmarks/compile.md).
-    ``only``: the ISA the target names (``avx2``; ``INVALID_VEC_ISA`` for
-    none): where the list is not built yet, it is built from that ISA alone,
-    so nothing is probed, and every later pick of the process (the compiles'
-    own) chooses from it. The pick is the same: Inductor takes the ISA
-    ``ATEN_CPU_CAPABILITY`` names from the list, and that ISA's own check is
-    ``cpp.vec_isa_ok``.
-
     Raises:
-        TorchAPIDriftError: ``pick_vec_isa``, ``supported_vec_isa_list`` or a
-            per-process ``valid_vec_isa_list`` is missing.
+        TorchAPIDriftError: ``pick_vec_isa`` is missing.
     """
     pick = _function(_PICK, ())
     patch = {k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}
     with inductor_config().patch(patch):
-        if only is not None:
-            _narrow_first_pick(only)
         return str(pick())
 
 
-def _narrow_first_pick(only: str) -> None:
-    """Build Inductor's per-process ISA list from the ISA named ``only`` alone
-    (see :func:`chosen_vec_isa`); a list built already is left as it is."""
+#: ISAs :func:`vec_isa_narrowed` may narrow a pick to: one whose own check is
+#: ``cpp.vec_isa_ok`` alone and whose name is in no other ISA's name (Inductor
+#: takes the first ISA whose name holds ``ATEN_CPU_CAPABILITY``). Not
+#: ``avx512``: Inductor would pick its VNNI or AMX class where the CPU has them,
+#: and its AVX-512 class probes BF16 even under ``cpp.vec_isa_ok``.
+NARROWABLE_ISAS = ("avx2",)
+
+
+@contextlib.contextmanager
+def vec_isa_narrowed(only: str, options: dict) -> Iterator[None]:
+    """For the block, Inductor's per-process list of vector ISAs
+    (``valid_vec_isa_list``, which every pick of the process reads) holds the
+    ISA named ``only`` alone, built under ``options``' ``cpp.vec_isa_ok``;
+    cleared at the end, so later picks of the process build Inductor's own
+    list. A list built already is used as it is.
+
+    Building Inductor's own list probes every ISA this CPU lists whose check
+    is more than ``cpp.vec_isa_ok`` (AVX-512 VNNI and BF16, AMX): a dry compile
+    of a few lines, then a child Python that loads the result, which on torch
+    before 2.13 imports torch (several seconds of CPU each, in every compile
+    worker: docs/benchmarks/compile.md). For an ISA of
+    :data:`NARROWABLE_ISAS` the pick is the same: Inductor takes the ISA
+    ``ATEN_CPU_CAPABILITY`` names, and that ISA's own check is
+    ``cpp.vec_isa_ok``. Process-wide: a pick of another thread during the
+    block sees the narrowed list too.
+
+    Raises:
+        ValueError: ``only`` is not in :data:`NARROWABLE_ISAS`.
+        TorchAPIDriftError: ``supported_vec_isa_list`` or a per-process
+            ``valid_vec_isa_list`` is missing, or the list is not built from
+            the former.
+    """
+    if only not in NARROWABLE_ISAS:
+        raise ValueError(f"vector ISA {only!r} cannot be narrowed to: only {NARROWABLE_ISAS}")
     valid = _get(_VALID_ISAS)
-    if not callable(getattr(valid, "cache_info", None)):
+    if not callable(getattr(valid, "cache_info", None)) or not callable(
+        getattr(valid, "cache_clear", None)
+    ):
         raise drift(_VALID_ISAS, "is not cached per process (functools.cache)", _BY_NAME)
     if valid.cache_info().currsize:
+        yield
         return
     module = _module(_VALID_ISAS.rpartition(".")[0])
     full = _get(_ISA_LIST)
     if not isinstance(full, list):
         raise drift(_ISA_LIST, f"is a {type(full).__name__}, not a list", _BY_NAME)
-    module.supported_vec_isa_list = [isa for isa in full if str(isa) == only]
+    narrowed = [isa for isa in full if str(isa) == only]
+    patch = {k: v for k, v in options.items() if k == "cpp.vec_isa_ok"}
+    module.supported_vec_isa_list = narrowed
     try:
-        valid()
+        with inductor_config().patch(patch):
+            built = valid()
     finally:
         module.supported_vec_isa_list = full
+    try:
+        if not all(any(isa is n for n in narrowed) for isa in built):
+            raise drift(_VALID_ISAS, "is not built from supported_vec_isa_list", _BY_NAME)
+        yield
+    finally:
+        valid.cache_clear()
 
 
 def aoti_compile_and_package() -> Callable:

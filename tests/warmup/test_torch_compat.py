@@ -5,6 +5,7 @@ one variant's compile error. Nothing is compiled."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -87,24 +88,43 @@ def test_a_missing_vec_isa_picker_is_drift(monkeypatch):
 
 
 def test_a_missing_or_uncached_vec_isa_list_is_drift(monkeypatch):
-    """The pick narrowed to the target's ISA needs Inductor's ISA list and its
-    per-process cache; either missing is drift, named."""
+    """The pick narrowed to the target's ISA needs Inductor's ISA list, its
+    per-process cache, and a list built from it; each missing is drift, named,
+    and leaves Inductor's list as it was."""
     from torch._inductor import cpu_vec_isa
 
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: [])  # no cache
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # as in a process that has not picked yet
+    listed = cpu_vec_isa.supported_vec_isa_list
+    for patch, api, why in (
+        (("valid_vec_isa_list", lambda: []), "valid_vec_isa_list", "is not cached per process"),
+        (("supported_vec_isa_list", None), "supported_vec_isa_list", "is missing"),
+        (("supported_vec_isa_list", ()), "supported_vec_isa_list", "is a tuple, not a list"),
+    ):
+        if patch[1] is None:
+            monkeypatch.delattr(cpu_vec_isa, patch[0])
+        else:
+            monkeypatch.setattr(cpu_vec_isa, *patch)
+        with pytest.raises(TorchAPIDriftError) as e:
+            with torch_compat.vec_isa_narrowed("avx2", {"cpp.vec_isa_ok": True}):
+                raise AssertionError("never entered")
+        assert_drift(e.value, f"torch._inductor.cpu_vec_isa.{api}", why)
+        monkeypatch.undo()
+        assert cpu_vec_isa.supported_vec_isa_list is listed
+    # a list built from elsewhere: the narrowing would do nothing
+    full = functools.cache(lambda: list(listed))
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", full)
     with pytest.raises(TorchAPIDriftError) as e:
-        torch_compat.chosen_vec_isa({}, only="avx2")
+        with torch_compat.vec_isa_narrowed("avx2", {"cpp.vec_isa_ok": True}):
+            raise AssertionError("never entered")
     assert_drift(
         e.value,
         "torch._inductor.cpu_vec_isa.valid_vec_isa_list",
-        "is not cached per process (functools.cache)",
+        "is not built from supported_vec_isa_list",
     )
-    monkeypatch.undo()
-    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
-        monkeypatch.delattr(cpu_vec_isa, "supported_vec_isa_list")
-        with pytest.raises(TorchAPIDriftError) as e:
-            torch_compat.chosen_vec_isa({}, only="avx2")
-        assert_drift(e.value, "torch._inductor.cpu_vec_isa.supported_vec_isa_list")
+    assert full.cache_info().currsize == 0 and cpu_vec_isa.supported_vec_isa_list is listed
+    with pytest.raises(ValueError, match="'avx512' cannot be narrowed to"):
+        with torch_compat.vec_isa_narrowed("avx512", {}):
+            pass
 
 
 def test_a_missing_config_module_is_drift(monkeypatch):

@@ -126,16 +126,24 @@ def module_for(config: EngineConfig, variant: KernelVariant, launch: dict | None
     )
 
 
+def _vec_isa_of_target(config: EngineConfig, options: dict):
+    """A context for one compile: where the target's ISA can be narrowed to
+    (:data:`warmup.torch_compat.NARROWABLE_ISAS`: ``x86-64-v3``'s AVX2),
+    Inductor's picks in the block choose from that ISA alone, so Inductor
+    probes no other (:func:`warmup.torch_compat.vec_isa_narrowed`: their
+    outcome cannot change the pick, and on torch before 2.13 each probe is a
+    child process that imports torch); otherwise (``native``) nothing changes."""
+    target = resolve_cpu_target(config.cpu_target)
+    if target.capability in torch_compat.NARROWABLE_ISAS:
+        return torch_compat.vec_isa_narrowed(target.capability, options)
+    return contextlib.nullcontext()
+
+
 def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     """Inductor's chosen vector ISA must be the target's (it follows
     ``ATEN_CPU_CAPABILITY``, set by :func:`pin_environment`; on CUDA it is the C++
     wrapper's), chosen under the recipe's ``options`` (``cpp.vec_isa_ok``).
-
-    Under a portable target the process's first pick is narrowed to the
-    target's ISA (:func:`warmup.torch_compat.chosen_vec_isa`), so Inductor
-    probes no other: their outcome cannot change the pick, and on torch before
-    2.13 each probe is a child process that imports torch. ``native`` keeps
-    Inductor's probes.
+    ``native`` is not checked.
 
     Raises:
         CompileError: Inductor chose another ISA.
@@ -144,7 +152,7 @@ def _check_vec_isa(config: EngineConfig, options: dict) -> None:
     if target.capability is None:
         return
     want = "INVALID_VEC_ISA" if target.capability == "default" else target.capability
-    chosen = torch_compat.chosen_vec_isa(options, only=want)
+    chosen = torch_compat.chosen_vec_isa(options)
     if chosen != want:
         raise CompileError(
             f"cpu_target={target.name}: Inductor chose the {chosen} vector ISA, not {want}; "
@@ -311,11 +319,12 @@ def compile_variant(
     traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     opts = compile_options(config.device, config.cpu_target)
-    _check_vec_isa(config, opts)
     window = RunRecorder(kernel_path(config, variant.kernel))
-    data, timings = compile_with_options(
-        config, variant, opts, launch, window=window, pch_dir=pch_dir, info=info
-    )
+    with _vec_isa_of_target(config, opts):
+        _check_vec_isa(config, opts)
+        data, timings = compile_with_options(
+            config, variant, opts, launch, window=window, pch_dir=pch_dir, info=info
+        )
     manifest = window.manifest()  # refuses traced code from stale bytecode
     stale = traced_files.stale_loaded_modules()
     if stale:
