@@ -74,15 +74,24 @@ BUILD_FIELDS = ("created", "compile_seconds", "timings", "signature", "imported_
 WATCH_TRIES = 5
 
 
+class ContestedKeyError(Exception):
+    """The keys a :func:`watched` transaction read changed before its ``EXEC``
+    in each of :data:`WATCH_TRIES` tries. About those keys alone: the tier is
+    not failing (a writer could otherwise switch the tier off fleet-wide by
+    rewriting one key), so it is not a Redis error and ``_run`` passes it on."""
+
+
 def watched(c, fn, *names: str) -> list:
     """redis-py's ``c.transaction(fn, *names)`` (``WATCH`` ``names``; ``fn(pipe)``
     reads, then queues commands after ``pipe.multi()``; ``EXEC``), tried at most
-    :data:`WATCH_TRIES` times; returns ``EXEC``'s replies.
+    :data:`WATCH_TRIES` times; returns ``EXEC``'s replies. Only an aborted
+    ``EXEC`` is tried again: a connection that fails or times out while
+    watching (redis-py's ``WatchError`` raised from that error) is raised at
+    once, as the tier's failure.
 
     Raises:
-        redis.exceptions.WatchError: the keys changed during every try (a tier's
-            ``_run`` counts it as the remote failing, with this text: the keys
-            and the count).
+        ContestedKeyError: the keys changed during every try (the message names
+            them, escaped, and the count).
     """
     from redis.exceptions import WatchError
 
@@ -92,9 +101,10 @@ def watched(c, fn, *names: str) -> list:
                 pipe.watch(*names)
                 fn(pipe)
                 return pipe.execute()
-            except WatchError:
-                continue
-    raise WatchError(
+            except WatchError as e:
+                if e.__context__ is not None:  # the connection, not a writer
+                    raise
+    raise ContestedKeyError(
         f"{shown(' '.join(names), 200)} changed between WATCH and EXEC in each of "
         f"{WATCH_TRIES} tries: another client keeps rewriting it"
     )
@@ -132,7 +142,10 @@ def _sha1_of_data_read_bounded(c, name: str, size: int) -> str | None:
         if n == size:
             pipe.hget(name, "data")
 
-    got = watched(c, measured, name)
+    try:
+        got = watched(c, measured, name)
+    except ContestedKeyError:  # not known to hold them: the put writes them again
+        return None
     raw = got[0] if got else None
     return None if raw is None else hashlib.sha1(raw).hexdigest()
 
@@ -310,7 +323,10 @@ class RedisTier(RemoteTier):
             pipe.multi()
             pipe.hmget(name, *fields)
 
-        got = self._run("get", lambda c: watched(c, measured, name))
+        try:
+            got = self._run("get", lambda c: watched(c, measured, name))
+        except ContestedKeyError as e:
+            raise CorruptEntryError(key, f"not read: {e}", self.location) from None
         if over:
             f, n, limit = over[0]
             what = "metadata" if f == "meta" else "artifact"
@@ -478,7 +494,13 @@ class RedisTier(RemoteTier):
         pat = self._name("entry", "*")
         cut = len(self._name("entry", ""))
         names = self._run("scan", lambda c: list(c.scan_iter(match=pat, count=500)), [])
-        return sorted(n.decode()[cut:] if isinstance(n, bytes) else n[cut:] for n in names)
+        out = []
+        for n in names:
+            try:
+                out.append((n.decode() if isinstance(n, bytes) else n)[cut:])
+            except UnicodeDecodeError:  # a writer's name no key has: not an entry
+                continue
+        return sorted(out)
 
     def iter_meta(self) -> Iterator[dict]:
         """Every entry's metadata, fetched 500 records per round trip, each
@@ -503,7 +525,12 @@ class RedisTier(RemoteTier):
 
                 return watched(c, measured, *names)
 
-            for key, raw in zip(read, self._run("iter_meta", op, []), strict=False):
+            try:
+                raws = self._run("iter_meta", op, [])
+            except ContestedKeyError as e:  # these 500 are left out, not the tier
+                log.warning("%s: %d entries not listed: %s", self.location, len(batch), e)
+                continue
+            for key, raw in zip(read, raws, strict=False):
                 if raw is None:
                     continue
                 try:

@@ -5,9 +5,13 @@ compiling a key, so that one builder across the fleet compiles it
 
 from __future__ import annotations
 
+import logging
+
 from kernel_cache.errors import shown
-from kernel_cache.store.redis import watched
+from kernel_cache.store.redis import ContestedKeyError, watched
 from kernel_cache.store.remote_base import LEASE_MAX_BYTES, LEASE_SLACK_S, BuildLease, RemoteTier
+
+log = logging.getLogger("kernel_cache")
 
 
 class BuildLock(BuildLease):
@@ -52,11 +56,13 @@ class BuildLock(BuildLease):
         self._held = bool(got)
         return got
 
-    def _take_over(self, c) -> bool:
+    def _take_over(self, c) -> bool | None:
         """Take the lock over if it names no live holder (a writer planted it):
         not a string, longer than :data:`LEASE_MAX_BYTES`, no expiry, or an
         expiry further than TTL + :data:`LEASE_SLACK_S` away. Checked and set
-        under ``WATCH``, so a holder that takes it meanwhile keeps it. True taken."""
+        under ``WATCH``, so a holder that takes it meanwhile keeps it. True taken;
+        None when the lock changed during every try (the builder goes on
+        without it, as without Redis, and a warning says so once)."""
         limit_ms = (self.ttl_s + LEASE_SLACK_S) * 1000
         why: list[str] = []
 
@@ -83,12 +89,21 @@ class BuildLock(BuildLease):
             pipe.multi()
             pipe.set(self.name, self.token, px=int(self.ttl_s * 1000))
 
-        watched(c, check, self.name)
+        try:
+            watched(c, check, self.name)
+        except ContestedKeyError as e:  # this lock alone: build without it, as if Redis were down
+            self._note_contested(e)
+            return None
         if not why:
             return False
         self._note_takeover(why[0])
         self._redis_lock(c).local.token = self.token.encode()
         return True
+
+    def _note_contested(self, e: Exception) -> None:
+        if not self._noted:
+            self._noted = True
+            log.warning("%s for %s: %s; building without it", self.WHAT, self.key[:16], e)
 
     def _published(self) -> bool | None:
         entry = self.tier._name("entry", self.key)

@@ -765,35 +765,39 @@ def test_where_redis_refuses_scripting_a_put_reads_no_oversized_bytes_back(
     tier.close()
 
 
-def _rewritten_after_each_watch(tier: RedisTier, url: str, name: str) -> list[int]:
-    """Make another client rewrite ``name`` right after every ``WATCH`` the
-    tier's connection sends (the worst timing a writer looping on ``HSET``
-    or ``SET`` can reach): each of the tier's ``EXEC`` then aborts. Returns the
-    list the rewrites are counted in."""
+def _after_each_watch(tier: RedisTier, url: str, name: str, act: str) -> list[int]:
+    """Make another client act right after every ``WATCH`` the tier's
+    connection sends: ``rewrite`` ``name`` (the worst timing a writer looping
+    on ``HSET`` or ``SET`` can reach: each of the tier's ``EXEC`` then
+    aborts), or ``pause`` the server for 1.5 s (``CLIENT PAUSE``: the tier's
+    next command times out while it watches). Returns the list the actions are
+    counted in."""
     import redis
 
     other = redis.Redis.from_url(url)
-    rewrites: list[int] = []
+    done: list[int] = []
     pipeline = tier.client.pipeline
 
-    def rewriting_pipeline(*a, **kw):
+    def acting_pipeline(*a, **kw):
         pipe = pipeline(*a, **kw)
         watch = pipe.watch
 
-        def watch_then_rewrite(*names):
+        def watch_then_act(*names):
             out = watch(*names)
-            if other.type(name) == b"hash":
-                other.hset(name, "x", len(rewrites))
+            if act == "pause":
+                other.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+            elif other.type(name) == b"hash":
+                other.hset(name, "x", len(done))
             else:
-                other.set(name, f"w:{len(rewrites)}")
-            rewrites.append(1)
+                other.set(name, f"w:{len(done)}")
+            done.append(1)
             return out
 
-        pipe.watch = watch_then_rewrite
+        pipe.watch = watch_then_act
         return pipe
 
-    tier.client.pipeline = rewriting_pipeline
-    return rewrites
+    tier.client.pipeline = acting_pipeline
+    return done
 
 
 @pytest.mark.parametrize("what", ["entry", "planted lock"])
@@ -803,29 +807,65 @@ def test_a_key_rewritten_during_every_watched_read_stops_the_reader_after_a_few_
     """A writer that rewrites the key between the reader's ``WATCH`` and
     ``EXEC`` every time: redis-py's ``transaction`` would try forever. The
     tier gives up after :data:`~kernel_cache.store.redis.WATCH_TRIES` tries
-    (the server's own count of ``EXEC``), returns a miss (the entry) or
-    unavailable (the lock), and warns once, naming the key."""
+    (the server's own count of ``EXEC``) for that key alone: the entry is
+    refused, named (a lookup takes it as a miss); the lock is built without,
+    with one warning; the tier is not down, and other keys are read."""
     from kernel_cache.store.redis import UNAVAILABLE, WATCH_TRIES
 
     tier = _redis(redis_db)
     _variant, key = _tiny_key(tiny_config)
     k = key.hexdigest
+    _redis_entry(tier, _key(7), b"{}", b"other")
     if what == "entry":
         name = tier._name("entry", k)
         _redis_entry(tier, k, b"{}", b"code")
     else:
         name = tier._name("lock", k)
         tier.client.set(name, FORGED)  # no expiry: a takeover is tried, under WATCH
-    rewrites = _rewritten_after_each_watch(tier, redis_db, name)
+    done = _after_each_watch(tier, redis_db, name, "rewrite")
     tier.client.config_resetstat()
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         if what == "entry":
-            assert tier.get(k) is None
+            with pytest.raises(CorruptEntryError) as e:
+                tier.get(k)
+            said = str(e.value)
         else:
             assert tier.build_lock(k).acquire() == UNAVAILABLE
+            (said,) = [r.getMessage() for r in caplog.records if "WATCH" in r.getMessage()]
+            assert said.endswith("building without it") and "\x1b" not in said
     assert time.monotonic() - t0 < 5
-    assert _redis_calls(tier.client).get("exec") == WATCH_TRIES == len(rewrites)
-    lines = [r.getMessage() for r in caplog.records if "WATCH and EXEC" in r.getMessage()]
-    assert len(lines) == 1 and name in lines[0] and f"each of {WATCH_TRIES} tries" in lines[0]
+    assert _redis_calls(tier.client).get("exec") == WATCH_TRIES == len(done)
+    assert name in said and f"each of {WATCH_TRIES} tries" in said, said
+    assert not tier.is_down() and tier.error is None
+    tier.client.pipeline = type(tier.client).pipeline.__get__(tier.client)
+    assert tier._read(_key(7), "data") == [b"other"]  # another key, read as before
+    tier.close()
+
+
+def test_a_server_that_stalls_while_a_read_watches_is_a_failure_at_once(redis_db, tiny_config):
+    """A ``WATCH`` whose next command times out (the server paused) is the
+    tier failing, not a contested key: one timeout, no second try, the tier
+    down and saying why."""
+    tier = RedisTier(RedisSettings(url=redis_db, timeout_s=0.4))
+    _variant, key = _tiny_key(tiny_config)
+    k = key.hexdigest
+    _redis_entry(tier, k, b"{}", b"code")
+    done = _after_each_watch(tier, redis_db, tier._name("entry", k), "pause")
+    t0 = time.monotonic()
+    assert tier.get(k) is None
+    assert time.monotonic() - t0 < 1.4 and len(done) == 1
+    assert tier.is_down() and "TimeoutError occurred while watching" in tier.error, tier.error
+    time.sleep(1.6)  # the pause ends
+    tier.close()
+
+
+def test_a_redis_key_name_that_is_not_text_is_not_listed(redis_db):
+    """A writer's hash named by bytes no entry key has (not UTF-8): ``keys``
+    and ``iter_meta`` leave it out instead of raising."""
+    tier = _redis(redis_db)
+    _redis_entry(tier, _key(1), b"{}", b"x")
+    tier.client.hset(tier._name("entry", "").encode() + b"\xff\xfe", "meta", b"{}")
+    assert tier.keys() == [_key(1)]
+    assert list(tier.iter_meta()) == []  # the one record, "{}", is not a valid record
     tier.close()
