@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from kernel_cache.errors import shown
-from kernel_cache.store.redis import ContestedKeyError, watched
+from kernel_cache.store.redis_watch import ContestedKeyError, watched
 from kernel_cache.store.remote_base import LEASE_MAX_BYTES, LEASE_SLACK_S, BuildLease, RemoteTier
 
 log = logging.getLogger("kernel_cache")

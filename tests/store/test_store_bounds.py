@@ -806,11 +806,12 @@ def test_a_key_rewritten_during_every_watched_read_stops_the_reader_after_a_few_
 ):
     """A writer that rewrites the key between the reader's ``WATCH`` and
     ``EXEC`` every time: redis-py's ``transaction`` would try forever. The
-    tier gives up after :data:`~kernel_cache.store.redis.WATCH_TRIES` tries
+    tier gives up after :data:`~kernel_cache.store.redis_watch.WATCH_TRIES` tries
     (the server's own count of ``EXEC``) for that key alone: the entry is
     refused, named (a lookup takes it as a miss); the lock is built without,
     with one warning; the tier is not down, and other keys are read."""
-    from kernel_cache.store.redis import UNAVAILABLE, WATCH_TRIES
+    from kernel_cache.store.redis import UNAVAILABLE
+    from kernel_cache.store.redis_watch import WATCH_TRIES
 
     tier = _redis(redis_db)
     _variant, key = _tiny_key(tiny_config)
