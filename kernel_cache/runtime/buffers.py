@@ -59,8 +59,12 @@ def mapped_pinned_reads(device) -> bool:
     """Whether kernels on ``device`` read page-locked host memory through its
     host address (checked once per process and device: a kernel reads values
     written on the host after the tensor was made; it synchronizes). False
-    where that fails: dispatch then copies the lengths to the device per call."""
+    where that fails, and on any device but CUDA (not probed there: pinned
+    memory would start a CUDA context): dispatch then copies the lengths to the
+    device per call."""
     key = str(device)
+    if torch.device(device).type != "cuda":
+        return False
     if key not in _mapped_ok:
         try:
             host = torch.zeros(8, dtype=torch.int32, pin_memory=True)

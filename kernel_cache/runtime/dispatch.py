@@ -185,11 +185,7 @@ class AttentionRuntime(InputChecks):
                     f"variant {v} is not loaded; warm it up: kernel-cache warmup "
                     f"{config_to_cli(self.config)}"
                 )
-            mapped = (
-                self.map_pinned_lengths
-                and self._device.type == "cuda"
-                and mapped_pinned_reads(self._device)
-            )
+            mapped = self.map_pinned_lengths and mapped_pinned_reads(self._device)
             slot = self._slots[key] = VariantSlot(
                 v, r, self.config, self._dtype, self._device, mapped
             )
