@@ -72,13 +72,16 @@ BASE_OPTIONS: dict = {
 #: compiler maps each to its name (``-ffile-prefix-map``) and the package's
 #: C++ comments are rewritten with them (``warmup.builder.compiler``), so no
 #: builder path (scratch, temp, home, the venv or the Python install) is in
-#: the bytes and two builders of one key write identical packages.
+#: the bytes and two builders of one key write identical packages. ``cxx``
+#: replaces the compiler (the first word of the compile and link commands in
+#: those comments) alone: the key names the compiler by identity, not path.
 BUILD_PATH_NAMES: dict[str, str] = {
     "build": "/kernel-cache/build",
     "torch": "/kernel-cache/torch",
     "python_include": "/kernel-cache/python/include",
     "python_lib": "/kernel-cache/python/lib",
     "pch": "/kernel-cache/pch",
+    "cxx": "/kernel-cache/cxx",
 }
 
 #: The thread count Inductor's CPU code generation assumes when it decides how

@@ -2,9 +2,10 @@
 
 Two cold warmups of the tiny plan (one variant of each kernel) run as separate
 processes with every builder-specific path different (HOME, cwd, TMPDIR,
-TORCHINDUCTOR_CACHE_DIR, the cache directory and, as root, the user) and each
-its own PYTHONHASHSEED: each key's package bytes must be identical, and no
-builder path may appear in any package member (decompressed).
+TORCHINDUCTOR_CACHE_DIR, the cache directory, the C++ compiler's path and, as
+root, the user) and each its own PYTHONHASHSEED: each key's package bytes must
+be identical, and no builder path may appear in any package member
+(decompressed).
 Then the two builders alternate warmups against one Redis: only the first
 uploads; Redis's own command counters (``INFO commandstats``) show no write
 after it. Finally ``verify --rebuild`` rebuilds a stored entry and finds it
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kernel_cache.plan.keys import cxx_executable
 from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import HOOKS_DIR, ROOT, tiny_args
@@ -56,13 +58,24 @@ def warmup_as(builder: dict, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def make_builder(root: Path, name: str, user_kwargs: dict, user_env: dict, model: Path) -> dict:
+def make_builder(
+    root: Path, name: str, user_kwargs: dict, user_env: dict, model: Path, cxx_elsewhere=False
+) -> dict:
+    """``cxx_elsewhere``: ``CXX`` is a script at a path of this builder's that
+    runs the compiler this process would (the same compiler, so the same keys)."""
     base = root / name
-    dirs = {d: base / d for d in ("home", "cwd", "tmp", "inductor", "cache-parent")}
+    dirs = {d: base / d for d in ("home", "cwd", "tmp", "inductor", "cache-parent", "bin")}
     for d in dirs.values():
         d.mkdir(parents=True)
         if user_kwargs:
             os.chown(d, user_kwargs["user"], user_kwargs["group"])
+    if cxx_elsewhere:
+        real = cxx_executable()
+        assert real, "these tests need a C++ compiler"
+        cxx = dirs["bin"] / Path(real).name  # the same name: Inductor picks its flags by it
+        cxx.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+        cxx.chmod(0o755)
+        user_env = {**user_env, "CXX": str(cxx)}
     env = {
         **os.environ,
         **user_env,
@@ -113,13 +126,19 @@ def entries_of(cache: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def builders(tiny_model):
     """Two builders (A: this user; B: uid 65534 as root, else another user
-    name) of the tiny plan, each warmed cold once."""
+    name, and its ``CXX`` at its own path) of the tiny plan, each warmed cold
+    once."""
     user_kwargs, user_env = other_user_kwargs()
     with world_readable_dir() as root:
         # Each its own string-hash seed too: the recipe pins the compile workers'.
         a = make_builder(root, "builder-a", {}, {"PYTHONHASHSEED": "1"}, tiny_model)
         b = make_builder(
-            root, "builder-b", user_kwargs, {**user_env, "PYTHONHASHSEED": "2"}, tiny_model
+            root,
+            "builder-b",
+            user_kwargs,
+            {**user_env, "PYTHONHASHSEED": "2"},
+            tiny_model,
+            cxx_elsewhere=True,
         )
         for x in (a, b):
             x["report"] = warmup_as(x)

@@ -134,33 +134,49 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
 #: builders of one key.
 _PCH_NAME = BUILD_PATH_NAMES["pch"].encode() + b"/header.h"
 
+#: A compile or link command Inductor appends as a comment
+#: (``// <compiler> <args> -o <out>``): group 2 is the compiler as it was run.
+_COMMAND = re.compile(rb"^(\s*//\s*)(\S+)(?=.* -o )")
+
 
 def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
     """``text`` (C++ source) with each path of ``pairs`` replaced by its name
     in comment lines (``//``: the compile and link commands Inductor appends,
-    the kernel file's first line), and a precompiled header's hashed file name
+    the kernel file's first line), the compiler that starts a command by
+    ``BUILD_PATH_NAMES["cxx"]``, and a precompiled header's hashed file name
     by :data:`_PCH_NAME`; code lines are left as they are."""
     longest_first = [(p.encode(), n.encode()) for p, n in reversed(pairs)]
     pch = re.compile(re.escape(BUILD_PATH_NAMES["pch"].encode()) + rb"/\w+\.h\b")
+    cxx = BUILD_PATH_NAMES["cxx"].encode()
     lines = text.split(b"\n")
     for i, line in enumerate(lines):
         if line.lstrip().startswith(b"//"):
+            line = _COMMAND.sub(lambda m: m[1] + cxx, line, count=1)
             for p, n in longest_first:
                 line = line.replace(p, n)
             lines[i] = pch.sub(_PCH_NAME, line)
     return b"\n".join(lines)
 
 
+def _compiler_paths(text: bytes) -> set[bytes]:
+    """The compilers that start the commands in ``text``'s comments, where
+    named by a path (a bare ``g++`` found on PATH names no builder's path)."""
+    found = (_COMMAND.match(line) for line in text.split(b"\n"))
+    return {m[2] for m in found if m and b"/" in m[2]}
+
+
 def normalize_package(data: bytes, pairs: list[tuple[str, str]]) -> bytes:
     """The ``.pt2`` package ``data`` rewritten so that two builds of one key
-    give the same bytes: the builder paths of ``pairs`` in the C++ sources'
-    comments replaced by their fixed names, the random serialization id
-    replaced by a digest of every other member (names and bytes), the members
-    in torch's order with :data:`ZIP_DATE`, stored, data aligned to
-    :data:`ZIP_ALIGN` bytes as torch aligns it.
+    give the same bytes: the builder paths of ``pairs`` and the compiler's
+    path in the C++ sources' comments replaced by their fixed names
+    (:data:`kernel_cache.config.recipe.BUILD_PATH_NAMES`), the random
+    serialization id replaced by a digest of every other member (names and
+    bytes), the members in torch's order with :data:`ZIP_DATE`, stored, data
+    aligned to :data:`ZIP_ALIGN` bytes as torch aligns it.
 
-    Logs a warning naming the members that still hold a builder path (the
-    package is then correct but not reproducible across builders).
+    Logs a warning naming the members that still hold a builder path, the
+    compiler's included (the package is then correct but not reproducible
+    across builders).
     """
     import hashlib
     import io
@@ -170,6 +186,8 @@ def normalize_package(data: bytes, pairs: list[tuple[str, str]]) -> bytes:
 
     with zipfile.ZipFile(io.BytesIO(data)) as src:
         members = [(i.filename, src.read(i)) for i in src.infolist()]
+    paths = {p.encode() for p, _ in pairs}
+    paths |= {c for n, b in members if n.endswith(".cpp") for c in _compiler_paths(b)}
     members = [(n, _map_comments(b, pairs) if n.endswith(".cpp") else b) for n, b in members]
     digest = hashlib.sha256()
     for name, body in members:
@@ -177,7 +195,7 @@ def normalize_package(data: bytes, pairs: list[tuple[str, str]]) -> bytes:
             digest.update(name.encode() + b"\0" + hashlib.sha256(body).digest())
     ident = f"{int(digest.hexdigest(), 16) % 10**40:040d}".encode()
     members = [(n, ident if n.endswith(SERIALIZATION_ID) else b) for n, b in members]
-    leaks = [n for n, b in members if any(p.encode() in b for p, _ in pairs)]
+    leaks = [n for n, b in members if any(p in b for p in paths)]
     if leaks:
         logging.getLogger("kernel_cache").warning(
             "the package still holds a builder path in %s: it is correct, but another "
