@@ -148,6 +148,8 @@ RemoteUrl = Annotated[str | None, AfterValidator(lambda v: v if v is None else c
 
 #: The most compile workers ``KERNEL_CACHE_JOBS`` and ``--jobs`` accept.
 JOBS_MAX = 1024
+#: The largest ``KERNEL_CACHE_REMOTE_LIST_MAX``: a listing's keys are held in memory.
+LIST_MAX_MAX = 100_000_000
 
 
 class SettingsFields(BaseModel):
@@ -339,6 +341,17 @@ class SettingsFields(BaseModel):
     s3_lock_wait: float = _f(
         900.0, "longest wait for a live S3 build-lease holder before compiling anyway",
         type="float", unit="s", expected=_SECONDS_POS, example="900", gt=0, **_SECONDS,
+    )  # fmt: skip
+    # -- both shared tiers ----------------------------------------------------------------
+    remote_list_max: int = _f(
+        100_000, "most entries a listing of a shared tier (Redis, object store, shared "
+        "directory) takes, for explain's nearest entries: past it the listing stops with an "
+        "error naming this variable. It bounds the listing's requests: Redis SCAN calls "
+        "(COUNT 1000) walk at most twice this many keys of the database; an object store's "
+        "LIST pages (1000 names) or a directory's names stop after this many, names that "
+        "are not entry keys included",
+        type="int", unit="entries", expected=f"an integer >= 1 and <= {LIST_MAX_MAX}",
+        example="500000", ge=1, le=LIST_MAX_MAX,
     )  # fmt: skip
 
 

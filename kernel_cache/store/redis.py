@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from typing import ClassVar, Literal
 
@@ -61,6 +62,8 @@ log = logging.getLogger("kernel_cache")
 ENV_REDIS_URL = env_settings.var("redis_url")
 #: members of an index set read on a miss (as the S3 tier's ``INDEX_MAX``)
 INDEX_MAX = 64
+#: an entry key
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 #: Fields of an entry's record that describe one build, not its bytes or what
@@ -73,6 +76,24 @@ _DATA_SHA1 = (
     "local d = redis.call('HGET', KEYS[1], 'data') "
     "if not d then return '' end return redis.sha1hex(d)"
 )
+
+#: Keys of the database one ``SCAN`` call of :meth:`RedisTier.keys` walks (its
+#: ``COUNT``): about 90 KiB of entry names a reply at most.
+SCAN_COUNT = 1000
+
+
+def scan_calls_max(list_max: int) -> int:
+    """The most ``SCAN`` calls a listing of at most ``list_max`` entries makes:
+    enough to walk a database of twice that many keys (``SCAN`` walks every key
+    of the database, the cache's index sets and locks and any other
+    application's too), :data:`SCAN_COUNT` a call, and one more."""
+    return 2 * -(-list_max // SCAN_COUNT) + 1
+
+
+def _glob_escaped(text: str) -> str:
+    """``text`` as a Redis glob pattern (``MATCH``) that matches it literally."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
 
 #: The longest index-set member :meth:`RedisTier.metas_by` takes (an entry
 #: key is 64 hex characters): a longer one names no entry and is never sent.
@@ -149,8 +170,9 @@ class RedisSettings(RemoteSettings):
     renewed every third of it while compiling: a dead builder's variant is
     taken over at most that long after it died); ``lock_wait_s`` (longest wait
     for a live holder before compiling anyway); ``retry_s`` (how long a failed
-    Redis is left alone before the next try, default 30); ``prefix`` (of every
-    Redis key, default ``kernel_cache:``).
+    Redis is left alone before the next try, default 30); ``list_max`` (the
+    most entries :meth:`RedisTier.keys` takes, which bounds its ``SCAN`` calls);
+    ``prefix`` (of every Redis key, default ``kernel_cache:``).
     """
 
     VARIABLES: ClassVar[dict[str, str]] = {
@@ -160,6 +182,7 @@ class RedisSettings(RemoteSettings):
         "lock_ttl_s": "redis_lock_ttl",
         "lock_wait_s": "redis_lock_wait",
         "max_object_bytes": "redis_max_object",
+        "list_max": "remote_list_max",
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "url": "--redis-url",
@@ -448,16 +471,52 @@ class RedisTier(RemoteTier):
             return []
 
     def keys(self) -> list[str]:
-        """Every entry key held (``SCAN``, so Redis is never blocked)."""
-        pat = self._name("entry", "*")
+        """Every entry key held, sorted: ``SCAN`` with a ``MATCH`` pattern of the
+        prefix and 64 characters of ``[0-9a-f]``, so names that are not entry
+        keys (a writer's, of any length) are left in Redis, never sent. At most
+        ``list_max`` entries and :func:`scan_calls_max` ``SCAN`` calls of
+        :data:`SCAN_COUNT` keys; ``[]`` when Redis failed (fail-open).
+
+        Raises:
+            ListingLimitError: more entries than ``list_max``, or a database
+                too large to walk in the calls allowed (names both, the bound
+                ``KERNEL_CACHE_REMOTE_LIST_MAX`` and the fix).
+        """
+        pattern = _glob_escaped(self._name("entry", "")) + "[0-9a-f]" * 64
         cut = len(self._name("entry", ""))
-        names = self._run("scan", lambda c: list(c.scan_iter(match=pat, count=500)), [])
+        limit = self.settings.list_max
+        calls = scan_calls_max(limit)
+
+        def op(c):
+            found: set[bytes | str] = set()
+            cursor, made = 0, 0
+            while True:
+                if made == calls:
+                    raise self.listing_limit(
+                        f"its database did not fit in {calls} SCAN calls of {SCAN_COUNT} keys "
+                        f"({len(found)} entries found in them; SCAN walks every key of the "
+                        "database, the cache's and any other's)",
+                        "keep the cache in a Redis database of its own",
+                    )
+                cursor, names = c.scan(cursor, match=pattern, count=SCAN_COUNT)
+                made += 1
+                found.update(names)
+                if len(found) > limit:
+                    raise self.listing_limit(
+                        f"it holds more than {limit} entries",
+                        f"let old entries expire ({env_settings.var('redis_ttl')})",
+                    )
+                if not cursor:
+                    return found
+
         out = []
-        for n in names:
+        for n in self._run("scan", op, ()):
             try:
-                out.append((n.decode() if isinstance(n, bytes) else n)[cut:])
-            except UnicodeDecodeError:  # a writer's name no key has: not an entry
+                name = (n.decode() if isinstance(n, bytes) else n)[cut:]
+            except UnicodeDecodeError:  # the pattern leaves none: a proxy's or a bug's
                 continue
+            if _HEX64.fullmatch(name):
+                out.append(name)
         return sorted(out)
 
     def iter_meta(self) -> Iterator[dict]:

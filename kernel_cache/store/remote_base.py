@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Mapping
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, KernelCacheError, shown
@@ -64,13 +64,22 @@ class RemoteUnavailableError(KernelCacheError):
     it to work (``kernel-cache verify --redis-url``)."""
 
 
+class ListingLimitError(KernelCacheError):
+    """A listing of a shared tier's entries (``keys``, ``iter_meta``: what
+    ``explain`` names the nearest entries from) went past the bound of
+    ``KERNEL_CACHE_REMOTE_LIST_MAX`` and stopped there, rather than return part
+    of the entries as all of them. Names the store, what was past the bound,
+    the bound and the fix. Never a failure of the store: the tier stays up."""
+
+
 class RemoteSettings(BaseModel):
     """The fields both remotes have (seconds): ``url``, ``timeout_s`` (of every
     call), ``lock_ttl_s`` (lease expiry, renewed every third of it while
     compiling), ``lock_wait_s`` (longest wait for a live holder before
     compiling anyway), ``retry_s`` (how long a failed remote is left alone,
-    default 30). A subclass sets the defaults from the settings model and
-    :attr:`VARIABLES`."""
+    default 30), ``list_max`` (the most entries a listing takes, which bounds
+    its requests: ``KERNEL_CACHE_REMOTE_LIST_MAX``, default 100,000). A
+    subclass sets the defaults from the settings model and :attr:`VARIABLES`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -84,6 +93,10 @@ class RemoteSettings(BaseModel):
 
     url: str
     retry_s: float = 30.0
+    #: the most entries a listing takes (it bounds the listing's requests)
+    list_max: int = Field(
+        env_settings.default("remote_list_max"), ge=1, le=env_settings.LIST_MAX_MAX
+    )
 
     @field_validator("timeout_s", "lock_ttl_s", "lock_wait_s", "retry_s", check_fields=False)
     @classmethod
@@ -192,6 +205,18 @@ class RemoteTier(Tier):
                 text,
                 self.settings.retry_s,
             )
+
+    def listing_limit(self, past: str, fix: str) -> ListingLimitError:
+        """The error of a listing stopped at ``list_max``: ``past`` says what
+        went over it (with the counts so far), ``fix`` what to do besides
+        raising the bound."""
+        name = env_settings.var("remote_list_max")
+        limit = self.settings.list_max
+        return ListingLimitError(
+            f"{self.LABEL} at {self.location}: {past}, over what {name}={limit} allows; "
+            f"the listing stopped there and none of it is used; fix: raise {name} "
+            f"(e.g. {name}={min(limit * 10, env_settings.LIST_MAX_MAX)}), or {fix}"
+        )
 
     def is_down(self) -> bool:
         return time.monotonic() < self._down_until

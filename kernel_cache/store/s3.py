@@ -24,8 +24,10 @@ streamed and refused from its first bytes unless its record accounts for it
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import ClassVar, Literal
@@ -47,7 +49,6 @@ from kernel_cache.store.s3_objects import (
     ObjectTooLargeError,
     pack,
     split_entry,
-    walk_dir,
 )
 
 log = logging.getLogger("kernel_cache")
@@ -62,7 +63,9 @@ class S3Settings(RemoteSettings):
     call); ``lock_ttl_s`` (lease expiry, renewed every third of it while
     compiling); ``lock_wait_s`` (longest wait for a live holder); ``retry_s``
     (how long a failed store is left alone, default 30); ``max_object_bytes``
-    (the largest object read: a larger one is refused from its size header).
+    (the largest object read: a larger one is refused from its size header);
+    ``list_max`` (the most names :meth:`S3Tier.keys` takes, which bounds its
+    LIST requests).
     """
 
     VARIABLES: ClassVar[dict[str, str]] = {
@@ -71,6 +74,7 @@ class S3Settings(RemoteSettings):
         "lock_ttl_s": "s3_lock_ttl",
         "lock_wait_s": "s3_lock_wait",
         "max_object_bytes": "s3_max_object",
+        "list_max": "remote_list_max",
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "url": "--remote-url",
@@ -139,6 +143,44 @@ class S3Settings(RemoteSettings):
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: the path of an entry object under the tier's prefix
+_ENTRY_PATH = re.compile(r"entries/([0-9a-f]{64})")
+#: names an object store's LIST page holds (S3's, GCS's most)
+LIST_PAGE = 1000
+
+
+def _entry_names(directory: str, limit: int, past) -> list[str]:
+    """The entry keys in the ``entries`` folder of a ``file://`` directory: its
+    names of 64 characters of ``[0-9a-f]`` that are no folder (a link is an
+    object itself: not followed, as :func:`~kernel_cache.store.s3_objects.walk_dir`
+    does). Neither the folder nor a link in its place is followed; at most
+    ``limit`` names are read, of any kind, then ``past(count)`` is raised.
+
+    Raises:
+        OSError: the folder cannot be read.
+    """
+    try:
+        fd = os.open(
+            os.path.join(directory, "entries"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link in its place: no entries there
+            return []
+        raise
+    out, seen = [], 0
+    try:
+        with os.scandir(fd) as names:
+            for e in names:
+                seen += 1
+                if seen > limit:
+                    raise past(seen)
+                if _HEX64.fullmatch(e.name) and not e.is_dir(follow_symlinks=False):
+                    out.append(e.name)
+    finally:
+        os.close(fd)
+    return out
 
 
 def _of(of, meta: dict) -> str | None:
@@ -338,19 +380,38 @@ class S3Tier(PlanManifests):
         self._run("delete", lambda ob, store: ob.delete(store, f"entries/{key}"))
 
     def keys(self) -> list[str]:
-        """Every entry key held (a LIST of ``entries/``)."""
+        """Every entry key held, sorted: a LIST of ``entries/`` (a ``file://``
+        directory: its ``entries`` folder read, links not followed). Names that
+        are not ``entries/`` and 64 characters of ``[0-9a-f]`` (a writer's, a
+        builder's temporary file) are skipped. At most ``list_max`` names are
+        taken, of any kind: ``ceil((list_max + 1) / 1000)`` LIST requests of at
+        most 1000 names (S3's page) of at most 1024 bytes each. ``[]`` when the
+        store failed (fail-open).
+
+        Raises:
+            ListingLimitError: more names under ``entries/`` than ``list_max``
+                (names the store, the bound ``KERNEL_CACHE_REMOTE_LIST_MAX`` and
+                the fix).
+        """
+        limit = self.settings.list_max
+
+        def past(seen: int) -> Exception:
+            return self.listing_limit(
+                f"more than {limit} names under entries/ ({seen} listed, entries or not)",
+                "remove old entries and names that are not entries "
+                "(kernel-cache gc-remote --older-than AGE)",
+            )
 
         def op(ob, store):
             if self.settings.scheme == "file":
                 store  # noqa: B018 - refuses a missing directory, naming it
-                names = [
-                    p.rsplit("/", 1)[-1]
-                    for p, _, _ in walk_dir(self.settings.directory, "entries/")
-                ]
-                return [n for n in names if "#" not in n]  # not a writer's temporary file
-            out = []
-            for batch in ob.list(store, "entries/", chunk_size=1000):
-                out += [m["path"].rsplit("/", 1)[-1] for m in batch]
+                return _entry_names(self.settings.directory, limit, past)
+            out, seen = [], 0
+            for batch in ob.list(store, "entries/", chunk_size=min(LIST_PAGE, limit + 1)):
+                seen += len(batch)
+                if seen > limit:
+                    raise past(seen)
+                out += [m.group(1) for p in batch if (m := _ENTRY_PATH.fullmatch(p["path"]))]
             return out
 
         return sorted(self._run("list", op, []))

@@ -49,6 +49,7 @@ CASES = {
     "s3_max_object": ("512M", 512 << 20, "lots"),
     "redis_max_object": ("512M", 512 << 20, "lots"),
     "num_threads": ("4", 4, "0"),
+    "remote_list_max": ("5000", 5000, "0"),
 }
 
 

@@ -870,3 +870,195 @@ def test_a_redis_key_name_that_is_not_text_is_not_listed(redis_db):
     assert tier.keys() == [_key(1)]
     assert list(tier.iter_meta()) == []  # the one record, "{}", is not a valid record
     tier.close()
+
+
+# -- listings (keys, iter_meta: explain's nearest entries) -----------------------------
+
+
+def _fill_redis(tier: RedisTier, names: list[str | bytes]) -> None:
+    """An entry hash of a one-byte record at each of ``names`` (after the prefix)."""
+    p = tier.client.pipeline(transaction=False)
+    for n in names:
+        name = tier._name("entry", "").encode() + (n if isinstance(n, bytes) else n.encode())
+        p.hset(name, mapping={"meta": b"{}", "data": b""})
+    p.execute()
+
+
+#: names under ``entries/`` (Redis: after ``<prefix>entry:``) that are no entry key
+NOT_KEYS = ["A" * 64, "g" * 64, "0" * 63, "0" * 65, "0" * 64 + ".tmp", "sub/" + "0" * 64]
+
+
+def test_a_redis_listing_leaves_names_that_are_not_entry_keys_in_redis(redis_db):
+    """A 20 MiB name, names of 63 and 65 characters, of capitals or of letters
+    past ``f``: ``keys`` does not return them, and the server sends none of
+    them (its own ``total_net_output_bytes``: about a KiB for the listing, not
+    the 20 MiB name); entries whose prefix only matches as a glob pattern are
+    another tier's."""
+    from kernel_cache.store.redis import SCAN_COUNT
+
+    tier = _redis(redis_db)
+    c = tier.client
+    _fill_redis(tier, [*NOT_KEYS, b"x" * (20 << 20), b"\xff" * 64, _key(1), _key(2)])
+    c.config_resetstat()
+    before = c.info("stats")["total_net_output_bytes"]
+    assert tier.keys() == [_key(1), _key(2)]
+    sent = c.info("stats")["total_net_output_bytes"] - before
+    calls = _redis_calls(c)
+    assert sent < 16 << 10, f"{sent} bytes sent for a listing of two entries"
+    assert calls["scan"] == 1 < SCAN_COUNT, calls
+    globbed = RedisTier(RedisSettings(url=redis_db, prefix="k*[c]?\\:"))
+    _fill_redis(globbed, [_key(3)])
+    _redis_entry(tier, _key(4), b"{}", b"")  # "kernel_cache:" would match "k*[c]?\:" unescaped
+    assert globbed.keys() == [_key(3)] and tier.keys() == [_key(1), _key(2), _key(4)]
+    tier.close()
+    globbed.close()
+
+
+@pytest.mark.parametrize("over", ["entries", "other keys"])
+def test_a_redis_listing_over_its_bound_stops_after_a_bounded_number_of_scans(redis_db, over):
+    """``KERNEL_CACHE_REMOTE_LIST_MAX`` = 100: a database of 150 entries, or of
+    20,000 keys that are no entry (SCAN walks every key), is listed with at
+    most ``scan_calls_max(100)`` = 3 ``SCAN`` calls (the server's count; the
+    whole database takes 20) and refused with an error naming Redis, the bound
+    and the fix, not turned into an empty or partial list; the tier stays up.
+    At the bound, or with a bound above the database, every entry is listed."""
+    from kernel_cache.store.redis import scan_calls_max
+    from kernel_cache.store.remote_base import ListingLimitError
+
+    tier = _redis(redis_db)
+    c = tier.client
+    if over == "entries":
+        entries, enough = [_key(i) for i in range(150)], 150
+        _fill_redis(tier, entries)
+        said, scans = "holds more than 100 entries", 1
+    else:
+        entries, enough = [_key(i) for i in range(10)], 20_000
+        _fill_redis(tier, [f"junk{i}" for i in range(20_000)] + entries)
+        said, scans = "did not fit in 3 SCAN calls of 1000 keys", 3
+    # fail-open, as engines and explain make it: a failure would read as no entries
+    bounded = RedisTier(
+        RedisSettings.from_env(url=redis_db, environ={"KERNEL_CACHE_REMOTE_LIST_MAX": "100"})
+    )
+    assert bounded.fail_open and bounded.settings.list_max == 100 and scan_calls_max(100) == 3
+    c.config_resetstat()
+    with pytest.raises(ListingLimitError) as e:
+        bounded.keys()
+    assert _redis_calls(c)["scan"] == scans, _redis_calls(c)
+    text = str(e.value)
+    assert said in text and bounded.location in text, text
+    assert "KERNEL_CACHE_REMOTE_LIST_MAX=100 allows" in text and "fix: raise" in text, text
+    with pytest.raises(ListingLimitError):
+        list(bounded.iter_meta())
+    assert not bounded.is_down() and bounded.error is None
+    c.config_resetstat()
+    assert RedisTier(RedisSettings(url=redis_db, list_max=enough)).keys() == entries
+    assert _redis_calls(c)["scan"] <= scan_calls_max(enough), _redis_calls(c)
+    bounded.close()
+    tier.close()
+
+
+def _settled(metrics_url: str) -> int:
+    """The S3 server's request count once it has settled: it counts a request
+    after answering it, so a read right after a client's last request can miss it."""
+    from ..s3_server import request_count
+
+    last = request_count(metrics_url)
+    while True:
+        time.sleep(0.3)
+        now = request_count(metrics_url)
+        if now == last:
+            return now
+        last = now
+
+
+def test_an_s3_listing_skips_names_that_are_not_entry_keys(s3):
+    """Names under ``entries/`` of the wrong length or alphabet, in a folder
+    below it, and the longest name part SeaweedFS takes (255 bytes) are not
+    listed. SeaweedFS itself refuses an object name over S3's 1024 bytes, or a
+    part over 255 (``KeyTooLongError``)."""
+    import obstore
+    from obstore.exceptions import BaseError
+
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
+    for name in [*NOT_KEYS, "z" * 255, _key(1), _key(2)]:
+        obstore.put(tier.store, f"entries/{name}", b"x")
+    for name in ["z" * 256, "/".join(["z" * 250] * 4) + "/" + _key(3)]:
+        with pytest.raises(BaseError, match="KeyTooLong"):
+            obstore.put(tier.store, f"entries/{name}", b"x")
+    assert tier.keys() == [_key(1), _key(2)]
+    tier.close()
+
+
+def test_an_s3_listing_over_its_bound_stops_after_a_bounded_number_of_lists(s3):
+    """2,100 objects under ``entries/`` (three LIST pages of 1000 names): with
+    ``KERNEL_CACHE_REMOTE_LIST_MAX`` = 100 the listing sends one LIST request
+    (the server's count) and is refused with an error naming the store, the
+    bound and the fix; with 1,500, two; with the default, the whole listing
+    takes three and returns the entries alone."""
+    from kernel_cache.store.remote_base import ListingLimitError
+
+    if not s3["metrics"]:
+        pytest.skip("the shared S3 server gives no metrics URL")
+    tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
+    names = [_key(i) for i in range(1600)] + [f"junk{i}" for i in range(500)]
+    _put_many(tier, [f"entries/{n}" for n in names], b"x")
+    for bound, lists in ((100, 1), (1500, 2)):
+        limited = S3Tier(
+            S3Settings.from_env(
+                url=s3["url"], environ={"KERNEL_CACHE_REMOTE_LIST_MAX": str(bound)}, timeout_s=30
+            )
+        )
+        before = _settled(s3["metrics"])
+        with pytest.raises(ListingLimitError) as e:
+            limited.keys()
+        assert _settled(s3["metrics"]) - before == lists
+        text = str(e.value)
+        assert f"more than {bound} names under entries/" in text and limited.location in text
+        assert f"KERNEL_CACHE_REMOTE_LIST_MAX={bound} allows" in text, text
+        assert "gc-remote" in text and not limited.is_down()
+    before = _settled(s3["metrics"])
+    assert tier.keys() == [_key(i) for i in range(1600)]
+    assert _settled(s3["metrics"]) - before == 3
+    tier.close()
+
+
+def test_a_shared_directory_listing_is_bounded_and_skips_what_is_no_entry(tmp_path):
+    """A ``file://`` directory: names that are no entry key, a folder and a
+    builder's temporary file are not listed, a link is (not followed); past
+    ``list_max`` names the listing is refused; an ``entries`` that is a link
+    lists nothing."""
+    from kernel_cache.store.remote_base import ListingLimitError
+
+    entries = tmp_path / "store" / "entries"
+    (entries / _key(9)).mkdir(parents=True)  # a folder: no entry
+    for name in [n for n in NOT_KEYS if "/" not in n] + [f"{_key(8)}#tmp", _key(1), _key(2)]:
+        (entries / name).write_bytes(b"x")
+    (entries / _key(3)).symlink_to(tmp_path)
+    url = f"file://{tmp_path / 'store'}"
+    assert S3Tier(S3Settings(url=url)).keys() == [_key(1), _key(2), _key(3)]
+    assert len(os.listdir(entries)) == 10
+    assert S3Tier(S3Settings(url=url, list_max=10)).keys() == [_key(1), _key(2), _key(3)]
+    with pytest.raises(ListingLimitError, match=r"more than 9 names under entries/ \(10 listed"):
+        S3Tier(S3Settings(url=url, list_max=9)).keys()
+    other = tmp_path / "other"
+    other.mkdir()
+    os.symlink(entries, other / "entries")
+    assert S3Tier(S3Settings(url=f"file://{other}")).keys() == []
+
+
+def test_explain_over_a_listing_bound_says_so_without_a_traceback(
+    redis_db, tiny_model, tmp_path, unsigned
+):
+    """``kernel-cache explain`` of a plan that misses, with a Redis of more
+    entries than ``KERNEL_CACHE_REMOTE_LIST_MAX``: exit 2 and one line naming
+    Redis, the bound and the fix, not a listing that looks empty."""
+    from ..conftest import run_cli, tiny_args
+
+    tier = _redis(redis_db)
+    _fill_redis(tier, [_key(i) for i in range(6)])
+    env = {"KERNEL_CACHE_REDIS_URL": redis_db, "KERNEL_CACHE_REMOTE_LIST_MAX": "5"}
+    proc = run_cli("explain", *tiny_args(tiny_model), "--cache-dir", tmp_path / "c", env=env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "holds more than 5 entries" in proc.stderr
+    assert "KERNEL_CACHE_REMOTE_LIST_MAX=5 allows" in proc.stderr, proc.stderr
+    tier.close()
