@@ -867,23 +867,64 @@ def test_a_file_evaluated_as_an_expression_under_its_own_name_runs(tmp_path, mon
     assert "kc_eval_gain.py" in w.manifest().files
 
 
-def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch):
-    """cProfile (or torch.profiler with_stack) inside the kernel's code replaces the
-    profile hook: what ran after it would go unrecorded, so the build is refused."""
+@pytest.mark.parametrize("profiler", ["cProfile", "setprofile"])
+def test_a_profiler_that_replaces_the_trace_hook_refuses_the_build(monkeypatch, profiler):
+    """A profiler started inside the kernel's code that replaces the profile hook
+    and removes its own at the end: cProfile before Python 3.12, or one that
+    sets a Python profile function (``sys.setprofile``, as ``profile`` and
+    torch.profiler with_stack do, on every Python): what ran after it would go
+    unrecorded, so the build is refused."""
     import cProfile
 
     from kernel_cache.errors import CompileError
     from warmup.builder import recorder
 
+    if profiler == "cProfile" and sys.version_info >= (3, 12):
+        pytest.skip("cProfile runs on sys.monitoring from Python 3.12: the hook stays")
     _fresh_memos(monkeypatch)
     before = sys.getprofile()
     with pytest.raises(CompileError, match="profile hook .* was replaced while it was traced"):
         with recorder.RunRecorder("profpkg.kern:K"):
+            if profiler == "cProfile":
+                prof = cProfile.Profile()
+                prof.enable()
+                sum(range(10))
+                prof.disable()
+            else:
+                sys.setprofile(lambda frame, event, arg: None)
+                sum(range(10))
+                sys.setprofile(None)
+    assert sys.getprofile() is before  # the previous hook is back
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="cProfile takes the hook before 3.12")
+def test_cprofile_inside_the_kernels_code_leaves_the_hook_and_the_record_whole(
+    tmp_path, monkeypatch
+):
+    """From Python 3.12 cProfile is a ``sys.monitoring`` tool: started inside the
+    kernel's code, it leaves the window's profile hook in place, which records
+    on, the helper called while cProfile ran included, and the build goes on."""
+    import cProfile
+    import importlib
+
+    from warmup.builder import recorder
+
+    _fresh_memos(monkeypatch)
+    pkg = _helper_pkg(tmp_path, monkeypatch, "monitpkg", helper="def gain():\n    return 2.0\n")
+    before = sys.getprofile()
+    try:
+        helper = importlib.import_module("monitpkg.helper")
+        with recorder.RunRecorder("monitpkg.kern:K") as w:
             prof = cProfile.Profile()
             prof.enable()
-            sum(range(10))
+            assert helper.gain() == 2.0
             prof.disable()
-    assert sys.getprofile() is before  # the previous hook is back
+        assert str(pkg / "helper.py") in w.files
+        profiled = {getattr(e.code, "co_filename", None) for e in prof.getstats()}
+        assert str(pkg / "helper.py") in profiled  # and cProfile saw it too
+        assert sys.getprofile() is before
+    finally:
+        _forget_modules("monitpkg")
 
 
 def test_a_thread_started_in_one_trace_is_recorded_in_the_next(tmp_path, monkeypatch):
@@ -1074,18 +1115,19 @@ def test_a_c_profiler_that_does_not_take_the_profile_hook_leaves_the_window_to_t
         _forget_modules("monpkg")
 
 
-@pytest.mark.parametrize("how", ["none", "chained"])
+@pytest.mark.parametrize("how", ["none", "chained", "nested"])
 def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(
     tmp_path, monkeypatch, how
 ):
     """Kernel code that saves the profile hook, replaces it and puts it back
     (``saved = sys.getprofile()`` ... ``sys.setprofile(saved)``), its own hook
     calling the saved one meanwhile (``chained``, as torch's cycle observer
-    does): where the window records with the C profiler, the put-back profiler
-    takes the hook again and the window is refused (what ran in between went
-    unrecorded), with no error in the kernel's code, the replacement's hook
-    called for every event while installed, and nothing left installed once
-    the window closed."""
+    does), or in a function it calls (``nested``): the window is refused (what
+    ran in between went unrecorded; where it records with the C profiler, the
+    put-back profiler takes the hook again; where with the profile function,
+    from Python 3.12, the change is seen as it is made), with no error in the
+    kernel's code, the replacement's hook called for every event while
+    installed, and nothing left installed once the window closed."""
     import importlib
     import threading
 
@@ -1098,22 +1140,33 @@ def test_a_profile_hook_put_back_after_a_replacement_leaves_no_window_open(
     try:
         helper = importlib.import_module("backpkg.helper")
         window = recorder.RunRecorder("backpkg.kern:K")
-        with pytest.raises(CompileError, match="was replaced"):
+        events = []
+
+        def replace_and_put_back():
+            saved = sys.getprofile()
+            sys.setprofile(None)
+            assert helper.gain() == 2.0  # unrecorded
+            sys.setprofile(saved)
+
+        def kernel_code():  # the replacement two calls below the window's frame
+            replace_and_put_back()
+
+        with pytest.raises(CompileError, match="was replaced .*then put back"):
             with window:
-                saved = sys.getprofile()
-                if not isinstance(saved, recorder._WindowProfiler):
-                    pytest.skip("the C profiler does not hold the hook here (Python 3.12+)")
-                events = []
+                if how == "nested":
+                    kernel_code()
+                else:
+                    saved = sys.getprofile()
 
-                def chained(frame, event, arg):
-                    events.append(event)
-                    saved(frame, event, arg)
+                    def chained(frame, event, arg):
+                        events.append(event)
+                        saved(frame, event, arg)
 
-                sys.setprofile(chained if how == "chained" else None)
-                assert helper.gain() == 2.0  # unrecorded
-                sys.setprofile(saved)
+                    sys.setprofile(chained if how == "chained" else None)
+                    assert helper.gain() == 2.0  # unrecorded, unless chained passes it on
+                    sys.setprofile(saved)
                 assert helper.gain() == 2.0
-        assert how == "none" or events.count("call") >= 1 and len(events) >= 3
+        assert how != "chained" or events.count("call") >= 1 and len(events) >= 3
         assert sys.getprofile() is before and threading.getprofile() is before_threads
         assert recorder._PROFILING is None and window not in recorder._OPEN
     finally:

@@ -75,25 +75,44 @@ _SEEN: set[int] = set()
 _PROFILING = None
 #: Whether :func:`_audit` is installed (once per process: audit hooks stay).
 _AUDITING = False
+#: The ident of the thread in which the recorder itself is setting profile hooks
+#: (:meth:`RunRecorder.__enter__`, :meth:`RunRecorder.__exit__`): :func:`_audit`
+#: does not count those changes as replacements. None the rest of the time.
+_OWN_CHANGE = None
 #: ``threading``'s profile hook when the first of the open windows opened, put
 #: back when the last one closes (windows closed out of order included).
 _THREADS_BEFORE = None
 
 
 def _audit(event: str, args: tuple) -> None:
-    """The audit hook (``sys.addaudithook``) that sees, for a window recording
-    with the C profiler, every ``exec``/``eval`` of code, imports' module code
-    included, with the frame that called it: the profiler keeps which function
-    called which, not frames, so :meth:`RunRecorder._exec_run` checks them
-    here. Other events, other threads and times outside such a window return
-    at once."""
-    if event != "exec":
-        return
-    window = _PROFILING
-    if window is not None and _thread.get_ident() == window._thread:
-        code = args[0]
-        if isinstance(code, CodeType) and not code.co_flags & _FUNCTION_FLAGS:
-            window._exec_run(code, sys._getframe(1))
+    """The audit hook (``sys.addaudithook``) of the run recorders, for two events.
+
+    ``sys.setprofile``, raised by every change of a thread's profile hook
+    (``sys.setprofile``, ``threading.setprofile_all_threads``, C code's
+    ``PyEval_SetProfile``, a C profiler's ``enable``/``disable`` before Python
+    3.12) in the thread that makes it: one made in the thread of open windows,
+    other than by the recorder itself, marks them replaced
+    (:attr:`RunRecorder._replaced`), whether or not the hook is put back before
+    they close; code that runs meanwhile under another hook goes unrecorded.
+
+    ``exec``, for a window recording with the C profiler: every ``exec``/``eval``
+    of code, imports' module code included, with the frame that called it: the
+    profiler keeps which function called which, not frames, so
+    :meth:`RunRecorder._exec_run` checks them here.
+
+    Other events, other threads and times outside a window return at once."""
+    if event == "exec":
+        window = _PROFILING
+        if window is not None and _thread.get_ident() == window._thread:
+            code = args[0]
+            if isinstance(code, CodeType) and not code.co_flags & _FUNCTION_FLAGS:
+                window._exec_run(code, sys._getframe(1))
+    elif event == "sys.setprofile" and _OPEN:
+        ident = _thread.get_ident()
+        if ident != _OWN_CHANGE:
+            for window in _OPEN:
+                if window._opener == ident:
+                    window._replaced = True
 
 
 def _set_window() -> None:
@@ -231,9 +250,11 @@ class RunRecorder:
     Python call; the first export of a process 3.8 s against 10.7 s.
 
     Refused with :class:`~kernel_cache.errors.CompileError` on exit, since the
-    record would be incomplete: the profile hook was replaced during the window
-    (cProfile, ``torch.profiler`` with ``with_stack``, a tool that sets
-    ``sys.setprofile``), a window of another thread was open at the same time
+    record would be incomplete: the profile hook of the window's thread was
+    replaced during the window (``torch.profiler`` with ``with_stack``, a tool
+    that sets ``sys.setprofile``, cProfile before Python 3.12), put back or not
+    (:func:`_audit` sees each change), or by a window opened in it that is
+    still open; a window of another thread was open at the same time
     (threads' code is recorded into the window opened last, whichever
     kernel's code started them), or the engine's code ran code compiled from a string
     (``exec``/``eval`` of text with no file name), whose source no file holds,
@@ -242,10 +263,12 @@ class RunRecorder:
     A replacement that put the C profiler back is refused too (the profiler
     is then called as a Python profile function: :meth:`_WindowProfiler.__call__`),
     and so is code that disables the profiler it finds (and enables it again)
-    or clears its record.
+    or clears its record. From Python 3.12 cProfile runs on ``sys.monitoring``
+    and leaves the profile hook alone: the window records on, and is not refused.
     Not seen: a thread started before the process's first window (Python
-    before 3.12 cannot hook a running thread), and a replacement that put the
-    profile function (:func:`_dispatch`) back before the window closed.
+    before 3.12 cannot hook a running thread), a replacement of the hook of
+    a thread started in a window, and one of ``threading``'s hook
+    (``threading.setprofile``) put back before the window closed.
     """
 
     def __init__(self, kernel: str):
@@ -266,7 +289,9 @@ class RunRecorder:
         self._exec_inside: dict[int, int] = {}  # runs by exec inside imports, by code id
         self._exec_outside: dict[int, int] = {}  # ... and outside them
         self._lost = ""  # how other code made its C profiler miss calls (_WindowProfiler)
+        self._replaced = False  # its thread's profile hook was set by other code (_audit)
         self._opener = None  # the ident of the thread that opened it
+        self._outer = None  # the window of that thread it was opened in, if any
         self._concurrent = False  # a window of another thread was open at the same time
 
     def _call(self, code, frame) -> None:
@@ -446,20 +471,39 @@ class RunRecorder:
                     "under its own path"
                 )
 
-    def _refuse_incomplete(self, intact: bool, hook) -> None:
-        """Raise :class:`CompileError` where the window's record cannot be trusted
-        (class docstring): the hook replaced, a window of another thread open
-        at the same time, module code that is not its file's, code compiled
-        from text with no file name."""
-        if not intact:
-            now = self._lost or f"now {hook!r}"
+    def _how_lost(self, hook, ours) -> str:
+        """How the window's hook was replaced while it was open, found as it closes
+        (``hook``: the thread's profile hook now; ``ours``: the window's), or ""
+        where it records still and was never replaced."""
+        if self._lost:
+            return self._lost
+        later = _OPEN[_OPEN.index(self) + 1 :]
+        if any(w._opener == self._opener for w in later):
+            return "by a run recorder opened in it and still open"
+        if hook is not ours:
+            return f"now {hook!r}"
+        threads = threading.getprofile()
+        if threads is not _dispatch:
+            return f"threading's now {threads!r}"
+        return "then put back" if self._replaced else ""
+
+    def _refuse_replaced(self, lost: str) -> None:
+        """Raise :class:`CompileError` where the window's hook was replaced while
+        it was open (``lost``: how, :meth:`_how_lost`): its record is incomplete."""
+        if lost:
             raise CompileError(
                 f"kernel {self.kernel}: the profile hook that records the files the "
-                f"kernel's code runs was replaced while it was traced ({now}: a "
+                f"kernel's code runs was replaced while it was traced ({lost}: a "
                 "profiler such as cProfile or torch.profiler(with_stack=True), or a tool "
                 "that calls sys.setprofile), so the record of the files it ran is "
                 "incomplete and the build is refused; build the kernel without it"
             )
+
+    def _refuse_incomplete(self) -> None:
+        """Raise :class:`CompileError` where the window's record cannot be trusted
+        for another reason than a replaced hook (class docstring): a window of
+        another thread open at the same time, module code that is not its
+        file's, code compiled from text with no file name."""
         if self._concurrent:
             raise CompileError(
                 f"kernel {self.kernel}: a run recorder of another thread was open while it "
@@ -478,67 +522,86 @@ class RunRecorder:
             )
 
     def __enter__(self) -> RunRecorder:
-        global _PROFILING, _AUDITING, _THREADS_BEFORE
+        global _PROFILING, _AUDITING, _THREADS_BEFORE, _OWN_CHANGE
 
+        if not _AUDITING:
+            sys.addaudithook(_audit)
+            _AUDITING = True
         hook = sys.getprofile()
         self._saved = hook
         self._base = sys._getframe(1)
         if not _OPEN:
             _THREADS_BEFORE = threading.getprofile()
         self._opener = _thread.get_ident()
+        self._outer = next((w for w in reversed(_OPEN) if w._opener == self._opener), None)
         if any(w._opener != self._opener for w in _OPEN):
             for w in [*_OPEN, self]:
                 w._concurrent = True
         _OPEN.append(self)
         _set_window()
-        threading.setprofile(_dispatch)
-        if hook is None and _PROFILING is None:
-            self._profiler = _start_profiler(self)
-        if self._profiler is not None:
-            if not _AUDITING:
-                sys.addaudithook(_audit)
-                _AUDITING = True
-            self._thread = _thread.get_ident()
-            _PROFILING = self
-        else:
-            if isinstance(hook, _WindowProfiler) and hook.window is _PROFILING:
-                _PROFILING = None  # a window of this thread: paused while this one is open
-            sys.setprofile(_dispatch)
+        _OWN_CHANGE = self._opener
+        try:
+            threading.setprofile(_dispatch)
+            if hook is None and _PROFILING is None:
+                self._profiler = _start_profiler(self)
+            if self._profiler is not None:
+                self._thread = self._opener
+                _PROFILING = self
+            else:
+                if isinstance(hook, _WindowProfiler) and hook.window is _PROFILING:
+                    _PROFILING = None  # a window of this thread: paused while this one is open
+                sys.setprofile(_dispatch)
+        finally:
+            _OWN_CHANGE = None
         return self
 
     def __exit__(self, *exc) -> None:
-        global _PROFILING
+        global _PROFILING, _OWN_CHANGE
 
         hook = sys.getprofile()
-        ours = _dispatch if self._profiler is None else self._profiler
-        intact = hook is ours and threading.getprofile() is _dispatch and not self._lost
-        if self._profiler is not None:
-            _lsprof.Profiler.disable(self._profiler)
-            if _PROFILING is self:
-                _PROFILING = None
-        _OPEN.remove(self)
-        _set_window()
-        saved = self._saved
-        if isinstance(saved, _WindowProfiler):  # the window this one was opened in
-            if saved.window in _OPEN:
-                saved.enable(subcalls=True, builtins=False)
-                _PROFILING = saved.window
-            else:  # closed before this one: nothing records now
+        lost = self._how_lost(hook, _dispatch if self._profiler is None else self._profiler)
+        _OWN_CHANGE = _thread.get_ident()
+        try:
+            if self._profiler is not None:
+                _lsprof.Profiler.disable(self._profiler)
+                if _PROFILING is self:
+                    _PROFILING = None
+            _OPEN.remove(self)
+            _set_window()
+            saved = self._saved
+            if isinstance(saved, _WindowProfiler):  # the window this one was opened in
+                if saved.window in _OPEN:
+                    saved.enable(subcalls=True, builtins=False)
+                    _PROFILING = saved.window
+                else:  # closed before this one: nothing records now
+                    sys.setprofile(None)
+            elif saved is _dispatch and self._outer is not None and self._outer not in _OPEN:
+                # the window this one was opened in, recording with the profile
+                # function, closed before this one: nothing records now
                 sys.setprofile(None)
-        elif isinstance(saved, _lsprof.Profiler):
-            # cProfile's: sys.setprofile would make it a Python profile function,
-            # which it cannot be; enable() with no options keeps the ones it had
-            saved.enable()
-        else:
-            sys.setprofile(saved)
+            elif isinstance(saved, _lsprof.Profiler):
+                # cProfile's: sys.setprofile would make it a Python profile function,
+                # which it cannot be; enable() with no options keeps the ones it had
+                saved.enable()
+            else:
+                sys.setprofile(saved)
+        finally:
+            _OWN_CHANGE = None
         # threads started while another window is open still record into it
         threading.setprofile(_dispatch if _OPEN else _THREADS_BEFORE)
-        self._saved = None  # an outer window's profiler among them
-        if self._profiler is not None:
-            self._from_profile(self._profiler.getstats())
-        self._profiler = self._base = None
+        self._saved = self._outer = None  # an outer window and its profiler among them
+        try:
+            if exc[0] is None:
+                # before the profile is read: a C profiler that lost the hook
+                # mid-call keeps calls that never returned to it, which its
+                # entries do not list
+                self._refuse_replaced(lost)
+            if self._profiler is not None:
+                self._from_profile(self._profiler.getstats())
+        finally:
+            self._profiler = self._base = None
         if exc[0] is None:
-            self._refuse_incomplete(intact, hook)
+            self._refuse_incomplete()
         own = {f for f in self.imported if _own_source(f)}
         _IMPORTED.setdefault(self.kernel, set()).update(own)
         _RAN.setdefault(self.kernel, set()).update(self.files)
