@@ -347,7 +347,8 @@ class SettingsFields(BaseModel):
         100_000, "most entries a listing of a shared tier (Redis, object store, shared "
         "directory) takes, for explain's nearest entries: past it the listing stops with an "
         "error naming this variable. It bounds the listing's requests: Redis SCAN calls "
-        "(COUNT 1000) walk at most twice this many keys of the database; an object store's "
+        "(COUNT 1000) walk at most four times this many keys of the database (the cache "
+        "keeps three per entry); an object store's "
         "LIST pages (1000 names) or a directory's names stop after this many, names that "
         "are not entry keys included",
         type="int", unit="entries", expected=f"an integer >= 1 and <= {LIST_MAX_MAX}",

@@ -82,12 +82,18 @@ _DATA_SHA1 = (
 SCAN_COUNT = 1000
 
 
+#: Keys of the database a listing may walk per entry of its bound: ``SCAN``
+#: walks every key of the database, and the cache itself keeps three per entry
+#: (the entry and its two index sets, :meth:`RedisTier.put`), with room for
+#: its locks and index sets that outlived their entries.
+KEYS_WALKED_PER_ENTRY = 4
+
+
 def scan_calls_max(list_max: int) -> int:
     """The most ``SCAN`` calls a listing of at most ``list_max`` entries makes:
-    enough to walk a database of twice that many keys (``SCAN`` walks every key
-    of the database, the cache's index sets and locks and any other
-    application's too), :data:`SCAN_COUNT` a call, and one more."""
-    return 2 * -(-list_max // SCAN_COUNT) + 1
+    enough to walk a database of :data:`KEYS_WALKED_PER_ENTRY` times that many
+    keys, :data:`SCAN_COUNT` a call, and one more."""
+    return KEYS_WALKED_PER_ENTRY * -(-list_max // SCAN_COUNT) + 1
 
 
 def _glob_escaped(text: str) -> str:
@@ -495,7 +501,8 @@ class RedisTier(RemoteTier):
                     raise self.listing_limit(
                         f"its database did not fit in {calls} SCAN calls of {SCAN_COUNT} keys "
                         f"({len(found)} entries found in them; SCAN walks every key of the "
-                        "database, the cache's and any other's)",
+                        f"database: the cache's, about {KEYS_WALKED_PER_ENTRY - 1} per entry "
+                        "with its index sets, and any other application's)",
                         "keep the cache in a Redis database of its own",
                     )
                 cursor, names = c.scan(cursor, match=pattern, count=SCAN_COUNT)
