@@ -1075,15 +1075,17 @@ def test_explain_over_a_listing_bound_says_so_without_a_traceback(
     redis_db, tiny_model, tmp_path, unsigned
 ):
     """``kernel-cache explain`` of a plan that misses, with a Redis of more
-    entries than ``KERNEL_CACHE_REMOTE_LIST_MAX``: exit 2 and one line naming
-    Redis, the bound and the fix, not a listing that looks empty."""
-    from ..conftest import run_cli, tiny_args
+    entries than ``KERNEL_CACHE_REMOTE_LIST_MAX``: the report of every variant
+    still, and one line naming Redis, the bound and the fix instead of Redis's
+    nearest entries, not a listing that looks empty, and no traceback."""
+    from ..conftest import N_TINY, run_cli, tiny_args
 
     tier = _redis(redis_db)
     _fill_redis(tier, [_key(i) for i in range(6)])
     env = {"KERNEL_CACHE_REDIS_URL": redis_db, "KERNEL_CACHE_REMOTE_LIST_MAX": "5"}
     proc = run_cli("explain", *tiny_args(tiny_model), "--cache-dir", tmp_path / "c", env=env)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and "holds more than 5 entries" in proc.stderr
-    assert "KERNEL_CACHE_REMOTE_LIST_MAX=5 allows" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{N_TINY} variant(s) checked, 0 hit, {N_TINY} miss" in proc.stdout, proc.stdout
+    (line,) = [ln for ln in proc.stdout.splitlines() if "nearest entries not searched" in ln]
+    assert "holds more than 5 entries" in line and "KERNEL_CACHE_REMOTE_LIST_MAX=5 allows" in line
     tier.close()

@@ -104,14 +104,17 @@ def explain(
 
     Returns: ``{"variants" (checked), "hits", "misses", "not_in_plan" (given
     variants the plan does not hold), "stored" (entries compared), "tiers":
-    [locations], "results": [{"variant", "key", "status" ("hit" | "miss" |
-    "corrupt" | "not_in_plan"), "where", "accepted" (hit: build-only components
+    [locations], "unlisted": {location: why} (tiers whose entries were not
+    compared: their listing went past ``KERNEL_CACHE_REMOTE_LIST_MAX``),
+    "results": [{"variant", "key", "status" ("hit" | "miss" | "corrupt" |
+    "not_in_plan"), "where", "accepted" (hit: build-only components
     taken from the record), "reason" (corrupt, not_in_plan), "traced" (miss: the
     traced files that changed since the plan key's entry was built, one line
     each), "nearest": [{"variant", "key", "where", "created", "differences":
     [...], "lines": ["torch: a != b"]}]}]}``
     """
     plan = Plan.build(config, log_launch=False)
+    unlisted: dict[str, str] = {}
     known = (*KERNELS, *(spec.name for spec in config.slots))
     for v in variants or ():
         if v.kernel not in known:
@@ -146,7 +149,7 @@ def explain(
         r.setdefault("status", "miss")
         r["traced"] = list(result.changes)
         if stored is None:
-            stored = [(t.location, m) for t in tiers for m in t.iter_meta()]
+            stored, unlisted = _listed(tiers)
         r["nearest"] = nearest_entries(item.key.as_dict(), item.variant, stored, nearest)
         results.append(r)
     return {
@@ -156,8 +159,25 @@ def explain(
         "not_in_plan": outside,
         "stored": len(stored or ()),
         "tiers": [t.location for t in tiers],
+        "unlisted": unlisted,
         "results": results,
     }
+
+
+def _listed(tiers: list[Tier]) -> tuple[list, dict[str, str]]:
+    """``([(where, meta)], {where: why})``: every tier's entries, to rank the
+    nearest from, and the tiers left out because their listing went past
+    ``KERNEL_CACHE_REMOTE_LIST_MAX`` (the error's text), so that one shared
+    store over the bound costs only its own part of the report."""
+    from kernel_cache.store.remote_base import ListingLimitError
+
+    stored, unlisted = [], {}
+    for t in tiers:
+        try:
+            stored += [(t.location, m) for m in t.iter_meta()]
+        except ListingLimitError as e:
+            unlisted[t.location] = str(e)
+    return stored, unlisted
 
 
 def nearest_entries(here: dict, v: KernelVariant, stored: list, nearest: int) -> list[dict]:
@@ -286,12 +306,17 @@ def render(report: dict) -> str:
         "--bundle / $KERNEL_CACHE_BUNDLE)"
     )
     outside = report.get("not_in_plan", 0)
+    unlisted = [
+        f"nearest entries not searched in {shown(why)}"
+        for why in report.get("unlisted", {}).values()
+    ]
     lines = [
         f"explain: {report['variants']} variant(s) checked, {report['hits']} hit, "
         f"{report['misses']} miss"
         + (f", {outside} not in the plan" if outside else "")
         + f"; {where}",
         "differences read: component: this process != stored entry",
+        *unlisted,
     ]
     for r in report["results"]:
         if r["status"] == "not_in_plan":
