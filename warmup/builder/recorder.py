@@ -75,10 +75,12 @@ _SEEN: set[int] = set()
 _PROFILING = None
 #: Whether :func:`_audit` is installed (once per process: audit hooks stay).
 _AUDITING = False
-#: The ident of the thread in which the recorder itself is setting profile hooks
-#: (:meth:`RunRecorder.__enter__`, :meth:`RunRecorder.__exit__`): :func:`_audit`
-#: does not count those changes as replacements. None the rest of the time.
-_OWN_CHANGE = None
+#: The idents of the threads in which the recorder itself is setting profile
+#: hooks (:meth:`RunRecorder.__enter__`, :meth:`RunRecorder.__exit__`): :func:`_audit`
+#: does not count those changes as replacements. A set, each thread adding and
+#: removing its own ident, so that one thread's window closing does not unmark
+#: another's opening.
+_OWN_CHANGE: set[int] = set()
 #: ``threading``'s profile hook when the first of the open windows opened, put
 #: back when the last one closes (windows closed out of order included).
 _THREADS_BEFORE = None
@@ -109,7 +111,7 @@ def _audit(event: str, args: tuple) -> None:
                 window._exec_run(code, sys._getframe(1))
     elif event == "sys.setprofile" and _OPEN:
         ident = _thread.get_ident()
-        if ident != _OWN_CHANGE:
+        if ident not in _OWN_CHANGE:
             for window in _OPEN:
                 if window._opener == ident:
                     window._replaced = True
@@ -267,8 +269,10 @@ class RunRecorder:
     and leaves the profile hook alone: the window records on, and is not refused.
     Not seen: a thread started before the process's first window (Python
     before 3.12 cannot hook a running thread), a replacement of the hook of
-    a thread started in a window, and one of ``threading``'s hook
-    (``threading.setprofile``) put back before the window closed.
+    a thread started in a window, one of ``threading``'s hook
+    (``threading.setprofile``) put back before the window closed, and one made
+    from another thread (``threading.setprofile_all_threads`` called there: the
+    audit event comes from the calling thread) and put back before it closed.
     """
 
     def __init__(self, kernel: str):
@@ -522,7 +526,7 @@ class RunRecorder:
             )
 
     def __enter__(self) -> RunRecorder:
-        global _PROFILING, _AUDITING, _THREADS_BEFORE, _OWN_CHANGE
+        global _PROFILING, _AUDITING, _THREADS_BEFORE
 
         if not _AUDITING:
             sys.addaudithook(_audit)
@@ -539,7 +543,7 @@ class RunRecorder:
                 w._concurrent = True
         _OPEN.append(self)
         _set_window()
-        _OWN_CHANGE = self._opener
+        _OWN_CHANGE.add(self._opener)
         try:
             threading.setprofile(_dispatch)
             if hook is None and _PROFILING is None:
@@ -552,15 +556,16 @@ class RunRecorder:
                     _PROFILING = None  # a window of this thread: paused while this one is open
                 sys.setprofile(_dispatch)
         finally:
-            _OWN_CHANGE = None
+            _OWN_CHANGE.discard(self._opener)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _PROFILING, _OWN_CHANGE
+        global _PROFILING
 
         hook = sys.getprofile()
         lost = self._how_lost(hook, _dispatch if self._profiler is None else self._profiler)
-        _OWN_CHANGE = _thread.get_ident()
+        me = _thread.get_ident()
+        _OWN_CHANGE.add(me)
         try:
             if self._profiler is not None:
                 _lsprof.Profiler.disable(self._profiler)
@@ -586,7 +591,7 @@ class RunRecorder:
             else:
                 sys.setprofile(saved)
         finally:
-            _OWN_CHANGE = None
+            _OWN_CHANGE.discard(me)
         # threads started while another window is open still record into it
         threading.setprofile(_dispatch if _OPEN else _THREADS_BEFORE)
         self._saved = self._outer = None  # an outer window and its profiler among them
