@@ -26,6 +26,7 @@ def _source(cxx: str, build: str) -> bytes:
         "// Link cmd\n"
         f"  //  {cxx} {build}/w.o -shared -o {build}/w.so -lc\n"
         "// g++ -O1, a comment with no output\n"
+        "// usage: see /opt/x/docs -o flag, a comment with -o under no command heading\n"
     ).encode()
 
 
@@ -57,6 +58,7 @@ def test_builders_whose_compiler_differs_in_path_write_the_same_bytes(caplog):
         "// Link cmd",
         f"  //  {CXX} /kernel-cache/build/w.o -shared -o /kernel-cache/build/w.so -lc",
         "// g++ -O1, a comment with no output",
+        "// usage: see /opt/x/docs -o flag, a comment with -o under no command heading",
     ]
 
 

@@ -137,6 +137,19 @@ _PCH_NAME = BUILD_PATH_NAMES["pch"].encode() + b"/header.h"
 #: A compile or link command Inductor appends as a comment
 #: (``// <compiler> <args> -o <out>``): group 2 is the compiler as it was run.
 _COMMAND = re.compile(rb"^(\s*//\s*)(\S+)(?=.* -o )")
+#: The comment lines Inductor writes just above those commands.
+_COMMAND_HEADS = (b"// Compile cmd", b"// Link cmd")
+
+
+def _commands(lines: list[bytes]) -> list[int]:
+    """Indexes of the lines of ``lines`` that are a compile or link command
+    Inductor appended: a :data:`_COMMAND` line just below one of
+    :data:`_COMMAND_HEADS` (another comment that mentions ``-o`` is not one)."""
+    return [
+        i
+        for i in range(1, len(lines))
+        if lines[i - 1].strip() in _COMMAND_HEADS and _COMMAND.match(lines[i])
+    ]
 
 
 def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
@@ -149,9 +162,11 @@ def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
     pch = re.compile(re.escape(BUILD_PATH_NAMES["pch"].encode()) + rb"/\w+\.h\b")
     cxx = BUILD_PATH_NAMES["cxx"].encode()
     lines = text.split(b"\n")
+    commands = set(_commands(lines))
     for i, line in enumerate(lines):
         if line.lstrip().startswith(b"//"):
-            line = _COMMAND.sub(lambda m: m[1] + cxx, line, count=1)
+            if i in commands:
+                line = _COMMAND.sub(lambda m: m[1] + cxx, line, count=1)
             for p, n in longest_first:
                 line = line.replace(p, n)
             lines[i] = pch.sub(_PCH_NAME, line)
@@ -161,7 +176,8 @@ def _map_comments(text: bytes, pairs: list[tuple[str, str]]) -> bytes:
 def _compiler_paths(text: bytes) -> set[bytes]:
     """The compilers that start the commands in ``text``'s comments, where
     named by a path (a bare ``g++`` found on PATH names no builder's path)."""
-    found = (_COMMAND.match(line) for line in text.split(b"\n"))
+    lines = text.split(b"\n")
+    found = (_COMMAND.match(lines[i]) for i in _commands(lines))
     return {m[2] for m in found if m and b"/" in m[2]}
 
 
