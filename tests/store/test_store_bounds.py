@@ -354,35 +354,23 @@ def test_requests_do_not_grow_with_unrelated_entries(s3, tiny_model, tiny_config
     counter)."""
     from warmup.check.explain import explain
 
-    from ..s3_server import request_count as counted
     from .test_s3_hostile import _engine
     from .test_s3_tier import _env
-
-    def request_count(url: str) -> int:
-        """The server's count once it has settled: it counts a request after
-        answering it, so a read right after a client's last request can miss it."""
-        last = counted(url)
-        while True:
-            time.sleep(0.3)
-            now = counted(url)
-            if now == last:
-                return now
-            last = now
 
     if not s3["metrics"]:
         pytest.skip("the shared S3 server gives no metrics URL")
     control_url = s3["url"] + "-control"
     env = _env(KERNEL_CACHE_S3_URL=control_url)
-    before = request_count(s3["metrics"])
+    before = _settled(s3["metrics"])
     proc = _engine(tiny_model, tmp_path / "c0", env)
-    control = request_count(s3["metrics"]) - before
+    control = _settled(s3["metrics"]) - before
     assert proc.stdout.split()[0] == "missing", proc.stderr[-2000:]
 
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=30))
     _put_many(tier, [f"entries/{i:064x}" for i in range(10_000)], b"x")
-    before = request_count(s3["metrics"])
+    before = _settled(s3["metrics"])
     proc = _engine(tiny_model, tmp_path / "c1", _env(KERNEL_CACHE_S3_URL=s3["url"]))
-    grown = request_count(s3["metrics"]) - before
+    grown = _settled(s3["metrics"]) - before
     assert proc.stdout.split()[0] == "missing", proc.stderr[-2000:]
     assert grown == control, (grown, control)
 
@@ -390,9 +378,9 @@ def test_requests_do_not_grow_with_unrelated_entries(s3, tiny_model, tiny_config
     for variant, key in plan:  # entries that verify (explain loads no code)
         data = key.hexdigest.encode()
         assert tier.put(key.hexdigest, data, make_meta(key, str(variant), data, 1.0)).ok
-    before = request_count(s3["metrics"])
+    before = _settled(s3["metrics"])
     report = explain(tiny_config, [tier])
-    sent = request_count(s3["metrics"]) - before
+    sent = _settled(s3["metrics"]) - before
     assert report["hits"] == len(plan) and report["misses"] == 0
     assert sent <= len(plan), sent  # one GET per key, no listing
     tier.close()
