@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Iterator, Mapping
 from typing import ClassVar, Literal
 
@@ -49,6 +48,7 @@ from kernel_cache.store.redis_watch import ContestedKeyError, watched
 from kernel_cache.store.remote_base import (  # noqa: F401 - the outcomes are imported from here too
     ACQUIRED,
     BUSY,
+    ENTRY_KEY,
     PUBLISHED,
     TIMEOUT,
     UNAVAILABLE,
@@ -62,8 +62,6 @@ log = logging.getLogger("kernel_cache")
 ENV_REDIS_URL = env_settings.var("redis_url")
 #: members of an index set read on a miss (as the S3 tier's ``INDEX_MAX``)
 INDEX_MAX = 64
-#: an entry key
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 #: Fields of an entry's record that describe one build, not its bytes or what
@@ -522,7 +520,7 @@ class RedisTier(RemoteTier):
                 name = (n.decode() if isinstance(n, bytes) else n)[cut:]
             except UnicodeDecodeError:  # the pattern leaves none: a proxy's or a bug's
                 continue
-            if _HEX64.fullmatch(name):
+            if ENTRY_KEY.fullmatch(name):
                 out.append(name)
         return sorted(out)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -37,6 +38,10 @@ BUSY = "busy"  # another builder holds the lock (only with wait=False)
 TIMEOUT = "timeout"  # waited lock_wait_s for a live holder: compile without the lock
 UNAVAILABLE = "unavailable"  # the remote is down: compile without the lock
 
+
+#: an entry key (64 lowercase hex characters): a name under a shared tier that
+#: is not one names no entry
+ENTRY_KEY = re.compile(r"[0-9a-f]{64}")
 
 #: largest lease a builder reads (bytes): ``{"holder", "expires_at"}`` is under
 #: 200 bytes, a Redis lock value ~40; a larger one is no lease (not read, taken over)

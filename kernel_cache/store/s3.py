@@ -38,7 +38,7 @@ from kernel_cache.config import settings as env_settings
 from kernel_cache.errors import ConfigError, CorruptEntryError, shown
 from kernel_cache.store.disk_tier import Entry, PutOutcome, PutResult, Tier, parse_meta
 from kernel_cache.store.entry import META_MAX_BYTES
-from kernel_cache.store.remote_base import RemoteSettings
+from kernel_cache.store.remote_base import ENTRY_KEY, RemoteSettings
 from kernel_cache.store.s3_lease import S3Lease
 from kernel_cache.store.s3_manifest import PlanManifests
 from kernel_cache.store.s3_objects import (
@@ -142,9 +142,8 @@ class S3Settings(RemoteSettings):
         return S3Tier(self, **kw)
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 #: the path of an entry object under the tier's prefix
-_ENTRY_PATH = re.compile(r"entries/([0-9a-f]{64})")
+_ENTRY_PATH = re.compile(rf"entries/({ENTRY_KEY.pattern})")
 #: names an object store's LIST page holds (S3's, GCS's most)
 LIST_PAGE = 1000
 
@@ -176,7 +175,7 @@ def _entry_names(directory: str, limit: int, past) -> list[str]:
                 seen += 1
                 if seen > limit:
                     raise past(seen)
-                if _HEX64.fullmatch(e.name) and not e.is_dir(follow_symlinks=False):
+                if ENTRY_KEY.fullmatch(e.name) and not e.is_dir(follow_symlinks=False):
                     out.append(e.name)
     finally:
         os.close(fd)
@@ -324,7 +323,7 @@ class S3Tier(PlanManifests):
         return find
 
     def _indexed(self, index: str, value: str) -> list[dict]:
-        if not _HEX64.fullmatch(value):
+        if not ENTRY_KEY.fullmatch(value):
             return []
         prefix = f"index/{index}/{value}/"
 
@@ -346,7 +345,7 @@ class S3Tier(PlanManifests):
 
         metas = []
         for key in self._run("list index", op, []):
-            if not _HEX64.fullmatch(key):
+            if not ENTRY_KEY.fullmatch(key):
                 continue
             try:
                 meta = self.get_meta(key)
