@@ -252,14 +252,67 @@ def pytest_unconfigure(config):
         os.environ.pop(ENV_JOBS, None)
 
 
+#: Wall seconds per test file in a run of the full tier (the JSON that
+#: ``$KERNEL_CACHE_TEST_DURATIONS`` names, seconds only), read to order the files:
+#: refresh it from a ``.ci/run`` after a file's cost changes much.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def _file_order(items) -> dict[str, int]:
+    """Each test file's place in the run: files with no test that needs the warm
+    cache first, then those with one; in each group the longest first (a file
+    :data:`FILE_SECONDS` does not know counts as longest), except that a file
+    whose tests hold the shared servers (``shared_servers``: one such test at a
+    time across workers) does not follow another such file where a file without
+    them is left to put between. With ``--dist loadfile`` and
+    ``--no-loadscope-reorder`` (addopts), pytest-xdist hands the files out in
+    this order: the cold builds run while the warm build compiles, two workers
+    seldom wait for each other's servers, and the short files are left to fill
+    the end, when one worker would otherwise wait for the other's long one."""
+    try:
+        seconds = json.loads(FILE_SECONDS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    if not isinstance(seconds, dict):
+        seconds = {}
+    files: dict[str, list] = {}  # path -> [needs warm, uses the servers]
+    for i in items:
+        names = getattr(i, "fixturenames", ())
+        row = files.setdefault(i.nodeid.split("::")[0], [False, False])
+        row[0] |= "warm_cache" in names
+        row[1] |= "shared_servers" in names
+
+    def cost(path: str) -> float:
+        known = seconds.get(path)
+        return float(known) if isinstance(known, (int, float)) else float("inf")
+
+    ranked = sorted(files, key=lambda p: (files[p][0], -cost(p), p))
+    order: list[str] = []
+    while ranked:
+        pick = 0
+        if order and files[order[-1]][1]:  # after a server file: the next without servers
+            group = files[ranked[0]][0]
+            pick = next((n for n, p in enumerate(ranked) if files[p] == [group, False]), 0)
+        order.append(ranked.pop(pick))
+    return {p: n for n, p in enumerate(order)}
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """The tests that need the warm cache run last; its build starts now."""
+    """The files in :func:`_file_order`'s order; in each file, the tests that need
+    the warm cache last. The warm cache's build starts now."""
     warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
     if warm:
         _start_warm_build()
-        ids = {id(i) for i in warm}
-        items[:] = [i for i in items if id(i) not in ids] + warm
+    order = _file_order(items)
+    position = {id(i): n for n, i in enumerate(items)}
+    items.sort(
+        key=lambda i: (
+            order[i.nodeid.split("::")[0]],
+            "warm_cache" in getattr(i, "fixturenames", ()),
+            position[id(i)],
+        )
+    )
 
 
 @pytest.fixture
