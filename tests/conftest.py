@@ -4,10 +4,12 @@ Compiling is the slow part (about 30 s of CPU a variant on a 2-core CPU), so
 the tiny plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a
 decode batch of 4) is warmed once per run, and tests that change a cache work
 on a copy of it. The warmup starts in the background as soon as a collected
-test needs it, and those tests run last, so the compile overlaps the other
-tests. One warm cache serves every pytest-xdist worker of the run: the main
-process makes its folder (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the
-workers) and removes it at the end; the first worker to need it starts the
+test needs it, and those tests run after the others (under ``--dist
+loadfile``, the files holding them run after the files without them), so the
+compile overlaps the other tests. One warm cache serves every pytest-xdist
+worker of the run: the main process makes its folder
+(``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers) and removes it at
+the end; the first worker to need it starts the
 build. A caller that runs pytest several times (``.ci/run``: both tiers) can
 give them one folder, ``$KERNEL_CACHE_TEST_SHARED_WARM_DIR``, so the plan is
 compiled once for all of them.
@@ -16,6 +18,7 @@ compiled once for all of them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -252,10 +255,27 @@ def pytest_unconfigure(config):
         os.environ.pop(ENV_JOBS, None)
 
 
-#: Wall seconds per test file in a run of the full tier (the JSON that
-#: ``$KERNEL_CACHE_TEST_DURATIONS`` names, seconds only), read to order the files:
-#: refresh it from a ``.ci/run`` after a file's cost changes much.
+#: Wall seconds per test file in a run of the full tier, read to order the files:
+#: ``{path: seconds}``, or the JSON a run writes to ``$KERNEL_CACHE_TEST_DURATIONS``
+#: (``{path: {"wall_s": ..., "cpu_s": ...}}``) copied as it is. Refresh it after a
+#: file's cost changes much: ``KERNEL_CACHE_TEST_DURATIONS=tests/file_seconds.json
+#: bash .ci/run`` (both tiers write the file; the full tier, ending last, wins).
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def _seconds(row) -> float | None:
+    """A file's wall seconds from one :data:`FILE_SECONDS` row: a number, or a
+    ``{"wall_s": number}`` row; None for anything else (not finite, negative,
+    a bool)."""
+    if isinstance(row, dict):
+        row = row.get("wall_s")
+    if isinstance(row, bool) or not isinstance(row, (int, float)):
+        return None
+    try:
+        value = float(row)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def _file_order(items) -> dict[str, int]:
@@ -283,8 +303,8 @@ def _file_order(items) -> dict[str, int]:
         row[1] |= "shared_servers" in names
 
     def cost(path: str) -> float:
-        known = seconds.get(path)
-        return float(known) if isinstance(known, (int, float)) else float("inf")
+        known = _seconds(seconds.get(path))
+        return float("inf") if known is None else known
 
     ranked = sorted(files, key=lambda p: (files[p][0], -cost(p), p))
     order: list[str] = []
@@ -299,20 +319,25 @@ def _file_order(items) -> dict[str, int]:
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """The files in :func:`_file_order`'s order; in each file, the tests that need
-    the warm cache last. The warm cache's build starts now."""
+    """The warm cache's build starts now. Under ``--dist loadfile`` (the full
+    tier: files are handed out whole) the files run in :func:`_file_order`'s
+    order, and in each file the tests that need the warm cache last. Otherwise
+    (the fast tier's ``--dist load`` hands out single tests, and ``-n 0``) every
+    test that needs the warm cache runs after all those that do not, each group
+    in the files' order."""
     warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
     if warm:
         _start_warm_build()
     order = _file_order(items)
     position = {id(i): n for n, i in enumerate(items)}
-    items.sort(
-        key=lambda i: (
-            order[i.nodeid.split("::")[0]],
-            "warm_cache" in getattr(i, "fixturenames", ()),
-            position[id(i)],
-        )
-    )
+    whole_files = getattr(config.option, "dist", None) == "loadfile"
+
+    def key(i):
+        needs_warm = "warm_cache" in getattr(i, "fixturenames", ())
+        place = order[i.nodeid.split("::")[0]]
+        return (place, needs_warm) if whole_files else (needs_warm, place)
+
+    items.sort(key=lambda i: (*key(i), position[id(i)]))
 
 
 @pytest.fixture
