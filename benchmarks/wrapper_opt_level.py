@@ -6,8 +6,10 @@ packages' call time, per level, in one process.
 
 Each variant of the plan is compiled once per level (the recipe's options with
 ``aot_inductor.compile_wrapper_opt_level`` set to it; the levels in alternating
-order from one variant to the next), after one compile per level that is not
-counted (torch's first-use setup and the precompiled headers). CPU seconds:
+order from one variant to the next), after compiles that are not counted: each
+variant once at the first level (torch's first-use setup, and each kernel's
+first compile in the process, which costs seconds more) and one variant at
+each other level (its precompiled headers). CPU seconds:
 this process and the compiler processes (``os.times``); ``cxx_cpu_s``: the
 compiler processes alone. Then, for R rounds, each variant's packages are
 called C times each, one after the other in alternating order, on one intra-op
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_options(p)
     p.add_argument("--levels", default="O1,Og", help="comma-separated gcc levels")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=8, help="even: each level first as often")
     p.add_argument("--calls", type=int, default=300, help="timed calls per package a round")
     p.add_argument("--out", default=str(OUT_DIR / "wrapper_opt_level.json"))
     args = p.parse_args(argv)
@@ -48,6 +51,16 @@ def main(argv=None) -> int:
     if cfg.device != "cpu":
         raise SystemExit("wrapper_opt_level.py times a CPU plan (the thread's CPU time)")
 
+    at_start = machine(cfg.device)
+    levels = [x.strip() for x in args.levels.split(",") if x.strip()]
+    scratch = tempfile.mkdtemp(prefix="kc-bench-")
+    try:
+        return _run(args, cfg, levels, scratch, at_start, argv)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args, cfg, levels, scratch, at_start, argv) -> int:
     import torch
 
     from kernel_cache.plan.buckets import Bucketer
@@ -56,16 +69,17 @@ def main(argv=None) -> int:
     from kernel_cache.runtime.package import load_package
     from warmup.builder.compiler import compile_with_options, pin_environment
 
-    at_start = machine(cfg.device)
-    levels = [x.strip() for x in args.levels.split(",") if x.strip()]
-    scratch = tempfile.mkdtemp(prefix="kc-bench-")
     pin_environment(cfg.device, cfg.cpu_target, scratch)
     pch = os.path.join(scratch, "pch")
     variants = Bucketer(cfg).variants
     sets = {
         lv: {**recipe_options(cfg), "aot_inductor.compile_wrapper_opt_level": lv} for lv in levels
     }
-    for lv in levels:  # first-use setup and each level's precompiled headers: not counted
+    # Not counted: each variant's first compile in this process, and each other
+    # level's precompiled headers.
+    for v in variants:
+        compile_with_options(cfg, v, sets[levels[0]], pch_dir=pch)
+    for lv in levels[1:]:
         compile_with_options(cfg, variants[0], sets[lv], pch_dir=pch)
     compiles: dict[str, list] = {lv: [] for lv in levels}
     runners = {}
@@ -105,6 +119,9 @@ def main(argv=None) -> int:
         "machine": at_start,
         "config": cfg.model_dump(mode="json"),
         "results": {
+            "levels": levels,
+            "rounds": args.rounds,
+            "calls_per_round": args.calls,
             "variants": [str(v) for v in variants],
             "compile": {
                 lv: {
