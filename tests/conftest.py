@@ -4,9 +4,8 @@ Compiling is the slow part (about 30 s of CPU a variant on a 2-core CPU), so
 the tiny plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a
 decode batch of 4) is warmed once per run, and tests that change a cache work
 on a copy of it. The warmup starts in the background as soon as a collected
-test needs it, and those tests run after the others (under ``--dist
-loadfile``, the files holding them run after the files without them), so the
-compile overlaps the other tests. One warm cache serves every pytest-xdist
+test needs it, and the files holding those tests run after the others, so
+the compile overlaps the other tests. One warm cache serves every pytest-xdist
 worker of the run: the main process makes its folder
 (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers) and removes it at
 the end; the first worker to need it starts the
@@ -319,25 +318,25 @@ def _file_order(items) -> dict[str, int]:
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """The warm cache's build starts now. Under ``--dist loadfile`` (the full
-    tier: files are handed out whole) the files run in :func:`_file_order`'s
-    order, and in each file the tests that need the warm cache last. Otherwise
-    (the fast tier's ``--dist load`` hands out single tests, and ``-n 0``) every
-    test that needs the warm cache runs after all those that do not, each group
-    in the files' order."""
+    """The files in :func:`_file_order`'s order; in each file, the tests that
+    need the warm cache last (its build starts now). The order is made where
+    the tests are collected, in each xdist worker, and is the same for every
+    ``--dist`` mode (xdist sets a worker's ``dist`` option to ``no``): under
+    ``loadfile`` the files go out in this order; under ``load`` (the fast tier)
+    single tests do, so a file's warm-cache tests run at the file's place, after
+    every file without one."""
     warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
     if warm:
         _start_warm_build()
     order = _file_order(items)
     position = {id(i): n for n, i in enumerate(items)}
-    whole_files = getattr(config.option, "dist", None) == "loadfile"
-
-    def key(i):
-        needs_warm = "warm_cache" in getattr(i, "fixturenames", ())
-        place = order[i.nodeid.split("::")[0]]
-        return (place, needs_warm) if whole_files else (needs_warm, place)
-
-    items.sort(key=lambda i: (*key(i), position[id(i)]))
+    items.sort(
+        key=lambda i: (
+            order[i.nodeid.split("::")[0]],
+            "warm_cache" in getattr(i, "fixturenames", ()),
+            position[id(i)],
+        )
+    )
 
 
 @pytest.fixture
