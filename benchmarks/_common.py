@@ -28,6 +28,18 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "azure-llm-trace-2023" / "conv
 DEFAULT_CACHE = OUT_DIR / "kernel-cache"
 
 
+def cpu_children() -> float:
+    """CPU seconds of this process's finished (reaped) child processes."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def cpu_all() -> float:
+    """CPU seconds of this process and its finished (reaped) children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def summary(values) -> dict:
     """``{"median", "min", "max", "n"}`` of a list of numbers (empty: all None)."""
     vals = [float(v) for v in values]

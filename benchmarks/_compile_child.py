@@ -37,17 +37,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
-
-def cpu_children() -> float:
-    """CPU seconds of finished child processes (the C++ compiler and linker)."""
-    t = os.times()
-    return t.children_user + t.children_system
-
-
-def cpu_all() -> float:
-    """CPU seconds of this process and its finished children."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+from _common import cpu_all, cpu_children  # noqa: E402
 
 
 def main() -> None:

@@ -28,15 +28,9 @@ import sys
 import tempfile
 import time
 
-from _common import OUT_DIR, header, machine, summary, write_json
+from _common import OUT_DIR, cpu_all, cpu_children, header, machine, summary, write_json
 
 from warmup.cli.main import config_from_args, engine_options
-
-
-def _cpu(children_only: bool = False) -> float:
-    t = os.times()
-    own = 0.0 if children_only else t.user + t.system
-    return own + t.children_user + t.children_system
 
 
 def main(argv=None) -> int:
@@ -85,13 +79,13 @@ def _run(args, cfg, levels, scratch, at_start, argv) -> int:
     runners = {}
     for n, v in enumerate(variants):
         for lv in levels if n % 2 == 0 else levels[::-1]:
-            c, cc = _cpu(), _cpu(children_only=True)
+            c, cc = cpu_all(), cpu_children()
             data, _ = compile_with_options(cfg, v, sets[lv], pch_dir=pch)
             compiles[lv].append(
                 {
                     "variant": str(v),
-                    "cpu_s": _cpu() - c,
-                    "cxx_cpu_s": _cpu(children_only=True) - cc,
+                    "cpu_s": cpu_all() - c,
+                    "cxx_cpu_s": cpu_children() - cc,
                     "package_bytes": len(data),
                 }
             )
