@@ -277,6 +277,16 @@ def _seconds(row) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+def _file_of(item) -> str:
+    """The test file of a collected test: its node id up to ``::``."""
+    return item.nodeid.split("::")[0]
+
+
+def _uses(item, fixture: str) -> bool:
+    """Whether a collected test uses ``fixture``, directly or through another."""
+    return fixture in getattr(item, "fixturenames", ())
+
+
 def _file_order(items) -> dict[str, int]:
     """Each test file's place in the run: files with no test that needs the warm
     cache first, then those with one; in each group the longest first (a file
@@ -296,10 +306,9 @@ def _file_order(items) -> dict[str, int]:
         seconds = {}
     files: dict[str, list] = {}  # path -> [needs warm, uses the servers]
     for i in items:
-        names = getattr(i, "fixturenames", ())
-        row = files.setdefault(i.nodeid.split("::")[0], [False, False])
-        row[0] |= "warm_cache" in names
-        row[1] |= "shared_servers" in names
+        row = files.setdefault(_file_of(i), [False, False])
+        row[0] |= _uses(i, "warm_cache")
+        row[1] |= _uses(i, "shared_servers")
 
     def cost(path: str) -> float:
         known = _seconds(seconds.get(path))
@@ -325,18 +334,10 @@ def pytest_collection_modifyitems(config, items):
     ``loadfile`` the files go out in this order; under ``load`` (the fast tier)
     single tests do, so a file's warm-cache tests run at the file's place, after
     every file without one."""
-    warm = [i for i in items if "warm_cache" in getattr(i, "fixturenames", ())]
-    if warm:
+    if any(_uses(i, "warm_cache") for i in items):
         _start_warm_build()
     order = _file_order(items)
-    position = {id(i): n for n, i in enumerate(items)}
-    items.sort(
-        key=lambda i: (
-            order[i.nodeid.split("::")[0]],
-            "warm_cache" in getattr(i, "fixturenames", ()),
-            position[id(i)],
-        )
-    )
+    items.sort(key=lambda i: (order[_file_of(i)], _uses(i, "warm_cache")))  # stable
 
 
 @pytest.fixture
