@@ -287,6 +287,17 @@ def _uses(item, fixture: str) -> bool:
     return fixture in getattr(item, "fixturenames", ())
 
 
+#: The fixtures that hand out the run's shared Redis and S3 servers: a test that
+#: uses one, directly or through another fixture, holds :func:`shared_servers`.
+SHARED_SERVER_FIXTURES = ("redis_url", "s3_server")
+
+
+def _uses_servers(item) -> bool:
+    """Whether a collected test holds :func:`shared_servers` (see
+    :data:`SHARED_SERVER_FIXTURES`)."""
+    return any(_uses(item, f) for f in ("shared_servers", *SHARED_SERVER_FIXTURES))
+
+
 def _file_order(items) -> dict[str, int]:
     """Each test file's place in the run: files with no test that needs the warm
     cache first, then those with one; in each group the longest first (a file
@@ -308,7 +319,7 @@ def _file_order(items) -> dict[str, int]:
     for i in items:
         row = files.setdefault(_file_of(i), [False, False])
         row[0] |= _uses(i, "warm_cache")
-        row[1] |= _uses(i, "shared_servers")
+        row[1] |= _uses_servers(i)
 
     def cost(path: str) -> float:
         known = _seconds(seconds.get(path))
@@ -340,12 +351,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda i: (order[_file_of(i)], _uses(i, "warm_cache")))  # stable
 
 
+#: Seconds the test waited for :func:`shared_servers`.
+_SERVERS_WAIT = pytest.StashKey[float]()
+
+
 @pytest.fixture
-def shared_servers():
-    """Held for the test: no test of another pytest-xdist worker uses the run's
-    shared Redis and S3 servers meanwhile."""
+def shared_servers(request):
+    """Held for the test: no test of another pytest-xdist worker or tier uses
+    the run's shared Redis and S3 servers meanwhile (tests empty the Redis
+    database and count the servers' requests). The wait is reported per file
+    (:func:`pytest_terminal_summary`)."""
+    start = time.monotonic()
     with FileLock(_shared_dir() / "servers.lock"):
+        request.node.stash[_SERVERS_WAIT] = time.monotonic() - start
         yield
+
+
+@pytest.fixture(autouse=True)
+def _one_test_on_the_shared_servers(request):
+    """A test that uses a fixture of :data:`SHARED_SERVER_FIXTURES` holds
+    :func:`shared_servers`, taken before its function-scoped fixtures (which
+    empty the database). Tests with a server of their own, or none, run beside
+    it. A test that asks for a server fixture at run time
+    (``request.getfixturevalue``) asks for ``shared_servers`` first."""
+    if any(f in request.fixturenames for f in SHARED_SERVER_FIXTURES):
+        request.getfixturevalue("shared_servers")
 
 
 @pytest.fixture(scope="session")
@@ -428,15 +458,18 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     now = _cpu_s()
     rep.cpu_s = now - item.stash.get(_CPU_MARK, now)
+    rep.servers_wait_s = item.stash.get(_SERVERS_WAIT, 0.0) if call.when == "setup" else 0.0
     item.stash[_CPU_MARK] = now
     return rep
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Wall and CPU seconds per test file (setup, call and teardown summed),
-    slowest first, and the same as JSON in ``$KERNEL_CACHE_TEST_DURATIONS`` when
-    that is set. The CPU column is the load a file puts on the machine, which the
-    wall column hides when the other xdist worker competes for the cores."""
+    """Wall and CPU seconds per test file (setup, call and teardown summed), and
+    the seconds its tests waited for :func:`shared_servers` (part of the wall
+    time), slowest first, and the same as JSON in ``$KERNEL_CACHE_TEST_DURATIONS``
+    when that is set. The CPU column is the load a file puts on the machine,
+    which the wall column hides when the other xdist worker competes for the
+    cores."""
     per_file: dict[str, dict[str, float]] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:
@@ -444,16 +477,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             nodeid = getattr(rep, "nodeid", "")
             if duration is None or not nodeid:
                 continue
-            row = per_file.setdefault(nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0})
+            row = per_file.setdefault(
+                nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0, "servers_wait_s": 0.0}
+            )
             row["wall_s"] += duration
             row["cpu_s"] += getattr(rep, "cpu_s", 0.0)
+            row["servers_wait_s"] += getattr(rep, "servers_wait_s", 0.0)
     if not per_file:
         return
     ranked = sorted(per_file.items(), key=lambda kv: -kv[1]["wall_s"])
     total = sum(r["cpu_s"] for r in per_file.values())
-    terminalreporter.write_sep("=", f"seconds per test file: wall, CPU (CPU in all: {total:.1f} s)")
+    waited = sum(r["servers_wait_s"] for r in per_file.values())
+    terminalreporter.write_sep(
+        "=",
+        f"seconds per test file: wall, CPU, waiting for the shared servers "
+        f"(CPU in all: {total:.1f} s; waiting: {waited:.1f} s)",
+    )
     for path, row in ranked:
-        terminalreporter.write_line(f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f}  {path}")
+        terminalreporter.write_line(
+            f"{row['wall_s']:8.1f} {row['cpu_s']:8.1f} {row['servers_wait_s']:8.1f}  {path}"
+        )
     out = os.environ.get("KERNEL_CACHE_TEST_DURATIONS")
     if out:
         doc = {p: {k: round(v, 1) for k, v in row.items()} for p, row in ranked}

@@ -279,8 +279,8 @@ def test_cold_files_first_then_warm_each_longest_first_unknown_counted_longest(s
 def test_a_server_file_is_not_followed_by_another_while_one_without_is_left(seconds):
     seconds({"s1.py": 100, "s2.py": 90, "c.py": 10, "w.py": 200})
     items = [
-        _item("s1.py::t", "shared_servers"),
-        _item("s2.py::t", "shared_servers"),
+        _item("s1.py::t", "s3_server"),  # a fixture of the servers: holds them
+        _item("s2.py::t", "redis_db", "redis_url"),
         _item("c.py::t"),
         _item("w.py::t", "warm_cache"),  # another group: never pulled forward
     ]

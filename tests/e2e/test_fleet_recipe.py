@@ -30,10 +30,6 @@ from ..conftest import ROOT, run_cli, tiny_args
 from ..signing_keys import make_keypair
 from ..store.test_s3_tier import s3, s3_server  # noqa: F401 - fixtures: the shared SeaweedFS server
 
-#: The tests that use the shared Redis and S3 servers run one at a time across
-#: pytest-xdist workers (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.usefixtures("shared_servers")
-
 FLEET = ROOT / "examples" / "fleet"
 JOB = FLEET / "warmup-job.yaml"
 DOCKERFILE = FLEET / "Dockerfile"

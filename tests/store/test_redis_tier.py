@@ -46,10 +46,6 @@ from ..kc_helpers import publish_to_redis, wait_for_pause
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
 from ..signing_keys import make_keypair
 
-#: The tests that use the shared Redis and S3 servers run one at a time across
-#: pytest-xdist workers (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.usefixtures("shared_servers")
-
 
 @pytest.fixture(scope="module")
 def fleet_keys(tmp_path_factory):

@@ -18,8 +18,6 @@ from kernel_cache.store.s3 import S3Settings, S3Tier
 from ..conftest import run_cli
 from .test_s3_tier import _env, s3, s3_server  # noqa: F401 - the fixtures
 
-pytestmark = pytest.mark.usefixtures("shared_servers")
-
 #: the age given to gc-remote: longer than the two commands after the young
 #: objects are written take to start (python and obstore imports, a loaded machine)
 AGE_S = 12
@@ -48,6 +46,7 @@ def test_an_age_reads_as_seconds_and_a_bad_one_names_the_form():
 @pytest.mark.parametrize("where", ["s3", "file"])
 def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, request, tmp_path):
     if where == "s3":
+        request.getfixturevalue("shared_servers")  # before the server's fixture
         store = request.getfixturevalue("s3")
         url, env = store["url"], _env(**store["env"], KERNEL_CACHE_S3_TIMEOUT="15")
     else:
@@ -59,7 +58,13 @@ def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, re
     obstore.put(tier.store, f"leases/{b}", b'{"expires_at": 0}')
     for k in (a, b):  # the index objects a publish writes beside each entry
         obstore.put(tier.store, f"index/runtime/{_keys('r')}/{k}", b"")
-    time.sleep(AGE_S + 1.2)  # a, b, c and the lease are now older than AGE_S
+    if where == "s3":  # the server dates its objects
+        time.sleep(AGE_S + 1.2)  # a, b, c and the lease are now older than AGE_S
+    else:  # a file's date is its mtime
+        old = time.time() - AGE_S - 1.2
+        for f in tmp_path.rglob("*"):
+            if f.is_file():
+                os.utime(f, (old, old))
     assert tier.publish_manifest([a]).ok  # a recent plan lists a
     obstore.put(tier.store, f"entries/{d}", b"y" * 10, mode="create")  # young
 

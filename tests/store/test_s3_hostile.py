@@ -27,9 +27,6 @@ from .test_s3_tier import _env
 s3_server = test_s3_tier.s3_server
 s3 = test_s3_tier.s3
 
-#: The tests that use the shared Redis and S3 servers run one at a time across
-#: pytest-xdist workers (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.usefixtures("shared_servers")
 
 #: Engine start of the tiny plan (model argv[1], cache argv[2]): prints
 #: "missing N" or "loaded"; any exception is the process's own traceback.

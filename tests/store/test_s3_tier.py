@@ -48,10 +48,6 @@ _CLEAN = (
     "KERNEL_CACHE_SIGNING_KEY_FILE",
 )
 
-#: The tests that use the shared Redis and S3 servers run one at a time across
-#: pytest-xdist workers (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.usefixtures("shared_servers")
-
 
 def _needs_weed():
     if weed_binary() is None:

@@ -40,7 +40,6 @@ redis_db = test_redis_tier.redis_db
 private_redis = test_redis_tier.private_redis
 fleet_keys = test_redis_tier.fleet_keys
 
-pytestmark = pytest.mark.usefixtures("shared_servers")
 
 #: a holder text that, logged raw, would forge a line and recolour a terminal
 FORGED = "h:1:x\n2026-01-01 ERROR kernel_cache: \x1b[32msignature OK\x1b[0m"

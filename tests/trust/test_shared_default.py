@@ -31,7 +31,6 @@ s3 = test_s3_tier.s3
 redis_url = test_redis_tier.redis_url
 redis_db = test_redis_tier.redis_db
 
-pytestmark = pytest.mark.usefixtures("shared_servers")
 
 OPT_OUT = "KERNEL_CACHE_INSECURE_ALLOW_UNSIGNED"
 
@@ -220,6 +219,7 @@ def test_warmup_without_a_key_never_publishes_and_says_so_once(
 ):
     """An engine host without keys runs warmup with the fleet's store set: its
     cache holds the whole (unsigned) plan, which warmup used to upload."""
+    request.getfixturevalue("shared_servers")  # before the server's fixture
     if store == "s3":
         url = request.getfixturevalue("bucket")["url"]
         flag, count = "--s3-url", lambda: len(_objects(url))

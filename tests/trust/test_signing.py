@@ -45,10 +45,6 @@ from ..kc_helpers import knowing_cxx
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
 from ..signing_keys import make_keypair, raw_key_id
 
-#: The tests that use the shared Redis and S3 servers run one at a time across
-#: pytest-xdist workers (they empty the Redis database and count the server's requests).
-pytestmark = pytest.mark.usefixtures("shared_servers")
-
 NO_KEYS = {
     ENV_SIGNING_KEY: "",
     ENV_SIGNING_KEY_FILE: "",
