@@ -78,6 +78,12 @@ RUNTIME_API: tuple[PrivateAPI, ...] = (
         "kernels/builtin.py: the CPU prefill kernel's flash attention",
         CHECKED,
     ),
+    PrivateAPI(
+        "torch.ops.higher_order.cond",
+        "kernels/builtin.py: torch.cond's operator, called under torch.export (pred, "
+        "true_fn, false_fn, operands); each branch returns a tuple",
+        CHECKED,
+    ),
 )
 
 _BY_NAME = {api.name: api for api in RUNTIME_API}
@@ -287,3 +293,17 @@ def cpu_flash_attention() -> Any:
     import torch
 
     return attribute(torch.ops.aten, "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")
+
+
+def cond_operator() -> Any:
+    """The operator behind ``torch.cond`` (``(pred, true_fn, false_fn, operands)
+    -> tuple``): called while ``torch.export`` traces, it traces both branches
+    with export's own tracer, where ``torch.cond`` first compiles the call with
+    Dynamo.
+
+    Raises:
+        TorchAPIDriftError: torch has no such operator.
+    """
+    import torch
+
+    return attribute(torch.ops.higher_order, "torch.ops.higher_order.cond")

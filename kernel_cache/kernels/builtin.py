@@ -343,12 +343,23 @@ class RealKVBatchedDecode(BatchedDecode):
 
 
 def _cond(pred, true_fn, false_fn, args):
-    """``torch.cond`` under ``torch.export`` (warmup's compile); the plain ``if``
-    otherwise: eagerly (``torch.cond`` outside a trace compiles its branches)
-    and under ``torch.compile``, where the ``if`` is a graph break (Dynamo's
-    ``torch.cond`` refuses these branches as aliasing their operands)."""
+    """``torch.cond``'s operator under ``torch.export`` (warmup's compile); the
+    plain ``if`` otherwise: eagerly (``torch.cond`` outside a trace compiles its
+    branches) and under ``torch.compile``, where the ``if`` is a graph break
+    (Dynamo's ``torch.cond`` refuses these branches as aliasing their operands).
+
+    The operator (:func:`kernel_cache.torch_compat.cond_operator`) traces the
+    branches with export's own tracer; ``torch.cond`` would first compile the
+    call with Dynamo, which took 2.5-5.7 s of CPU of a tiny variant's compile
+    against 0.2-0.7 s, for the same kernels (docs/benchmarks/compile.md). The
+    operator traces a branch as a function of its positional parameters (a bound
+    method's ``self`` would count as one) that returns a tuple: hence the
+    wrappers."""
     if torch.compiler.is_exporting():
-        return torch.cond(pred, true_fn, false_fn, args)
+        (out,) = torch_compat.cond_operator()(
+            pred, lambda *a: (true_fn(*a),), lambda *a: (false_fn(*a),), tuple(args)
+        )
+        return out
     return true_fn(*args) if bool(pred) else false_fn(*args)
 
 
