@@ -372,8 +372,9 @@ def _one_test_on_the_shared_servers(request):
     """A test that uses a fixture of :data:`SHARED_SERVER_FIXTURES` holds
     :func:`shared_servers`, taken before its function-scoped fixtures (which
     empty the database). Tests with a server of their own, or none, run beside
-    it. A test that asks for a server fixture at run time
-    (``request.getfixturevalue``) asks for ``shared_servers`` first."""
+    it. The function-scoped fixtures that hand out a shared server (``s3``,
+    ``redis_db``) also take the lock, for a test that asks for one at run time
+    (``request.getfixturevalue``)."""
     if any(f in request.fixturenames for f in SHARED_SERVER_FIXTURES):
         request.getfixturevalue("shared_servers")
 
@@ -458,7 +459,9 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     now = _cpu_s()
     rep.cpu_s = now - item.stash.get(_CPU_MARK, now)
-    rep.servers_wait_s = item.stash.get(_SERVERS_WAIT, 0.0) if call.when == "setup" else 0.0
+    rep.servers_wait_s = item.stash.get(_SERVERS_WAIT, 0.0)  # the phase that took the lock
+    if _SERVERS_WAIT in item.stash:
+        del item.stash[_SERVERS_WAIT]
     item.stash[_CPU_MARK] = now
     return rep
 

@@ -75,8 +75,9 @@ def redis_url():
 
 
 @pytest.fixture
-def redis_db(redis_url, monkeypatch):
-    """An empty Redis database for one test, and no fleet settings leaking in."""
+def redis_db(shared_servers, redis_url, monkeypatch):
+    """An empty Redis database for one test, and no fleet settings leaking in;
+    the servers' lock held (also when a test asks for this fixture at run time)."""
     for var in (ENV_REDIS_URL, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, ENV_TRUSTED_KEYS):
         monkeypatch.delenv(var, raising=False)
     tier = RedisTier(redis_url, fail_open=False)

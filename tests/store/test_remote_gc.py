@@ -18,7 +18,7 @@ from kernel_cache.store.s3 import S3Settings, S3Tier
 from ..conftest import run_cli
 from .test_s3_tier import _env, s3, s3_server  # noqa: F401 - the fixtures
 
-#: the age given to gc-remote: longer than the two commands after the young
+#: the age given to gc-remote on S3: longer than the two commands after the young
 #: objects are written take to start (python and obstore imports, a loaded machine)
 AGE_S = 12
 
@@ -43,14 +43,31 @@ def test_an_age_reads_as_seconds_and_a_bad_one_names_the_form():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["s3", "file"])
-def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, request, tmp_path):
-    if where == "s3":
-        request.getfixturevalue("shared_servers")  # before the server's fixture
-        store = request.getfixturevalue("s3")
-        url, env = store["url"], _env(**store["env"], KERNEL_CACHE_S3_TIMEOUT="15")
-    else:
-        url, env = f"file://{tmp_path}", _env()
+def test_gc_remote_on_s3_removes_old_unreferenced_entries_and_keeps_the_rest(s3):  # noqa: F811
+    """The server dates its objects: the test waits until they are old enough."""
+    url, env = s3["url"], _env(**s3["env"], KERNEL_CACHE_S3_TIMEOUT="15")
+    _gc_removes_old_unreferenced_entries(url, env, AGE_S, lambda: time.sleep(AGE_S + 1.2))
+
+
+def test_gc_remote_on_a_directory_removes_old_unreferenced_entries_and_keeps_the_rest(tmp_path):
+    """A file's date is its mtime: the test dates the old files back two hours
+    and gives an age of one hour, so the young ones stay young however slowly
+    the commands start."""
+
+    def age_them() -> None:
+        old = time.time() - 7200
+        for f in tmp_path.rglob("*"):
+            if f.is_file():
+                os.utime(f, (old, old))
+
+    _gc_removes_old_unreferenced_entries(f"file://{tmp_path}", _env(), 3600, age_them)
+
+
+def _gc_removes_old_unreferenced_entries(url: str, env: dict, age_s: int, age_them) -> None:
+    """Three entries (a, b, c), b's lease and the index objects of a and b, then
+    ``age_them()`` makes them older than ``age_s``; then a manifest listing a and
+    a young entry d. ``gc-remote --older-than age_s`` removes b, c, b's lease and
+    b's index object, and keeps the rest: read back from the store."""
     tier = S3Tier(S3Settings(url=url, timeout_s=15), fail_open=False)
     a, b, c, d = (_keys(t) for t in "abcd")
     for k in (a, b, c):
@@ -58,17 +75,11 @@ def test_gc_remote_removes_old_unreferenced_entries_and_keeps_the_rest(where, re
     obstore.put(tier.store, f"leases/{b}", b'{"expires_at": 0}')
     for k in (a, b):  # the index objects a publish writes beside each entry
         obstore.put(tier.store, f"index/runtime/{_keys('r')}/{k}", b"")
-    if where == "s3":  # the server dates its objects
-        time.sleep(AGE_S + 1.2)  # a, b, c and the lease are now older than AGE_S
-    else:  # a file's date is its mtime
-        old = time.time() - AGE_S - 1.2
-        for f in tmp_path.rglob("*"):
-            if f.is_file():
-                os.utime(f, (old, old))
+    age_them()  # a, b, c and the lease are now older than age_s
     assert tier.publish_manifest([a]).ok  # a recent plan lists a
     obstore.put(tier.store, f"entries/{d}", b"y" * 10, mode="create")  # young
 
-    age = ("--remote-url", url, "--older-than", f"{AGE_S}s")
+    age = ("--remote-url", url, "--older-than", f"{age_s}s")
     dry = run_cli("gc-remote", *age, "--dry-run", "--json", env=env)
     assert dry.returncode == 0, dry.stderr
     doomed = [f"entries/{b}", f"entries/{c}", f"leases/{b}", f"index/runtime/{_keys('r')}/{b}"]

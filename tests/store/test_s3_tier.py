@@ -68,9 +68,10 @@ def s3_server():
 
 
 @pytest.fixture
-def s3(s3_server, monkeypatch):
+def s3(shared_servers, s3_server, monkeypatch):
     """An empty prefix of the test bucket for this test, the AWS variables
-    pointing at the server, and no other fleet settings leaking in."""
+    pointing at the server, and no other fleet settings leaking in; the servers'
+    lock held (also when a test asks for this fixture at run time)."""
     for var in _CLEAN:
         monkeypatch.delenv(var, raising=False)
     endpoint, metrics = s3_server

@@ -563,7 +563,8 @@ def redis_url():
 
 
 @pytest.fixture
-def redis_db(redis_url):
+def redis_db(shared_servers, redis_url):
+    """The shared Redis, emptied, as a tier; the servers' lock held."""
     tier = RedisTier(redis_url, fail_open=False)
     tier.client.flushdb()
     yield tier
