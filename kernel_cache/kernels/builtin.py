@@ -350,11 +350,13 @@ def _cond(pred, true_fn, false_fn, args):
 
     The operator (:func:`kernel_cache.torch_compat.cond_operator`) traces the
     branches with export's own tracer; ``torch.cond`` would first compile the
-    call with Dynamo, which took 2.5-5.7 s of CPU of a tiny variant's compile
-    against 0.2-0.7 s, for the same kernels (docs/benchmarks/compile.md). The
-    operator traces a branch as a function of its positional parameters (a bound
-    method's ``self`` would count as one) that returns a tuple: hence the
-    wrappers."""
+    call with Dynamo: 2.5-5.7 s of CPU in the call against 0.2-0.7 s, 1.0-3.8 s
+    less for a tiny variant's whole compile, the same kernels
+    (docs/benchmarks/compile.md). The operator traces a branch as a function of
+    its positional parameters (a bound method's ``self`` would count as one)
+    that returns a tuple: hence the wrappers. Every tensor a branch reads must be
+    one of ``args``: the operator does not lift a tensor a branch captures, as
+    Dynamo did."""
     if torch.compiler.is_exporting():
         (out,) = torch_compat.cond_operator()(
             pred, lambda *a: (true_fn(*a),), lambda *a: (false_fn(*a),), tuple(args)

@@ -465,6 +465,16 @@ def test_fp8_tiny_plan_warms_loads_and_dispatches_like_the_reference(tiny_model,
         query = torch.randn(q, 4, 8, generator=g)
         out = rt.prefill(query, kc, vc, bt, seq_len, k_scale=ks, v_scale=vs)
         errs.append(float((out - reference_attention(query, kd, vd, bt, seq_len)).abs().max()))
+    # A NaN key among the positions a prefill sees: the compiled kernel recomputes
+    # the chunk with the plain kernel (its non-finite branch, given the scales),
+    # NaN where the reference on the dequantized pool is NaN, equal elsewhere.
+    bt, query = torch.tensor([5, 5], dtype=torch.int32), torch.randn(5, 4, 8, generator=g)
+    kn = kc.clone()
+    kn.view(torch.uint8)[5, 3, 0, 0] = 0x7F  # e4m3's NaN, position 3 of block 5
+    out = rt.prefill(query, kn, vc, bt, 17, k_scale=ks, v_scale=vs)
+    ref = reference_attention(query, dequantize(kn, ks), vd, bt, 17)
+    assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan())
+    errs.append(float((out - ref)[ref.isfinite()].abs().max()))
     lens = [32, 1, 20, 16]
     bt = torch.randint(0, 9, (4, 2), generator=g, dtype=torch.int32)
     bt[:, 1] = bt[:, 0]

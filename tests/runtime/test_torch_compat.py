@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tokenize
+import types
 import zipfile
 from pathlib import Path
 
@@ -398,3 +399,23 @@ def test_warmups_load_check_reports_drift_as_such(tmp_path):
     (rejected,) = [e for e in events if e["event"] == "rejected"]
     assert "torch._C._aoti.AOTIModelPackageLoader is missing" in rejected["error"]
     assert "pin torch to a checked version" in rejected["error"]
+
+
+@pytest.mark.parametrize(
+    "accessor, namespace, api",
+    [
+        ("cond_operator", "higher_order", "torch.ops.higher_order.cond"),
+        (
+            "cpu_flash_attention",
+            "aten",
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        ),
+    ],
+)
+def test_a_missing_kernel_operator_is_drift(monkeypatch, accessor, namespace, api):
+    """The CPU kernels' operators, reached under export: a torch without one
+    raises the drift error naming it, not an AttributeError from the trace."""
+    monkeypatch.setattr(torch.ops, namespace, types.SimpleNamespace())
+    with pytest.raises(TorchAPIDriftError) as e:
+        getattr(runtime_compat, accessor)()
+    assert_drift(e.value, api)
