@@ -278,7 +278,8 @@ def _seconds(row) -> float | None:
 
 
 def _file_of(item) -> str:
-    """The test file of a collected test: its node id up to ``::``."""
+    """The test file of a collected test or of a test's report: its node id up
+    to ``::``."""
     return item.nodeid.split("::")[0]
 
 
@@ -481,7 +482,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if duration is None or not nodeid:
                 continue
             row = per_file.setdefault(
-                nodeid.split("::")[0], {"wall_s": 0.0, "cpu_s": 0.0, "servers_wait_s": 0.0}
+                _file_of(rep), {"wall_s": 0.0, "cpu_s": 0.0, "servers_wait_s": 0.0}
             )
             row["wall_s"] += duration
             row["cpu_s"] += getattr(rep, "cpu_s", 0.0)
