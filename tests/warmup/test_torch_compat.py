@@ -242,3 +242,59 @@ def test_torch_state_is_put_back_when_the_compile_raises_inside_the_blocks():
             assert codecache.convert_cubin_to_obj is not original
             raise RuntimeError("compile failed")
     assert vars(table)["set"] is own and codecache.convert_cubin_to_obj is original
+
+
+def test_the_index_analysis_is_computed_once_across_compiles_and_torchs_caches_come_back(
+    monkeypatch,
+):
+    """More distinct index expressions than torch's 128 cache entries, asked
+    for in one block and again in the next (a worker's next compile): the
+    function itself runs once per expression (counted in the function, not
+    by the cache), and torch's own caches are back after each block."""
+    import sympy
+    from torch._inductor import sizevars
+    from torch._inductor.codegen import cpp
+
+    runs, real = [], sizevars.stride_at.__wrapped__
+
+    def stride_at(index, var):
+        runs.append(index)
+        return real(index, var)
+
+    torchs = functools.lru_cache(maxsize=128)(stride_at)
+    monkeypatch.setattr(sizevars, "stride_at", torchs)
+    originals = {n: getattr(sizevars, n) for n in ("simplify_index_in_vec_range", "stride_at")}
+    x = sympy.Symbol("x0", integer=True, nonnegative=True)
+    exprs = [k * x + k for k in range(1, 301)]
+    for _ in range(2):
+        with torch_compat.index_analysis_kept():
+            assert sizevars.stride_at is not torchs
+            assert cpp.stride_at_vec_range is sizevars.stride_at_vec_range
+            assert [sizevars.stride_at(e, x) for e in exprs] == list(range(1, 301))
+        assert {n: getattr(sizevars, n) for n in originals} == originals
+        assert cpp.stride_at_vec_range is sizevars.stride_at_vec_range
+    assert len(runs) == len(exprs) == len(set(runs))
+    assert [torchs(e, x) for e in exprs[:2]] == [1, 2] and len(runs) == len(exprs) + 2
+
+
+@pytest.mark.parametrize("how", ["missing", "uncached", "not the user's"])
+def test_an_index_analysis_of_another_form_is_drift(monkeypatch, how):
+    from torch._inductor import sizevars
+    from torch._inductor.codegen import cpp
+
+    api = "torch._inductor.sizevars.simplify_index_in_vec_range"
+    if how == "missing":
+        monkeypatch.delattr(sizevars, "simplify_index_in_vec_range")
+        why = "is missing"
+    elif how == "uncached":
+        monkeypatch.setattr(sizevars, "simplify_index_in_vec_range", lambda i, v, n: i)
+        why = "is not a functools.lru_cache of a function"
+    else:
+        monkeypatch.setattr(cpp, "stride_at_vec_range", functools.lru_cache(lambda i, v, n: 0))
+        api, why = "torch._inductor.codegen.cpp.stride_at_vec_range", "is not torch._inductor"
+    before = (sizevars.stride_at, sizevars.stride_at_vec_range, cpp.stride_at_vec_range)
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.index_analysis_kept():
+            raise AssertionError("never entered")
+    assert_drift(e.value, api, why)
+    assert (sizevars.stride_at, sizevars.stride_at_vec_range, cpp.stride_at_vec_range) == before
