@@ -44,14 +44,9 @@ _VALID_ISAS = "torch._inductor.cpu_vec_isa.valid_vec_isa_list"
 _AOTI = "torch._inductor.aoti_compile_and_package"
 _GPU_KERNELS = "torch._inductor.codecache.CudaKernelParamCache"
 _CUBIN_OBJECT = "torch._inductor.codecache.convert_cubin_to_obj"
-_SIZEVARS = "torch._inductor.sizevars"
-#: Inductor's CPU index analysis: pure functions of sympy expressions, each a
-#: ``functools.lru_cache`` of 128 entries (:func:`index_analysis_kept`).
-_INDEX_ANALYSIS = tuple(
-    f"{_SIZEVARS}.{n}" for n in ("stride_at", "simplify_index_in_vec_range", "stride_at_vec_range")
-)
-#: The CPU code generator's own name for the last of them (imported by name).
-_INDEX_ANALYSIS_USER = "torch._inductor.codegen.cpp.stride_at_vec_range"
+#: The CPU code generator's stride analysis (``index_analysis_kept``): defined in
+#: ``torch._inductor.sizevars`` and imported by name in 2.13, defined here in 2.11.
+_STRIDE = "torch._inductor.codegen.cpp.stride_at_vec_range"
 
 #: Every private torch name the build uses.
 BUILD_API: tuple[PrivateAPI, ...] = (
@@ -104,16 +99,14 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         CHECKED,
     ),
     PrivateAPI(_HEADER_DIR, "builder/normalize.py: the precompiled headers' folder", CHECKED),
-    *(
-        PrivateAPI(
-            n,
-            "builder/compiler.py: its functools.lru_cache replaced by a larger one of the "
-            "same function (__wrapped__), kept across the compiles of a process",
-            CHECKED,
-        )
-        for n in (*_INDEX_ANALYSIS, _INDEX_ANALYSIS_USER)
-    ),
     PrivateAPI(_HEADER_LOCK_DIR, "builder/normalize.py: its lock folder", CHECKED),
+    PrivateAPI(
+        _STRIDE,
+        "builder/compiler.py: (index, var, vec_length), a functools.lru_cache of 128 entries "
+        "that the CPU code generator calls by this name; wrapped in a larger cache kept across "
+        "the compiles of a process",
+        CHECKED,
+    ),
 )
 
 _BY_NAME = {api.name: api for api in BUILD_API}
@@ -437,62 +430,47 @@ def header_dir(path: str) -> Iterator[None]:
         codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved
 
 
-#: Entries of each cache :func:`index_analysis_kept` keeps per process. A
-#: prefill variant of the default plan makes about 150 distinct calls of each
-#: function and a decode variant about 20 (torch 2.13), so this holds those of
-#: about a hundred prefill variants; each entry is one small sympy expression.
+#: Entries of the cache :func:`index_analysis_kept` keeps per process. A prefill
+#: variant of the default plan asks for about 150 distinct strides, a decode
+#: variant about 20 (torch 2.13, ``benchmarks/index_analysis.py``), so this holds
+#: those of about a hundred prefill variants, each entry a small sympy expression.
 INDEX_ANALYSIS_KEPT = 1 << 14
 _KEPT: dict[str, Callable] = {}
 
 
 @contextlib.contextmanager
 def index_analysis_kept() -> Iterator[None]:
-    """Inductor's CPU index analysis (``stride_at``,
-    ``simplify_index_in_vec_range`` and ``stride_at_vec_range`` in
-    ``torch._inductor.sizevars``) cached in :data:`INDEX_ANALYSIS_KEPT`
-    entries per function for the block, the caches kept for the process's
-    later blocks; torch's own put back after.
+    """The CPU code generator's stride analysis
+    (``torch._inductor.codegen.cpp.stride_at_vec_range(index, var, vec_length)``)
+    behind a cache of :data:`INDEX_ANALYSIS_KEPT` entries for the block, the
+    cache kept for the process's later blocks; torch's function put back after.
 
-    Choosing how to vectorize each loop, Inductor's CPU code generator asks
-    for the stride of every index expression along the loop variables, which
-    ``sympy.simplify`` works out. Torch caches each function in 128 entries;
-    one prefill variant of the default plan asks for about 150, so a worker's
-    next variant finds none of the expressions they share (most of them: the
-    sizes are symbols). Measured with torch 2.13 on this project's CPU
-    machine, in one process: the second of two prefill variants of the
-    default plan (``paged_attention:512:2:1``, then ``:512:4:1``) took 10.7 s
-    of process CPU with torch's caches, 5.7-6.0 s with these; 4.2-4.4 s of the
-    first went into ``simplify_index_in_vec_range`` (docs/benchmarks/compile.md).
-    The functions are the ones torch caches (``__wrapped__``), so a result is
-    the one torch computes; the simplified expression serves the analysis,
-    not the generated code.
+    Choosing how to vectorize a loop, the code generator asks for the stride of
+    every index expression along the loop variables, which ``sympy.simplify``
+    works out. Torch caches the function in 128 entries, and one prefill
+    variant of the default plan asks for about 150, so a worker's next variant
+    finds none of the expressions the two share (most of them: the sizes are
+    symbols). ``benchmarks/index_analysis.py`` (docs/benchmarks/compile.md) has
+    the CPU this saves.
+
+    Torch caching the function is what makes a kept result safe to reuse: it
+    is a function of its arguments alone (sympy expressions, compared by
+    value), and a result equal to the one torch would compute prints the same
+    C++. A function torch does not cache is not wrapped.
 
     Raises:
-        TorchAPIDriftError: a function is missing or is not a
-            ``functools.lru_cache`` of a function, or the CPU code generator
-            does not call the one in ``sizevars``.
+        TorchAPIDriftError: the function is missing, or is not a
+            ``functools.lru_cache``.
     """
-    sizevars = _module(_SIZEVARS)
-    cpp = _module(_INDEX_ANALYSIS_USER.rpartition(".")[0])
-    originals = {}
-    for dotted in _INDEX_ANALYSIS:
-        fn = _get(dotted)
-        if not callable(getattr(fn, "__wrapped__", None)) or not callable(
-            getattr(fn, "cache_info", None)
-        ):
-            raise drift(dotted, "is not a functools.lru_cache of a function", _BY_NAME)
-        originals[dotted] = fn
-    if _get(_INDEX_ANALYSIS_USER) is not originals[_INDEX_ANALYSIS[-1]]:
-        raise drift(_INDEX_ANALYSIS_USER, f"is not {_INDEX_ANALYSIS[-1]}", _BY_NAME)
-    for dotted, fn in originals.items():
-        kept = _KEPT.get(dotted)
-        if kept is None or kept.__wrapped__ is not fn.__wrapped__:
-            kept = _KEPT[dotted] = functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(fn.__wrapped__)
-        setattr(sizevars, dotted.rpartition(".")[2], kept)
-    cpp.stride_at_vec_range = _KEPT[_INDEX_ANALYSIS[-1]]
+    cpp = _module(_STRIDE.rpartition(".")[0])
+    original = _get(_STRIDE)
+    if not callable(original) or not callable(getattr(original, "cache_info", None)):
+        raise drift(_STRIDE, "is not cached by torch (functools.lru_cache)", _BY_NAME)
+    kept = _KEPT.get(_STRIDE)
+    if kept is None or kept.__wrapped__ is not original:
+        kept = _KEPT[_STRIDE] = functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(original)
+    cpp.stride_at_vec_range = kept
     try:
         yield
     finally:
-        for dotted, fn in originals.items():
-            setattr(sizevars, dotted.rpartition(".")[2], fn)
-        cpp.stride_at_vec_range = originals[_INDEX_ANALYSIS[-1]]
+        cpp.stride_at_vec_range = original

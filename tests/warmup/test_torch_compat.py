@@ -232,69 +232,68 @@ def test_a_cubin_file_name_with_odd_characters_still_gets_the_kernels_symbols(tm
 
 
 def test_torch_state_is_put_back_when_the_compile_raises_inside_the_blocks():
+    from torch._inductor.codegen import cpp
+
     table = codecache.CudaKernelParamCache
     own, original = vars(table)["set"], codecache.convert_cubin_to_obj
+    stride = cpp.stride_at_vec_range
     with pytest.raises(RuntimeError, match="compile failed"):
         with (
             torch_compat.gpu_kernels_in_name_order(),
             torch_compat.cubin_objects_named_by_content(),
+            torch_compat.index_analysis_kept(),
         ):
             assert codecache.convert_cubin_to_obj is not original
+            assert cpp.stride_at_vec_range is not stride
             raise RuntimeError("compile failed")
     assert vars(table)["set"] is own and codecache.convert_cubin_to_obj is original
+    assert cpp.stride_at_vec_range is stride
 
 
-def test_the_index_analysis_is_computed_once_across_compiles_and_torchs_caches_come_back(
-    monkeypatch,
-):
+def test_the_stride_analysis_runs_once_per_expression_across_compiles(monkeypatch):
     """More distinct index expressions than torch's 128 cache entries, asked
-    for in one block and again in the next (a worker's next compile): the
-    function itself runs once per expression (counted in the function, not
-    by the cache), and torch's own caches are back after each block."""
+    for through the code generator's name in one block and again in the next
+    (a worker's next compile): the function runs once per expression (counted
+    inside it, not by a cache), and torch's function is back after each block."""
     import sympy
-    from torch._inductor import sizevars
     from torch._inductor.codegen import cpp
 
-    runs, real = [], sizevars.stride_at.__wrapped__
+    runs, real = [], cpp.stride_at_vec_range.__wrapped__
 
-    def stride_at(index, var):
+    def stride_at_vec_range(index, var, vec_length=None):
         runs.append(index)
-        return real(index, var)
+        return real(index, var, vec_length)
 
-    torchs = functools.lru_cache(maxsize=128)(stride_at)
-    monkeypatch.setattr(sizevars, "stride_at", torchs)
-    originals = {n: getattr(sizevars, n) for n in ("simplify_index_in_vec_range", "stride_at")}
+    torchs = functools.lru_cache(maxsize=128)(stride_at_vec_range)
+    monkeypatch.setattr(cpp, "stride_at_vec_range", torchs)
+    monkeypatch.setattr(torch_compat, "_KEPT", {})  # no cache of another test's function
     x = sympy.Symbol("x0", integer=True, nonnegative=True)
     exprs = [k * x + k for k in range(1, 301)]
     for _ in range(2):
         with torch_compat.index_analysis_kept():
-            assert sizevars.stride_at is not torchs
-            assert cpp.stride_at_vec_range is sizevars.stride_at_vec_range
-            assert [sizevars.stride_at(e, x) for e in exprs] == list(range(1, 301))
-        assert {n: getattr(sizevars, n) for n in originals} == originals
-        assert cpp.stride_at_vec_range is sizevars.stride_at_vec_range
+            assert cpp.stride_at_vec_range is not torchs
+            assert [cpp.stride_at_vec_range(e, x, 8) for e in exprs] == list(range(1, 301))
+        assert cpp.stride_at_vec_range is torchs
     assert len(runs) == len(exprs) == len(set(runs))
-    assert [torchs(e, x) for e in exprs[:2]] == [1, 2] and len(runs) == len(exprs) + 2
+    for e in exprs:  # torch's own 128 entries, asked again in the same order: none kept
+        torchs(e, x, 8)
+    assert len(runs) == 2 * len(exprs)
 
 
-@pytest.mark.parametrize("how", ["missing", "uncached", "not the user's"])
-def test_an_index_analysis_of_another_form_is_drift(monkeypatch, how):
-    from torch._inductor import sizevars
+@pytest.mark.parametrize("how", ["missing", "uncached"])
+def test_a_stride_analysis_of_another_form_is_drift(monkeypatch, how):
     from torch._inductor.codegen import cpp
 
-    api = "torch._inductor.sizevars.simplify_index_in_vec_range"
+    api = "torch._inductor.codegen.cpp.stride_at_vec_range"
     if how == "missing":
-        monkeypatch.delattr(sizevars, "simplify_index_in_vec_range")
+        monkeypatch.delattr(cpp, "stride_at_vec_range")
         why = "is missing"
-    elif how == "uncached":
-        monkeypatch.setattr(sizevars, "simplify_index_in_vec_range", lambda i, v, n: i)
-        why = "is not a functools.lru_cache of a function"
     else:
-        monkeypatch.setattr(cpp, "stride_at_vec_range", functools.lru_cache(lambda i, v, n: 0))
-        api, why = "torch._inductor.codegen.cpp.stride_at_vec_range", "is not torch._inductor"
-    before = (sizevars.stride_at, sizevars.stride_at_vec_range, cpp.stride_at_vec_range)
+        monkeypatch.setattr(cpp, "stride_at_vec_range", lambda index, var, vec_length=None: 0)
+        why = "is not cached by torch (functools.lru_cache)"
+    before = getattr(cpp, "stride_at_vec_range", None)
     with pytest.raises(TorchAPIDriftError) as e:
         with torch_compat.index_analysis_kept():
             raise AssertionError("never entered")
     assert_drift(e.value, api, why)
-    assert (sizevars.stride_at, sizevars.stride_at_vec_range, cpp.stride_at_vec_range) == before
+    assert getattr(cpp, "stride_at_vec_range", None) is before

@@ -426,13 +426,6 @@ def _config_changes(before: dict) -> list[str]:
     return changed
 
 
-def _index_analysis_kept(device: str) -> contextlib.AbstractContextManager:
-    """Inductor's CPU index analysis cached across the process's compiles
-    (:func:`warmup.torch_compat.index_analysis_kept`); CUDA code is Triton's, which
-    does not run it."""
-    return torch_compat.index_analysis_kept() if device == "cpu" else contextlib.nullcontext()
-
-
 def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, info=None):
     """The export (in ``window``) and the AOTInductor compile of
     :func:`compile_with_options`."""
@@ -470,7 +463,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
                 _host_march(march),
                 torch_compat.gpu_kernels_in_name_order(),
                 torch_compat.cubin_objects_named_by_content(),
-                _index_analysis_kept(config.device),
+                torch_compat.index_analysis_kept(),
                 build_paths_mapped(tmp, pch_dir) as paths,
             ):
                 compile_and_package(ep, package_path=path, inductor_configs=opts)
