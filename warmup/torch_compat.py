@@ -431,9 +431,9 @@ def header_dir(path: str) -> Iterator[None]:
 
 
 #: Entries of the cache :func:`index_analysis_kept` keeps per process. A prefill
-#: variant of the default plan asks for about 150 distinct strides, a decode
-#: variant about 20 (torch 2.13, ``benchmarks/index_analysis.py``), so this holds
-#: those of about a hundred prefill variants, each entry a small sympy expression.
+#: variant of the default plan asks for 150-260 distinct strides (torch 2.13,
+#: ``benchmarks/index_analysis.py``), so this holds those of about sixty such
+#: variants; each entry is one small sympy expression.
 INDEX_ANALYSIS_KEPT = 1 << 14
 _KEPT: dict[str, Callable] = {}
 
@@ -448,7 +448,7 @@ def index_analysis_kept() -> Iterator[None]:
     Choosing how to vectorize a loop, the code generator asks for the stride of
     every index expression along the loop variables, which ``sympy.simplify``
     works out. Torch caches the function in 128 entries, and one prefill
-    variant of the default plan asks for about 150, so a worker's next variant
+    variant of the default plan asks for 150-260, so a worker's next variant
     finds none of the expressions the two share (most of them: the sizes are
     symbols). ``benchmarks/index_analysis.py`` (docs/benchmarks/compile.md) has
     the CPU this saves.
