@@ -435,7 +435,13 @@ def header_dir(path: str) -> Iterator[None]:
 #: ``benchmarks/index_analysis.py``), so this holds those of about sixty such
 #: variants; each entry is one small sympy expression.
 INDEX_ANALYSIS_KEPT = 1 << 14
-_KEPT: dict[str, Callable] = {}
+
+
+@functools.cache
+def _kept(original: Callable) -> Callable:
+    """The process's cache of :data:`INDEX_ANALYSIS_KEPT` entries around torch's
+    ``original`` function, made at its first use."""
+    return functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(original)
 
 
 @contextlib.contextmanager
@@ -466,10 +472,7 @@ def index_analysis_kept() -> Iterator[None]:
     original = _get(_STRIDE)
     if not callable(original) or not callable(getattr(original, "cache_info", None)):
         raise drift(_STRIDE, "is not cached by torch (functools.lru_cache)", _BY_NAME)
-    kept = _KEPT.get(_STRIDE)
-    if kept is None or kept.__wrapped__ is not original:
-        kept = _KEPT[_STRIDE] = functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(original)
-    cpp.stride_at_vec_range = kept
+    cpp.stride_at_vec_range = _kept(original)
     try:
         yield
     finally:

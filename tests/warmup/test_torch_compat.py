@@ -266,7 +266,8 @@ def test_the_stride_analysis_runs_once_per_expression_across_compiles(monkeypatc
 
     torchs = functools.lru_cache(maxsize=128)(stride_at_vec_range)
     monkeypatch.setattr(cpp, "stride_at_vec_range", torchs)
-    monkeypatch.setattr(torch_compat, "_KEPT", {})  # no cache of another test's function
+    # a factory of its own: no kept cache of this test's function outlives it
+    monkeypatch.setattr(torch_compat, "_kept", functools.cache(torch_compat._kept.__wrapped__))
     x = sympy.Symbol("x0", integer=True, nonnegative=True)
     exprs = [k * x + k for k in range(1, 301)]
     for _ in range(2):
