@@ -38,6 +38,9 @@ _RUN = "torch._inductor.cpp_builder._run_compile_cmd"
 _CFLAGS = "torch._inductor.cpp_builder._get_optimization_cflags"
 _HEADER_DIR = "torch._inductor.codecache._HEADER_DIR"
 _HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
+#: Builds a precompiled header in ``_HEADER_DIR`` and returns its path, cached
+#: per process (``functools.cache``) on arguments that do not name the folder.
+_BUILT_HEADERS = "torch._inductor.codecache._precompile_header"
 _PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
 _ISA_LIST = "torch._inductor.cpu_vec_isa.supported_vec_isa_list"
 _VALID_ISAS = "torch._inductor.cpu_vec_isa.valid_vec_isa_list"
@@ -100,6 +103,12 @@ BUILD_API: tuple[PrivateAPI, ...] = (
     ),
     PrivateAPI(_HEADER_DIR, "builder/normalize.py: the precompiled headers' folder", CHECKED),
     PrivateAPI(_HEADER_LOCK_DIR, "builder/normalize.py: its lock folder", CHECKED),
+    PrivateAPI(
+        _BUILT_HEADERS,
+        "builder/normalize.py: its per-process cache of header paths (functools.cache), "
+        "cleared when the folder changes",
+        CHECKED,
+    ),
     PrivateAPI(
         _STRIDE,
         "builder/compiler.py: (index, var, vec_length), a functools.lru_cache of 128 entries "
@@ -414,20 +423,63 @@ def header_dir(path: str) -> Iterator[None]:
     """Inductor's precompiled headers' folder (read when a header is built) set
     to ``path`` (its locks in ``path/locks``) for the block, and put back after.
 
+    Inductor keeps the path of each header it built for the rest of the process
+    (``_precompile_header``, a ``functools.cache`` whose arguments do not name
+    the folder). Entering with another folder than the last block's (a second
+    ``jobs=0`` warmup into another cache) clears that cache first, so no
+    compile includes a header of another folder, whose path would be in the
+    package (:func:`headers_forgotten` clears it after the last block).
+
     Raises:
         TorchAPIDriftError: the folder's variables are missing (setting them
-            would have no effect) or are not strings.
+            would have no effect) or are not strings, or the header builder is
+            missing or not a ``functools`` cache.
     """
+    global _headers_of
     codecache = _module(_HEADER_DIR.rpartition(".")[0])
     saved = tuple(attribute(codecache, n, _BY_NAME) for n in (_HEADER_DIR, _HEADER_LOCK_DIR))
     for n, v in zip((_HEADER_DIR, _HEADER_LOCK_DIR), saved, strict=True):
         if not isinstance(v, str):
             raise drift(n, f"is a {type(v).__name__}, not a folder's path", _BY_NAME)
+    if _headers_of != path:
+        _built_headers().cache_clear()
+        _headers_of = path
     codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = path, os.path.join(path, "locks")
     try:
         yield
     finally:
         codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved
+
+
+#: The folder whose headers' paths Inductor's cache of built headers holds
+#: (:func:`header_dir`); None: not one a block set.
+_headers_of: str | None = None
+
+
+def _built_headers() -> Callable:
+    """Inductor's ``_precompile_header``.
+
+    Raises:
+        TorchAPIDriftError: missing, or without ``cache_clear``.
+    """
+    built = _get(_BUILT_HEADERS)
+    if not callable(getattr(built, "cache_clear", None)):
+        raise drift(_BUILT_HEADERS, "is not cached by torch (functools.cache)", _BY_NAME)
+    return built
+
+
+def headers_forgotten() -> None:
+    """Clear Inductor's cache of built headers' paths if :func:`header_dir`
+    filled it: a process that goes on compiling with torch's own folder (an
+    engine after a ``jobs=0`` warmup) builds its own headers again.
+
+    Raises:
+        TorchAPIDriftError: as :func:`header_dir`.
+    """
+    global _headers_of
+    if _headers_of is not None:
+        _built_headers().cache_clear()
+        _headers_of = None
 
 
 #: Entries of the cache :func:`index_analysis_kept` keeps per process. A prefill

@@ -285,3 +285,65 @@ def test_compare_packages_names_the_member_that_differs(builders):
         "only_stored": [],
         "only_rebuilt": [],
     }
+
+
+#: Two ``jobs=0`` warmups in one process, each into its own cache (an engine
+#: that warms itself, then warms another plan's cache); prints their reports.
+_TWICE_IN_ONE_PROCESS = """
+import json, sys
+from kernel_cache.config.engine import make_config
+from kernel_cache.plan.buckets import KernelVariant
+from warmup.builder.planner import warmup
+spec = json.loads(sys.argv[1])
+cfg = make_config(spec["model"], **spec["limits"])
+variants = [KernelVariant.parse(spec["variant"])]
+reports = [warmup(cfg, c, jobs=0, progress=False, variants=variants) for c in spec["caches"]]
+print(json.dumps([{"compiled": r["compiled"], "failed": r["failed"]} for r in reports]))
+"""
+
+
+def test_two_in_process_warmups_write_the_workers_bytes(builders, tmp_path):
+    """The second of two ``jobs=0`` warmups in one process runs (the first
+    removed its scratch folder, where the process's temp folder pointed) and
+    compiles its own precompiled headers: both write builder A's bytes under
+    A's key, with no path of either cache in them (Inductor keeps the path of
+    each header it built for the process, not per folder)."""
+    from kernel_cache.config.recipe import HASH_SEED
+
+    from ..conftest import TINY_LIMITS
+
+    a, _ = builders
+    variant = "batched_decode:1:2:4"
+    caches = [tmp_path / "first" / "cache", tmp_path / "second" / "cache"]
+    (tmp_path / "tmp").mkdir()
+    log = tmp_path / "compiles.log"
+    spec = {"model": str(a["model"]), "limits": TINY_LIMITS, "variant": variant}
+    spec["caches"] = [str(c) for c in caches]
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": str(HASH_SEED),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "KERNEL_CACHE_TEST_COMPILE_LOG": str(log),
+    }
+    for k in ("KERNEL_CACHE_DIR", "KERNEL_CACHE_REDIS_URL", "KERNEL_CACHE_PCH_DIR"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWICE_IN_ONE_PROCESS, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [{"compiled": 1, "failed": []}] * 2
+    assert [line.split()[-1] for line in log.read_text().splitlines()] == [variant] * 2
+    for c in caches:
+        assert sorted(p.name for p in (c / "pch").glob("*.h")), f"no headers built in {c}"
+    first, second = entries_of(caches[0]), entries_of(caches[1])
+    (key,) = first
+    dirs = {"paths": [str(tmp_path)]}
+    assert_same_bytes_and_no_builder_path(dirs, dirs, first, second)
+    workers = entries_of(a["cache"])
+    assert key in workers and first[key] == workers[key]  # the worker's key and bytes

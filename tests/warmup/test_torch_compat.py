@@ -298,3 +298,47 @@ def test_a_stride_analysis_of_another_form_is_drift(monkeypatch, how):
             raise AssertionError("never entered")
     assert_drift(e.value, api, why)
     assert getattr(cpp, "stride_at_vec_range", None) is before
+
+
+def test_built_headers_are_forgotten_when_the_folder_changes(tmp_path, monkeypatch):
+    """Inductor's header builder returns the path of a header it built and
+    keeps it for the process; a block with another folder clears what it kept
+    (the builder runs again, counted inside it), one with the same folder does
+    not, and ``headers_forgotten`` clears it after the last block."""
+    built = []
+
+    @functools.cache
+    def _precompile_header(header, hashable_cmd_line, **compile_command):
+        built.append(codecache._HEADER_DIR)
+        return os.path.join(codecache._HEADER_DIR, "h.h")
+
+    monkeypatch.setattr(codecache, "_precompile_header", _precompile_header)
+    monkeypatch.setattr(torch_compat, "_headers_of", None)
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    for folder in (first, first, second):
+        with torch_compat.header_dir(folder):
+            assert codecache._precompile_header("x.h", "g++") == os.path.join(folder, "h.h")
+    assert built == [first, second]
+    torch_compat.headers_forgotten()
+    assert torch_compat._headers_of is None and _precompile_header.cache_info().currsize == 0
+    with torch_compat.header_dir(second):
+        codecache._precompile_header("x.h", "g++")
+    assert built == [first, second, second]
+
+
+@pytest.mark.parametrize("how", ["missing", "uncached"])
+def test_a_header_builder_of_another_form_is_drift(tmp_path, monkeypatch, how):
+    api = "torch._inductor.codecache._precompile_header"
+    if how == "missing":
+        monkeypatch.delattr(codecache, "_precompile_header")
+        why = "is missing"
+    else:
+        monkeypatch.setattr(codecache, "_precompile_header", lambda header, cmd, **kw: header)
+        why = "is not cached by torch (functools.cache)"
+    monkeypatch.setattr(torch_compat, "_headers_of", None)
+    folders = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
+    with pytest.raises(TorchAPIDriftError) as e:
+        with torch_compat.header_dir(str(tmp_path)):
+            raise AssertionError("never entered")
+    assert_drift(e.value, api, why)
+    assert (codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR) == folders

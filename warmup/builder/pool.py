@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -44,7 +45,11 @@ class PoolInterrupt(Exception):
 
 
 def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
-    """``jobs=0``: a pass that never waits, then one that does, in this process."""
+    """``jobs=0``: a pass that never waits, then one that does, in this process.
+    After it the process's environment and temp folder are put back and
+    Inductor's cache of built headers' paths is cleared, so a later warmup or
+    compile in the process starts as the first did."""
+    from warmup import torch_compat
     from warmup.builder.compiler import pin_environment
 
     if sys.flags.hash_randomization:
@@ -56,7 +61,7 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
             HASH_SEED,
         )
     scratch = new_scratch()
-    saved = dict(os.environ)
+    saved, saved_tempdir = dict(os.environ), tempfile.tempdir
     results, busy = [], []
     try:
         pin_environment(config.device, config.cpu_target, scratch)
@@ -73,6 +78,9 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        # the pin pointed TMPDIR and tempfile's cached folder at the scratch dir
+        tempfile.tempdir = saved_tempdir
+        torch_compat.headers_forgotten()  # their paths are in this warmup's cache
         drop_scratch(scratch)
     return results
 
