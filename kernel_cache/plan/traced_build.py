@@ -191,7 +191,7 @@ def code_is_files(code, filename: str) -> bool:
     data = _LOADED_BYTES.get(path)
     try:
         data = Path(path).read_bytes() if data is None else data
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the name
         return False
     return code in _compiled(path, hashlib.sha256(data).hexdigest(), data)
 

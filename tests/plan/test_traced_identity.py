@@ -1358,3 +1358,12 @@ def test_windows_open_at_once_in_two_threads_are_refused(tmp_path, monkeypatch):
     finally:
         go.set()
         _forget_modules("twopkg")
+
+
+def test_code_named_by_no_readable_file_is_not_a_files_code():
+    """A code object whose file name cannot be opened (a NUL byte in it, as
+    ``code.replace`` allows) is not that file's code: False, not an error."""
+    from kernel_cache.plan.traced_build import code_is_files
+
+    code = compile("x = 1", "ab", "exec").replace(co_filename="/tmp/a\x00b")
+    assert code_is_files(code, code.co_filename) is False
