@@ -345,7 +345,8 @@ class SettingsFields(BaseModel):
     # -- both shared tiers ----------------------------------------------------------------
     remote_list_max: int = _f(
         100_000, "most entries a listing of a shared tier (Redis, object store, shared "
-        "directory) takes, for explain's nearest entries: past it the listing stops with an "
+        "directory) takes, for explain's nearest entries, and gc-remote's listing of each "
+        "prefix: past it the listing stops with an "
         "error naming this variable. It bounds the listing's requests: Redis SCAN calls "
         "(COUNT 1000) walk at most four times this many keys of the database (the cache "
         "keeps three per entry); an object store's "

@@ -21,8 +21,9 @@ A plan keeps its entries while its manifest is younger than the age: a
 warmup that completes the plan writes the manifest again when it is over a
 day old (:data:`kernel_cache.store.s3_objects.MANIFEST_RENEW_S`), so the age must be
 longer than a plan stays in use without a builder warming it
-(docs/shared-storage.md). Manifests read are bounded by
-``KERNEL_CACHE_S3_MAX_OBJECT``.
+(docs/shared-storage.md). Each prefix's listing is bounded by
+``KERNEL_CACHE_REMOTE_LIST_MAX`` (past it gc-remote stops before removing
+anything), and each manifest read by ``KERNEL_CACHE_S3_MAX_OBJECT``.
 """
 
 from __future__ import annotations
@@ -78,22 +79,40 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
         "age_s"}], "removed_bytes", "kept_entries", "kept_by_manifests",
         "manifests_read"}``; ``removed`` lists what was (or would be) removed.
 
+    Each prefix's listing takes at most ``list_max`` names
+    (``KERNEL_CACHE_REMOTE_LIST_MAX``): ``ceil((list_max + 1) / 1000)`` LIST
+    requests of it at most; the manifests read are among those names, each
+    refused over ``KERNEL_CACHE_S3_MAX_OBJECT`` bytes from its size.
+
     Raises:
         RemoteUnavailableError: the store failed (names it and the fix).
+        ListingLimitError: a prefix holds more names than ``list_max``; nothing
+            is removed (names the store, the prefix, the bound and the fix).
     """
+    from kernel_cache.store.s3 import LIST_PAGE
     from kernel_cache.store.s3_objects import S3Manifest, walk_dir
 
     now = time.time() if now is None else now
     cutoff = now - older_than_s
 
+    limit = tier.settings.list_max
+
     def listing(prefix: str):
+        def past(seen: int) -> Exception:
+            return tier.listing_limit(
+                f"more than {limit} names under {prefix} ({seen} listed)",
+                "remove what is not this cache's under that prefix; nothing was removed",
+            )
+
         def op(ob, store):
             if tier.settings.scheme == "file":
                 store  # noqa: B018 - refuses a missing directory, naming it
-                return walk_dir(tier.settings.directory, prefix)
+                return walk_dir(tier.settings.directory, prefix, limit, past)
             out = []
-            for batch in ob.list(store, prefix, chunk_size=1000):
+            for batch in ob.list(store, prefix, chunk_size=min(LIST_PAGE, limit + 1)):
                 out += [(m["path"], int(m["size"]), _stamp(m)) for m in batch]
+                if len(out) > limit:
+                    raise past(len(out))
             return out
 
         return tier._run(f"LIST {prefix}", op, fail_open=False)

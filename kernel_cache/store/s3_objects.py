@@ -136,13 +136,14 @@ def manifest_name(keys) -> str:
     return f"manifests/{digest}.json"
 
 
-def walk_dir(directory: str, prefix: str) -> list[tuple[str, int, float]]:
+def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, int, float]]:
     """``(path, size, mtime)`` under ``prefix`` of a ``file://`` directory, links
     not followed: a link (to a file or a folder, the prefix's own folder
     included) is an object itself, judged by its own mtime and removed alone,
     so a link planted by a writer of the directory never makes a listing (the
     tier's, gc-remote's) walk or delete files outside it (obstore's listing
-    follows links, to ``/`` as well).
+    follows links, to ``/`` as well). At most ``limit`` names are read, folders
+    included, then ``past(count)`` is raised.
 
     Raises:
         OSError: a folder cannot be read.
@@ -154,19 +155,21 @@ def walk_dir(directory: str, prefix: str) -> list[tuple[str, int, float]]:
         return []
     if not stat.S_ISDIR(st.st_mode):
         return [(prefix.rstrip("/"), st.st_size, st.st_mtime)]
-    out = []
-
-    def fail(e: OSError):
-        raise e
-
-    for root, dirs, files in os.walk(top, onerror=fail):
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            path = os.path.join(root, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            out.append((os.path.relpath(path, directory), st.st_size, st.st_mtime))
+    out, seen, folders = [], 0, [top]
+    while folders:
+        with os.scandir(folders.pop()) as names:  # read as counted, not whole first
+            for e in names:
+                seen += 1
+                if seen > limit:
+                    raise past(seen)
+                if e.is_dir(follow_symlinks=False):
+                    folders.append(e.path)
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out.append((os.path.relpath(e.path, directory), st.st_size, st.st_mtime))
     return out
 
 

@@ -152,3 +152,44 @@ def test_gc_remote_never_deletes_through_a_link_planted_in_a_shared_directory(tm
     assert proc.returncode == 0, proc.stderr
     assert [v.read_text() for v in victims] == ["a", "b", "c"]  # nothing outside the store
     assert not any(os.path.lexists(link) for link in links)  # the old links are removed
+
+
+@pytest.mark.parametrize("where", ["s3", "file"])
+def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, request, tmp_path):
+    """A writer fills ``entries/`` with 12 old objects and gc-remote's bound
+    (``KERNEL_CACHE_REMOTE_LIST_MAX``) is 5: it stops with an error naming the
+    store, the prefix, the bound and the fix, and the store is as it was (read
+    back). On S3 the server's own counter shows the listing stopped at its
+    first page (one LIST of ``manifests/``, one of ``entries/``). With a bound
+    above the count the same store is collected."""
+    from ..s3_server import request_count
+
+    if where == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, env = s3["url"], _env(**s3["env"], KERNEL_CACHE_S3_TIMEOUT="15")
+    else:
+        s3, url, env = None, f"file://{tmp_path}", _env()
+    tier = S3Tier(S3Settings(url=url, timeout_s=15), fail_open=False)
+    for i in range(12):
+        obstore.put(tier.store, f"entries/{_keys(str(i))}", b"x", mode="create")
+    if where == "file":
+        old = time.time() - 7200
+        for f in tmp_path.rglob("*"):
+            os.utime(f, (old, old))
+    before = _listing(tier)
+    count = request_count(s3["metrics"]) if s3 and s3["metrics"] else None
+    proc = run_cli("gc-remote", "--remote-url", url, "--older-than", "1h",
+                   env={**env, "KERNEL_CACHE_REMOTE_LIST_MAX": "5"})  # fmt: skip
+    if count is not None:
+        time.sleep(0.5)  # the server counts a request after answering it
+        assert request_count(s3["metrics"]) - count <= 2
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    msg = proc.stderr
+    assert "more than 5 names under entries/" in msg and "KERNEL_CACHE_REMOTE_LIST_MAX=5" in msg
+    assert "nothing was removed" in msg
+    assert _listing(tier) == before
+    proc = run_cli("gc-remote", "--remote-url", url, "--older-than", "1h", "--dry-run", "--json",
+                   env={**env, "KERNEL_CACHE_REMOTE_LIST_MAX": "12"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    expected = 12 if where == "file" else 0  # the server's objects are young
+    assert len(json.loads(proc.stdout)["removed"]) == expected
