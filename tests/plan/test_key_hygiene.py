@@ -201,11 +201,23 @@ def test_compile_options_this_torch_lacks_are_left_out():
 
 
 _REPIN = r"""
-import os, sys
+import json, os, sys, tempfile
 from kernel_cache.errors import ConfigError
 from warmup.builder import compiler
 
-if sys.argv[1] == "repin":
+NAMES = ("AOT_INDUCTOR_DEBUG_COMPILE", "TRITON_PTXAS_PATH")
+if sys.argv[1] == "blocks":  # two jobs=0 warmups' blocks in one process
+    os.environ["AOT_INDUCTOR_DEBUG_COMPILE"] = "1"  # the caller's; the recipe removes it
+    seen = []
+    for i in range(2):
+        with compiler.environment_pinned("cpu", "x86-64-v3", tempfile.mkdtemp()):
+            import torch._inductor.config  # noqa: F401
+            if i == 0:
+                os.environ["TRITON_PTXAS_PATH"] = "/opt/bundled/ptxas"  # as Inductor, once
+            seen.append([os.environ.get(k) for k in NAMES])
+    after = [os.environ.get(k) for k in NAMES]
+    print(json.dumps([seen, after]))
+elif sys.argv[1] == "repin":
     compiler.pin_environment("cpu", "x86-64-v3")
     import torch._inductor.config  # noqa: F401  (imported under the pinned environment)
     os.environ["TRITON_PTXAS_PATH"] = "/opt/bundled/ptxas"  # as Inductor sets it, once
@@ -236,3 +248,22 @@ def test_a_second_pin_keeps_what_the_compile_stack_set_and_refuses_a_stale_impor
     stale = subprocess.run([*run, "stale"], capture_output=True, text=True, env=env, timeout=300)
     assert stale.returncode == 0, stale.stderr
     assert "refused:" in stale.stdout and "TORCHINDUCTOR_MAX_AUTOTUNE" in stale.stdout
+
+
+def test_compiles_in_the_callers_process_give_its_environment_back_between_blocks():
+    """Two ``jobs=0`` blocks in one process (:func:`environment_pinned`): a
+    pinned variable of the caller's is removed in both blocks, though the first
+    block gave the caller's environment back; what the compile stack set once
+    in the first block is there in the second; after each block the caller's
+    environment is its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("TRITON_PTXAS_PATH", "AOT_INDUCTOR_DEBUG_COMPILE"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPIN, "blocks"], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    seen, after = json.loads(proc.stdout.splitlines()[-1])
+    assert seen == [[None, "/opt/bundled/ptxas"], [None, "/opt/bundled/ptxas"]]
+    assert after == ["1", None]

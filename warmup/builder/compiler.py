@@ -84,10 +84,14 @@ def pin_environment(
     global _pinned, _compile_threads
     if compile_threads is not None:
         _compile_threads = compile_threads
+    global _handed_back
     env = compile_environment(os.environ, device, cpu_target, scratch, _compile_threads)
     stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
     before = os.environ if _pinned is None else _pinned
-    own = {} if _pinned is None else _set_since(_pinned, env)
+    if _handed_back is not None:  # the caller's environment is back: not the stack's
+        own, _handed_back = {k: v for k, v in _handed_back.items() if k not in env}, None
+    else:
+        own = {} if _pinned is None else _set_since(_pinned, env)
     dirty = sorted(
         k
         for k in set(before) | set(env)
@@ -104,6 +108,37 @@ def pin_environment(
     os.environ.update({**own, **env})
     _pinned = dict(env)
     tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
+
+
+#: What the compile stack set since the last pin of an :func:`environment_pinned`
+#: block, kept when the block gave the caller's environment back; None outside.
+_handed_back: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def environment_pinned(device: str, cpu_target: str, scratch: str):
+    """:func:`pin_environment` for compiles in the caller's own process (``jobs=0``)
+    for the block; after it the caller's environment and temp folder are put
+    back. The variables the compile stack set meanwhile (once per process, such
+    as ``TRITON_PTXAS_PATH``) leave the caller's environment too, but are kept
+    for the next block's pin, as a worker keeps them between its compiles; a
+    variable of the caller's that the recipe removes stays removed from every
+    block's compiles.
+
+    Raises:
+        ConfigError: as :func:`pin_environment`.
+    """
+    global _handed_back
+    saved, saved_tempdir = dict(os.environ), tempfile.tempdir
+    try:
+        pin_environment(device, cpu_target, scratch)
+        yield
+    finally:
+        if _pinned is not None and _handed_back is None:
+            _handed_back = _set_since(_pinned, {})
+        os.environ.clear()
+        os.environ.update(saved)
+        tempfile.tempdir = saved_tempdir  # the pin pointed it at the scratch folder
 
 
 def _set_since(pinned: dict[str, str], env: dict[str, str]) -> dict[str, str]:

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -46,11 +45,12 @@ class PoolInterrupt(Exception):
 
 def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
     """``jobs=0``: a pass that never waits, then one that does, in this process.
-    After it the process's environment and temp folder are put back and
-    Inductor's cache of built headers' paths is cleared, so a later warmup or
-    compile in the process starts as the first did."""
+    After it the process's environment and temp folder are put back
+    (:func:`warmup.builder.compiler.environment_pinned`) and Inductor's cache of
+    built headers' paths is cleared, so a later ``jobs=0`` warmup of the
+    process compiles as a worker would."""
     from warmup import torch_compat
-    from warmup.builder.compiler import pin_environment
+    from warmup.builder.compiler import environment_pinned
 
     if sys.flags.hash_randomization:
         log.warning(
@@ -61,27 +61,24 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
             HASH_SEED,
         )
     scratch = new_scratch()
-    saved, saved_tempdir = dict(os.environ), tempfile.tempdir
     results, busy = [], []
+    cfg_json = config.model_dump_json()
     try:
-        pin_environment(config.device, config.cpu_target, scratch)
-        cfg_json = config.model_dump_json()
-        for blocking in (False, True):
-            for item in busy if blocking else todo:
-                opts = {**_item_options(item, options, blocking), "check": False}
-                r = build_variant(cfg_json, item.variant.model_dump_json(), cache_dir, opts)
-                if r.status is Status.BUSY and not blocking:
-                    busy.append(item)
-                    continue
-                results.append(r)
-                reporter.finished(r)
+        with environment_pinned(config.device, config.cpu_target, scratch):
+            for blocking in (False, True):
+                for item in busy if blocking else todo:
+                    opts = {**_item_options(item, options, blocking), "check": False}
+                    r = build_variant(cfg_json, item.variant.model_dump_json(), cache_dir, opts)
+                    if r.status is Status.BUSY and not blocking:
+                        busy.append(item)
+                        continue
+                    results.append(r)
+                    reporter.finished(r)
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        # the pin pointed TMPDIR and tempfile's cached folder at the scratch dir
-        tempfile.tempdir = saved_tempdir
-        torch_compat.headers_forgotten()  # their paths are in this warmup's cache
-        drop_scratch(scratch)
+        try:
+            torch_compat.headers_forgotten()  # their paths are in this warmup's cache
+        finally:
+            drop_scratch(scratch)
     return results
 
 
