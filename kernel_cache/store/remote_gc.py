@@ -100,8 +100,10 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
     def listing(prefix: str):
         def past(seen: int) -> Exception:
             return tier.listing_limit(
-                f"more than {limit} names under {prefix} ({seen} listed)",
-                "remove what is not this cache's under that prefix; nothing was removed",
+                f"more than {limit} names under {prefix} ({seen} listed; gc-remote "
+                "removed nothing)",
+                f"delete the names under {prefix} that are not this cache's with the "
+                "store's own tools",
             )
 
         def op(ob, store):

@@ -32,6 +32,7 @@ record accounts for it (:func:`read_entry`). Nothing here sends a request.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -142,11 +143,13 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
     included) is an object itself, judged by its own mtime and removed alone,
     so a link planted by a writer of the directory never makes a listing (the
     tier's, gc-remote's) walk or delete files outside it (obstore's listing
-    follows links, to ``/`` as well). At most ``limit`` names are read, folders
+    follows links, to ``/`` as well); a folder replaced by a link or removed
+    while the walk runs is left out. At most ``limit`` names are read, folders
     included, then ``past(count)`` is raised.
 
     Raises:
-        OSError: a folder cannot be read.
+        OSError: a folder cannot be read (the prefix's own: also a link put in
+            its place during the walk).
     """
     top = os.path.join(directory, prefix.rstrip("/"))
     try:
@@ -157,19 +160,30 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
         return [(prefix.rstrip("/"), st.st_size, st.st_mtime)]
     out, seen, folders = [], 0, [top]
     while folders:
-        with os.scandir(folders.pop()) as names:  # read as counted, not whole first
-            for e in names:
-                seen += 1
-                if seen > limit:
-                    raise past(seen)
-                if e.is_dir(follow_symlinks=False):
-                    folders.append(e.path)
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                out.append((os.path.relpath(e.path, directory), st.st_size, st.st_mtime))
+        folder = folders.pop()
+        try:  # a folder swapped for a link since it was listed is not entered
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as e:
+            if folder != top and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                continue  # gone or replaced meanwhile: the next run sees what is there
+            raise
+        try:
+            with os.scandir(fd) as names:  # read as counted, not whole first
+                for e in names:
+                    seen += 1
+                    if seen > limit:
+                        raise past(seen)
+                    path = os.path.join(folder, e.name)
+                    if e.is_dir(follow_symlinks=False):
+                        folders.append(path)
+                        continue
+                    try:
+                        st = os.lstat(path)
+                    except FileNotFoundError:
+                        continue
+                    out.append((os.path.relpath(path, directory), st.st_size, st.st_mtime))
+        finally:
+            os.close(fd)
     return out
 
 

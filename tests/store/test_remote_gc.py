@@ -186,7 +186,7 @@ def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, reque
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     msg = proc.stderr
     assert "more than 5 names under entries/" in msg and "KERNEL_CACHE_REMOTE_LIST_MAX=5" in msg
-    assert "nothing was removed" in msg
+    assert "gc-remote removed nothing" in msg and "the store's own tools" in msg
     assert _listing(tier) == before
     proc = run_cli("gc-remote", "--remote-url", url, "--older-than", "1h", "--dry-run", "--json",
                    env={**env, "KERNEL_CACHE_REMOTE_LIST_MAX": "12"})  # fmt: skip
