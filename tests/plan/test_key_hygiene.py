@@ -206,17 +206,26 @@ from kernel_cache.errors import ConfigError
 from warmup.builder import compiler
 
 NAMES = ("AOT_INDUCTOR_DEBUG_COMPILE", "TRITON_PTXAS_PATH")
-if sys.argv[1] == "blocks":  # two jobs=0 warmups' blocks in one process
+if sys.argv[1] == "blocks":  # jobs=0 warmups' blocks in one process
+    from kernel_cache.config.engine import DEFAULT_MODEL, make_config
+    from warmup.builder.pool import _in_process
+
     os.environ["AOT_INDUCTOR_DEBUG_COMPILE"] = "1"  # the caller's; the recipe removes it
-    seen = []
-    for i in range(2):
-        with compiler.environment_pinned("cpu", "x86-64-v3", tempfile.mkdtemp()):
-            import torch._inductor.config  # noqa: F401
-            if i == 0:
-                os.environ["TRITON_PTXAS_PATH"] = "/opt/bundled/ptxas"  # as Inductor, once
-            seen.append([os.environ.get(k) for k in NAMES])
+    cache, tempfile.tempdir = tempfile.mkdtemp(), None  # as before any gettempdir()
+    _in_process(make_config(DEFAULT_MODEL, use_env=False), [], cache, None, {})
+    tempdir = tempfile.tempdir  # a warmup with nothing to build: the caller's, None
+    seen, refused = [], None
+    for device in ("cpu", "cpu", "cuda", "cpu"):
+        try:
+            with compiler.environment_pinned(device, "x86-64-v3", tempfile.mkdtemp()):
+                import torch._inductor.config  # noqa: F401
+                if not seen:
+                    os.environ["TRITON_PTXAS_PATH"] = "/opt/bundled/ptxas"  # as Inductor, once
+                seen.append([os.environ.get(k) for k in NAMES])
+        except ConfigError as e:  # the CUDA recipe's values are not those imported
+            refused = str(e)
     after = [os.environ.get(k) for k in NAMES]
-    print(json.dumps([seen, after]))
+    print(json.dumps([tempdir, seen, refused, after]))
 elif sys.argv[1] == "repin":
     compiler.pin_environment("cpu", "x86-64-v3")
     import torch._inductor.config  # noqa: F401  (imported under the pinned environment)
@@ -251,11 +260,13 @@ def test_a_second_pin_keeps_what_the_compile_stack_set_and_refuses_a_stale_impor
 
 
 def test_compiles_in_the_callers_process_give_its_environment_back_between_blocks():
-    """Two ``jobs=0`` blocks in one process (:func:`environment_pinned`): a
-    pinned variable of the caller's is removed in both blocks, though the first
-    block gave the caller's environment back; what the compile stack set once
-    in the first block is there in the second; after each block the caller's
-    environment is its own."""
+    """``jobs=0`` blocks in one process (:func:`environment_pinned`): a pinned
+    variable of the caller's is removed in every block, though each gave the
+    caller's environment back, and after one that was refused (the CUDA
+    recipe's values, the stack imported under the CPU one's: the message names
+    each); what the compile stack set once in the first block is there in the
+    later ones; after the blocks the caller's environment is its own, and a
+    warmup leaves the caller's ``tempfile.tempdir`` as it was."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("TRITON_PTXAS_PATH", "AOT_INDUCTOR_DEBUG_COMPILE"):
         env.pop(k, None)
@@ -264,6 +275,8 @@ def test_compiles_in_the_callers_process_give_its_environment_back_between_block
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    seen, after = json.loads(proc.stdout.splitlines()[-1])
-    assert seen == [[None, "/opt/bundled/ptxas"], [None, "/opt/bundled/ptxas"]]
+    tempdir, seen, refused, after = json.loads(proc.stdout.splitlines()[-1])
+    assert tempdir is None
+    assert seen == [[None, "/opt/bundled/ptxas"]] * 3
+    assert refused and "unset then, '1' now" in refused and "fresh worker process" in refused
     assert after == ["1", None]

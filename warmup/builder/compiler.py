@@ -30,7 +30,7 @@ from kernel_cache.config.recipe import (
     device_arch,
     resolve_cpu_target,
 )
-from kernel_cache.errors import CompileError, TorchAPIDriftError
+from kernel_cache.errors import CompileError, TorchAPIDriftError, shown
 from kernel_cache.kernels.builtin import build_module
 from kernel_cache.kernels.slots import check_output, kernel_path
 from kernel_cache.plan import traced_build as traced_files
@@ -81,15 +81,14 @@ def pin_environment(
 
     from kernel_cache.errors import ConfigError
 
-    global _pinned, _compile_threads
+    global _pinned, _compile_threads, _handed_back
     if compile_threads is not None:
         _compile_threads = compile_threads
-    global _handed_back
     env = compile_environment(os.environ, device, cpu_target, scratch, _compile_threads)
     stale = [m for m in _READS_ENV_AT_IMPORT if m in sys.modules]
     before = os.environ if _pinned is None else _pinned
     if _handed_back is not None:  # the caller's environment is back: not the stack's
-        own, _handed_back = {k: v for k, v in _handed_back.items() if k not in env}, None
+        own = {k: v for k, v in _handed_back.items() if k not in env}
     else:
         own = {} if _pinned is None else _set_since(_pinned, env)
     dirty = sorted(
@@ -100,13 +99,23 @@ def pin_environment(
         and env.get(k) != before.get(k)
     )
     if stale and dirty:
+
+        def value(v):
+            return "unset" if v is None else shown(v, 80)
+
+        changes = ", ".join(
+            f"{k} ({value(before.get(k))} then, {value(env.get(k))} now)" for k in dirty
+        )
         raise ConfigError(
-            f"cannot pin the compile environment: {', '.join(stale)} was imported with "
-            f"{', '.join(dirty)} set; compile in a worker process (--jobs 1 or more) or unset them"
+            f"cannot pin the compile environment: {', '.join(stale)} "
+            f"{'was' if len(stale) == 1 else 'were'} imported in this process under other "
+            f"values than this compile's recipe needs: {changes}; they "
+            "are read at import, so compile in a fresh worker process (--jobs 1 or more), "
+            "or unset the variables of yours among them before the first compile"
         )
     os.environ.clear()
     os.environ.update({**own, **env})
-    _pinned = dict(env)
+    _pinned, _handed_back = dict(env), None
     tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
 
 
@@ -130,12 +139,11 @@ def environment_pinned(device: str, cpu_target: str, scratch: str):
     """
     global _handed_back
     saved, saved_tempdir = dict(os.environ), tempfile.tempdir
+    pin_environment(device, cpu_target, scratch)  # raises before it changes anything
     try:
-        pin_environment(device, cpu_target, scratch)
         yield
     finally:
-        if _pinned is not None and _handed_back is None:
-            _handed_back = _set_since(_pinned, {})
+        _handed_back = _set_since(_pinned, {})
         os.environ.clear()
         os.environ.update(saved)
         tempfile.tempdir = saved_tempdir  # the pin pointed it at the scratch folder

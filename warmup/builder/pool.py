@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -60,6 +61,7 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
             HASH_SEED,
             HASH_SEED,
         )
+    tempdir = tempfile.tempdir  # new_scratch's gettempdir() caches one
     scratch = new_scratch()
     results, busy = [], []
     cfg_json = config.model_dump_json()
@@ -79,6 +81,7 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
             torch_compat.headers_forgotten()  # their paths are in this warmup's cache
         finally:
             drop_scratch(scratch)
+            tempfile.tempdir = tempdir
     return results
 
 
