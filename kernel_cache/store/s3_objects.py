@@ -37,6 +37,7 @@ import hashlib
 import os
 import stat
 import struct
+import unicodedata
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -137,6 +138,17 @@ def manifest_name(keys) -> str:
     return f"manifests/{digest}.json"
 
 
+def _addressable(name: str) -> bool:
+    """Whether the object store can name a file called ``name``: UTF-8 (a name
+    that is not decodes with surrogates) without control characters (obstore
+    refuses both)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(unicodedata.category(c) == "Cc" for c in name)
+
+
 def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, int, float]]:
     """``(path, size, mtime)`` under ``prefix`` of a ``file://`` directory, links
     not followed: a link (to a file or a folder, the prefix's own folder
@@ -144,8 +156,9 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
     so a link planted by a writer of the directory never makes a listing (the
     tier's, gc-remote's) walk or delete files outside it (obstore's listing
     follows links, to ``/`` as well); a folder replaced by a link or removed
-    while the walk runs is left out. At most ``limit`` names are read, folders
-    included, then ``past(count)`` is raised.
+    while the walk runs is left out, and so is a file the store cannot name
+    (:func:`_addressable`: gc-remote leaves it). At most ``limit`` names are
+    read, folders and those included, then ``past(count)`` is raised.
 
     Raises:
         OSError: a folder cannot be read (the prefix's own: also a link put in
@@ -176,6 +189,8 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
                     path = os.path.join(folder, e.name)
                     if e.is_dir(follow_symlinks=False):
                         folders.append(path)
+                        continue
+                    if not _addressable(e.name):
                         continue
                     try:
                         st = os.lstat(path)

@@ -193,3 +193,25 @@ def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, reque
     assert proc.returncode == 0, proc.stderr
     expected = 12 if where == "file" else 0  # the server's objects are young
     assert len(json.loads(proc.stdout)["removed"]) == expected
+
+
+def test_gc_remote_leaves_names_the_store_cannot_address_and_removes_the_rest(tmp_path):
+    """Old files under ``leases/`` whose names the object store cannot name (a
+    control character; bytes that are not UTF-8) beside an old lease: gc-remote
+    removes the lease and leaves the two, with no error, in the dry run and the
+    run alike (read back from the disk)."""
+    leases = tmp_path / "leases"
+    leases.mkdir()
+    odd = [b"c\x01tl", b"bad\xffname"]
+    for name in [*odd, b"0" * 64]:
+        path = os.path.join(os.fsencode(leases), name)
+        with open(path, "wb") as f:
+            f.write(b"{}")
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    age = ("--remote-url", f"file://{tmp_path}", "--older-than", "1h")
+    dry = run_cli("gc-remote", *age, "--dry-run", "--json", env=_env())
+    assert dry.returncode == 0, dry.stderr
+    assert [r["path"] for r in json.loads(dry.stdout)["removed"]] == [f"leases/{'0' * 64}"]
+    done = run_cli("gc-remote", *age, "--json", env=_env())
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert sorted(os.listdir(os.fsencode(leases))) == sorted(odd)
