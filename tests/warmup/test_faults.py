@@ -225,3 +225,65 @@ def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
     assert "Traceback" not in err, err
     summary = [line for line in err.splitlines() if "interrupted by SIGINT" in line]
     assert len(summary) == 1 and "1 compiled and kept" in summary[0], err
+
+
+_IN_PROCESS = """
+import json, sys
+from kernel_cache.config.engine import make_config
+from warmup.builder.planner import WarmupInterrupted, warmup
+cfg = make_config(sys.argv[1], **json.loads(sys.argv[2]))
+try:
+    warmup(cfg, sys.argv[3], jobs=0, progress=False)
+except WarmupInterrupted as e:
+    print(json.dumps({"signum": e.signum, "report": e.report}))
+"""
+
+
+def test_ctrl_c_in_a_jobs_0_warmup_is_warmup_interrupted_with_its_rows(
+    cache_copy, tiny_model, tiny_config, tmp_path
+):
+    """A warmup in the caller's own process (``jobs=0``), paused inside its one
+    compile: SIGINT raises ``WarmupInterrupted`` carrying the partial report,
+    as a worker pool's warmup does, and leaves no entry of the variant."""
+    import subprocess
+    import sys
+
+    from kernel_cache.config.recipe import HASH_SEED
+
+    from ..conftest import ROOT, TINY_LIMITS
+
+    v = Bucketer(tiny_config).variants[-1]
+    (key,) = keys_of(tiny_config, [v])
+    remove_entries(cache_copy, [key])
+    marker = tmp_path / "paused"
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": str(HASH_SEED),
+        "KERNEL_CACHE_TEST_PAUSE_AT": "compile",
+        "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
+    }
+    args = [str(tiny_model), json.dumps(TINY_LIMITS), str(cache_copy)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _IN_PROCESS, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        wait_for_pause(marker, proc, "compile")
+        assert int(marker.read_text().split()[1]) == proc.pid  # paused in the caller's process
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert got["signum"] == signal.SIGINT
+    report = got["report"]
+    assert (report["compiled"], report["cached"], report["not_started"]) == (0, N_TINY - 1, 1)
+    assert DiskTier(cache_copy, read_only=True).get(key) is None

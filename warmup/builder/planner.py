@@ -139,7 +139,8 @@ def warmup(
         jobs: worker processes compiling in parallel (>= 1); 0 compiles in this
             process and publishes without the load check (an engine that warms
             itself, as in ``benchmarks/fleet_load.py``; refused if this process
-            imported Inductor with a pinned variable set).
+            imported Inductor with a pinned variable set; SIGINT is
+            ``WarmupInterrupted``, SIGTERM left to the process).
         progress: report progress on stderr: a progress bar in a terminal, one
             line per finished variant otherwise (CI and ``docker build`` logs).
         variants: a subset of the plan (default: all of it; a shard).

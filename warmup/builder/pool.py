@@ -46,6 +46,9 @@ class PoolInterrupt(Exception):
 
 def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResult]:
     """``jobs=0``: a pass that never waits, then one that does, in this process.
+    SIGINT (a ``KeyboardInterrupt`` here) raises :class:`PoolInterrupt` with the
+    rows so far, as :func:`run_pool` does; SIGTERM is left to the process.
+
     After it the process's environment and temp folder are put back
     (:func:`warmup.builder.compiler.environment_pinned`) and Inductor's cache of
     built headers' paths is cleared, so a later ``jobs=0`` warmup of the
@@ -76,6 +79,8 @@ def _in_process(config, todo, cache_dir, reporter, options) -> list[VariantResul
                         continue
                     results.append(r)
                     reporter.finished(r)
+    except KeyboardInterrupt:  # SIGINT; SIGTERM is the caller's process's own
+        raise PoolInterrupt(signal.SIGINT, _with_not_started(results, todo)) from None
     finally:
         try:
             torch_compat.headers_forgotten()  # their paths are in this warmup's cache
@@ -246,9 +251,14 @@ def _stopped(e: BaseException, pool: _Pool, todo, results: list[VariantResult]) 
     signum = e.signum if isinstance(e, PoolInterrupt) else signal.SIGINT
     for p in pool.pools:
         _stop_workers(p)
+    return PoolInterrupt(signum, _with_not_started(results, todo))
+
+
+def _with_not_started(results: list[VariantResult], todo) -> list[VariantResult]:
+    """``results`` and a ``not started`` row for each item of ``todo`` that has none."""
     seen = {r.variant for r in results}
     left = [VariantResult(str(i.variant), Status.NOT_STARTED) for i in todo]
-    return PoolInterrupt(signum, results + [r for r in left if r.variant not in seen])
+    return results + [r for r in left if r.variant not in seen]
 
 
 @contextlib.contextmanager
