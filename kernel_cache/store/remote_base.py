@@ -73,8 +73,9 @@ class ListingLimitError(KernelCacheError):
     """A listing of a shared tier's entries (``keys``, ``iter_meta``: what
     ``explain`` names the nearest entries from; ``gc-remote``'s of each prefix)
     went past the bound of ``KERNEL_CACHE_REMOTE_LIST_MAX`` and stopped there,
-    rather than return part of the entries as all of them. Names the store, what was past the bound,
-    the bound and the fix. Never a failure of the store: the tier stays up."""
+    rather than return part of the entries as all of them. Names the store,
+    what was past the bound, the bound and the fix. Never a failure of the
+    store: the tier stays up."""
 
 
 class RemoteSettings(BaseModel):

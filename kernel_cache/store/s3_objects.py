@@ -186,11 +186,11 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
                     seen += 1
                     if seen > limit:
                         raise past(seen)
+                    if not _addressable(e.name):  # nor anything in such a folder
+                        continue
                     path = os.path.join(folder, e.name)
                     if e.is_dir(follow_symlinks=False):
                         folders.append(path)
-                        continue
-                    if not _addressable(e.name):
                         continue
                     try:
                         st = os.lstat(path)

@@ -162,7 +162,7 @@ def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, reque
     back). On S3 the server's own counter shows the listing stopped at its
     first page (one LIST of ``manifests/``, one of ``entries/``). With a bound
     above the count the same store is collected."""
-    from ..s3_server import request_count
+    from .test_store_bounds import _settled
 
     if where == "s3":
         s3 = request.getfixturevalue("s3")
@@ -177,12 +177,11 @@ def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, reque
         for f in tmp_path.rglob("*"):
             os.utime(f, (old, old))
     before = _listing(tier)
-    count = request_count(s3["metrics"]) if s3 and s3["metrics"] else None
+    count = _settled(s3["metrics"]) if s3 and s3["metrics"] else None
     proc = run_cli("gc-remote", "--remote-url", url, "--older-than", "1h",
                    env={**env, "KERNEL_CACHE_REMOTE_LIST_MAX": "5"})  # fmt: skip
-    if count is not None:
-        time.sleep(0.5)  # the server counts a request after answering it
-        assert request_count(s3["metrics"]) - count <= 2
+    if count is not None:  # settled: the server counts a request after answering it
+        assert _settled(s3["metrics"]) - count <= 2
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     msg = proc.stderr
     assert "more than 5 names under entries/" in msg and "KERNEL_CACHE_REMOTE_LIST_MAX=5" in msg
@@ -197,13 +196,14 @@ def test_gc_remote_past_the_listing_bound_stops_and_removes_nothing(where, reque
 
 def test_gc_remote_leaves_names_the_store_cannot_address_and_removes_the_rest(tmp_path):
     """Old files under ``leases/`` whose names the object store cannot name (a
-    control character; bytes that are not UTF-8) beside an old lease: gc-remote
-    removes the lease and leaves the two, with no error, in the dry run and the
-    run alike (read back from the disk)."""
+    control character; bytes that are not UTF-8; a file in a folder so named)
+    beside an old lease: gc-remote removes the lease and leaves the rest, with
+    no error, in the dry run and the run alike (read back from the disk)."""
     leases = tmp_path / "leases"
     leases.mkdir()
-    odd = [b"c\x01tl", b"bad\xffname"]
-    for name in [*odd, b"0" * 64]:
+    odd = [b"c\x01tl", b"bad\xffname", b"dir\xff"]
+    os.mkdir(os.path.join(os.fsencode(leases), odd[2]))  # a folder so named, a file in it
+    for name in [*odd[:2], b"dir\xff/" + b"1" * 64, b"0" * 64]:
         path = os.path.join(os.fsencode(leases), name)
         with open(path, "wb") as f:
             f.write(b"{}")
@@ -215,3 +215,4 @@ def test_gc_remote_leaves_names_the_store_cannot_address_and_removes_the_rest(tm
     done = run_cli("gc-remote", *age, "--json", env=_env())
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert sorted(os.listdir(os.fsencode(leases))) == sorted(odd)
+    assert os.listdir(os.path.join(os.fsencode(leases), odd[2])) == [b"1" * 64]
