@@ -144,6 +144,22 @@ def _get(dotted: str) -> Any:
     return attribute(_module(dotted.rpartition(".")[0]), dotted, _BY_NAME)
 
 
+def _torch_cache(dotted: str, why: str) -> Callable:
+    """The function ``dotted`` names, which torch keeps per process behind a
+    ``functools`` cache (``cache_info`` and ``cache_clear``).
+
+    Raises:
+        TorchAPIDriftError: the function is missing, or is no such cache
+            (``why`` says which torch had).
+    """
+    f = _get(dotted)
+    if not callable(f) or not all(
+        callable(getattr(f, n, None)) for n in ("cache_info", "cache_clear")
+    ):
+        raise drift(dotted, why, _BY_NAME)
+    return f
+
+
 def _function(dotted: str, params: tuple[str, ...]) -> Callable:
     """The function ``dotted`` names, whose parameters start with ``params``.
 
@@ -234,11 +250,7 @@ def vec_isa_narrowed(only: str, options: dict) -> Iterator[None]:
     """
     if only not in NARROWABLE_ISAS:
         raise ValueError(f"vector ISA {only!r} cannot be narrowed to: only {NARROWABLE_ISAS}")
-    valid = _get(_VALID_ISAS)
-    if not callable(getattr(valid, "cache_info", None)) or not callable(
-        getattr(valid, "cache_clear", None)
-    ):
-        raise drift(_VALID_ISAS, "is not cached per process (functools.cache)", _BY_NAME)
+    valid = _torch_cache(_VALID_ISAS, "is not cached per process (functools.cache)")
     if valid.cache_info().currsize:
         yield
         return
@@ -457,15 +469,8 @@ _headers_of: str | None = None
 
 
 def _built_headers() -> Callable:
-    """Inductor's ``_precompile_header``.
-
-    Raises:
-        TorchAPIDriftError: missing, or without ``cache_clear``.
-    """
-    built = _get(_BUILT_HEADERS)
-    if not callable(getattr(built, "cache_clear", None)):
-        raise drift(_BUILT_HEADERS, "is not cached by torch (functools.cache)", _BY_NAME)
-    return built
+    """Inductor's ``_precompile_header`` (:func:`_torch_cache`)."""
+    return _torch_cache(_BUILT_HEADERS, "is not cached by torch (functools.cache)")
 
 
 def headers_forgotten() -> None:
@@ -521,9 +526,7 @@ def index_analysis_kept() -> Iterator[None]:
             ``functools.lru_cache``.
     """
     cpp = _module(_STRIDE.rpartition(".")[0])
-    original = _get(_STRIDE)
-    if not callable(original) or not callable(getattr(original, "cache_info", None)):
-        raise drift(_STRIDE, "is not cached by torch (functools.lru_cache)", _BY_NAME)
+    original = _torch_cache(_STRIDE, "is not cached by torch (functools.lru_cache)")
     cpp.stride_at_vec_range = _kept(original)
     try:
         yield
