@@ -89,7 +89,7 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
         ListingLimitError: a prefix holds more names than ``list_max``; nothing
             is removed (names the store, the prefix, the bound and the fix).
     """
-    from kernel_cache.store.s3 import LIST_PAGE
+    from kernel_cache.store.s3 import list_pages
     from kernel_cache.store.s3_objects import S3Manifest, walk_dir
 
     now = time.time() if now is None else now
@@ -110,12 +110,8 @@ def gc_remote(tier, older_than_s: float, *, dry_run: bool = False, now: float | 
             if tier.settings.scheme == "file":
                 store  # noqa: B018 - refuses a missing directory, naming it
                 return walk_dir(tier.settings.directory, prefix, limit, past)
-            out = []
-            for batch in ob.list(store, prefix, chunk_size=min(LIST_PAGE, limit + 1)):
-                out += [(m["path"], int(m["size"]), _stamp(m)) for m in batch]
-                if len(out) > limit:
-                    raise past(len(out))
-            return out
+            pages = list_pages(ob, store, prefix, limit, past)
+            return [(m["path"], int(m["size"]), _stamp(m)) for batch in pages for m in batch]
 
         return tier._run(f"LIST {prefix}", op, fail_open=False)
 

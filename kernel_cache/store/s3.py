@@ -148,6 +148,18 @@ _ENTRY_PATH = re.compile(rf"entries/({ENTRY_KEY.pattern})")
 LIST_PAGE = 1000
 
 
+def list_pages(ob, store, prefix: str, limit: int, past) -> Iterator[list[dict]]:
+    """obstore's LIST pages of ``prefix`` in ``store`` (``ob``: the obstore
+    module), at most ``limit`` names in all: ``ceil((limit + 1) / LIST_PAGE)``
+    requests at most, then ``past(count)`` is raised."""
+    seen = 0
+    for batch in ob.list(store, prefix, chunk_size=min(LIST_PAGE, limit + 1)):
+        seen += len(batch)
+        if seen > limit:
+            raise past(seen)
+        yield batch
+
+
 def _entry_names(directory: str, limit: int, past) -> list[str]:
     """The entry keys in the ``entries`` folder of a ``file://`` directory: its
     names of 64 characters of ``[0-9a-f]`` that are no folder (a link is an
@@ -405,13 +417,12 @@ class S3Tier(PlanManifests):
             if self.settings.scheme == "file":
                 store  # noqa: B018 - refuses a missing directory, naming it
                 return _entry_names(self.settings.directory, limit, past)
-            out, seen = [], 0
-            for batch in ob.list(store, "entries/", chunk_size=min(LIST_PAGE, limit + 1)):
-                seen += len(batch)
-                if seen > limit:
-                    raise past(seen)
-                out += [m.group(1) for p in batch if (m := _ENTRY_PATH.fullmatch(p["path"]))]
-            return out
+            return [
+                m.group(1)
+                for batch in list_pages(ob, store, "entries/", limit, past)
+                for p in batch
+                if (m := _ENTRY_PATH.fullmatch(p["path"]))
+            ]
 
         return sorted(self._run("list", op, []))
 
