@@ -3,7 +3,7 @@
     python benchmarks/restart.py [ENGINE OPTIONS] [--variants N] [--repeats R]
         [--cold-repeats C] [--cache-dir DIR] [--work-dir DIR] [--out FILE]
 
-The same N variants of a plan (default: the built-in default plan, 26 variants;
+The same N variants of a plan (default: the built-in default plan, 17 variants;
 ``--variants N`` takes N of them, spread over the plan) are brought to ready in
 a fresh Python process by:
 
