@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's runs, as they were made on the H200 machine (docs/benchmarks/, GPU pages).
+# The GPU benchmarks and the GPU suite, as run on the lent H200 and H100 machines (docs/benchmarks/, GPU pages).
 # Run from the checkout root with python3 = the image's torch, diskcache and pydantic
 # importable, and OUT set to a folder for logs and JSON. The image has no diskcache,
 # pydantic(-settings), cryptography, redis or obstore: download their Python 3.12 wheels

@@ -105,8 +105,8 @@ BUILD_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(_HEADER_LOCK_DIR, "builder/normalize.py: its lock folder", CHECKED),
     PrivateAPI(
         _BUILT_HEADERS,
-        "builder/normalize.py: its per-process cache of header paths (functools.cache), "
-        "cleared when the folder changes",
+        "builder/normalize.py, builder/pool.py: its per-process cache of header paths "
+        "(functools.cache), cleared when the folder changes and after a jobs=0 warmup",
         CHECKED,
     ),
     PrivateAPI(

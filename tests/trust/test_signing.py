@@ -741,7 +741,7 @@ def test_export_without_the_private_key_refuses_what_the_fleet_would_refuse(
 
 
 def test_keygen_never_writes_through_a_planted_file_and_refuses_a_shared_dir(tmp_path):
-    """A link planted where the old code put its temporary file (``.signing.key.tmp-<pid>``)
+    """A link planted at a predictable temporary name (``.signing.key.tmp-<pid>``)
     is not followed: the private key never lands in a file another user owns. A
     directory others can write is refused (they could swap ``signing.pub``)."""
     from kernel_cache.trust.keygen import generate_keypair
