@@ -29,7 +29,7 @@ from typing import ClassVar
 from kernel_cache.errors import ConfigError
 from kernel_cache.store.base import PutOutcome, PutResult
 from kernel_cache.store.remote_base import RemoteSettings, RemoteTier, RemoteUnavailableError
-from kernel_cache.store.s3_objects import ObjectTooLargeError, read_file
+from kernel_cache.store.s3_objects import ObjectTooLargeError, open_file, read_file
 
 
 def endpoint_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -172,15 +172,14 @@ class ObjectStoreClient(RemoteTier):
     def _open(self, ob, store, path: str, limit: int):
         """``(size, chunks)`` of the object ``path``: a streamed GET whose size
         (response headers) is checked first, or in a ``file://`` directory the
-        file read whole without blocking (:meth:`_read_file`); None if absent;
-        or the error (:class:`ObjectTooLargeError` over ``limit``,
-        :class:`NotAFileError`) with its body unread."""
+        file's size and its reads in chunks (:func:`~kernel_cache.store.s3_objects.open_file`);
+        None if absent; or the error (:class:`ObjectTooLargeError` over
+        ``limit``, :class:`NotAFileError`) with its body unread."""
         from obstore.exceptions import NotFoundError
 
         if self.settings.scheme == "file":
             store  # noqa: B018 - refuses a missing directory, naming it
-            data = self._read_file(path, limit=limit)
-            return (len(data), [data]) if isinstance(data, bytes) else data
+            return open_file(self.settings.directory, path, limit)
         try:
             got = ob.get(store, path)
         except (NotFoundError, FileNotFoundError):

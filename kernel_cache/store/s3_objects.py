@@ -99,15 +99,16 @@ class ObjectTooLargeError(Exception):
 
 
 class NotAFileError(ObjectTooLargeError):
-    """A ``file://`` object that is a FIFO, a socket or a device (planted in the
-    shared directory), refused before it is read; handled
-    where :class:`ObjectTooLargeError` is."""
+    """A ``file://`` object that is no file this process can read (a FIFO, a
+    socket or a device, a link that loops, a file it may not open: planted in
+    the shared directory), refused before it is read; handled where
+    :class:`ObjectTooLargeError` is."""
 
-    def __init__(self, path: str, kind: str):
+    def __init__(self, path: str, why: str):
         Exception.__init__(
             self,
-            f"object {path} is not a regular file but a {kind} (planted in the shared "
-            "directory?); it is not this cache's (fix: remove it)",
+            f"object {path} {why} (planted in the shared directory?); it is not this "
+            "cache's (fix: remove it)",
         )
 
 
@@ -202,37 +203,79 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
     return out
 
 
-def read_file(directory: str, path: str, length: int | None, limit: int):
-    """The first ``length`` bytes of ``path`` in the ``file://`` directory
-    ``directory`` (all of it when None, refused over ``limit`` bytes), None if
-    absent (a folder is no object, as for obstore), or the error to raise
-    (:class:`NotAFileError`, :class:`ObjectTooLargeError`). Opened without
-    blocking and checked to be a regular file first: opening a FIFO planted
-    there waits for a writer forever, as obstore's read does."""
+#: The ``file://`` tier's read size: an entry's first chunk holds its header and
+#: record (as a streamed GET's ``min_chunk_size``).
+FILE_CHUNK = 1 << 16
+
+
+def open_file(directory: str, path: str, limit: int):
+    """``(size, chunks)`` of ``path`` in the ``file://`` directory ``directory``:
+    its size, and its bytes as an iterator of :data:`FILE_CHUNK`-byte reads, so
+    that a caller who refuses the first chunk reads no more (the file is closed
+    once the iterator is done or dropped). None if absent (a folder is no
+    object, as for obstore), or the error to raise, nothing read:
+    :class:`ObjectTooLargeError` over ``limit`` bytes, :class:`NotAFileError`
+    for a FIFO, socket or device (opened without blocking: opening a FIFO
+    planted there waits for a writer forever, as obstore's read does), a link
+    that loops or a file this user may not read. A planted name is refused
+    alone, never as the tier's failure."""
     full = os.path.join(directory, path)
     try:
         fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return NotAFileError(path, "is a link that loops")
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return NotAFileError(path, "is a file this user may not read")
+        raise
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return NotAFileError(path, "FIFO, socket or device")
-        if length is None and st.st_size > limit:
-            return ObjectTooLargeError(path, st.st_size, limit)
-        want = min(limit, st.st_size if length is None else length)
-        chunks, got = [], 0
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(st.st_mode) and st.st_size <= limit:
+        return st.st_size, _reads(fd, st.st_size)
+    os.close(fd)
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return NotAFileError(path, "is not a regular file but a FIFO, socket or device")
+    return ObjectTooLargeError(path, st.st_size, limit)
+
+
+def _reads(fd: int, want: int):
+    """At most ``want`` bytes of ``fd`` in :data:`FILE_CHUNK`-byte reads; closes it."""
+    try:
+        got = 0
         while got < want:
-            chunk = os.read(fd, want - got)
+            chunk = os.read(fd, min(FILE_CHUNK, want - got))
             if not chunk:
                 break
-            chunks.append(chunk)
             got += len(chunk)
-        return b"".join(chunks)
+            yield chunk
     finally:
         os.close(fd)
+
+
+def read_file(directory: str, path: str, length: int | None, limit: int):
+    """The first ``length`` bytes of ``path`` in the ``file://`` directory
+    ``directory`` (all of it when None), None if absent, or the error to raise
+    (as :func:`open_file`'s; over ``limit`` bytes only when all of it is asked
+    for)."""
+    opened = open_file(directory, path, limit if length is None else 1 << 62)
+    if not isinstance(opened, tuple):
+        return opened
+    size, chunks = opened
+    want = size if length is None else min(length, size, limit)
+    out = bytearray()
+    for chunk in chunks:
+        out += chunk[: want - len(out)]
+        if len(out) >= want:
+            break
+    chunks.close()
+    return bytes(out)
 
 
 def read_entry(

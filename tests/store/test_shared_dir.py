@@ -269,6 +269,47 @@ def test_a_fifo_planted_in_a_shared_directory_never_hangs_a_reader(tmp_path):
     assert lines[3] == "None False"
 
 
+def _bytes_read() -> int:
+    """Bytes this process has read with read(2) and the like so far, by the
+    kernel's count (``rchar`` of ``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_planted_object_costs_its_first_chunk_and_a_looping_link_itself(tmp_path, tiny_config):
+    """A writer of the shared directory plants, at entry names of the plan, a
+    200 MiB object (sparse: it costs the writer nothing) and a link to itself:
+    the reader refuses the first after its first 64 KiB (the kernel's count of
+    bytes read), and the second alone, naming it, while the tier stays up and
+    the plan's real entry loads."""
+    from kernel_cache.errors import CorruptEntryError
+    from kernel_cache.store.s3_objects import FILE_CHUNK
+
+    tier = _tier(tmp_path, fail_open=True)
+    good, big, loop = ("ab" * 32, "cd" * 32, "ef" * 32)
+    built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
+    data = bytes(range(256)) * 64
+    meta = make_meta(built, "v", data, 1.0)
+    assert tier.put(built.hexdigest, data, meta).outcome is PutOutcome.STORED
+    good = built.hexdigest
+    with open(tmp_path / "entries" / big, "wb") as f:
+        f.truncate(200 << 20)
+    os.symlink(loop, tmp_path / "entries" / loop)
+    tier.expect([big, loop, good])  # the plan's order: its manifest is absent
+    before = _bytes_read()
+    with pytest.raises(CorruptEntryError, match="bad magic"):
+        tier.get(big)
+    assert _bytes_read() - before < 2 * FILE_CHUNK  # its first chunk, and /proc/self/io's own
+    for read in (tier.get, tier.get_meta):
+        with pytest.raises(CorruptEntryError) as e:
+            read(loop)
+        assert f"entries/{loop} is a link that loops" in str(e.value), e.value
+        assert "fix: remove it" in str(e.value)
+    assert not tier.is_down()
+    verify_entry(tier.get(good))
+    tier.close()
+
+
 # -- the local cache on a network filesystem -------------------------------------------------
 
 #: lines of a real /proc/self/mountinfo: an NFS export, a FUSE mount, a local disk
