@@ -39,6 +39,28 @@ _DIGITS = 20
 SETTLE_S = 0.5
 
 
+#: Names a lease folder may hold. A builder leaves one or two generations there
+#: (it deletes the one below each it confirms; racing builders may leave a few);
+#: a folder with more was filled by a writer of the directory, and a builder
+#: never lists more than this of it: it compiles without the lease.
+GENERATIONS_MAX = 64
+
+
+def _names(folder: Path, limit: int) -> list[str] | None:
+    """The names in ``folder`` (``[]`` if it is gone), or None past ``limit``
+    (read as counted, never whole)."""
+    names: list[str] = []
+    try:
+        with os.scandir(folder) as found:
+            for e in found:
+                if len(names) == limit:
+                    return None
+                names.append(e.name)
+    except FileNotFoundError:
+        return []
+    return names
+
+
 def _gen_of(name: str) -> int | None:
     """The generation a file name is, None if it is not one as :meth:`FileLease._name`
     writes it (zero-padded to at least :data:`_DIGITS` ASCII digits: the successor
@@ -113,10 +135,9 @@ class FileLease(BuildLease):
 
         def op(ob, store):
             for _ in range(5):  # a generation deleted between the listing and the read
-                try:
-                    names = os.listdir(self._path())
-                except FileNotFoundError:
-                    return None
+                names = _names(self._path(), GENERATIONS_MAX)
+                if names is None:  # filled by a writer: no lease to read
+                    return False
                 gens = [g for g in map(_gen_of, names) if g is not None]
                 if not gens:
                     return None
@@ -181,22 +202,25 @@ class FileLease(BuildLease):
         got = self._current()
         return got[1].get("holder") if got else None
 
-    def _planted(self) -> Path | None:
-        """``leases`` or ``leases/<key>`` when it is a link or not a folder
-        (planted by a writer of the directory), else None."""
+    def _planted(self) -> tuple[Path, str] | None:
+        """``(folder, why)`` when ``leases`` or ``leases/<key>`` was planted by a
+        writer of the directory (a link or a file in its place, or a lease
+        folder of more than :data:`GENERATIONS_MAX` names), else None."""
         base = Path(self.tier.settings.directory)
         for d in (base / "leases", base / self.dir):
             if d.is_symlink() or (d.exists() and not d.is_dir()):
-                return d
+                return d, "a link or a file planted there"
+        if _names(base / self.dir, GENERATIONS_MAX) is None:
+            return base / self.dir, f"more than {GENERATIONS_MAX} names in it"
         return None
 
     def _take(self) -> bool | None:
         planted = self._planted()
         if planted is not None:  # the lease is unavailable; the tier is not down
             log.warning(
-                "%s is not a lease folder (a link or a file planted there); compiling %s "
-                "without the %s",
-                planted,
+                "%s is not a lease folder (%s); compiling %s without the %s",
+                planted[0],
+                planted[1],
                 self.key[:16],
                 self.WHAT,
             )

@@ -160,11 +160,15 @@ def test_a_planted_link_in_place_of_the_lease_directory_is_not_followed(tmp_path
     assert os.listdir(elsewhere) == []
 
 
-@pytest.mark.parametrize("planted", ["leases file", "key file", "key link"])
+@pytest.mark.parametrize("planted", ["leases file", "key file", "key link", "many names"])
 def test_a_planted_lease_folder_costs_the_lease_not_the_store(tmp_path, tiny_config, planted):
-    """A file in place of ``leases`` or ``leases/<key>``, or a link in place of
-    the latter: the builder compiles without the lease, and still publishes the
-    entry (read back from the disk) and every other key's, its tier not marked down."""
+    """A file in place of ``leases`` or ``leases/<key>``, a link in place of
+    the latter, or a lease folder filled with generations past
+    ``GENERATIONS_MAX``: the builder compiles without the lease, and still
+    publishes the entry (read back from the disk) and every other key's, its
+    tier not marked down."""
+    from kernel_cache.store.file_lease import GENERATIONS_MAX
+
     built = build_key(tiny_config, Bucketer(tiny_config).variants[0])
     key = built.hexdigest
     leases = tmp_path / "leases"
@@ -175,6 +179,11 @@ def test_a_planted_lease_folder_costs_the_lease_not_the_store(tmp_path, tiny_con
         target = leases / key
         if planted == "key file":
             target.write_text("x")
+        elif planted == "many names":
+            target.mkdir()
+            for gen in range(1, GENERATIONS_MAX + 2):  # live leases, a writer's
+                doc = {"holder": "w", "expires_at": time.time() + 30}
+                (target / f"{gen:020d}").write_text(json.dumps(doc))
         else:
             (tmp_path / "elsewhere").mkdir()
             target.symlink_to(tmp_path / "elsewhere")
