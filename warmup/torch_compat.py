@@ -41,6 +41,11 @@ _HEADER_LOCK_DIR = "torch._inductor.codecache._HEADER_LOCK_DIR"
 #: Builds a precompiled header in ``_HEADER_DIR`` and returns its path, cached
 #: per process (``functools.cache``) on arguments that do not name the folder.
 _BUILT_HEADERS = "torch._inductor.codecache._precompile_header"
+#: How Inductor tells a C++ compiler's family, from the name ``CXX`` gives alone
+#: (``functools.cache``, ``(cpp_compiler: str) -> bool``): it picks flags and
+#: pragmas by it (``#pragma GCC unroll`` for gcc, ``#pragma unroll`` otherwise).
+_IS_GCC = "torch._inductor.cpp_builder._is_gcc"
+_IS_CLANG = "torch._inductor.cpp_builder._is_clang"
 _PICK = "torch._inductor.cpu_vec_isa.pick_vec_isa"
 _ISA_LIST = "torch._inductor.cpu_vec_isa.supported_vec_isa_list"
 _VALID_ISAS = "torch._inductor.cpu_vec_isa.valid_vec_isa_list"
@@ -68,6 +73,14 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         for m in CONFIG_MODULES
     ),
     PrivateAPI(_PICK, "builder/compiler.py: the vector ISA Inductor chose", CHECKED),
+    *(
+        PrivateAPI(
+            name,
+            "builder/compiler.py: the compiler family Inductor takes CXX for, by its name",
+            CHECKED,
+        )
+        for name in (_IS_GCC, _IS_CLANG)
+    ),
     PrivateAPI(
         _ISA_LIST,
         "builder/compiler.py: narrowed to the target's ISA while a compile builds "
@@ -532,3 +545,21 @@ def index_analysis_kept() -> Iterator[None]:
         yield
     finally:
         cpp.stride_at_vec_range = original
+
+
+def compiler_family_by_name(cxx: str) -> str:
+    """The C++ compiler family Inductor takes ``cxx`` (``$CXX`` as given, or
+    its default ``g++``) for, from the name alone: ``"gcc"``, ``"clang"`` or
+    ``"neither"``. Inductor picks flags and pragmas by it, so a gcc named
+    otherwise (a wrapper script) gets other code from the same key.
+
+    Raises:
+        TorchAPIDriftError: ``_is_gcc`` or ``_is_clang`` is missing or takes
+            other arguments.
+    """
+    is_gcc, is_clang = _get(_IS_GCC), _get(_IS_CLANG)
+    try:
+        clang, gcc = bool(is_clang(cxx)), bool(is_gcc(cxx))
+    except TypeError as e:
+        raise drift(_IS_GCC, f"takes other arguments ({e})", _BY_NAME) from None
+    return "clang" if clang else "gcc" if gcc else "neither"

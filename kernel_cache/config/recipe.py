@@ -389,7 +389,8 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "CXX",
         COUNTS,
         "the C++ compiler Inductor runs; its version, build and libstdc++ are the "
-        "'cxx' key component",
+        "'cxx' key component, and warmup refuses one whose name Inductor would take "
+        "for another family (it picks pragmas and flags by the name)",
     ),
     EnvRule(
         "ATEN_CPU_CAPABILITY",

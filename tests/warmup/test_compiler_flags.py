@@ -163,3 +163,84 @@ def test_a_compiles_pick_probes_no_other_isa_and_leaves_inductors_own_list_after
     assert narrowed["restored"] and narrowed["cleared"]
     assert narrowed["runs_so_far"] == 0 and probed["runs_so_far"] > 0, (narrowed, probed)
     assert narrowed["after"] == probed["after"] != "avx2"
+
+
+def _wrapper(path, log):
+    """A ``CXX`` at ``path`` that logs each call but the probes and runs g++."""
+    import shutil
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        '#!/bin/sh\ncase "$*" in --version|-v|-print-file-name*|*-###*) ;; '
+        f'*) echo "$*" >> {log};; esac\n'
+        f'exec {shutil.which("g++")} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize(
+    "cxx, says",
+    [
+        ("bin/cxxwrap.sh", "and this one for neither gcc nor clang"),
+        ("bin/clang-wrapper", "and this one for clang"),
+        ("/bin/false", "does not answer --version as a C++ compiler does"),
+        ("no-such-dir/g++", "is not found"),
+    ],
+)
+def test_a_compiler_inductor_would_misname_is_refused_naming_cxx(tmp_path, monkeypatch, cxx, says):
+    """Inductor picks pragmas and flags by ``$CXX``'s name (a gcc behind a
+    wrapper named otherwise got ``#pragma unroll`` for ``#pragma GCC unroll``,
+    so other code under the same key): such a ``CXX``, and one that is no
+    compiler, is refused with its name and the fix."""
+    from kernel_cache.errors import ConfigError
+    from kernel_cache.plan.keys import cxx_toolchain
+    from warmup.builder.compiler import check_cxx
+
+    path = tmp_path / cxx if not cxx.startswith("/") else cxx
+    if str(path).startswith(str(tmp_path / "bin")):
+        _wrapper(path, tmp_path / "log")
+    monkeypatch.setenv("CXX", str(path))
+    cxx_toolchain.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as e:
+            check_cxx()
+    finally:
+        cxx_toolchain.cache_clear()
+    msg = str(e.value)
+    assert f"CXX={str(path)!r}" in msg and says in msg and "fix:" in msg, msg
+
+
+def test_a_gcc_wrapper_named_for_gcc_passes(tmp_path, monkeypatch):
+    from kernel_cache.plan.keys import cxx_toolchain
+    from warmup.builder.compiler import check_cxx
+
+    for name in ("g++-counting", "x86_64-linux-gnu-g++", "gcc-wrap"):
+        monkeypatch.setenv("CXX", str(_wrapper(tmp_path / "bin" / name, tmp_path / "log")))
+        cxx_toolchain.cache_clear()
+        check_cxx()
+    monkeypatch.delenv("CXX")
+    cxx_toolchain.cache_clear()
+    check_cxx()  # the default, g++
+
+
+def test_warmup_refuses_a_misnamed_compiler_before_it_runs_it(tmp_path, tiny_model):
+    """The whole warmup, with a gcc behind a wrapper named ``cxxwrap.sh``: every
+    variant fails naming CXX and the fix, the wrapper logs no compile (only
+    its probes ran), and nothing is cached."""
+    import json
+
+    from ..conftest import run_cli, tiny_args
+
+    log = tmp_path / "log"
+    cxx = _wrapper(tmp_path / "bin" / "cxxwrap.sh", log)
+    proc = run_cli(
+        "warmup", *tiny_args(tiny_model), "--kv-buckets", "32", "--query-buckets", "32",
+        "--cache-dir", tmp_path / "cache", "--jobs", "1", "--json", env={"CXX": str(cxx)},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiled"] == 0 and len(report["failed"]) == 2
+    for f in report["failed"]:
+        assert "neither gcc nor clang" in f["error"] and "fix:" in f["error"], f
+    assert not log.exists() or log.read_text() == ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -325,6 +326,52 @@ def _has_option(cfg, dotted: str) -> bool:
     return True
 
 
+def check_cxx() -> None:
+    """Refuse, before anything is exported, a C++ compiler AOTInductor cannot
+    use or would take for another family than it is: Inductor picks flags and
+    pragmas by ``$CXX``'s name (:func:`warmup.torch_compat.compiler_family_by_name`),
+    while the key's ``cxx`` component is what the compiler answers
+    (:func:`kernel_cache.plan.keys.cxx_toolchain`), so a gcc behind a wrapper
+    named otherwise would build other code under the same key.
+
+    Raises:
+        ConfigError: names ``CXX``, what it is and the fix.
+    """
+    from kernel_cache.errors import ConfigError
+    from kernel_cache.plan.keys import _run as keys_run
+    from kernel_cache.plan.keys import cxx_executable, cxx_toolchain
+
+    given = os.environ.get("CXX")
+    name = given or "g++"
+    shown_as = f"CXX={given!r}" if given else "the default C++ compiler g++ (CXX unset)"
+    exe = cxx_executable()
+    if exe is None:
+        raise ConfigError(
+            f"{shown_as} is not found (as a path or on PATH); warmup builds every "
+            "variant's host code with it. fix: install g++ (Debian: apt-get install g++) "
+            "or set CXX to a C++ compiler"
+        )
+    first = (keys_run([exe, "--version"])[0].splitlines() or [""])[0]
+    compiler = cxx_toolchain(exe)["compiler"]
+    if compiler == "unknown" or not re.search(r"g\+\+|gcc|clang", first, re.IGNORECASE):
+        raise ConfigError(
+            f"{shown_as} ({exe}) does not answer --version as a C++ compiler does (its "
+            f"first line: {shown(first)}). fix: set CXX to g++ or clang++ (or a wrapper "
+            "named so), or unset it"
+        )
+    family, seen = compiler.split()[0], torch_compat.compiler_family_by_name(name)
+    if seen != family:
+        taken = "neither gcc nor clang" if seen == "neither" else seen
+        named = "g++ (or a name with gcc in it)" if family == "gcc" else "clang++"
+        raise ConfigError(
+            f"{shown_as} is {compiler} by its --version, but Inductor takes a "
+            f"compiler for gcc or clang by its name alone, and this one for {taken}: it "
+            "would generate other code (pragmas, flags) under the key of a compiler "
+            f"named as it is. fix: give it a name that says {family}: a wrapper script "
+            f"or link named {named}, or set CXX to the compiler itself"
+        )
+
+
 def compile_variant(
     config: EngineConfig,
     variant: KernelVariant,
@@ -361,6 +408,7 @@ def compile_variant(
     """
     traced_files.record_imports()  # a worker did at its start; --jobs 0 from here on
     pin_environment(config.device, config.cpu_target, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    check_cxx()
     opts = compile_options(config.device, config.cpu_target)
     window = RunRecorder(kernel_path(config, variant.kernel))
     with _vec_isa_of_target(config, opts):
