@@ -119,6 +119,11 @@ def _split_comma_paths(text: str) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(Path(p.strip()) for p in text.split(",") if p.strip()))
 
 
+#: The most threads ``KERNEL_CACHE_NUM_THREADS`` sets: far above any CPU count;
+#: 99999 made the first CPU kernel call crash (SIGSEGV, in OpenMP's thread start).
+THREADS_MAX = 4096
+
+
 def _threads(text: str) -> str | int:
     t = text.strip().lower()
     if t in ("auto", "keep"):
@@ -129,6 +134,8 @@ def _threads(text: str) -> str | int:
         raise ValueError(f"{text!r} is not auto, keep or an integer") from None
     if n < 1:
         raise ValueError(f"{n} threads: must be at least 1")
+    if n > THREADS_MAX:
+        raise ValueError(f"{n} threads: must be at most {THREADS_MAX}")
     return n
 
 
@@ -234,7 +241,8 @@ class SettingsFields(BaseModel):
         "auto", "CPU threads of a serving process, set by load_plan for a CPU plan: auto "
         "lowers torch's count to the CPUs the process may use (affinity, cgroup CPU quota) "
         "unless OMP_NUM_THREADS is set; N sets N; keep leaves torch's count alone",
-        type="auto | keep | int", expected="auto, keep or an integer >= 1", example="1",
+        type="auto | keep | int", expected=f"auto, keep or an integer >= 1 and <= {THREADS_MAX}",
+        example="1",
         shown_default="auto",
     )  # fmt: skip
     # -- sharded warmup -------------------------------------------------------------------

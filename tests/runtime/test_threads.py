@@ -76,7 +76,11 @@ def test_auto_lowers_torch_threads_to_the_cgroup_quota(tmp_path):
 
 def test_a_number_sets_it_and_a_bad_value_names_the_variable(tmp_path):
     assert _apply(tmp_path, KERNEL_CACHE_NUM_THREADS="1")["now"] == 1
-    for bad, says in (("0", "must be at least 1"), ("many", "not auto, keep or an integer")):
+    for bad, says in (
+        ("0", "must be at least 1"),
+        ("99999", "must be at most 4096"),
+        ("many", "not auto, keep or an integer"),
+    ):
         err = _apply(tmp_path, KERNEL_CACHE_NUM_THREADS=bad)["error"]
         assert err.startswith("SettingError") and "KERNEL_CACHE_NUM_THREADS" in err, err
         assert says in err, err
