@@ -22,6 +22,7 @@ Nothing here imports torch or a module being classified: files are found with
 
 from __future__ import annotations
 
+import csv
 import functools
 import hashlib
 import importlib.metadata
@@ -162,8 +163,9 @@ def dist_of(path: str) -> str | None:
 @functools.cache
 def dist_version(name: str) -> str:
     """What identifies the installed distribution ``name``: its version and the
-    first 16 hex of the sha256 of its ``RECORD`` (``"0.1.0 (RECORD
-    1a2b3c4d5e6f7a8b)"``; the version alone where it has none), or
+    first 16 hex of the sha256 of its ``RECORD``'s rows for its own files
+    (:func:`_code_rows`; ``"0.1.0 (RECORD 1a2b3c4d5e6f7a8b)"``; the version
+    alone where it has none), or
     :data:`MISSING`. Read from its metadata; cached per process.
 
     ``RECORD`` lists the sha256 of every file the installer wrote, so a
@@ -176,7 +178,34 @@ def dist_version(name: str) -> str:
     record = dist.read_text("RECORD")
     if not record:
         return dist.version
-    return f"{dist.version} (RECORD {hashlib.sha256(record.encode()).hexdigest()[:16]})"
+    return f"{dist.version} (RECORD {hashlib.sha256(_code_rows(record)).hexdigest()[:16]})"
+
+
+#: Files of a ``.dist-info`` folder that say how, by whom or from where a
+#: distribution was installed, not what it holds (``INSTALLER``: pip or uv;
+#: ``REQUESTED``: asked for or pulled in; ``direct_url.json``: a local path).
+_INSTALL_ONLY = frozenset({"INSTALLER", "REQUESTED", "direct_url.json", "RECORD"})
+
+
+def _code_rows(record: str) -> bytes:
+    """The rows of a ``RECORD`` that name the distribution's own files, sorted,
+    as hashed by :func:`dist_version`: without files installed outside its
+    folder (``../../../bin/isympy``: a script whose first line holds the venv's
+    interpreter path), the install-only files of :data:`_INSTALL_ONLY`, and
+    rows with no hash (``.pyc``), so that the same distribution installed in
+    another venv, by another installer, hashes the same. A row is kept whole
+    (path, hash, size); a quoted path (a comma in it) is read as CSV."""
+
+    def kept(line: str) -> bool:
+        if line.endswith(",,") or line.lstrip('"').startswith(("../", "/")):
+            return False
+        if ".dist-info/" not in line:
+            return True
+        path = next(csv.reader([line]))[0] if line.startswith('"') else line.split(",", 1)[0]
+        folder, _, name = path.rpartition("/")
+        return not (folder.endswith(".dist-info") and name in _INSTALL_ONLY)
+
+    return "\n".join(sorted(filter(kept, record.splitlines()))).encode()
 
 
 # -- files --------------------------------------------------------------------------

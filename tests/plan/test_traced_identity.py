@@ -1367,3 +1367,33 @@ def test_code_named_by_no_readable_file_is_not_a_files_code():
 
     code = compile("x = 1", "ab", "exec").replace(co_filename="/tmp/a\x00b")
     assert code_is_files(code, code.co_filename) is False
+
+
+def test_a_distributions_record_digest_names_its_code_not_its_venv_or_installer():
+    """The same distribution installed into another venv (a script's first line
+    holds the interpreter's path: ``../../../bin/isympy``'s hash differs), by
+    another installer (``INSTALLER``, ``REQUESTED``, ``direct_url.json``), in
+    another order, digests the same; a changed file of its own does not."""
+    import importlib.metadata
+
+    from kernel_cache.plan.file_origin import _code_rows
+
+    record = importlib.metadata.distribution("sympy").read_text("RECORD")
+    lines = record.splitlines()
+    other = []
+    for line in reversed(lines):
+        if line.startswith("../"):
+            path, _, size = line.split(",")
+            line = f"{path},sha256=another-venvs-script,{size}"
+        elif "dist-info/INSTALLER," in line:
+            line = line.split(",")[0] + ",sha256=uv,3"
+        other.append(line)
+    other.append("sympy-1.14.0.dist-info/direct_url.json,sha256=a-local-path,60")
+    assert any(line.startswith("../../../bin/isympy,") for line in lines)
+    assert _code_rows(record) == _code_rows("\n".join(other))
+    changed = [
+        line.replace("sha256=", "sha256=x", 1) if line.startswith("sympy/__init__.py,") else line
+        for line in lines
+    ]
+    assert _code_rows("\n".join(changed)) != _code_rows(record)
+    assert dist_version("sympy").startswith(importlib.metadata.version("sympy") + " (RECORD ")
