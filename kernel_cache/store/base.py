@@ -31,10 +31,35 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "kernel_cache"
 
 
+#: The longest file name a folder of the cache path may have (Linux's NAME_MAX).
+NAME_MAX = 255
+#: SQLite's longest database path (``SQLITE_MAX_PATHNAME``, 512): the cache's
+#: index ``<dir>/cache.db`` and its ``-wal`` must stay shorter.
+DB_PATH_MAX = 511
+
+
 def check_cache_dir_path(directory: Path, source: str, fix: str) -> None:
-    """Raise :class:`~kernel_cache.errors.ConfigError` when ``directory``, or a
-    folder above it, exists and is not a directory, naming both, ``source``
-    (where the path came from) and ``fix`` (what to point at a directory)."""
+    """Raise :class:`~kernel_cache.errors.ConfigError` when ``directory`` is
+    too long to hold the cache (a folder name over :data:`NAME_MAX`
+    characters, or an index path over :data:`DB_PATH_MAX`), or it or a folder
+    above it exists and is not a directory, naming both, ``source`` (where the
+    path came from) and ``fix`` (what to point at a directory)."""
+    longest = max(directory.parts, key=len, default="")
+    index = len(os.path.abspath(directory)) + len("/cache.db-wal")
+    if len(longest) > NAME_MAX or index > DB_PATH_MAX:
+        from kernel_cache.errors import ConfigError
+
+        why = (
+            f"its folder name {longest[:40]!r}... is {len(longest)} characters, over the "
+            f"{NAME_MAX} a file system takes"
+            if len(longest) > NAME_MAX
+            else f"its index path would be {index} characters, over the {DB_PATH_MAX} SQLite opens"
+        )
+        text = str(directory)
+        text = text if len(text) <= 120 else text[:120] + "..."
+        raise ConfigError(
+            f"cache directory {text} (from {source}): {why}; fix: point {fix} at a shorter path"
+        )
     for p in (directory, *directory.parents):
         try:
             if not p.exists():

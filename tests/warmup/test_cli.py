@@ -116,6 +116,27 @@ def test_cache_dir_that_is_a_file_is_named_with_the_fix(
     assert f.read_text() == ""
 
 
+@pytest.mark.parametrize("too_long", ["a folder name", "the index path"])
+@pytest.mark.parametrize("command", [["ls"], ["warmup", *TINY], ["import", "DIR"]])
+def test_a_cache_dir_too_long_to_hold_the_cache_is_named_with_the_limit(
+    tmp_path, capsys, command, too_long
+):
+    """A folder name over 255 characters (``ENAMETOOLONG`` from the file
+    system), or a path whose index SQLite cannot open (over 511 characters):
+    named, with the limit and the fix, before anything is created."""
+    if too_long == "a folder name":
+        cache, says = tmp_path / ("x" * 300), "is 300 characters, over the 255"
+    else:
+        cache = tmp_path.joinpath(*["y" * 200] * 3)
+        says = "characters, over the 511 SQLite opens"
+    argv = [str(tmp_path) if a == "DIR" else a for a in command]
+    assert main([*argv, "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kernel-cache {command[0]}: error: cache directory {str(cache)[:120]}")
+    assert says in err and "fix: point --cache-dir or $KERNEL_CACHE_DIR at a shorter path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_default_cache_dir_honours_xdg_cache_home(tmp_path, monkeypatch):
     from kernel_cache.store.disk_tier import default_cache_dir
 
