@@ -160,6 +160,16 @@ def _run(args: list[str]) -> tuple[str, str]:
         return "", ""
 
 
+def cxx_version_line(exe: str) -> str:
+    """The first line ``exe --version`` prints (``"g++ (Debian 12.2.0-14) 12.2.0"``),
+    ``""`` if it cannot run.
+
+    Raises:
+        ConfigError: it did not answer within :data:`PROBE_TIMEOUT_S`.
+    """
+    return (_run([exe, "--version"])[0].splitlines() or [""])[0]
+
+
 #: Lines of ``$CXX -v`` that identify a compiler build (not its install path).
 _BUILD_LINES = ("Target:", "Configured with:", "Thread model:", "gcc version", "clang version")
 
@@ -196,7 +206,7 @@ def cxx_toolchain(exe: str | None = None) -> dict[str, str]:
             "libstdcxx_path": "",
             "libstdcxx": "none",
         }
-    first = (_run([exe, "--version"])[0].splitlines() or [""])[0]
+    first = cxx_version_line(exe)
     if not first:
         compiler = "unknown"
     else:

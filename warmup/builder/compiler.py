@@ -338,8 +338,7 @@ def check_cxx() -> None:
         ConfigError: names ``CXX``, what it is and the fix.
     """
     from kernel_cache.errors import ConfigError
-    from kernel_cache.plan.keys import _run as keys_run
-    from kernel_cache.plan.keys import cxx_executable, cxx_toolchain
+    from kernel_cache.plan.keys import cxx_executable, cxx_toolchain, cxx_version_line
 
     given = os.environ.get("CXX")
     name = given or "g++"
@@ -351,7 +350,7 @@ def check_cxx() -> None:
             "variant's host code with it. fix: install g++ (Debian: apt-get install g++) "
             "or set CXX to a C++ compiler"
         )
-    first = (keys_run([exe, "--version"])[0].splitlines() or [""])[0]
+    first = cxx_version_line(exe)
     compiler = cxx_toolchain(exe)["compiler"]
     if compiler == "unknown" or not re.search(r"g\+\+|gcc|clang", first, re.IGNORECASE):
         raise ConfigError(
