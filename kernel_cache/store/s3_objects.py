@@ -208,7 +208,7 @@ def walk_dir(directory: str, prefix: str, limit: int, past) -> list[tuple[str, i
 FILE_CHUNK = 1 << 16
 
 
-def open_file(directory: str, path: str, limit: int):
+def open_file(directory: str, path: str, limit: int, length: int | None = None):
     """``(size, chunks)`` of ``path`` in the ``file://`` directory ``directory``:
     its size, and its bytes as an iterator of :data:`FILE_CHUNK`-byte reads, so
     that a caller who refuses the first chunk reads no more (the file is closed
@@ -218,7 +218,8 @@ def open_file(directory: str, path: str, limit: int):
     for a FIFO, socket or device (opened without blocking: opening a FIFO
     planted there waits for a writer forever, as obstore's read does), a link
     that loops or a file this user may not read. A planted name is refused
-    alone, never as the tier's failure."""
+    alone, never as the tier's failure. ``length``: read no more than its
+    first ``length`` bytes (the size stays the file's)."""
     full = os.path.join(directory, path)
     try:
         fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
@@ -235,8 +236,9 @@ def open_file(directory: str, path: str, limit: int):
     except BaseException:
         os.close(fd)
         raise
-    if stat.S_ISREG(st.st_mode) and st.st_size <= limit:
-        return st.st_size, _reads(fd, st.st_size)
+    if stat.S_ISREG(st.st_mode) and st.st_size <= limit:  # closed with its file object
+        want = st.st_size if length is None else min(length, st.st_size)
+        return st.st_size, _reads(os.fdopen(fd, "rb", buffering=0), want)
     os.close(fd)
     if stat.S_ISDIR(st.st_mode):
         return None
@@ -245,18 +247,18 @@ def open_file(directory: str, path: str, limit: int):
     return ObjectTooLargeError(path, st.st_size, limit)
 
 
-def _reads(fd: int, want: int):
-    """At most ``want`` bytes of ``fd`` in :data:`FILE_CHUNK`-byte reads; closes it."""
-    try:
+def _reads(f, want: int):
+    """At most ``want`` bytes of the unbuffered file ``f`` in
+    :data:`FILE_CHUNK`-byte reads; closes it (an iterator dropped before its
+    first read leaves ``f`` to be closed with it)."""
+    with f:
         got = 0
         while got < want:
-            chunk = os.read(fd, min(FILE_CHUNK, want - got))
+            chunk = f.read(min(FILE_CHUNK, want - got))
             if not chunk:
                 break
             got += len(chunk)
             yield chunk
-    finally:
-        os.close(fd)
 
 
 def read_file(directory: str, path: str, length: int | None, limit: int):
@@ -264,18 +266,11 @@ def read_file(directory: str, path: str, length: int | None, limit: int):
     ``directory`` (all of it when None), None if absent, or the error to raise
     (as :func:`open_file`'s; over ``limit`` bytes only when all of it is asked
     for)."""
-    opened = open_file(directory, path, limit if length is None else 1 << 62)
-    if not isinstance(opened, tuple):
-        return opened
-    size, chunks = opened
-    want = size if length is None else min(length, size, limit)
-    out = bytearray()
-    for chunk in chunks:
-        out += chunk[: want - len(out)]
-        if len(out) >= want:
-            break
-    chunks.close()
-    return bytes(out)
+    if length is None:
+        opened = open_file(directory, path, limit)
+    else:
+        opened = open_file(directory, path, 1 << 62, min(length, limit))
+    return b"".join(opened[1]) if isinstance(opened, tuple) else opened
 
 
 def read_entry(
