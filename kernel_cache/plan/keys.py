@@ -160,9 +160,10 @@ def _run(args: list[str]) -> tuple[str, str]:
         return "", ""
 
 
+@functools.cache
 def cxx_version_line(exe: str) -> str:
     """The first line ``exe --version`` prints (``"g++ (Debian 12.2.0-14) 12.2.0"``),
-    ``""`` if it cannot run.
+    ``""`` if it cannot run; asked once per process, as :func:`cxx_toolchain` is.
 
     Raises:
         ConfigError: it did not answer within :data:`PROBE_TIMEOUT_S`.
