@@ -11,7 +11,11 @@ measured compile, in a process of their own):
 * ``torch``: ``paged_attention:512:2:1`` then ``:512:4:1``, torch's 128-entry
   cache alone (the worker's block replaced by a no-op);
 * ``kept``: the same two, the worker's kept cache;
-* ``kept, other first``: ``paged_attention:1024:8:1`` then ``:512:4:1``, kept.
+* ``kept, other first``: ``paged_attention:1024:8:1`` then ``:512:4:1``, kept;
+* ``kept and on disk, first process`` and ``..., next process``: the first two
+  again in two processes, each with the kept cache and the integer results the
+  folder keeps (``warmup.builder.index_strides``): the first process writes
+  them, the next reads them. The other sequences keep nothing on disk.
 
 Per compile: process CPU seconds (user + system) and the compiler's (reaped
 children), CPU seconds inside the analysis itself (``stride_at_vec_range``
@@ -35,6 +39,14 @@ SEQUENCES = {
     "torch": ("torch", ["paged_attention:512:2:1", "paged_attention:512:4:1"]),
     "kept": ("kept", ["paged_attention:512:2:1", "paged_attention:512:4:1"]),
     "kept, other first": ("kept", ["paged_attention:1024:8:1", "paged_attention:512:4:1"]),
+    "kept and on disk, first process": (
+        "disk",
+        ["paged_attention:512:2:1", "paged_attention:512:4:1"],
+    ),
+    "kept and on disk, next process": (
+        "disk",
+        ["paged_attention:512:2:1", "paged_attention:512:4:1"],
+    ),
 }
 WARM_HEADERS = "batched_decode:1:1:4"
 
@@ -65,7 +77,9 @@ def child(mode: str, variants: list[str], pch: str) -> None:
 
     cpp.stride_at_vec_range = functools.lru_cache(maxsize=128)(timed)  # torch's own, timed
     if mode == "torch":
-        compiler.torch_compat.index_analysis_kept = contextlib.nullcontext
+        compiler.torch_compat.index_analysis_kept = lambda *a: contextlib.nullcontext()
+    if mode != "disk":  # no integer results read or written
+        compiler.index_strides.load = lambda folder: None
     cfg = make_config(DEFAULT_MODEL, use_env=False)
     rows = []
     for s in variants:

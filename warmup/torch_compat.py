@@ -55,6 +55,9 @@ _CUBIN_OBJECT = "torch._inductor.codecache.convert_cubin_to_obj"
 #: The CPU code generator's stride analysis (``index_analysis_kept``): defined in
 #: ``torch._inductor.sizevars`` and imported by name in 2.13, defined here in 2.11.
 _STRIDE = "torch._inductor.codegen.cpp.stride_at_vec_range"
+#: Torch's sympy functions (``FloorDiv``, ``ModularIndexing``, ``Min``, ...): the
+#: classes besides sympy's own a kept stride may be built of (``builder/index_strides.py``).
+_SYMPY_FUNCTIONS = "torch.utils._sympy.functions"
 
 #: Every private torch name the build uses.
 BUILD_API: tuple[PrivateAPI, ...] = (
@@ -127,6 +130,12 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         "builder/compiler.py: (index, var, vec_length), a functools.lru_cache of 128 entries "
         "that the CPU code generator calls by this name; wrapped in a larger cache kept across "
         "the compiles of a process",
+        CHECKED,
+    ),
+    PrivateAPI(
+        _SYMPY_FUNCTIONS,
+        "builder/index_strides.py: the module whose sympy classes (FloorDiv, ModularIndexing, "
+        "Min, Max, ...) a kept stride may be built of, by name",
         CHECKED,
     ),
 )
@@ -507,19 +516,43 @@ def headers_forgotten() -> None:
 INDEX_ANALYSIS_KEPT = 1 << 14
 
 
+class _Remembered:
+    """The block's strides from earlier processes (:func:`index_analysis_kept`)."""
+
+    strides: Any = None
+
+
 @functools.cache
 def _kept(original: Callable) -> Callable:
     """The process's cache of :data:`INDEX_ANALYSIS_KEPT` entries around torch's
-    ``original`` function, made at its first use."""
-    return functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(original)
+    ``original`` function, made at its first use; below it, the strides
+    :class:`_Remembered` holds for the block."""
+
+    def stride_at_vec_range(index, var, vec_length=None):
+        strides = _Remembered.strides
+        if strides is None:
+            return original(index, var, vec_length)
+        key = strides.key(index, var, vec_length)
+        stride = strides.get(key)
+        if stride is None:
+            stride = original(index, var, vec_length)
+            strides.learn(key, stride)
+        return stride
+
+    return functools.lru_cache(maxsize=INDEX_ANALYSIS_KEPT)(stride_at_vec_range)
 
 
 @contextlib.contextmanager
-def index_analysis_kept() -> Iterator[None]:
+def index_analysis_kept(strides: Any = None) -> Iterator[None]:
     """The CPU code generator's stride analysis
     (``torch._inductor.codegen.cpp.stride_at_vec_range(index, var, vec_length)``)
     behind a cache of :data:`INDEX_ANALYSIS_KEPT` entries for the block, the
     cache kept for the process's later blocks; torch's function put back after.
+
+    ``strides``: strides of earlier processes, asked before torch
+    (:class:`warmup.builder.index_strides.Strides`: ``key(index, var,
+    vec_length)``, ``get(key)``, None if not kept, and ``learn(key, stride)``
+    for each stride torch computes in the block). None: only the process's cache.
 
     Choosing how to vectorize a loop, the code generator asks for the stride of
     every index expression along the loop variables, which ``sympy.simplify``
@@ -541,10 +574,38 @@ def index_analysis_kept() -> Iterator[None]:
     cpp = _module(_STRIDE.rpartition(".")[0])
     original = _torch_cache(_STRIDE, "is not cached by torch (functools.lru_cache)")
     cpp.stride_at_vec_range = _kept(original)
+    _Remembered.strides = strides
     try:
         yield
     finally:
         cpp.stride_at_vec_range = original
+        _Remembered.strides = None
+
+
+def is_torch_sympy_function(kind: type) -> bool:
+    """Whether ``kind`` is one of torch's sympy function classes (its module is
+    ``torch.utils._sympy.functions``)."""
+    return kind.__module__ == _SYMPY_FUNCTIONS
+
+
+def torch_sympy_function(module: str, name: str) -> type:
+    """Torch's sympy function class ``module.name``, for a kept stride.
+
+    Raises:
+        ValueError: ``module`` is not torch's sympy functions module, or ``name``
+            is not a sympy class defined there.
+        TorchAPIDriftError: the module is missing.
+    """
+    import sympy
+
+    if module != _SYMPY_FUNCTIONS:
+        raise ValueError(f"{module} is not torch's sympy functions module")
+    kind = getattr(_module(_SYMPY_FUNCTIONS), name, None)
+    if not (
+        isinstance(kind, type) and issubclass(kind, sympy.Basic) and is_torch_sympy_function(kind)
+    ):
+        raise ValueError(f"{module}.{name} is not a sympy class of torch's")
+    return kind
 
 
 def compiler_family_by_name(cxx: str) -> str:

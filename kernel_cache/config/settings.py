@@ -233,7 +233,8 @@ class SettingsFields(BaseModel):
     )  # fmt: skip
     pch_dir: Path | None = _f(
         None, "where compile workers keep the C++ precompiled headers they build once per "
-        "compiler, torch and flags and reuse in later warmups; only its owner may write it",
+        "compiler, torch and flags, and the stride analysis's results "
+        "(index-strides.json), and reuse them in later warmups; only its owner may write it",
         type="path", expected="a directory path", example="/var/cache/kc-pch",
         shown_default="<cache dir>/pch",
     )  # fmt: skip

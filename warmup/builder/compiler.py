@@ -40,6 +40,7 @@ from kernel_cache.plan.launch import launch_for, variant_defaults
 from kernel_cache.plan.traced import Manifest
 from kernel_cache.runtime.inputs import make_inputs
 from warmup import torch_compat
+from warmup.builder import index_strides
 from warmup.builder.normalize import build_paths_mapped, normalize_package
 from warmup.builder.recorder import RunRecorder
 
@@ -545,6 +546,9 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
             "(kernel_cache.config.recipe)"
         )
     t1 = time.perf_counter()
+    # The stride analysis's results of earlier processes (beside the headers).
+    known = index_strides.load(pch_dir) if pch_dir else None
+    strides = None if known is None else index_strides.Strides(known)
     with tempfile.TemporaryDirectory(prefix="kernel_cache-build-") as tmp:
         path = os.path.join(tmp, "model.pt2")
         try:
@@ -553,7 +557,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
                 _host_march(march),
                 torch_compat.gpu_kernels_in_name_order(),
                 torch_compat.cubin_objects_named_by_content(),
-                torch_compat.index_analysis_kept(),
+                torch_compat.index_analysis_kept(strides),
                 build_paths_mapped(tmp, pch_dir) as paths,
             ):
                 compile_and_package(ep, package_path=path, inductor_configs=opts)
@@ -564,5 +568,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
                 f"AOTInductor failed for {variant}{_impl(config, variant)}: {type(e).__name__}: {e}"
             ) from None
         data = normalize_package(Path(path).read_bytes(), paths)
+    if pch_dir and strides is not None:
+        index_strides.save(pch_dir, strides.learned)
     t2 = time.perf_counter()
     return data, {"export_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
