@@ -105,14 +105,40 @@ def _versions_doc(strides: dict[str, int], **changes) -> str:
     return IndexStrides(**fields).model_dump_json()
 
 
-def test_save_then_load_round_trips_and_merges_up_to_the_bound(tmp_path, monkeypatch):
+def test_save_then_load_round_trips_the_newest_value_wins_and_the_oldest_go(tmp_path, monkeypatch):
     save(tmp_path, {"a": 1, "b": 0})
-    save(tmp_path, {"b": 5, "c": -2})  # a key already kept keeps its value
-    assert load(tmp_path) == {"a": 1, "b": 0, "c": -2}
+    save(tmp_path, {"b": 5, "c": -2})  # a recomputed stride replaces a kept one
+    assert load(tmp_path) == {"a": 1, "b": 5, "c": -2}
     monkeypatch.setattr(index_strides, "MAX_ENTRIES", 4)
     save(tmp_path, {f"k{i}": i for i in range(10)})
-    assert len(load(tmp_path)) == 4
+    assert load(tmp_path) == {f"k{i}": i for i in range(6, 10)}  # the newest four
     assert sorted(p.name for p in tmp_path.iterdir()) == [FILE_NAME, "locks"]  # no temp file
+
+
+def test_a_file_of_more_results_than_the_bound_is_not_used(tmp_path, monkeypatch):
+    (tmp_path / FILE_NAME).write_text(_versions_doc({f"k{i}": i for i in range(5)}))
+    monkeypatch.setattr(index_strides, "MAX_ENTRIES", 4)
+    assert load(tmp_path) == {}
+
+
+def test_save_writes_through_no_link(tmp_path):
+    """A link at the lock's folder: nothing saved, its target untouched; the
+    file is written through a temporary file created anew (``mkstemp``), never
+    through a link at a guessable name."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    folder = tmp_path / "pch"
+    folder.mkdir()
+    os.symlink(victim, folder / "locks")
+    save(folder, {"a": 1})
+    assert list(victim.iterdir()) == [] and not (folder / FILE_NAME).exists()
+    os.unlink(folder / "locks")
+    target = tmp_path / "target"
+    target.write_text("precious")
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # a fixed temporary name
+        os.symlink(target, folder / f".{FILE_NAME}.{pid}.tmp")
+    save(folder, {"a": 1})
+    assert target.read_text() == "precious" and load(folder) == {"a": 1}
 
 
 @pytest.mark.parametrize(
@@ -211,6 +237,7 @@ def test_a_kept_stride_comes_back_as_the_same_tree():
         pytest.param(["builtins.eval", "1"], id="eval"),
         pytest.param(["Symbol", "x", {"integer": True}], id="not encoding back"),
         pytest.param(["Symbol", 3, {}], id="a bad symbol"),
+        pytest.param(["Symbol", '0); system("id"); //', {"commutative": True}], id="C++ name"),
         pytest.param(True, id="a bool"),
         pytest.param("1 + 1", id="a string"),
         pytest.param([], id="empty"),
@@ -220,6 +247,9 @@ def test_a_tree_that_is_not_a_kept_stride_is_computed_again(tree):
     assert decode(tree) is None
 
 
-def test_a_stride_of_another_class_is_not_kept():
+def test_a_stride_of_another_class_is_not_kept_nor_an_index_of_one_keyed():
     x = sympy.Symbol("x", integer=True)
     assert encode(sympy.sin(x)) is None and encode(sympy.Dummy("d")) is None
+    f, g = sympy.Function("f"), sympy.Function("f", integer=True)  # unequal, no module
+    assert f(x) != g(x) and expr_key(f(x)) is None and expr_key(g(x)) is None
+    assert index_strides.Strides({}).key(f(x), x, 4) is None

@@ -62,16 +62,24 @@ def versions() -> tuple[str, str]:
     return f"{torch.__version__} {torch.version.git_version}", sympy.__version__
 
 
-def expr_key(expr) -> str:
+def expr_key(expr) -> str | None:
     """A string that two sympy expressions share only if they are the same tree:
-    each function as ``module.class(args)``, each atom as ``sympy.srepr`` writes it
-    (a symbol with its assumptions)."""
+    each node as ``module.class(args)``, each atom as ``sympy.srepr`` writes it (a
+    symbol with its assumptions); None where a node is of a class a kept stride
+    may not hold (:func:`encode`), whose name may not tell it apart (sympy's
+    undefined functions have no module)."""
     import sympy
 
     if not expr.args:
-        return sympy.srepr(expr)
+        if isinstance(expr, sympy.Rational) or type(expr) is sympy.Symbol:
+            return sympy.srepr(expr)
+        return None
     kind = type(expr)
-    return f"{kind.__module__}.{kind.__qualname__}({','.join(map(expr_key, expr.args))})"
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if name not in _SYMPY_NODES and not torch_compat.is_torch_sympy_function(kind):
+        return None
+    args = [expr_key(a) for a in expr.args]
+    return None if None in args else f"{name}({','.join(args)})"  # type: ignore[arg-type]
 
 
 #: The classes a kept stride may be built of besides symbols and numbers: sympy's
@@ -127,6 +135,8 @@ def _build(tree: Any):
         return sympy.Rational(*rest)
     if head == "Symbol":
         name, assumptions = rest
+        if not (isinstance(name, str) and name.isidentifier()):  # printed into C++ as is
+            raise ValueError(f"{name!r} is not a symbol's name")
         return sympy.Symbol(name, **assumptions)
     if head in _SYMPY_NODES:
         kind = getattr(sympy, _SYMPY_NODES[head])
@@ -145,16 +155,20 @@ class Strides:
         self.learned: dict[str, Any] = {}
 
     @staticmethod
-    def key(index, var, vec_length) -> str:
-        return f"{expr_key(index)}|{expr_key(var)}|{vec_length}"
+    def key(index, var, vec_length) -> str | None:
+        """None where :func:`expr_key` has none for ``index`` or ``var``: not kept."""
+        index_key, var_key = expr_key(index), expr_key(var)
+        if index_key is None or var_key is None:
+            return None
+        return f"{index_key}|{var_key}|{vec_length}"
 
-    def get(self, key: str):
+    def get(self, key: str | None):
         """The kept stride for ``key``, or None."""
-        tree = self.known.get(key)
+        tree = None if key is None else self.known.get(key)
         return None if tree is None else decode(tree)
 
-    def learn(self, key: str, stride) -> None:
-        tree = encode(stride)
+    def learn(self, key: str | None, stride) -> None:
+        tree = None if key is None else encode(stride)
         if tree is not None:
             self.known[key] = self.learned[key] = tree
 
@@ -162,7 +176,8 @@ class Strides:
 def load(folder: str | os.PathLike) -> dict[str, Any]:
     """The strides kept in ``folder`` for this process's versions; ``{}`` if the
     file is missing, larger than :data:`MAX_BYTES`, not a regular file, not
-    :class:`IndexStrides`, or of other versions."""
+    :class:`IndexStrides`, of other versions, or of more than :data:`MAX_ENTRIES`
+    results."""
     path = Path(folder, FILE_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -182,35 +197,42 @@ def load(folder: str | os.PathLike) -> dict[str, Any]:
     except ValidationError:
         return {}
     torch_v, sympy_v = versions()
-    if (doc.torch, doc.sympy) != (torch_v, sympy_v):
+    if (doc.torch, doc.sympy) != (torch_v, sympy_v) or len(doc.strides) > MAX_ENTRIES:
         return {}
     return dict(doc.strides)
 
 
 def save(folder: str | os.PathLike, new: dict[str, Any]) -> None:
-    """Add ``new`` to the file in ``folder`` (up to :data:`MAX_ENTRIES` in all),
-    under the folder's lock, replacing the file whole. An ``OSError`` is left
-    unsaved: the file only saves time."""
+    """Add ``new`` to the file in ``folder`` under the folder's lock, a value of
+    ``new`` replacing a kept one, the oldest results dropped past
+    :data:`MAX_ENTRIES`; the file is replaced whole, through a temporary file
+    created anew. Nothing is saved where the lock's folder or file is a link; an
+    ``OSError`` is left unsaved: the file only saves time."""
     if not new:
         return
+    import tempfile
+
     from filelock import FileLock
 
     folder = Path(folder)
     torch_v, sympy_v = versions()
+    locks = folder / "locks"
+    lock = locks / f"{FILE_NAME}.lock"
     try:
-        (folder / "locks").mkdir(exist_ok=True)
-        with FileLock(folder / "locks" / f"{FILE_NAME}.lock"):
-            kept = load(folder)
-            for k, v in new.items():
-                if len(kept) >= MAX_ENTRIES:
-                    break
-                kept.setdefault(k, v)
+        locks.mkdir(exist_ok=True)
+        if locks.is_symlink() or lock.is_symlink():
+            return
+        with FileLock(lock):
+            kept = {k: v for k, v in load(folder).items() if k not in new}
+            kept.update(new)
+            kept = dict(list(kept.items())[-MAX_ENTRIES:])
             doc = IndexStrides(torch=torch_v, sympy=sympy_v, strides=kept)
-            tmp = folder / f".{FILE_NAME}.{os.getpid()}.tmp"
+            fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.", suffix=".tmp", dir=folder)
             try:
-                tmp.write_text(doc.model_dump_json())
+                with os.fdopen(fd, "w") as f:
+                    f.write(doc.model_dump_json())
                 os.replace(tmp, folder / FILE_NAME)
             finally:
-                tmp.unlink(missing_ok=True)
+                Path(tmp).unlink(missing_ok=True)
     except OSError:
         return
