@@ -13,7 +13,7 @@ measured compile, in a process of their own):
 * ``kept``: the same two, the worker's kept cache;
 * ``kept, other first``: ``paged_attention:1024:8:1`` then ``:512:4:1``, kept;
 * ``kept and on disk, first process`` and ``..., next process``: the first two
-  again in two processes, each with the kept cache and the integer results the
+  again in two processes, each with the kept cache and the stride results the
   folder keeps (``warmup.builder.index_strides``): the first process writes
   them, the next reads them. The other sequences keep nothing on disk.
 
@@ -78,7 +78,7 @@ def child(mode: str, variants: list[str], pch: str) -> None:
     cpp.stride_at_vec_range = functools.lru_cache(maxsize=128)(timed)  # torch's own, timed
     if mode == "torch":
         compiler.torch_compat.index_analysis_kept = lambda *a: contextlib.nullcontext()
-    if mode != "disk":  # no integer results read or written
+    if mode != "disk":  # no results read or written on disk
         compiler.index_strides.load = lambda folder: None
     cfg = make_config(DEFAULT_MODEL, use_env=False)
     rows = []
