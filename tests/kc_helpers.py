@@ -96,6 +96,16 @@ def snapshot(root: Path) -> dict:
     return out
 
 
+def entries_of(cache: Path) -> dict[str, bytes]:
+    """``{key: package bytes}`` of every entry in the disk cache ``cache`` (read
+    only; its trust checks off: another user's cache too)."""
+    tier = DiskTier(cache, read_only=True, allow_shared=True)
+    try:
+        return {m["key"]: tier.get(m["key"]).data for m in tier.iter_meta()}
+    finally:
+        tier.close()
+
+
 def other_user_kwargs() -> tuple[dict, dict]:
     """How to run a child as another user: ``(subprocess kwargs, env additions)``.
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import sympy
 
-from kernel_cache.store.disk_tier import DiskTier
 from warmup.builder import index_strides
 from warmup.builder.index_strides import (
     FILE_NAME,
@@ -31,6 +30,7 @@ from warmup.builder.index_strides import (
 )
 
 from ..conftest import ROOT, TINY_LIMITS
+from ..kc_helpers import entries_of
 
 #: A compile in this process (``jobs=0``) of the variants in argv[3:] into the
 #: cache argv[2], torch's ``stride_at`` (what the analysis runs for each stride
@@ -52,14 +52,6 @@ variants = [KernelVariant.parse(v) for v in sys.argv[4:]]
 report = warmup(cfg, sys.argv[3], jobs=0, progress=False, variants=variants)
 print(json.dumps({"stride_at": calls[0], "compiled": report["compiled"]}))
 """
-
-
-def _entries(cache) -> dict[str, bytes]:
-    tier = DiskTier(cache, read_only=True)
-    try:
-        return {m["key"]: tier.get(m["key"]).data for m in tier.iter_meta()}
-    finally:
-        tier.close()
 
 
 @pytest.mark.compile
@@ -92,7 +84,7 @@ def test_a_second_process_computes_no_kept_stride_and_writes_the_same_bytes(tmp_
     second = compile_in_a_process(tmp_path / "b")
     assert second["compiled"] == 1
     assert second["stride_at"] == first["stride_at"] - len(kept)
-    a, b = _entries(tmp_path / "a"), _entries(tmp_path / "b")
+    a, b = entries_of(tmp_path / "a"), entries_of(tmp_path / "b")
     assert a == b and len(a) == 1  # same key, same bytes
 
 

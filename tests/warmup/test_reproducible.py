@@ -29,7 +29,7 @@ from kernel_cache.plan.keys import cxx_executable
 from kernel_cache.store.disk_tier import DiskTier
 
 from ..conftest import HOOKS_DIR, ROOT, tiny_args
-from ..kc_helpers import other_user_kwargs, world_readable_dir
+from ..kc_helpers import entries_of, other_user_kwargs, world_readable_dir
 from ..redis_server import RedisServer, redis_server_binary
 from ..signing_keys import make_keypair
 
@@ -111,14 +111,6 @@ def _variants(cache: Path) -> list[str]:
     tier = DiskTier(cache, read_only=True, allow_shared=True)
     try:
         return [m["variant"] for m in tier.iter_meta()]
-    finally:
-        tier.close()
-
-
-def entries_of(cache: Path) -> dict[str, bytes]:
-    tier = DiskTier(cache, read_only=True, allow_shared=True)
-    try:
-        return {m["key"]: tier.get(m["key"]).data for m in tier.iter_meta()}
     finally:
         tier.close()
 

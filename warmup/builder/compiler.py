@@ -568,7 +568,7 @@ def _export_and_compile(config, variant, opts, launch, march, window, pch_dir, i
                 f"AOTInductor failed for {variant}{_impl(config, variant)}: {type(e).__name__}: {e}"
             ) from None
         data = normalize_package(Path(path).read_bytes(), paths)
-    if pch_dir and strides is not None:
+    if strides is not None:  # pch_dir is set
         index_strides.save(pch_dir, strides.learned)
     t2 = time.perf_counter()
     return data, {"export_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}

@@ -74,9 +74,8 @@ def expr_key(expr) -> str | None:
         if isinstance(expr, sympy.Rational) or type(expr) is sympy.Symbol:
             return sympy.srepr(expr)
         return None
-    kind = type(expr)
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    if name not in _SYMPY_NODES and not torch_compat.is_torch_sympy_function(kind):
+    name = _node_name(expr)
+    if name is None:
         return None
     args = [expr_key(a) for a in expr.args]
     return None if None in args else f"{name}({','.join(args)})"  # type: ignore[arg-type]
@@ -93,6 +92,15 @@ _SYMPY_NODES = {
 }
 
 
+def _node_name(expr) -> str | None:
+    """``module.Class`` of ``expr``'s node, None if a kept stride may not hold it."""
+    kind = type(expr)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if name in _SYMPY_NODES or torch_compat.is_torch_sympy_function(kind):
+        return name
+    return None
+
+
 def encode(expr) -> Any:
     """``expr`` as a tree of JSON values: an ``int``, ``["Rational", p, q]``,
     ``["Symbol", name, {assumption: bool}]``, or ``["module.Class", arg, ...]``;
@@ -105,9 +113,8 @@ def encode(expr) -> Any:
         return ["Rational", int(expr.p), int(expr.q)]
     if type(expr) is sympy.Symbol:
         return ["Symbol", expr.name, dict(sorted(expr.assumptions0.items()))]
-    kind = type(expr)
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    if name not in _SYMPY_NODES and not torch_compat.is_torch_sympy_function(kind):
+    name = _node_name(expr)
+    if name is None:
         return None
     args = [encode(a) for a in expr.args]
     return None if any(a is None for a in args) else [name, *args]
