@@ -30,7 +30,8 @@ compile options.
    per variant (the warmup's process tree: ``getrusage`` of children), and the
    phase table: export (the factory and ``torch.export`` in the run recorder) and
    AOTInductor from the worker's timings (wall), and the compiler's CPU seconds
-   on the precompiled headers, the wrapper, the kernels and the link; the
+   on the precompiled headers, the wrapper's kept interface, the wrapper, the
+   kernels and the link; the
    after/before ratio of CPU seconds per variant.
 """
 
@@ -121,10 +122,14 @@ with open(os.environ["KC_BENCH_CXX_LOG"], "a") as f:
 sys.exit(rc)
 """
 
-#: Compiler outputs by phase (:data:`CXX_WRAPPER`'s file names).
+#: Compiler outputs by phase (:data:`CXX_WRAPPER`'s file names): the precompiled
+#: headers (``NAME.h.gch``, built as ``NAME.h.gch.PID.part``), the wrapper's kept
+#: interface (``HASH.o.PID.part``, ``warmup.builder.wrapper_split``), the wrapper
+#: (whole, or its own part ``...wrapper.o.own.o`` and the join into ``...wrapper.o``).
 CXX_PHASES = {
-    "pch": lambda n: n.endswith((".gch", ".part")) or n == "header.i",
-    "wrapper": lambda n: n.endswith("wrapper.o"),
+    "pch": lambda n: ".gch" in n or n == "header.i",
+    "interface": lambda n: ".gch" not in n and n.endswith(".part"),
+    "wrapper": lambda n: n.endswith(("wrapper.o", "wrapper.o.own.o")),
     "kernel": lambda n: n.endswith("kernel.o"),
     "link": lambda n: n.endswith("wrapper.so"),
 }
@@ -371,8 +376,8 @@ def main(argv=None) -> int:
         print_table(
             f"Before ({ba['before_ref']}) and after: kernel-cache warmup --jobs 1 of "
             f"{ba['after']['variants']} variants into an empty cache, per variant",
-            ["side", "CPU s", "export s", "AOTInductor s", "g++ CPU s: pch / wrapper / "
-             "kernel / link", "load check s"],
+            ["side", "CPU s", "export s", "AOTInductor s", "g++ CPU s: pch / interface / "
+             "wrapper / kernel / link", "load check s"],
             [
                 [
                     side,

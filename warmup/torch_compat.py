@@ -58,6 +58,9 @@ _STRIDE = "torch._inductor.codegen.cpp.stride_at_vec_range"
 #: Torch's sympy functions (``FloorDiv``, ``ModularIndexing``, ``Min``, ...): the
 #: classes besides sympy's own a kept stride may be built of (``builder/index_strides.py``).
 _SYMPY_FUNCTIONS = "torch.utils._sympy.functions"
+#: The CPU wrapper's writer: it pastes ``aoti_runtime/interface.cpp``, a file of
+#: its folder, at the top of every CPU wrapper (``builder/wrapper_split.py``).
+_AOTI_INTERFACE = "torch._inductor.codegen.cpp_wrapper_cpu"
 
 #: Every private torch name the build uses.
 BUILD_API: tuple[PrivateAPI, ...] = (
@@ -136,6 +139,12 @@ BUILD_API: tuple[PrivateAPI, ...] = (
         _SYMPY_FUNCTIONS,
         "builder/index_strides.py: the module whose sympy classes (FloorDiv, ModularIndexing, "
         "Min, Max, ...) a kept stride may be built of, by name",
+        CHECKED,
+    ),
+    PrivateAPI(
+        _AOTI_INTERFACE,
+        "builder/wrapper_split.py: the file aoti_runtime/interface.cpp beside it, the text it "
+        "pastes at the top of a CPU wrapper (none there: the wrapper is compiled whole)",
         CHECKED,
     ),
 )
@@ -606,6 +615,23 @@ def torch_sympy_function(module: str, name: str) -> type:
     ):
         raise ValueError(f"{module}.{name} is not a sympy class of torch's")
     return kind
+
+
+@functools.cache
+def aoti_interface_source() -> str | None:
+    """The AOTInductor runtime's interface source that Inductor pastes at the top
+    of every CPU wrapper (``codegen/aoti_runtime/interface.cpp``), or None where
+    the installed torch has no such file (the wrapper is then compiled whole).
+
+    Raises:
+        TorchAPIDriftError: the module that pastes it is missing.
+    """
+    folder = os.path.dirname(_module(_AOTI_INTERFACE).__file__ or "")
+    try:
+        with open(os.path.join(folder, "aoti_runtime", "interface.cpp")) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def compiler_family_by_name(cxx: str) -> str:

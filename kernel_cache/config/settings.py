@@ -232,9 +232,10 @@ class SettingsFields(BaseModel):
         shown_default="min(2, CPUs)", ge=1, le=JOBS_MAX,
     )  # fmt: skip
     pch_dir: Path | None = _f(
-        None, "where compile workers keep the C++ precompiled headers they build once per "
-        "compiler, torch and flags, and the stride analysis's results "
-        "(index-strides.json), and reuse them in later warmups; only its owner may write it",
+        None, "where compile workers keep the C++ precompiled headers and the wrapper's "
+        "runtime interface (aoti-interface/) they build once per compiler, torch and flags, "
+        "and the stride analysis's results (index-strides.json), and reuse them in later "
+        "warmups; only its owner may write it",
         type="path", expected="a directory path", example="/var/cache/kc-pch",
         shown_default="<cache dir>/pch",
     )  # fmt: skip

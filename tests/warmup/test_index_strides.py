@@ -1,7 +1,9 @@
 """The stride analysis's results kept beside the precompiled headers
 (``warmup.builder.index_strides``): a second process compiling the same variant
 computes none of the strides the first kept, counted by wrapping torch's own
-function in the child, and writes the same bytes. The file is read bounded, of
+function in the child, compiles none of the wrapper's interface that the first
+kept (``warmup.builder.wrapper_split``, compile commands counted the same way),
+and writes the same bytes. The file is read bounded, of
 the process's versions only, and never evaluated: a kept stride is a tree of
 allowed sympy classes that must encode back to itself."""
 
@@ -34,28 +36,38 @@ from ..kc_helpers import entries_of
 
 #: A compile in this process (``jobs=0``) of the variants in argv[3:] into the
 #: cache argv[2], torch's ``stride_at`` (what the analysis runs for each stride
-#: it computes) counted; prints ``{"stride_at": N, "compiled": N}``.
+#: it computes) and the C++ compile commands torch runs counted; prints
+#: ``{"stride_at": N, "compiled": N, "commands": [...]}``.
 _COUNTED = """
 import json, sys
+import torch._inductor.cpp_builder as cpp_builder
 import torch._inductor.sizevars as sizevars
 calls = [0]
+commands = []
 stride_at = sizevars.stride_at
 def counted(*args, **kwargs):
     calls[0] += 1
     return stride_at(*args, **kwargs)
 sizevars.stride_at = counted
+run = cpp_builder._run_compile_cmd
+def recorded(cmd_line, cwd):
+    commands.append(cmd_line)
+    return run(cmd_line, cwd)
+cpp_builder._run_compile_cmd = recorded
 from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import KernelVariant
 from warmup.builder.planner import warmup
 cfg = make_config(sys.argv[1], **json.loads(sys.argv[2]))
 variants = [KernelVariant.parse(v) for v in sys.argv[4:]]
 report = warmup(cfg, sys.argv[3], jobs=0, progress=False, variants=variants)
-print(json.dumps({"stride_at": calls[0], "compiled": report["compiled"]}))
+print(json.dumps({"stride_at": calls[0], "compiled": report["compiled"], "commands": commands}))
 """
 
 
 @pytest.mark.compile
-def test_a_second_process_computes_no_kept_stride_and_writes_the_same_bytes(tmp_path, tiny_model):
+def test_a_second_process_computes_no_kept_stride_nor_interface_and_writes_the_same_bytes(
+    tmp_path, tiny_model
+):
     pch = tmp_path / "pch"
     pch.mkdir(mode=0o700)
     shared = os.environ.get("KERNEL_CACHE_PCH_DIR")  # the run's headers, without its strides
@@ -86,6 +98,19 @@ def test_a_second_process_computes_no_kept_stride_and_writes_the_same_bytes(tmp_
     assert second["stride_at"] == first["stride_at"] - len(kept)
     a, b = entries_of(tmp_path / "a"), entries_of(tmp_path / "b")
     assert a == b and len(a) == 1  # same key, same bytes
+
+    def compiles(commands: list[str], source: str) -> int:
+        return sum(" -c " in c and c.split(" -o ")[0].endswith(source) for c in commands)
+
+    # the wrapper's interface: compiled by the first process and kept, not by the second
+    assert compiles(first["commands"], "/aoti_interface.cpp") == 1
+    assert compiles(second["commands"], "/aoti_interface.cpp") == 0
+    kept_objects = list((pch / "aoti-interface").glob("*.o"))
+    assert len(kept_objects) == 1
+    for run in (first, second):  # the wrapper's own part, then joined with the kept object
+        assert compiles(run["commands"], ".wrapper.cpp") == 1
+        joins = [c for c in run["commands"] if " -r " in c]
+        assert len(joins) == 1 and joins[0].endswith(str(kept_objects[0]))
 
 
 _PARTIAL = '{"format": "kernel-cache-index-strides/1", "strides": {}}'

@@ -86,6 +86,7 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     import shlex
 
     from warmup import torch_compat
+    from warmup.builder.wrapper_split import compile_split
 
     build = os.path.join(os.path.abspath(tmp), "inductor")
     os.makedirs(build, exist_ok=True)
@@ -94,6 +95,7 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
     os.makedirs(pch, mode=0o700, exist_ok=True)
     pairs = build_path_map(build, pch)
     flags = " ".join(shlex.quote(f"-ffile-prefix-map={p}={n}") for p, n in pairs)
+    interface = torch_compat.aoti_interface_source()
 
     def wrap(run):
         def mapped(cmd_line: str, cwd: str) -> None:
@@ -101,6 +103,8 @@ def build_paths_mapped(tmp: str, pch_dir: str | None = None):
             args = shlex.split(rest)
             out = args[args.index("-o") + 1] if "-o" in args[:-1] else None
             if out is None or not out.endswith(".gch"):
+                if compile_split(compiler, args, flags, run, cwd, pch, interface):
+                    return None
                 return run(f"{compiler} {flags} {rest}", cwd)
             # Inductor holds the header's lock here: any other part is a killed builder's
             for stale in glob.glob(f"{glob.escape(out)}.*.part"):

@@ -1,0 +1,199 @@
+"""AOTInductor's CPU wrapper compiled in two parts (docs/reproducible.md, "Cost").
+
+Inductor writes one C++ wrapper per package: its runtime's interface (torch's
+``codegen/aoti_runtime/interface.cpp``, pasted in whole, with the model
+container it instantiates) and then the model's own code. About half of the
+wrapper's compile time is the interface, the same text in every CPU package of
+one torch. :func:`compile_split` compiles that part once per torch, compiler
+and command into an object kept in the precompiled headers' folder, and each
+package's own part with ``extern template`` for the model base class, which
+the kept object instantiates; the two are joined (``-r``) into the ``.o``
+Inductor asked for, and linked as before.
+
+The kept object is named by a hash of its source, its compile command and the
+compiler's build (:func:`kernel_cache.plan.keys.cxx_toolchain`), and compiled
+from one fixed path in the folder, so that no builder path or hash enters its
+bytes: two builders of one key write the same package whether they compiled
+the object or found it, and one whose folder is a link (it compiles the object
+for this compile alone) writes the same too. The folder is trusted as the
+headers are. A wrapper that is not one of these (another interface text, a
+CUDA wrapper) or a part that does not compile is compiled whole, as Inductor
+would: the same decision on every builder of the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+from kernel_cache.config.recipe import BUILD_PATH_NAMES
+
+#: Bump when the split or the kept object's naming changes.
+FORMAT = 1
+#: The kept objects' folder, in the precompiled headers' folder.
+FOLDER = "aoti-interface"
+#: The one include line Inductor writes above the interface in a CPU wrapper.
+CPU_HEADER = "#include <torch/csrc/inductor/aoti_include/cpu.h>"
+#: The model base class (CRTP over the package's model): its code calls the
+#: package's model only through symbols, so one instantiation serves every package.
+BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
+#: The kept object's source file name, fixed (it reaches the object's symbol table).
+SHARED_SOURCE = "aoti_interface.cpp"
+#: The name its folder is mapped to (``-ffile-prefix-map``) wherever it is compiled.
+MAPPED_FOLDER = f"{BUILD_PATH_NAMES['pch']}/{FOLDER}"
+
+
+def split(text: str, interface: str) -> tuple[str, str] | None:
+    """``(shared, own)`` sources of the wrapper ``text``, or None where it is
+    not a CPU wrapper that begins with ``interface`` after the CPU header.
+
+    ``shared`` is the text up to the interface's end, plus an explicit
+    instantiation of :data:`BASE`; ``own`` is the header and the interface's
+    ``#include`` lines, an ``extern template`` of :data:`BASE`, then the rest of
+    ``text`` under a ``#line`` that keeps its line numbers (``__LINE__`` in the
+    runtime's error messages) those of the whole wrapper."""
+    at = text.find(interface) if interface else -1
+    if at < 0:
+        return None
+    head = text[:at]
+    if CPU_HEADER not in head or any(
+        line.strip() not in ("", CPU_HEADER) for line in head.splitlines()
+    ):
+        return None
+    end = at + len(interface)
+    includes = [line for line in interface.splitlines() if line.startswith("#include")]
+    shared = f"{text[:end]}\ntemplate class {BASE};\n"
+    rest_line = text[:end].count("\n") + 1
+    own = (
+        "".join([head, *(f"{line}\n" for line in includes), f"extern template class {BASE};\n"])
+        + f"#line {rest_line}\n{text[end:]}"
+    )
+    return shared, own
+
+
+def _object_name(shared: str, compiler: str, args: list[str]) -> str:
+    """The kept object's file name: a hash of the source, the compiler's build and
+    the compile command (``args``, source and output left out)."""
+    from kernel_cache.plan.keys import cxx_executable, cxx_toolchain
+
+    exe = cxx_executable() or compiler
+    doc = {"format": FORMAT, "source": shared, "compiler": compiler, "args": args}
+    doc["toolchain"] = cxx_toolchain(exe)
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return f"{digest[:40]}.o"
+
+
+def _compile_shared(folder: Path, name: str, shared: str, compile_to) -> str:
+    """``folder/name``, compiled from ``shared`` at the folder's fixed source path
+    to a temporary name renamed into place unless it is there; a killed
+    builder's temporary file of it removed first. The caller holds the lock."""
+    kept = folder / name
+    if kept.is_file() and not kept.is_symlink():
+        return str(kept)
+    for stale in folder.glob(f"{name}.*.part"):
+        stale.unlink(missing_ok=True)
+    source = folder / SHARED_SOURCE
+    source.unlink(missing_ok=True)
+    source.write_text(shared)
+    part = f"{kept}.{os.getpid()}.part"
+    try:
+        compile_to(str(source), part)
+        os.replace(part, kept)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+    return str(kept)
+
+
+def _shared_object(
+    pch_dir: str, own_dir: str, shared: str, compiler: str, args: list[str], flags: str, run, cwd
+) -> str:
+    """The object of ``shared``: kept in ``pch_dir`` (compiled there under the
+    folder's lock if it is not kept yet), or compiled in ``own_dir`` for this
+    compile alone where the kept folder, its lock folder or the lock is a link.
+    The source's folder is mapped to one name wherever it is, so the object's
+    bytes are the same either way."""
+    from filelock import FileLock
+
+    name = _object_name(shared, compiler, args)
+
+    def compile_to(source: str, out: str) -> None:
+        mapped = shlex.quote(f"-ffile-prefix-map={os.path.dirname(source)}={MAPPED_FOLDER}")
+        cmd = [*args, mapped, shlex.quote(source), "-o", shlex.quote(out)]
+        run(f"{compiler} {flags} {' '.join(cmd)}", cwd)
+
+    folder, locks = Path(pch_dir, FOLDER), Path(pch_dir, "locks")
+    lock = locks / f"{FOLDER}.lock"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    locks.mkdir(mode=0o700, exist_ok=True)
+    if folder.is_symlink() or locks.is_symlink() or lock.is_symlink():
+        own = Path(own_dir, FOLDER)
+        own.mkdir(mode=0o700, exist_ok=True)
+        return _compile_shared(own, name, shared, compile_to)
+    with FileLock(lock):
+        return _compile_shared(folder, name, shared, compile_to)
+
+
+def compile_split(
+    compiler: str,
+    args: list[str],
+    flags: str,
+    run: Callable[[str, str], None],
+    cwd: str,
+    pch_dir: str,
+    interface: str | None,
+) -> bool:
+    """Compile the wrapper that the command ``compiler args`` compiles, in two
+    parts (module docstring), with ``flags`` (the path map) before ``args``, the
+    interface's object kept in ``pch_dir``. Returns False, having compiled
+    nothing that remains, where the command is not a single C++ source compiled
+    to an object, the source is not a CPU wrapper that begins with
+    ``interface``, or a part does not compile: the caller then compiles it
+    whole. Every builder decides the same for the same wrapper, so the package's
+    bytes do not depend on the folder.
+
+    Raises:
+        OSError: the folder or the build directory cannot be written.
+    """
+    if not interface or "-c" not in args or "-o" not in args[:-1]:
+        return False
+    out_at = args.index("-o") + 1
+    sources = [i for i, a in enumerate(args) if a.endswith(".cpp")]
+    if len(sources) != 1:
+        return False
+    src = args[sources[0]]
+    path = Path(cwd, src)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    parts = split(text, interface)
+    if parts is None:
+        return False
+    shared, own = parts
+    rest = [shlex.quote(a) for i, a in enumerate(args) if i not in (sources[0], out_at, out_at - 1)]
+    out = args[out_at]
+    own_o = f"{out}.own.o"
+    try:
+        kept = _shared_object(pch_dir, cwd, shared, compiler, rest, flags, run, cwd)
+        path.write_text(own)  # compiled under the wrapper's own name: __FILE__ unchanged
+        try:
+            cmd = [*rest, shlex.quote(src), "-o", shlex.quote(own_o)]
+            run(f"{compiler} {flags} {' '.join(cmd)}", cwd)
+        finally:
+            path.write_text(text)
+        joined = [shlex.quote(p) for p in (own_o, kept)]
+        run(f"{compiler} -r -nostdlib -o {shlex.quote(out)} {' '.join(joined)}", cwd)
+    except RuntimeError:  # torch's CppCompileError: a part does not compile
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(Path(cwd, out))
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(Path(cwd, own_o))
+    return True
