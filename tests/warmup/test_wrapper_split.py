@@ -1,10 +1,10 @@
 """The CPU wrapper compiled in two parts (``warmup.builder.wrapper_split``),
 with a recording stand-in for torch's compile-command runner: which commands
-run, what is kept, that a linked folder is never used, and that a wrapper that
-is not a CPU one, or a part that does not compile, leaves the wrapper to be
-compiled whole with its source as it was. The real compiles, their
-count across processes and their bytes: ``test_index_strides.py``; the split
-packages' numbers: every compiling test."""
+run, what is kept and what names it, that a linked folder is never used, that
+a wrapper that is not a CPU one is left to be compiled whole, and that a part
+that does not compile fails with the compiler's error, its source as it was.
+The real compiles, their count across processes and their bytes:
+``test_index_strides.py``; the split packages' numbers: every compiling test."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 from torch._inductor.exc import CppCompileError
 
-from warmup.builder.wrapper_split import BASE, CPU_HEADER, FOLDER, compile_split, split
+from warmup.builder.wrapper_split import (
+    BASE,
+    CPU_HEADER,
+    FOLDER,
+    _object_name,
+    compile_split,
+    split,
+)
 from warmup.torch_compat import aoti_interface_source
 
 INTERFACE = '#include <iostream>\n// the runtime\nextern "C" { int run() { return 0; } }\n'
@@ -64,6 +71,11 @@ class Runner:
         self.commands.append(args)
         if self.fail and any(self.fail in a for a in args if a.endswith(".cpp")):
             raise CppCompileError(args, "error: planted")
+        inputs = [
+            Path(cwd, a) for a in args if a.endswith(".o") and a != args[args.index("-o") + 1]
+        ]
+        if any(p.is_file() and p.read_bytes() == b"damaged" for p in inputs):
+            raise CppCompileError(args, "file format not recognized")
         Path(cwd, args[args.index("-o") + 1]).write_bytes(b"object")
 
 
@@ -103,17 +115,49 @@ def test_the_interface_is_compiled_once_and_kept_the_wrapper_left_as_it_was(tmp_
 
 
 @pytest.mark.parametrize("fail", ["aoti_interface", "wrapper"])
-def test_a_part_that_does_not_compile_leaves_the_whole_compile_to_the_caller(tmp_path, fail):
+def test_a_part_that_does_not_compile_fails_with_the_compilers_error_and_leaves_nothing(
+    tmp_path, fail
+):
     pch = tmp_path / "pch"
     pch.mkdir()
     build, args = _build(tmp_path)
-    run = Runner(fail=fail)
-    assert not compile_split("g++", args, "", run, str(build), str(pch), INTERFACE)
+    with pytest.raises(CppCompileError, match="planted"):
+        compile_split("g++", args, "", Runner(fail=fail), str(build), str(pch), INTERFACE)
     assert (build / "kernel_cache.wrapper.cpp").read_text() == WRAPPER
     assert sorted(p.name for p in build.iterdir()) == ["kernel_cache.wrapper.cpp"]
     assert not list((pch / FOLDER).glob("*.part"))
     kept = list((pch / FOLDER).glob("*.o"))
     assert len(kept) == (0 if fail == "aoti_interface" else 1)  # a compiled interface is kept
+
+
+def test_a_damaged_kept_object_is_compiled_again_once(tmp_path):
+    pch = tmp_path / "pch"
+    pch.mkdir()
+    build, args = _build(tmp_path)
+    assert compile_split("g++", args, "", Runner(), str(build), str(pch), INTERFACE)
+    (kept,) = (pch / FOLDER).glob("*.o")
+    kept.write_bytes(b"damaged")  # e.g. emptied by a crash of the machine
+    run = Runner()
+    assert compile_split("g++", args, "", run, str(build), str(pch), INTERFACE)
+    sources = [c[-3] if "-r" not in c else "join" for c in run.commands]
+    assert sources == [
+        "kernel_cache.wrapper.cpp",
+        "join",
+        str(pch / FOLDER / "aoti_interface.cpp"),
+        "join",
+    ]
+    assert kept.read_bytes() == b"object"
+
+
+def test_the_kept_objects_name_follows_what_reaches_its_bytes():
+    args = ["-O1", "-c"]
+    here = "-ffile-prefix-map=/home/a/venv/torch=/kernel-cache/torch"
+    there = "-ffile-prefix-map=/srv/b/torch=/kernel-cache/torch"
+    name = _object_name("src", "g++", args, here)
+    assert name == _object_name("src", "g++", args, there)  # another local path, same name
+    assert name != _object_name("src", "g++", args, "-ffile-prefix-map=/srv/b/torch=/torch")
+    assert name != _object_name("src2", "g++", args, here)
+    assert name != _object_name("src", "g++", ["-O2", "-c"], here)
 
 
 def test_a_linked_folder_or_lock_is_never_used_the_object_is_this_compiles_own(tmp_path):
@@ -125,13 +169,16 @@ def test_a_linked_folder_or_lock_is_never_used_the_object_is_this_compiles_own(t
         pch.mkdir()
         (pch / linked).symlink_to(elsewhere)
         run = Runner()
-        assert compile_split("g++", args, "", run, str(build), str(pch), INTERFACE)
+        build_map = f"-ffile-prefix-map={build}=/kernel-cache/build"
+        assert compile_split("g++", args, build_map, run, str(build), str(pch), INTERFACE)
         assert list(elsewhere.iterdir()) == []
         own = build / FOLDER
         (obj,) = own.glob("*.o")
         assert run.commands[0][-3] == str(own / "aoti_interface.cpp")
-        # mapped to the name the kept folder's source has: the same bytes either way
-        assert f"-ffile-prefix-map={own}=/kernel-cache/pch/{FOLDER}" in run.commands[0]
+        # mapped to the name the kept folder's source has, after the build folder's
+        # map (the compiler takes the last that matches): the same bytes either way
+        mapped = run.commands[0].index(f"-ffile-prefix-map={own}=/kernel-cache/pch/{FOLDER}")
+        assert mapped > run.commands[0].index(build_map)
         assert run.commands[2][-1] == str(obj)
         shutil.rmtree(own)
 
