@@ -60,7 +60,8 @@ def test_split_refuses_anything_but_a_cpu_wrapper_that_begins_with_the_interface
 
 class Runner:
     """Records each command; creates its ``-o`` target; fails a command whose
-    source name contains ``fail``."""
+    source name contains ``fail``, and one that reads an object that says
+    ``damaged``."""
 
     def __init__(self, fail: str | None = None):
         self.commands: list[list[str]] = []

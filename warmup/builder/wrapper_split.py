@@ -10,8 +10,9 @@ package's own part with ``extern template`` for the model base class, which
 the kept object instantiates; the two are joined (``-r``) into the ``.o``
 Inductor asked for, and linked as before.
 
-The kept object is named by a hash of its source, its compile command and the
-compiler's build (:func:`kernel_cache.plan.keys.cxx_toolchain`), and compiled
+The kept object is named by a hash of what reaches its bytes (its source and
+compile command, the path map's names, the compiler's build, the torch build
+and its AOTInductor headers, this module: :func:`_object_name`), and compiled
 from one fixed path in the folder, so that no builder path or hash enters its
 bytes: two builders of one key write the same package whether they compiled
 the object or found it, and one whose folder is a link (it compiles the object
