@@ -131,12 +131,19 @@ def test_a_part_that_does_not_compile_fails_with_the_compilers_error_and_leaves_
     assert len(kept) == (0 if fail == "aoti_interface" else 1)  # a compiled interface is kept
 
 
-def test_a_damaged_kept_object_is_compiled_again_once(tmp_path):
+def _kept_once(tmp_path: Path) -> tuple[Path, Path, list[str], Path]:
+    """A wrapper split once: (the headers' folder, the build folder, the wrapper's
+    compile command, the kept object)."""
     pch = tmp_path / "pch"
     pch.mkdir()
     build, args = _build(tmp_path)
     assert compile_split("g++", args, "", Runner(), str(build), str(pch), INTERFACE)
     (kept,) = (pch / FOLDER).glob("*.o")
+    return pch, build, args, kept
+
+
+def test_a_damaged_kept_object_is_compiled_again_once(tmp_path):
+    pch, build, args, kept = _kept_once(tmp_path)
     kept.write_bytes(b"damaged")  # e.g. emptied by a crash of the machine
     run = Runner()
     assert compile_split("g++", args, "", run, str(build), str(pch), INTERFACE)
@@ -197,11 +204,7 @@ def test_only_a_cpu_wrapper_compile_is_split(tmp_path):
 
 
 def test_a_killed_builders_part_is_removed_when_the_interface_is_compiled_again(tmp_path):
-    pch = tmp_path / "pch"
-    pch.mkdir()
-    build, args = _build(tmp_path)
-    assert compile_split("g++", args, "", Runner(), str(build), str(pch), INTERFACE)
-    (kept,) = (pch / FOLDER).glob("*.o")
+    pch, build, args, kept = _kept_once(tmp_path)
     kept.unlink()
     left = pch / FOLDER / f"{kept.name}.99999.part"  # what a builder killed while compiling leaves
     left.write_bytes(b"half an object")

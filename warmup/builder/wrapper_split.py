@@ -156,7 +156,6 @@ def _compile_shared(folder: Path, name: str, shared: str, compile_to) -> str:
 
 def _shared_object(
     pch_dir: str,
-    own_dir: str,
     shared: str,
     compiler: str,
     args: list[str],
@@ -168,10 +167,10 @@ def _shared_object(
 ) -> str:
     """The object of ``shared``: kept in ``pch_dir`` (compiled there under the
     folder's lock if it is not kept yet; ``drop``, a kept object the join
-    refused, removed first), or compiled in ``own_dir`` for this compile alone
-    where the kept folder, its lock folder or the lock is a link. The source's
-    folder is mapped to one name wherever it is, so the object's bytes are the
-    same either way.
+    refused, removed first), or compiled in ``cwd`` (the compile's own
+    folder) for this compile alone where the kept folder, its lock folder or
+    the lock is a link. The source's folder is mapped to one name wherever it
+    is, so the object's bytes are the same either way.
 
     Raises:
         OSError: a folder cannot be written; ``filelock.Timeout`` (an OSError)
@@ -189,7 +188,7 @@ def _shared_object(
     folder, locks = Path(pch_dir, FOLDER), Path(pch_dir, "locks")
     lock = locks / f"{FOLDER}.lock"
     if folder.is_symlink() or locks.is_symlink() or lock.is_symlink():
-        own = Path(own_dir, FOLDER)
+        own = Path(cwd, FOLDER)
         own.mkdir(mode=0o700, exist_ok=True)
         if drop is not None:
             Path(drop).unlink(missing_ok=True)
@@ -249,7 +248,7 @@ def compile_split(
         run(f"{compiler} -r -nostdlib -o {shlex.quote(out)} {joined}", cwd)
 
     try:
-        kept = _shared_object(pch_dir, cwd, shared, compiler, rest, flags, run, cwd)
+        kept = _shared_object(pch_dir, shared, compiler, rest, flags, run, cwd)
         try:  # compiled under the wrapper's own name: __FILE__ unchanged
             path.write_bytes(own.encode("utf-8"))
             run(
@@ -261,7 +260,7 @@ def compile_split(
         try:
             join(kept)
         except RuntimeError:  # torch's CppCompileError: the kept object may be damaged
-            kept = _shared_object(pch_dir, cwd, shared, compiler, rest, flags, run, cwd, drop=kept)
+            kept = _shared_object(pch_dir, shared, compiler, rest, flags, run, cwd, drop=kept)
             join(kept)
     finally:
         with contextlib.suppress(FileNotFoundError):
