@@ -78,6 +78,30 @@ def tiny_args(model_path) -> list[str]:
     ]
 
 
+#: Engine kernels for the tests whose claim holds whatever the kernels compute:
+#: one compile per key across processes and tiers, leases, killed and stopped
+#: warmups. They are the eager oracle's own formulation
+#: (:mod:`kernel_cache.kernels.plain`) in the built-in slots: real kernels that
+#: ``verify`` checks against the oracle. A cold warmup of two of them costs
+#: about 0.55 of the CPU of the built-in CPU kernels, having no ``torch.cond``
+#: nor ``flex_attention`` to trace (docs/testing.md, "Cheaper kernels where
+#: the kernel does not matter"). Tests of the built-in kernels' code, bytes or
+#: speed, and those that start from the run's warm cache, keep the built-in
+#: kernels.
+PLAIN_KERNELS = {
+    "paged_attention": "kernel_cache.kernels.plain:PagedAttention",
+    "batched_decode": "kernel_cache.kernels.plain:BatchedDecode",
+}
+#: :data:`TINY_LIMITS` with :data:`PLAIN_KERNELS`: ``make_config`` keywords.
+PLAIN_LIMITS = {**TINY_LIMITS, "kernels": PLAIN_KERNELS}
+
+
+def plain_args(model_path) -> list[str]:
+    """ENGINE OPTIONS for the tiny plan compiled with :data:`PLAIN_KERNELS`."""
+    kernels = [x for slot, path in PLAIN_KERNELS.items() for x in ("--kernel", f"{slot}={path}")]
+    return [*tiny_args(model_path), *kernels]
+
+
 #: The run's shared folder: the tiny model's config.json and the warm cache.
 ENV_WARM_DIR = "KERNEL_CACHE_TEST_WARM_DIR"
 #: Seconds a test waits for the background warmup of the tiny plan.
@@ -388,6 +412,12 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_config(tiny_model):
     return make_config(str(tiny_model), **TINY_LIMITS)
+
+
+@pytest.fixture(scope="session")
+def plain_config(tiny_model):
+    """The tiny plan's config with :data:`PLAIN_KERNELS` (:func:`plain_args`)."""
+    return make_config(str(tiny_model), **PLAIN_LIMITS)
 
 
 def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedProcess:

@@ -19,8 +19,8 @@ from kernel_cache.store.disk_tier import DiskTier
 from .conftest import ROOT
 
 #: Engine start in a fresh process: load the tiny plan (cache dir argv[2] or
-#: "-" for the default lookup: $KERNEL_CACHE_BUNDLE, then $KERNEL_CACHE_DIR),
-#: run one decode call, print a JSON line.
+#: "-" for the default lookup: $KERNEL_CACHE_BUNDLE, then $KERNEL_CACHE_DIR;
+#: the engine's kernels argv[3], JSON), run one decode call, print a JSON line.
 ENGINE_START = r"""
 import json, logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -30,7 +30,7 @@ from kernel_cache.errors import MissingVariantsError
 from kernel_cache.plan.keys import cxx_compiler_id
 from warmup.check.verify import compile_stack_loaded
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32, kv_buckets=(32,))
+                  max_num_batched_tokens=32, kv_buckets=(32,), kernels=json.loads(sys.argv[3]))
 doc = {"kernel_cache": kernel_cache.__file__, "cxx": cxx_compiler_id()}
 try:
     rt = load_plan(cfg, None if sys.argv[2] == "-" else sys.argv[2])
@@ -46,10 +46,12 @@ print(json.dumps(doc))
 """
 
 
-def engine_start(model, cache="-", *, env=None, cwd=ROOT, user_kwargs=None) -> dict:
-    """Run :data:`ENGINE_START` in a fresh process; its JSON line (plus ``stderr``)."""
+def engine_start(model, cache="-", *, env=None, cwd=ROOT, user_kwargs=None, kernels=None) -> dict:
+    """Run :data:`ENGINE_START` in a fresh process (``kernels``: the engine's, as
+    ``make_config`` takes them; None for the built-in ones); its JSON line (plus
+    ``stderr``)."""
     proc = subprocess.run(
-        [sys.executable, "-c", ENGINE_START, str(model), str(cache)],
+        [sys.executable, "-c", ENGINE_START, str(model), str(cache), json.dumps(kernels or {})],
         capture_output=True,
         text=True,
         cwd=cwd,

@@ -7,7 +7,10 @@ misspelt option fails here, not in a user's cluster. The compiling test runs
 the recipe's steps without Kubernetes or Docker against a real SeaweedFS server:
 two ``--shard auto`` builders (``JOB_COMPLETION_INDEX`` 0 and 1) sign into one
 bucket, a release step exports a bundle with only the public key, and the
-image's check stage (import, verify from the bundle alone) passes.
+image's check stage (import, verify from the bundle alone) passes. It compiles
+the tiny plan with the oracle's plain kernels (``PLAIN_KERNELS`` of
+``tests/conftest.py``): the recipe's steps work whatever the kernels compute,
+and those compile for less.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kernel_cache.plan.buckets import Bucketer
 from warmup.builder.shard import resolve_shard, split_plan
 from warmup.cli.main import build_parser, config_from_args, parse_args
 
-from ..conftest import ROOT, run_cli, tiny_args
+from ..conftest import ROOT, plain_args, run_cli
 from ..signing_keys import make_keypair
 from ..store.test_s3_tier import s3, s3_server  # noqa: F401 - fixtures: the shared SeaweedFS server
 
@@ -153,7 +156,7 @@ def test_every_command_of_the_doc_parses():
 
 
 @pytest.mark.compile
-def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny_config, tmp_path):  # noqa: F811
+def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, plain_config, tmp_path):  # noqa: F811
     """Two builders as the Job's pods (``--shard auto --shards 2``, JOB_COMPLETION_INDEX
     0 and 1, the private key as a file) compile each variant once into one
     bucket; the release export with only the public key makes a bundle that the
@@ -170,7 +173,7 @@ def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny
                 "-m",
                 "warmup.cli.main",
                 "warmup",
-                *tiny_args(tiny_model),
+                *plain_args(tiny_model),
                 "--shard",
                 "auto",
                 "--shards",
@@ -201,7 +204,7 @@ def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err
         reports.append(json.loads(out))
-    plan = sorted(str(v) for v in Bucketer(tiny_config).variants)
+    plan = sorted(str(v) for v in Bucketer(plain_config).variants)
     assert [(r["shard"]["index"], r["shard"]["count"]) for r in reports] == [(0, 2), (1, 2)]
     assert sorted(v for r in reports for v in r["shard"]["variants"]) == plan
     assert sorted(line.split()[1] for line in log.read_text().splitlines()) == plan
@@ -209,14 +212,14 @@ def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny
     release = {**base, "KERNEL_CACHE_S3_URL": s3["url"]}
     bundle = tmp_path / "kc-release" / "bundle"
     refused = run_cli(
-        "export", *tiny_args(tiny_model), "--cache-dir", tmp_path / "rel0", "--out", bundle,
+        "export", *plain_args(tiny_model), "--cache-dir", tmp_path / "rel0", "--out", bundle,
         env={**release, "KERNEL_CACHE_TRUSTED_KEYS": str(other.public)},
     )  # fmt: skip
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "rejected s3 entry" in refused.stderr and "which is not trusted" in refused.stderr
     assert not bundle.exists()
     run_cli(
-        "export", *tiny_args(tiny_model), "--cache-dir", tmp_path / "rel", "--out", bundle,
+        "export", *plain_args(tiny_model), "--cache-dir", tmp_path / "rel", "--out", bundle,
         env={**release, "KERNEL_CACHE_TRUSTED_KEYS": str(fleet.public)}, check=True,
     )  # fmt: skip
 
@@ -224,7 +227,7 @@ def test_recipe_indexed_builders_to_s3_then_a_signed_bundle(s3, tiny_model, tiny
     image["KERNEL_CACHE_REQUIRE_SIGNED"] = "1"  # the check stage's environment
     run_cli("import", bundle, "--cache-dir", tmp_path / "kc-import", env=image, check=True)
     proc = run_cli(
-        "verify", *tiny_args(tiny_model), "--bundle", bundle, "--cache-dir", tmp_path / "none",
+        "verify", *plain_args(tiny_model), "--bundle", bundle, "--cache-dir", tmp_path / "none",
         "--require-signed", "--json", env=image,
     )  # fmt: skip
     report = json.loads(proc.stdout)

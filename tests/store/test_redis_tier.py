@@ -41,7 +41,7 @@ from kernel_cache.trust.keys import (
 from kernel_cache.trust.signing import check_signature, sign_meta
 from warmup.builder.planner import warmup
 
-from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, plain_args, run_cli, tiny_args
 from ..kc_helpers import publish_to_redis, wait_for_pause
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, free_port, redis_server_binary
 from ..signing_keys import make_keypair
@@ -500,10 +500,11 @@ def test_lock_of_a_killed_builder_expires_and_is_taken_over(redis_db):
 
 @pytest.mark.compile
 def test_three_shard_builders_cover_the_plan_once(
-    redis_db, tiny_model, tiny_config, tmp_path, fleet_keys
+    redis_db, tiny_model, plain_config, tmp_path, fleet_keys
 ):
     """Three ``--shard I/3`` builders and one unsharded builder, in parallel, one
     Redis, empty local caches, signed: every variant compiled exactly once."""
+    cfg = plain_config
     env = {ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private)}
     cmds = [["--shard", f"{i}/3"] for i in range(3)] + [[]]
     procs = [
@@ -513,7 +514,7 @@ def test_three_shard_builders_cover_the_plan_once(
                 "-m",
                 "warmup.cli.main",
                 "warmup",
-                *tiny_args(tiny_model),
+                *plain_args(tiny_model),
                 "--cache-dir",
                 str(tmp_path / f"builder{i}"),
                 "--redis-url",
@@ -536,7 +537,7 @@ def test_three_shard_builders_cover_the_plan_once(
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err
         reports.append(json.loads(out))
-    plan = {str(v) for v in Bucketer(tiny_config).variants}
+    plan = {str(v) for v in Bucketer(cfg).variants}
     shards = [set(r["shard"]["variants"]) for r in reports[:3]]
     assert set().union(*shards) == plan and sum(map(len, shards)) == len(plan)
     compiled = [[x["variant"] for x in r["results"] if x["status"] == "compiled"] for r in reports]
@@ -547,10 +548,10 @@ def test_three_shard_builders_cover_the_plan_once(
         assert r["compiled"] + r["fetched"] + r["cached"] == r["variants"]
         local = DiskTier(tmp_path / f"builder{i}")  # write-through: local has its shard
         for v in shards[i] if i < 3 else plan:
-            verify_entry(local.get(_plan_keys(tiny_config)[v]))
+            verify_entry(local.get(_plan_keys(cfg)[v]))
     engine = {ENV_TRUSTED_KEYS: str(fleet_keys["fleet"].public)}  # an engine's: public only
     proc = run_cli(
-        "verify", *tiny_args(tiny_model), "--redis-url", redis_db, "--json", "--require-signed",
+        "verify", *plain_args(tiny_model), "--redis-url", redis_db, "--json", "--require-signed",
         env=engine,
     )  # fmt: skip
     report = json.loads(proc.stdout)

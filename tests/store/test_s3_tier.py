@@ -29,7 +29,7 @@ from kernel_cache.store.lookup import Lookup
 from kernel_cache.store.s3 import S3Settings, S3Tier
 from kernel_cache.store.s3_objects import manifest_name, pack
 
-from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, plain_args, run_cli, tiny_args
 from ..kc_helpers import check_lease_lifecycle, engine_start, wait_for_pause
 from ..s3_server import (
     BUCKET,
@@ -266,7 +266,7 @@ def test_builder_publishes_then_a_fresh_engine_loads_with_no_compile_then_reads_
 
 
 @pytest.mark.compile
-def test_concurrent_cold_warmups_compile_each_variant_once(s3, tiny_model, tiny_config, tmp_path):
+def test_concurrent_cold_warmups_compile_each_variant_once(s3, tiny_model, plain_config, tmp_path):
     """Three builders, empty local caches, one bucket, no Redis: the compile
     log has each variant exactly once; then a second build of a key cannot
     overwrite the published object."""
@@ -279,7 +279,7 @@ def test_concurrent_cold_warmups_compile_each_variant_once(s3, tiny_model, tiny_
                 "-m",
                 "warmup.cli.main",
                 "warmup",
-                *tiny_args(tiny_model),
+                *plain_args(tiny_model),
                 "--cache-dir",
                 str(tmp_path / f"b{i}"),
                 "--s3-url",
@@ -301,7 +301,7 @@ def test_concurrent_cold_warmups_compile_each_variant_once(s3, tiny_model, tiny_
         out, err = p.communicate(timeout=1200)
         assert p.returncode == 0, err
         reports.append(json.loads(out))
-    keys = _plan_keys(tiny_config)
+    keys = _plan_keys(plain_config)
     compiled = sorted(line.split(" ", 1)[1] for line in _compiles(log))
     assert compiled == sorted(keys), compiled  # counted by the compiler hook, not the reports
     for r in reports:

@@ -497,7 +497,7 @@ def test_with_keys_an_unsigned_planted_entry_is_refused_from_its_record_alone(
 
 @pytest.mark.compile
 def test_a_warmup_past_planted_leases_compiles_each_key_once_without_waiting(
-    s3, tiny_model, tiny_config, tmp_path
+    s3, tiny_model, plain_config, tmp_path
 ):
     """Every key of the tiny plan holds a planted lease (far-future with a
     forged holder, NaN, oversized) and the lease wait is 900 s: a cold warmup
@@ -507,11 +507,11 @@ def test_a_warmup_past_planted_leases_compiles_each_key_once_without_waiting(
     import subprocess
     import sys
 
-    from ..conftest import tiny_args
+    from ..conftest import plain_args
     from .test_s3_tier import _env
 
     tier = S3Tier(S3Settings(url=s3["url"], timeout_s=15))
-    plan = _plan(tiny_config)
+    plan = _plan(plain_config)
     bodies = [
         json.dumps({"holder": FORGED, "expires_at": 1e18}).encode(),
         b'{"holder": "x", "expires_at": NaN}',
@@ -523,7 +523,7 @@ def test_a_warmup_past_planted_leases_compiles_each_key_once_without_waiting(
     env = _env(KERNEL_CACHE_TEST_COMPILE_LOG=str(log), KERNEL_CACHE_S3_LOCK_TTL=str(TTL),
                KERNEL_CACHE_S3_LOCK_WAIT="900")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(tiny_model),
+        [sys.executable, "-m", "warmup.cli.main", "warmup", *plain_args(tiny_model),
          "--cache-dir", str(tmp_path / "b"), "--s3-url", s3["url"], "--jobs", "1", "--json"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200,
     )  # fmt: skip

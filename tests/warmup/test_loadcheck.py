@@ -18,7 +18,7 @@ import pytest
 from kernel_cache.store.disk_tier import DiskTier
 from warmup.builder.loadcheck import Staged, check_loadable
 
-from ..conftest import run_cli, tiny_args
+from ..conftest import plain_args, run_cli
 
 pytestmark = [
     pytest.mark.compile,
@@ -98,7 +98,7 @@ def test_warmup_with_a_crashing_toolchain_publishes_nothing(tmp_path, tiny_model
     small = ["--kv-buckets", "32", "--query-buckets", "32"]  # 2 variants
     proc = run_cli(
         "warmup",
-        *tiny_args(tiny_model),
+        *plain_args(tiny_model),
         *small,
         "--cache-dir",
         cache,
@@ -111,6 +111,6 @@ def test_warmup_with_a_crashing_toolchain_publishes_nothing(tmp_path, tiny_model
     assert report["load_check"]["checked"] == 2 and report["load_check"]["children"] == 2
     for f in report["failed"]:
         assert "SIGSEGV" in f["error"] and str(cxx) in f["error"] and "CXX=" in f["error"]
-    proc = run_cli("verify", *tiny_args(tiny_model), *small, "--cache-dir", cache, "--json")
+    proc = run_cli("verify", *plain_args(tiny_model), *small, "--cache-dir", cache, "--json")
     assert proc.returncode == 1
     assert len(json.loads(proc.stdout)["missing"]) == 2  # nothing was published

@@ -1,9 +1,9 @@
 """Many warmups at once, a held lock, interrupted and killed warmups of cold caches.
 
-Real processes and real compiles of the tiny geometry; each test compiles as
-few variants as it can (a compiling process costs ~25 s once, ~8 s a variant,
-on a 2-core CPU). The faults over a copy of the run's warm cache are in
-``test_faults.py``.
+Real processes and real compiles of the tiny geometry, with the oracle's plain
+kernels (``PLAIN_KERNELS`` of ``tests/conftest.py``: these claims hold for any
+kernel, and those compile for less); each test compiles as few variants as it
+can. The faults over a copy of the run's warm cache are in ``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kernel_cache.config.engine import make_config
 from kernel_cache.plan.buckets import Bucketer
 from kernel_cache.store.disk_tier import DiskTier
 
-from ..conftest import ROOT, TINY_LIMITS, TINY_VARIANTS, run_cli, tiny_args
+from ..conftest import ROOT, TINY_LIMITS, TINY_VARIANTS, plain_args, run_cli, tiny_args
 from ..kc_helpers import counting_cxx, lines_of, wait_for_pause
 from .warmup_procs import cli, keys_of, verify_json
 
@@ -49,7 +49,7 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp
         "KERNEL_CACHE_TEST_COMPILE_LOG": str(compiles),
     }
     subset = ("--query-buckets", "32")  # one variant of each kernel
-    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, tiny_args(tiny_model))]
+    cmd = [sys.executable, "-m", "warmup.cli.main", "warmup", *map(str, plain_args(tiny_model))]
     cmd += [*subset, "--cache-dir", str(cache), "--jobs", "1", "--json", "--quiet"]
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -76,7 +76,7 @@ def test_eight_concurrent_cold_warmups_compile_each_variant_once(tiny_model, tmp
     for r in reports:
         assert r["compiled"] + r["cached"] == n and not r["failed"], r
         assert r["compiled"] == sum(x["status"] == "compiled" for x in r["results"])
-    proc = run_cli("verify", *tiny_args(tiny_model), *subset, "--cache-dir", cache, "--json")
+    proc = run_cli("verify", *plain_args(tiny_model), *subset, "--cache-dir", cache, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"]
 
@@ -133,7 +133,7 @@ def test_sigint_keeps_what_is_published_and_a_rerun_compiles_the_rest(tmp_path, 
     # Two of the tiny plan's variants (query bucket 32, the decode batch): one to
     # publish before the SIGINT, one for the second warmup.
     n = 2
-    args = ("warmup", *tiny_args(tiny_model), "--query-buckets", "32")
+    args = ("warmup", *plain_args(tiny_model), "--query-buckets", "32")
     args += ("--cache-dir", cache, "--jobs", "1")
     # As a terminal starts it: SIGINT at its default, even where this test runs
     # with SIGINT ignored (a background job of a script inherits that).
@@ -186,7 +186,7 @@ def test_sigint_while_the_workers_start_leaves_no_fatal_python_error(tmp_path, t
     with SIGINT ignored, and the warmup exits 130 with the summary; no worker
     prints ``Fatal Python error`` or a traceback."""
     cache = tmp_path / "cache"
-    args = ("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "2")
+    args = ("warmup", *plain_args(tiny_model), "--cache-dir", cache, "--jobs", "2")
     proc = cli(*args, terminal=True)
     try:
         t0 = time.monotonic()  # until the warmup process has spawned a compile worker
@@ -218,7 +218,7 @@ def test_sigterm_stops_a_warmup_with_143_and_no_traceback(tmp_path, tiny_model):
     cache = tmp_path / "cache"
     marker = tmp_path / "marker"
     env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
-    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--jobs", "1", env=env)
+    proc = cli("warmup", *plain_args(tiny_model), "--cache-dir", cache, "--jobs", "1", env=env)
     wait_for_pause(marker, proc, "compile")
     proc.send_signal(signal.SIGTERM)  # the warmup process alone, as `kill` or a pod stop
     out, err = proc.communicate(timeout=120)
@@ -240,7 +240,7 @@ def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
     env = {"KERNEL_CACHE_TEST_COMPILE_LOG": str(log)}
     n = 2  # two of the tiny plan's variants (query bucket 32, the decode batch): both in flight
     proc = cli(
-        "warmup", *tiny_args(tiny_model), "--query-buckets", "32", "--cache-dir", cache,
+        "warmup", *plain_args(tiny_model), "--query-buckets", "32", "--cache-dir", cache,
         "--jobs", "2", "--json", env=env,
     )  # fmt: skip
     t0 = time.monotonic()
@@ -255,4 +255,4 @@ def test_a_killed_worker_costs_a_retry_not_the_run(tmp_path, tiny_model):
     assert report["compiled"] == n and report["failed"] == [], report["failed"]
     lines = log.read_text().split("\n")
     assert sum(line.endswith(" " + victim) for line in lines) == 2  # killed once, then rebuilt
-    assert verify_json(tiny_model, cache, "--query-buckets", "32")["ok"] is True
+    assert verify_json(tiny_model, cache, "--query-buckets", "32", plain=True)["ok"] is True

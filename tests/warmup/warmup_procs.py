@@ -14,7 +14,7 @@ from pathlib import Path
 from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier
 
-from ..conftest import ROOT, run_cli, tiny_args
+from ..conftest import ROOT, plain_args, run_cli, tiny_args
 
 
 def cli(*args, env=None, terminal=False) -> subprocess.Popen:
@@ -45,8 +45,11 @@ def remove_entries(cache: Path, keys) -> None:
     tier.close()
 
 
-def verify_json(model, cache, *extra, expect_rc=0) -> dict:
-    proc = run_cli("verify", *tiny_args(model), *extra, "--cache-dir", cache, "--json")
+def verify_json(model, cache, *extra, expect_rc=0, plain=False) -> dict:
+    """``verify --json`` of the tiny plan (with ``plain``, of its
+    :data:`~tests.conftest.PLAIN_KERNELS` build) in ``cache``."""
+    engine = plain_args(model) if plain else tiny_args(model)
+    proc = run_cli("verify", *engine, *extra, "--cache-dir", cache, "--json")
     assert proc.returncode == expect_rc, proc.stderr
     return json.loads(proc.stdout)
 
