@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ..conftest import N_TINY, ROOT, tiny_args
+from ..conftest import N_TINY, ROOT, plain_args, tiny_args
 
 BENCH = ROOT / "benchmarks"
 
@@ -224,9 +224,11 @@ def test_restart_smoke(tmp_path, warm_cache, tiny_model):
 
 @pytest.mark.compile
 def test_warmup_throughput_smoke(tmp_path, tiny_model):
+    """The benchmark's runs and fields, on the plain kernels (``PLAIN_KERNELS``:
+    its phases and timings are the same for any kernel, and those compile for less)."""
     doc = run_bench(
         "warmup_throughput",
-        *tiny_args(tiny_model),
+        *plain_args(tiny_model),
         "--variants",
         "1",
         "--jobs",
