@@ -293,12 +293,26 @@ def check_output(slot: str, path: str, module, args) -> None:
     slot's contract: one tensor of the query's shape and dtype.
 
     Raises:
-        CompileError: it raised, or returned another type, shape or dtype
-            (names the slot, the path, what came and what was expected).
+        CompileError: forward takes ``*args`` (which ``torch.export`` cannot give
+            the inputs' shapes), it raised, or returned another type, shape or
+            dtype (names the slot, the path, what came and what was expected).
     """
+    import inspect
+
     import torch
 
     where = f"kernel {slot}={path}"
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: export will tell
+        params = ()
+    star = [p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL]
+    if star:
+        raise CompileError(
+            f"{where}: forward takes *{star[0]}; torch.export gives each of the slot's "
+            f"{len(args)} inputs a static or dynamic shape by forward's parameter, so "
+            f"name each one: {SLOTS[slot].signature()}"
+        )
     try:
         with torch.no_grad():
             out = module(*args)

@@ -225,6 +225,10 @@ class Raises(WrongShape):
     def __init__(self, **kw):
         raise RuntimeError("no GPU of mine here")
 
+class StarArgs(WrongShape):
+    def forward(self, query, *rest):
+        return query
+
 class NoExport(WrongShape):
     def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
         if int(seq_lens.sum()) > 3:  # data-dependent Python branch
@@ -260,6 +264,7 @@ def bad_kernels(tmp_path, monkeypatch) -> Path:
             "forward returned [4, 1, 8] torch.float32, expected [4, 4, 8]",
         ),
         ("kc_bad_kernels:WrongDtype", "returned [4, 4, 8] torch.float64, expected [4, 4, 8] torch"),
+        ("kc_bad_kernels:StarArgs", "forward takes *rest; torch.export gives each of the slot's 5"),
     ],
 )
 def test_a_bad_factory_fails_before_export_naming_slot_and_path(
