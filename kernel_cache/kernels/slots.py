@@ -293,42 +293,53 @@ def check_output(slot: str, path: str, module, args) -> None:
     slot's contract: one tensor of the query's shape and dtype.
 
     Raises:
-        CompileError: forward takes ``*args`` (which ``torch.export`` cannot give
-            the inputs' shapes), it raised, or returned another type, shape or
-            dtype (names the slot, the path, what came and what was expected).
+        CompileError: forward takes inputs into ``*args`` (which
+            ``torch.export`` cannot give their shapes), it raised, or returned
+            another type, shape or dtype (names the slot, the path, what came and
+            what was expected).
     """
     import inspect
 
     import torch
 
     where = f"kernel {slot}={path}"
+    fp8 = args[1].dtype == torch.float8_e4m3fn
     try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: export will tell
-        params = ()
-    star = [p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL]
-    if star:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind(*args).arguments
+    except (TypeError, ValueError):  # no signature, or the inputs do not fit: the call tells
+        sig, bound = None, {}
+    star = [
+        p.name
+        for p in (sig.parameters.values() if sig is not None else ())
+        if p.kind is inspect.Parameter.VAR_POSITIONAL and p.name in bound
+    ]
+    if star:  # torch.export cannot give the inputs caught by *args their shapes
+        signature = SLOTS[slot].signature()
+        if fp8:
+            signature = signature.replace(") ->", ", k_scale [1] float32, v_scale [1] float32) ->")
         raise CompileError(
-            f"{where}: forward takes *{star[0]}; torch.export gives each of the slot's "
-            f"{len(args)} inputs a static or dynamic shape by forward's parameter, so "
-            f"name each one: {SLOTS[slot].signature()}"
+            f"{where}: forward takes the slot's inputs into *{star[0]}; torch.export gives "
+            f"each of the {len(args)} inputs a static or dynamic shape by forward's "
+            f"parameter, so name each one: {signature}"
         )
     try:
         with torch.no_grad():
             out = module(*args)
     except Exception as e:
         first = str(e).strip().splitlines()[:3]
-        fp8 = ""
-        if isinstance(e, TypeError) and args[1].dtype == torch.float8_e4m3fn:
+        hint = ""
+        if isinstance(e, TypeError) and fp8:
             # a kernel written for the slot's inputs alone, in an fp8 plan
-            fp8 = (
+            hint = (
                 "; this plan's kv_cache_dtype is fp8_e4m3, so the slot's inputs are "
                 "followed by k_scale [1] float32, v_scale [1] float32 (a key reads as "
                 "float(stored) * k_scale; docs/custom_kernels.md): take them in forward, "
                 "or warm up with --kv-cache-dtype auto"
             )
         raise CompileError(
-            f"{where}: forward failed on example inputs: {type(e).__name__}: {' '.join(first)}{fp8}"
+            f"{where}: forward failed on example inputs: {type(e).__name__}: "
+            f"{' '.join(first)}{hint}"
         ) from None
     want, dtype = tuple(args[0].shape), args[0].dtype
     if not isinstance(out, torch.Tensor):

@@ -229,6 +229,10 @@ class StarArgs(WrongShape):
     def forward(self, query, *rest):
         return query
 
+class StarExtra(WrongShape):  # every input named; *extra stays empty
+    def forward(self, query, key_cache, value_cache, block_tables, seq_lens, *extra):
+        return query
+
 class NoExport(WrongShape):
     def forward(self, query, key_cache, value_cache, block_tables, seq_lens):
         if int(seq_lens.sum()) > 3:  # data-dependent Python branch
@@ -264,7 +268,7 @@ def bad_kernels(tmp_path, monkeypatch) -> Path:
             "forward returned [4, 1, 8] torch.float32, expected [4, 4, 8]",
         ),
         ("kc_bad_kernels:WrongDtype", "returned [4, 4, 8] torch.float64, expected [4, 4, 8] torch"),
-        ("kc_bad_kernels:StarArgs", "forward takes *rest; torch.export gives each of the slot's 5"),
+        ("kc_bad_kernels:StarArgs", "forward takes the slot's inputs into *rest; torch.export"),
     ],
 )
 def test_a_bad_factory_fails_before_export_naming_slot_and_path(
@@ -279,6 +283,30 @@ def test_a_bad_factory_fails_before_export_naming_slot_and_path(
     msg = str(e.value)
     assert msg.startswith(f"{v}: kernel batched_decode={path}: ") and says in msg
     assert "Traceback" not in msg
+
+
+def test_star_args_are_refused_only_where_they_would_take_an_input(bad_kernels, tiny_model):
+    """``*extra`` after every input of the slot exports (it stays empty); in an
+    fp8 plan the scales would land in it, and the refusal's signature lists them."""
+    from kernel_cache.kernels.slots import build, check_output
+    from kernel_cache.runtime.inputs import make_inputs
+
+    for dtype, refused in (("auto", False), ("fp8_e4m3", True)):
+        path = "kc_bad_kernels:StarExtra"
+        cfg = make_config(
+            str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": path}, kv_cache_dtype=dtype
+        )
+        v = Bucketer(cfg).variants[-1]
+        mod = build(BATCHED_DECODE, path, num_heads=4, num_kv_heads=2, head_dim=8)
+        args = make_inputs(cfg, v, seed=0)
+        if not refused:
+            check_output(BATCHED_DECODE, path, mod, args)
+            continue
+        with pytest.raises(CompileError) as e:
+            check_output(BATCHED_DECODE, path, mod, args)
+        msg = str(e.value)
+        assert "into *extra; torch.export gives each of the 7 inputs" in msg, msg
+        assert "seq_lens [S] int32, k_scale [1] float32, v_scale [1] float32) ->" in msg, msg
 
 
 def test_a_kernel_without_the_scales_in_an_fp8_plan_is_told_about_them(bad_kernels, tiny_model):
