@@ -115,11 +115,17 @@ class Slot:
             return {}
         return self.cuda_defaults(**shape)
 
-    def signature(self) -> str:
-        """``forward(query [S, H, D] dtype, ...) -> [S, H, D] dtype``."""
+    def signature(self, fp8: bool = False) -> str:
+        """``forward(query [S, H, D] dtype, ...) -> [S, H, D] dtype``; with ``fp8``
+        (a plan whose pools are ``float8_e4m3fn``), the scales that follow the
+        slot's inputs (:data:`FP8_SCALES`)."""
         args = ", ".join(f"{n} {s} {t}" for n, s, t, _ in self.inputs)
-        return f"forward({args}) -> {self.output[0]} {self.output[1]}"
+        scales = f", {FP8_SCALES}" if fp8 else ""
+        return f"forward({args}{scales}) -> {self.output[0]} {self.output[1]}"
 
+
+#: The inputs an fp8 plan passes after every slot's own (vLLM's per-tensor scales).
+FP8_SCALES = "k_scale [1] float32, v_scale [1] float32"
 
 _KV = (
     ("key_cache", "[P, B, KVH, D]", "dtype", "paged keys"),
@@ -315,13 +321,10 @@ def check_output(slot: str, path: str, module, args) -> None:
         if p.kind is inspect.Parameter.VAR_POSITIONAL and p.name in bound
     ]
     if star:  # torch.export cannot give the inputs caught by *args their shapes
-        signature = SLOTS[slot].signature()
-        if fp8:
-            signature = signature.replace(") ->", ", k_scale [1] float32, v_scale [1] float32) ->")
         raise CompileError(
             f"{where}: forward takes the slot's inputs into *{star[0]}; torch.export gives "
             f"each of the {len(args)} inputs a static or dynamic shape by forward's "
-            f"parameter, so name each one: {signature}"
+            f"parameter, so name each one: {SLOTS[slot].signature(fp8)}"
         )
     try:
         with torch.no_grad():
@@ -333,7 +336,7 @@ def check_output(slot: str, path: str, module, args) -> None:
             # a kernel written for the slot's inputs alone, in an fp8 plan
             hint = (
                 "; this plan's kv_cache_dtype is fp8_e4m3, so the slot's inputs are "
-                "followed by k_scale [1] float32, v_scale [1] float32 (a key reads as "
+                f"followed by {FP8_SCALES} (a key reads as "
                 "float(stored) * k_scale; docs/custom_kernels.md): take them in forward, "
                 "or warm up with --kv-cache-dtype auto"
             )

@@ -291,8 +291,8 @@ def test_star_args_are_refused_only_where_they_would_take_an_input(bad_kernels, 
     from kernel_cache.kernels.slots import build, check_output
     from kernel_cache.runtime.inputs import make_inputs
 
+    path = "kc_bad_kernels:StarExtra"
     for dtype, refused in (("auto", False), ("fp8_e4m3", True)):
-        path = "kc_bad_kernels:StarExtra"
         cfg = make_config(
             str(tiny_model), **TINY_LIMITS, kernels={"batched_decode": path}, kv_cache_dtype=dtype
         )

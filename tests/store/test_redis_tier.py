@@ -504,7 +504,6 @@ def test_three_shard_builders_cover_the_plan_once(
 ):
     """Three ``--shard I/3`` builders and one unsharded builder, in parallel, one
     Redis, empty local caches, signed: every variant compiled exactly once."""
-    cfg = plain_config
     env = {ENV_SIGNING_KEY_FILE: str(fleet_keys["fleet"].private)}
     cmds = [["--shard", f"{i}/3"] for i in range(3)] + [[]]
     procs = [
@@ -537,7 +536,7 @@ def test_three_shard_builders_cover_the_plan_once(
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err
         reports.append(json.loads(out))
-    plan = {str(v) for v in Bucketer(cfg).variants}
+    plan = {str(v) for v in Bucketer(plain_config).variants}
     shards = [set(r["shard"]["variants"]) for r in reports[:3]]
     assert set().union(*shards) == plan and sum(map(len, shards)) == len(plan)
     compiled = [[x["variant"] for x in r["results"] if x["status"] == "compiled"] for r in reports]
@@ -548,7 +547,7 @@ def test_three_shard_builders_cover_the_plan_once(
         assert r["compiled"] + r["fetched"] + r["cached"] == r["variants"]
         local = DiskTier(tmp_path / f"builder{i}")  # write-through: local has its shard
         for v in shards[i] if i < 3 else plan:
-            verify_entry(local.get(_plan_keys(cfg)[v]))
+            verify_entry(local.get(_plan_keys(plain_config)[v]))
     engine = {ENV_TRUSTED_KEYS: str(fleet_keys["fleet"].public)}  # an engine's: public only
     proc = run_cli(
         "verify", *plain_args(tiny_model), "--redis-url", redis_db, "--json", "--require-signed",
