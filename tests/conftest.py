@@ -86,8 +86,8 @@ def tiny_args(model_path) -> list[str]:
 #: about 0.55 of the CPU of the built-in CPU kernels, having no ``torch.cond``
 #: nor ``flex_attention`` to trace (docs/testing.md, "Cheaper kernels where
 #: the kernel does not matter"). Tests of the built-in kernels' code, bytes or
-#: speed, and those that start from the run's warm cache, keep the built-in
-#: kernels.
+#: speed keep the built-in kernels; tests that compile entries of a warm cache
+#: again start from :func:`plain_cache_copy`.
 PLAIN_KERNELS = {
     "paged_attention": "kernel_cache.kernels.plain:PagedAttention",
     "batched_decode": "kernel_cache.kernels.plain:BatchedDecode",
@@ -122,16 +122,32 @@ def _shared_model() -> Path:
     return p
 
 
-def _start_warm_build() -> None:
-    """Start ``kernel-cache warmup`` of the tiny plan in the background, once per
-    run (whichever process asks first); it writes ``report.json``, ``stderr``
-    and, when it exits, ``rc``."""
-    d = _shared_dir()
+#: The run's warm builds of the tiny plan: the folder (under the shared one) each
+#: writes, its ENGINE OPTIONS, and the session fixture that waits for it. The
+#: built-in kernels' build is the shared folder itself.
+_WARM_BUILDS = {
+    "builtin": ("", tiny_args, "warm_cache"),
+    "plain": ("plain", plain_args, "plain_warm_cache"),
+}
+
+
+def _build_dir(which: str) -> Path:
+    return _shared_dir() / _WARM_BUILDS[which][0]
+
+
+def _start_warm_build(which: str = "builtin") -> None:
+    """Start ``kernel-cache warmup`` of the tiny plan (``which``: the built-in
+    kernels or :data:`PLAIN_KERNELS`) in the background, once per run
+    (whichever process asks first); it writes ``report.json``, ``stderr`` and,
+    when it exits, ``rc`` in :func:`_build_dir`."""
+    d = _build_dir(which)
+    d.mkdir(exist_ok=True)
     with FileLock(d / "build.lock"):
         if (d / "pid").exists() or (d / "rc").exists():
             return
+        engine = _WARM_BUILDS[which][1](_shared_model())
         cmd = [
-            sys.executable, "-m", "warmup.cli.main", "warmup", *tiny_args(_shared_model()),
+            sys.executable, "-m", "warmup.cli.main", "warmup", *engine,
             "--cache-dir", str(d / "cache"), "--jobs", "2", "--json",
         ]  # fmt: skip
         script = (
@@ -268,7 +284,8 @@ def pytest_unconfigure(config):
         return
     d, remove = own
     if remove or not _other_sessions(d):
-        _stop_warm_build(d)
+        for sub, _, _ in _WARM_BUILDS.values():
+            _stop_warm_build(str(Path(d, sub)))
     if remove:
         shutil.rmtree(d, ignore_errors=True)
     os.environ.pop(ENV_WARM_DIR, None)
@@ -364,16 +381,21 @@ def _file_order(items) -> dict[str, int]:
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
     """The files in :func:`_file_order`'s order; in each file, the tests that
-    need the warm cache last (its build starts now). The order is made where
+    need a warm cache last (the builds they need start now). The order is made where
     the tests are collected, in each xdist worker, and is the same for every
     ``--dist`` mode (xdist sets a worker's ``dist`` option to ``no``): under
     ``loadfile`` the files go out in this order; under ``load`` (the fast tier)
     single tests do, so a file's warm-cache tests run at the file's place, after
     every file without one."""
-    if any(_uses(i, "warm_cache") for i in items):
-        _start_warm_build()
+    for which, (_, _, fixture) in _WARM_BUILDS.items():
+        if any(_uses(i, fixture) for i in items):
+            _start_warm_build(which)
     order = _file_order(items)
-    items.sort(key=lambda i: (order[_file_of(i)], _uses(i, "warm_cache")))  # stable
+
+    def warm_last(i) -> bool:
+        return any(_uses(i, fixture) for _, _, fixture in _WARM_BUILDS.values())
+
+    items.sort(key=lambda i: (order[_file_of(i)], warm_last(i)))  # stable
 
 
 #: Seconds the test waited for :func:`shared_servers`.
@@ -438,23 +460,31 @@ def run_cli(*args, env=None, check=False, timeout=600) -> subprocess.CompletedPr
     return proc
 
 
-@pytest.fixture(scope="session")
-def warm_cache() -> tuple[Path, dict]:
-    """A cache with the tiny plan compiled, and warmup's JSON report. Read-only use."""
-    _start_warm_build()
-    d = _shared_dir()
+def _wait_warm_build(which: str) -> tuple[Path, dict]:
+    """The cache and JSON report of the run's warm build ``which``, once it has
+    ended (started here if no process of the run has started it)."""
+    _start_warm_build(which)
+    d = _build_dir(which)
     deadline = time.monotonic() + WARM_TIMEOUT_S
     while not (d / "rc").exists():
         if time.monotonic() > deadline:
-            raise AssertionError(f"the tiny plan's warmup did not finish in {WARM_TIMEOUT_S} s")
+            raise AssertionError(
+                f"the tiny plan's warmup ({which}) did not finish in {WARM_TIMEOUT_S} s"
+            )
         time.sleep(0.2)
     rc = int((d / "rc").read_text())
     if rc != 0:
         err = (d / "stderr").read_text()
         shared = f" (in {d}, shared by ${ENV_SHARED_WARM_DIR}: empty it to build again)"
         where = shared if os.environ.get(ENV_SHARED_WARM_DIR) else ""
-        raise AssertionError(f"the tiny plan's warmup exited {rc}{where}:\n{err}")
+        raise AssertionError(f"the tiny plan's warmup ({which}) exited {rc}{where}:\n{err}")
     return d / "cache", json.loads((d / "report.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def warm_cache() -> tuple[Path, dict]:
+    """A cache with the tiny plan compiled, and warmup's JSON report. Read-only use."""
+    return _wait_warm_build("builtin")
 
 
 @pytest.fixture
@@ -462,6 +492,23 @@ def cache_copy(warm_cache, tmp_path) -> Path:
     """A private, writable copy of the warmed cache."""
     dst = tmp_path / "cache"
     shutil.copytree(warm_cache[0], dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def plain_warm_cache() -> tuple[Path, dict]:
+    """:func:`warm_cache` of the tiny plan compiled with :data:`PLAIN_KERNELS`
+    (:func:`plain_args`, :func:`plain_config`). Read-only use."""
+    return _wait_warm_build("plain")
+
+
+@pytest.fixture
+def plain_cache_copy(plain_warm_cache, tmp_path) -> Path:
+    """A private, writable copy of :func:`plain_warm_cache`: for a test that
+    removes or damages entries and compiles them again, where the claim holds
+    for any kernel."""
+    dst = tmp_path / "cache"
+    shutil.copytree(plain_warm_cache[0], dst)
     return dst
 
 

@@ -3,9 +3,12 @@ the warmup process killed alone, damaged entries, a failing compile, a full
 disk, Ctrl-C after the last variant.
 
 Real processes and real compiles of the tiny geometry: each test removes the
-entries it needs cold from its copy, so it compiles only those. A file apart
-from ``test_many_workers.py`` so that ``--dist loadfile`` can give the two to
-different workers.
+entries it needs cold from its copy, so it compiles only those. What these
+claims are about is the build around the compiler, whatever it compiles, so
+the cache is the tiny plan's build with the plain kernels
+(:data:`~tests.conftest.PLAIN_KERNELS`, :func:`~tests.conftest.plain_cache_copy`).
+A file apart from ``test_many_workers.py`` so that ``--dist loadfile`` can
+give the two to different workers.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kernel_cache.plan.keys import build_key
 from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.quarantine import list_quarantine
 
-from ..conftest import N_TINY, run_cli, tiny_args
+from ..conftest import N_TINY, plain_args, run_cli
 from ..fsutil import resize_tmpfs, tmpfs, tree_state
 from ..kc_helpers import wait_for_pause
 from .warmup_procs import cli, gone, keys_of, remove_entries, verify_json
@@ -35,15 +38,17 @@ pytestmark = pytest.mark.compile
 
 
 def test_sigkill_during_compile_and_publish_then_warmup_completes(
-    cache_copy, tiny_model, tiny_config
+    plain_cache_copy, tiny_model, plain_config
 ):
-    v = Bucketer(tiny_config).variants[-1]
-    (key,) = keys_of(tiny_config, [v])
-    remove_entries(cache_copy, [key])
+    v = Bucketer(plain_config).variants[-1]
+    (key,) = keys_of(plain_config, [v])
+    remove_entries(plain_cache_copy, [key])
     for point in ("compile", "publish-write"):
-        marker = cache_copy.parent / f"paused-{point}"
+        marker = plain_cache_copy.parent / f"paused-{point}"
         env = {"KERNEL_CACHE_TEST_PAUSE_AT": point, "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
-        proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", env=env)
+        proc = cli(
+            "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--json", env=env
+        )
         try:
             wait_for_pause(marker, proc, point)
         finally:
@@ -51,28 +56,28 @@ def test_sigkill_during_compile_and_publish_then_warmup_completes(
             proc.wait(timeout=60)
         # killed holding the key's lock (and, at publish, inside the index transaction
         # with half an artifact file written): no entry, not half of one
-        assert DiskTier(cache_copy, read_only=True).get(key) is None
-        owner = json.loads((cache_copy / "locks" / f"{key}.owner").read_text())
+        assert DiskTier(plain_cache_copy, read_only=True).get(key) is None
+        owner = json.loads((plain_cache_copy / "locks" / f"{key}.owner").read_text())
         assert owner["pid"] == int(marker.read_text().split()[1])  # a dead holder's record
     proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json", check=True
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--json", check=True
     )
     report = json.loads(proc.stdout)
     assert (report["compiled"], report["cached"], report["failed"]) == (1, N_TINY - 1, [])
-    assert verify_json(tiny_model, cache_copy)["ok"] is True
+    assert verify_json(tiny_model, plain_cache_copy, plain=True)["ok"] is True
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_the_warmup_process_alone_ends_its_compile_workers(
-    cache_copy, tiny_model, tiny_config, sig
+    plain_cache_copy, tiny_model, plain_config, sig
 ):
     """Only the warmup process is killed (not its process group): its worker,
     paused inside a compile, must not run on (the kernel kills it with the parent)."""
-    v = Bucketer(tiny_config).variants[-1]
-    remove_entries(cache_copy, keys_of(tiny_config, [v]))
-    marker = cache_copy.parent / f"paused-{sig.name}"
+    v = Bucketer(plain_config).variants[-1]
+    remove_entries(plain_cache_copy, keys_of(plain_config, [v]))
+    marker = plain_cache_copy.parent / f"paused-{sig.name}"
     env = {"KERNEL_CACHE_TEST_PAUSE_AT": "compile", "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker)}
-    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env)
+    proc = cli("warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, env=env)
     try:
         wait_for_pause(marker, proc, "compile")
         worker = int(marker.read_text().split()[1])
@@ -90,13 +95,13 @@ def test_killing_the_warmup_process_alone_ends_its_compile_workers(
             proc.wait(timeout=60)
 
 
-def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, tiny_config):
+def test_damaged_entries_are_quarantined_and_repaired(plain_cache_copy, tiny_model, plain_config):
     """One damage per entry of the tiny plan (a truncated artifact:
     tests/store/test_disk_tier.py): verify names each, engine start refuses, warmup
     quarantines and rebuilds all three."""
-    variants = Bucketer(tiny_config).variants
-    keys = keys_of(tiny_config, variants)
-    tier = DiskTier(cache_copy)
+    variants = Bucketer(plain_config).variants
+    keys = keys_of(plain_config, variants)
+    tier = DiskTier(plain_cache_copy)
     art = [tier.artifact_path(k) for k in keys]
     data = bytearray(art[0].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
@@ -104,20 +109,20 @@ def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, ti
     tier.cache.set("meta/" + keys[1], b'{"key": "garbage')  # metadata that does not parse
     junk = os.urandom(300_000)  # bytes whose checksum matches, but not a package
     cpu = {k: tier.get(keys[2]).meta[k] for k in ("cpu_target", "cpu_features")}
-    tier.put(keys[2], junk, make_meta(build_key(tiny_config, variants[2]), "x", junk, 0.0, **cpu))
+    tier.put(keys[2], junk, make_meta(build_key(plain_config, variants[2]), "x", junk, 0.0, **cpu))
     tier.close()
     reasons = ["sha256", "not JSON", "loader rejected"]
 
-    report = verify_json(tiny_model, cache_copy, expect_rc=1)
+    report = verify_json(tiny_model, plain_cache_copy, expect_rc=1, plain=True)
     assert report["loaded"] == 0
     got = {c["variant"]: c["reason"] for c in report["corrupt"]}
     for v, reason in zip(variants, reasons, strict=True):
         assert reason in got[str(v)]
     with pytest.raises(CorruptEntryError, match="repair with: kernel-cache warmup --model"):
-        load_plan(tiny_config, cache_copy)
+        load_plan(plain_config, plain_cache_copy)
 
     proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "1", "--json"
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--jobs", "1", "--json"
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -126,25 +131,25 @@ def test_damaged_entries_are_quarantined_and_repaired(cache_copy, tiny_model, ti
     assert "quarantined cache entry" in proc.stderr  # logged
     for v, reason in zip(variants, reasons, strict=True):
         assert reason in moved[str(v)]["reason"]
-    records = list_quarantine(cache_copy)
+    records = list_quarantine(plain_cache_copy)
     assert sorted(r["key"] for r in records) == sorted(keys)
     for r in records:
         assert (Path(r["path"]) / "reason.json").is_file() and r["reason"]
         assert "artifact.pt2" in r["files"] and "meta.json" in r["files"]
-    assert verify_json(tiny_model, cache_copy)["ok"] is True
+    assert verify_json(tiny_model, plain_cache_copy, plain=True)["ok"] is True
 
 
 def test_compile_failure_is_reported_and_the_other_variants_finish(
-    cache_copy, tiny_model, tiny_config
+    plain_cache_copy, tiny_model, plain_config
 ):
     # The good variant is the cheaper prefill (query length 1); the bad one costs
     # its export only, since Inductor refuses the option before generating code.
     # One worker takes both: the good one compiles after the other failed there.
-    good, bad = Bucketer(tiny_config).variants[:2]
-    remove_entries(cache_copy, keys_of(tiny_config, [bad, good]))
+    good, bad = Bucketer(plain_config).variants[:2]
+    remove_entries(plain_cache_copy, keys_of(plain_config, [bad, good]))
     env = {"KERNEL_CACHE_TEST_BAD_COMPILE": str(bad)}  # a real Inductor error for one variant
     proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--jobs", "1", "--json",
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--jobs", "1", "--json",
         env=env,
     )  # fmt: skip
     assert proc.returncode == 1
@@ -155,20 +160,22 @@ def test_compile_failure_is_reported_and_the_other_variants_finish(
     assert f"AOTInductor failed for {bad}" in failure["error"]
     assert "kernel_cache_test_no_such_option does not exist" in failure["error"]
     assert f"failed {bad}: AOTInductor failed" in proc.stderr
-    assert DiskTier(cache_copy, read_only=True).get(keys_of(tiny_config, [good])[0]) is not None
+    assert (
+        DiskTier(plain_cache_copy, read_only=True).get(keys_of(plain_config, [good])[0]) is not None
+    )
 
 
 def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
-    tmp_path, warm_cache, tiny_model, tiny_config
+    tmp_path, plain_warm_cache, tiny_model, plain_config
 ):
     """A real tmpfs sized to hold the cache plus half an artifact where mount is
     allowed (root); elsewhere an injected ENOSPC at the same point."""
-    v = Bucketer(tiny_config).variants[0]
-    (key,) = keys_of(tiny_config, [v])
+    v = Bucketer(plain_config).variants[0]
+    (key,) = keys_of(plain_config, [v])
     mnt = tmp_path / "mnt"
     with tmpfs(mnt, 64 * 2**20) as mounted:
         cache = (mnt if mounted else tmp_path) / "cache"
-        shutil.copytree(warm_cache[0], cache)
+        shutil.copytree(plain_warm_cache[0], cache)
         art_size = DiskTier(cache, read_only=True).get_meta(key)["size"]
         remove_entries(cache, [key])
         env = {}
@@ -187,7 +194,7 @@ def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
             }
 
         before = entries()
-        proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache, "--json", env=env)
+        proc = run_cli("warmup", *plain_args(tiny_model), "--cache-dir", cache, "--json", env=env)
         assert proc.returncode == 1, proc.stderr
         (failure,) = json.loads(proc.stdout)["failed"]
         assert f"no space left in cache directory {cache}" in failure["error"]
@@ -195,24 +202,26 @@ def test_full_disk_during_warmup_publish_exits_clearly_and_leaves_nothing(
         assert needed > art_size // 2  # the new artifact plus its metadata
         assert f"no space left in cache directory {cache}" in proc.stderr
         assert entries() == before  # no partial artifact file or directory
-        report = verify_json(tiny_model, cache, expect_rc=1)
+        report = verify_json(tiny_model, cache, expect_rc=1, plain=True)
         assert report["loaded"] == N_TINY - 1 and report["missing"] == [str(v)]
         assert report["corrupt"] == []
 
 
 def test_sigint_after_the_last_variant_gives_the_summary_not_a_traceback(
-    cache_copy, tiny_model, tiny_config
+    plain_cache_copy, tiny_model, plain_config
 ):
     """Ctrl-C while warmup waits for its workers to exit, every variant done: exit
     130, the summary line counting the variant compiled, no traceback."""
-    v = Bucketer(tiny_config).variants[-1]
-    remove_entries(cache_copy, keys_of(tiny_config, [v]))
-    marker = cache_copy.parent / "paused"
+    v = Bucketer(plain_config).variants[-1]
+    remove_entries(plain_cache_copy, keys_of(plain_config, [v]))
+    marker = plain_cache_copy.parent / "paused"
     env = {
         "KERNEL_CACHE_TEST_PAUSE_AT": "pool-shutdown",
         "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
     }
-    proc = cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, env=env, terminal=True)
+    proc = cli(
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, env=env, terminal=True
+    )
     try:
         wait_for_pause(marker, proc, "pool-shutdown")
         os.killpg(proc.pid, signal.SIGINT)
@@ -240,7 +249,7 @@ except WarmupInterrupted as e:
 
 
 def test_ctrl_c_in_a_jobs_0_warmup_is_warmup_interrupted_with_its_rows(
-    cache_copy, tiny_model, tiny_config, tmp_path
+    plain_cache_copy, tiny_model, plain_config, tmp_path
 ):
     """A warmup in the caller's own process (``jobs=0``), paused inside its one
     compile: SIGINT raises ``WarmupInterrupted`` carrying the partial report,
@@ -250,11 +259,11 @@ def test_ctrl_c_in_a_jobs_0_warmup_is_warmup_interrupted_with_its_rows(
 
     from kernel_cache.config.recipe import HASH_SEED
 
-    from ..conftest import ROOT, TINY_LIMITS
+    from ..conftest import PLAIN_LIMITS, ROOT
 
-    v = Bucketer(tiny_config).variants[-1]
-    (key,) = keys_of(tiny_config, [v])
-    remove_entries(cache_copy, [key])
+    v = Bucketer(plain_config).variants[-1]
+    (key,) = keys_of(plain_config, [v])
+    remove_entries(plain_cache_copy, [key])
     marker = tmp_path / "paused"
     env = {
         **os.environ,
@@ -262,7 +271,7 @@ def test_ctrl_c_in_a_jobs_0_warmup_is_warmup_interrupted_with_its_rows(
         "KERNEL_CACHE_TEST_PAUSE_AT": "compile",
         "KERNEL_CACHE_TEST_PAUSE_MARKER": str(marker),
     }
-    args = [str(tiny_model), json.dumps(TINY_LIMITS), str(cache_copy)]
+    args = [str(tiny_model), json.dumps(PLAIN_LIMITS), str(plain_cache_copy)]
     proc = subprocess.Popen(
         [sys.executable, "-c", _IN_PROCESS, *args],
         cwd=ROOT,
@@ -286,4 +295,4 @@ def test_ctrl_c_in_a_jobs_0_warmup_is_warmup_interrupted_with_its_rows(
     assert got["signum"] == signal.SIGINT
     report = got["report"]
     assert (report["compiled"], report["cached"], report["not_started"]) == (0, N_TINY - 1, 1)
-    assert DiskTier(cache_copy, read_only=True).get(key) is None
+    assert DiskTier(plain_cache_copy, read_only=True).get(key) is None
