@@ -3,7 +3,10 @@
 Every test here talks to a real ``redis-server``: the one ``.ci/run`` starts
 (``KERNEL_CACHE_TEST_REDIS_URL``), else one this module starts on a free
 loopback port. Tests that kill Redis start their own. Without a
-``redis-server`` binary they are skipped with that reason.
+``redis-server`` binary they are skipped with that reason. The compiling
+tests' claims hold for any kernel, so they build the tiny plan with the
+plain kernels (:data:`~tests.conftest.PLAIN_KERNELS`,
+:func:`~tests.conftest.plain_cache_copy`).
 """
 
 from __future__ import annotations
@@ -329,18 +332,18 @@ def test_warmup_republishes_redis_entries_signed_with_another_key(
 
 @pytest.mark.compile
 def test_forged_entry_in_redis_is_rejected_and_never_loaded(
-    redis_db, warm_cache, tiny_config, tiny_model, tmp_path, monkeypatch, caplog, fleet_keys
+    redis_db, plain_warm_cache, plain_config, tiny_model, tmp_path, monkeypatch, caplog, fleet_keys
 ):
     """Right key, right checksum, wrong signature (another key's, under our key id)."""
     fleet = fleet_keys["fleet"]
-    publish_to_redis(warm_cache[0], redis_db, fleet.signer)
-    keys = _plan_keys(tiny_config)
-    plan = Bucketer(tiny_config).variants
+    publish_to_redis(plain_warm_cache[0], redis_db, fleet.signer)
+    keys = _plan_keys(plain_config)
+    plan = Bucketer(plain_config).variants
     victim, donor = str(plan[0]), str(plan[1])
     tier = RedisTier(redis_db, fail_open=False)
     good = tier.get(keys[victim])
     payload = tier.get(keys[donor]).data  # a valid package, for the wrong shape
-    forged = make_meta(build_key(tiny_config, plan[0]), victim, payload, 1.0)
+    forged = make_meta(build_key(plain_config, plan[0]), victim, payload, 1.0)
     forged = sign_meta(forged, payload, fleet_keys["attacker"].signer)
     forged["signature"]["key_id"] = good.meta["signature"]["key_id"]  # posing as ours
     tier.put(keys[victim], payload, forged)
@@ -350,7 +353,7 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
     local = tmp_path / "local"
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
         with pytest.raises(MissingVariantsError) as e:
-            load_plan(tiny_config, local)
+            load_plan(plain_config, local)
     assert [str(v) for v in e.value.missing] == [victim]
     assert "rejected redis entry" in caplog.text and "forged or altered" in caplog.text
     assert DiskTier(local).get(keys[victim]) is None  # never copied, never loaded
@@ -358,7 +361,7 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
 
     proc = run_cli(
         "verify",
-        *tiny_args(tiny_model),
+        *plain_args(tiny_model),
         "--redis-url",
         redis_db,
         "--json",
@@ -371,10 +374,10 @@ def test_forged_entry_in_redis_is_rejected_and_never_loaded(
 
     # a builder's warmup recompiles the rejected variant and replaces the forged entry
     monkeypatch.setenv(ENV_SIGNING_KEY_FILE, str(fleet.private))
-    fix = warmup(tiny_config, local, progress=False, remote=RedisSettings(url=redis_db))
+    fix = warmup(plain_config, local, progress=False, remote=RedisSettings(url=redis_db))
     assert (fix["compiled"], fix["cached"]) == (1, N_TINY - 1) and fix["failed"] == []
     assert tier.get(keys[victim]).data != payload
-    assert load_plan(tiny_config, tmp_path / "another").stats()["loads"] == N_TINY
+    assert load_plan(plain_config, tmp_path / "another").stats()["loads"] == N_TINY
 
 
 def test_unsigned_redis_entries_are_rejected_when_a_key_is_set(
@@ -559,14 +562,14 @@ def test_three_shard_builders_cover_the_plan_once(
 
 @pytest.mark.compile
 def test_redis_killed_mid_warmup_local_run_completes(
-    private_redis, cache_copy, tiny_model, tiny_config, fleet_keys
+    private_redis, plain_cache_copy, tiny_model, plain_config, fleet_keys
 ):
     """Two variants to compile; Redis is SIGKILLed while the first compiles
     (its build lock is held). Staged compiles are published in one batch at the
     end, so waiting for the first published entry killed Redis after the last
     Redis call, and the warmup never saw a failure."""
-    keys = list(_plan_keys(tiny_config).values())
-    disk = DiskTier(cache_copy)
+    keys = list(_plan_keys(plain_config).values())
+    disk = DiskTier(plain_cache_copy)
     for k in keys[:2]:
         disk.delete(k)
     disk.close()
@@ -577,9 +580,9 @@ def test_redis_killed_mid_warmup_local_run_completes(
             "-m",
             "warmup.cli.main",
             "warmup",
-            *tiny_args(tiny_model),
+            *plain_args(tiny_model),
             "--cache-dir",
-            str(cache_copy),
+            str(plain_cache_copy),
             "--redis-url",
             url,
             "--redis-timeout",
@@ -608,7 +611,7 @@ def test_redis_killed_mid_warmup_local_run_completes(
     assert report["compiled"] == 2 and report["failed"] == []
     assert report["remote_error"] is not None
     assert err.count(url) == 1 and "unavailable" in err  # one warning naming the URL
-    local = DiskTier(cache_copy)
+    local = DiskTier(plain_cache_copy)
     for k in keys:
         verify_entry(local.get(k))
 
@@ -644,7 +647,7 @@ def test_fleet_load_smoke_warm_redis_needs_no_compile(redis_db, warm_cache, tiny
 
 @pytest.mark.compile
 def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
-    redis_db, cache_copy, tiny_model, tiny_config, tmp_path, fleet_keys
+    redis_db, plain_cache_copy, tiny_model, plain_config, tmp_path, fleet_keys
 ):
     """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
     under the key's Redis build lock: the lock key, read raw from Redis, is gone
@@ -652,12 +655,12 @@ def test_a_warmup_stopped_with_sigterm_gives_its_build_lock_up(
     instead of waiting out the lock's TTL."""
     import redis
 
-    key = build_key(tiny_config, Bucketer(tiny_config).variants[-1]).hexdigest
-    disk = DiskTier(cache_copy)
+    key = build_key(plain_config, Bucketer(plain_config).variants[-1]).hexdigest
+    disk = DiskTier(plain_cache_copy)
     disk.delete(key)
     disk.close()
     marker = tmp_path / "paused"
-    args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
+    args = ["warmup", *plain_args(tiny_model), "--cache-dir", str(plain_cache_copy), "--jobs", "1"]
     env = {
         **os.environ,
         "KERNEL_CACHE_TEST_PAUSE_AT": "compile",

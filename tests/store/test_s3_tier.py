@@ -4,7 +4,10 @@ The shared server is the one ``.ci/run`` starts (``KERNEL_CACHE_TEST_S3_ENDPOINT
 and ``KERNEL_CACHE_TEST_S3_METRICS``), else one this module starts on free
 loopback ports; tests that pause or kill their server start their own. Each
 test works under its own prefix of one bucket. Requests are counted by the
-server's own metrics, compiles by ``KERNEL_CACHE_TEST_COMPILE_LOG``.
+server's own metrics, compiles by ``KERNEL_CACHE_TEST_COMPILE_LOG``. The
+compiling tests' claims hold for any kernel, so they build the tiny plan with
+the plain kernels (:data:`~tests.conftest.PLAIN_KERNELS`,
+:func:`~tests.conftest.plain_cache_copy`).
 """
 
 from __future__ import annotations
@@ -446,7 +449,7 @@ def test_server_killed_mid_warmup_then_a_rerun_completes(
 
 @pytest.mark.compile
 def test_a_warmup_stopped_with_sigterm_gives_its_lease_up(
-    s3, cache_copy, tiny_model, tiny_config, tmp_path
+    s3, plain_cache_copy, tiny_model, plain_config, tmp_path
 ):
     """SIGTERM to the warmup process alone (a pod stop) while its worker compiles
     under the key's S3 build lease: the lease object, read raw from the server,
@@ -454,13 +457,13 @@ def test_a_warmup_stopped_with_sigterm_gives_its_lease_up(
     builder takes the key at once instead of waiting out the lease's TTL."""
     import obstore
 
-    v = Bucketer(tiny_config).variants[-1]
-    key = build_key(tiny_config, v).hexdigest
-    tier = DiskTier(cache_copy)
+    v = Bucketer(plain_config).variants[-1]
+    key = build_key(plain_config, v).hexdigest
+    tier = DiskTier(plain_cache_copy)
     tier.delete(key)
     tier.close()
     marker = tmp_path / "paused"
-    args = ["warmup", *tiny_args(tiny_model), "--cache-dir", str(cache_copy), "--jobs", "1"]
+    args = ["warmup", *plain_args(tiny_model), "--cache-dir", str(plain_cache_copy), "--jobs", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "warmup.cli.main", *args, "--s3-url", s3["url"]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

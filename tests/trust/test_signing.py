@@ -40,7 +40,7 @@ from kernel_cache.trust.keys import (
 )
 from kernel_cache.trust.signing import SignatureError, check_signature, sign_meta
 
-from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, plain_args, run_cli, tiny_args
 from ..kc_helpers import knowing_cxx
 from ..redis_server import ENV_TEST_REDIS_URL, RedisServer, redis_server_binary
 from ..signing_keys import make_keypair, raw_key_id
@@ -685,7 +685,7 @@ def test_key_rotation_either_trusted_key_loads_a_dropped_key_is_refused(
 
 @pytest.mark.compile  # compiles one variant
 def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse(
-    redis_db, cache_copy, tiny_config, tiny_model, tmp_path, keys, monkeypatch, caplog
+    redis_db, plain_cache_copy, plain_config, tiny_model, tmp_path, keys, monkeypatch, caplog
 ):
     """An engine node (public key only) runs warmup against Redis: its unsigned
     local entries are not uploaded, what it compiles stays local (one compile,
@@ -698,27 +698,29 @@ def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse
     for var, value in a.engine_env.items():
         monkeypatch.setenv(var, value)
     with caplog.at_level(logging.WARNING, logger="kernel_cache"):
-        report = warmup(tiny_config, cache_copy, progress=False, remote=RedisSettings(url=url))
+        report = warmup(
+            plain_config, plain_cache_copy, progress=False, remote=RedisSettings(url=url)
+        )
     assert report["uploaded"] == 0 and redis_db.keys() == []
     assert "no private key" in caplog.text and "not published" in caplog.text
 
     # one variant missing locally: compiled here, kept here, not published
-    victim = str(Bucketer(tiny_config).variants[0])
-    vkey = build_key(tiny_config, Bucketer(tiny_config).variants[0]).hexdigest
-    DiskTier(cache_copy).delete(vkey)
+    victim = str(Bucketer(plain_config).variants[0])
+    vkey = build_key(plain_config, Bucketer(plain_config).variants[0]).hexdigest
+    DiskTier(plain_cache_copy).delete(vkey)
     log = tmp_path / "compiles.log"
     proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--redis-url", url,
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--redis-url", url,
         "--json", "-q", env={**a.engine_env, "KERNEL_CACHE_TEST_COMPILE_LOG": str(log)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[1] for line in log.read_text().splitlines()] == [victim]
     assert "no private key" in proc.stderr and ENV_SIGNING_KEY_FILE in proc.stderr
-    assert redis_db.keys() == [] and "signature" not in DiskTier(cache_copy).get_meta(vkey)
+    assert redis_db.keys() == [] and "signature" not in DiskTier(plain_cache_copy).get_meta(vkey)
 
     # a builder publishes the same local entries signed; the engine loads them
     proc = run_cli(
-        "warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--redis-url", url,
+        "warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--redis-url", url,
         "--json", "-q", env=a.builder_env,
     )  # fmt: skip
     assert proc.returncode == 0 and json.loads(proc.stdout)["uploaded"] == N_TINY, proc.stderr
@@ -726,7 +728,7 @@ def test_a_node_without_the_private_key_publishes_nothing_the_fleet_would_refuse
     from kernel_cache import load_plan
 
     monkeypatch.setenv(ENV_REDIS_URL, url)
-    assert load_plan(tiny_config, tmp_path / "engine").stats()["loads"] == N_TINY
+    assert load_plan(plain_config, tmp_path / "engine").stats()["loads"] == N_TINY
 
 
 def test_export_without_the_private_key_refuses_what_the_fleet_would_refuse(

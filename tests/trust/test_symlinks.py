@@ -20,7 +20,7 @@ from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.locks import KeyLock
 from kernel_cache.store.quarantine import quarantine_entry
 
-from ..conftest import N_TINY, run_cli, tiny_args
+from ..conftest import N_TINY, plain_args, run_cli, tiny_args
 from ..fsutil import tree_state
 
 DATA = b"\x7fELF-not-a-package" * 4096  # 72 KiB: stored as a value file
@@ -171,8 +171,8 @@ def test_engine_start_names_the_linked_entry_and_the_repair(tmp_path, tiny_confi
 
 
 @pytest.mark.compile
-def test_warmup_quarantines_a_linked_entry_and_rebuilds_it(cache_copy, tmp_path, tiny_model):
-    tier = DiskTier(cache_copy, read_only=True)
+def test_warmup_quarantines_a_linked_entry_and_rebuilds_it(plain_cache_copy, tmp_path, tiny_model):
+    tier = DiskTier(plain_cache_copy, read_only=True)
     key = next(iter(tier.iter_meta()))["key"]
     f = tier.artifact_path(key)
     outside = other_dir(tmp_path)
@@ -180,7 +180,7 @@ def test_warmup_quarantines_a_linked_entry_and_rebuilds_it(cache_copy, tmp_path,
     f.unlink()
     f.symlink_to(outside / "copy.val")
     before = tree_state(outside)
-    proc = run_cli("warmup", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json")
+    proc = run_cli("warmup", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--json")
     no_traceback(proc)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -188,7 +188,7 @@ def test_warmup_quarantines_a_linked_entry_and_rebuilds_it(cache_copy, tmp_path,
     (q,) = report["quarantined"]
     assert "symbolic link" in q["reason"] and (Path(q["path"]) / "artifact.pt2").is_symlink()
     assert tree_state(outside) == before
-    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache_copy, "--json")
+    proc = run_cli("verify", *plain_args(tiny_model), "--cache-dir", plain_cache_copy, "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["ok"], proc.stderr
 
 
