@@ -1,17 +1,19 @@
-"""Shared fixtures: a tiny geometry and one warmed cache per test run.
+"""Shared fixtures: a tiny geometry and the run's warm caches of it.
 
 Compiling is the slow part (about 30 s of CPU a variant on a 2-core CPU), so
 the tiny plan (3 variants: one KV bucket of 2 blocks, query buckets 1 and 32, a
 decode batch of 4) is warmed once per run, and tests that change a cache work
-on a copy of it. The warmup starts in the background as soon as a collected
-test needs it, and the files holding those tests run after the others, so
-the compile overlaps the other tests. One warm cache serves every pytest-xdist
-worker of the run: the main process makes its folder
-(``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers) and removes it at
-the end; the first worker to need it starts the
-build. A caller that runs pytest several times (``.ci/run``: both tiers) can
-give them one folder, ``$KERNEL_CACHE_TEST_SHARED_WARM_DIR``, so the plan is
-compiled once for all of them.
+on a copy of it. A second warm build of the same plan, with the plain kernels
+(:data:`PLAIN_KERNELS`), serves the compiling tests that remove or damage
+entries of a copy and compile them again. Each build starts in the background
+as soon as a collected test needs it, and the files holding those tests run
+after the others, so the compiles overlap the other tests. The warm caches
+serve every pytest-xdist worker of the run: the main process makes their
+folder (``$KERNEL_CACHE_TEST_WARM_DIR``, inherited by the workers) and
+removes it at the end; the first worker to need a build starts it. A caller
+that runs pytest several times (``.ci/run``: both tiers) can give them one
+folder, ``$KERNEL_CACHE_TEST_SHARED_WARM_DIR``, so each build is compiled
+once for all of them.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ def tiny_args(model_path) -> list[str]:
 #: about 0.55 of the CPU of the built-in CPU kernels, having no ``torch.cond``
 #: nor ``flex_attention`` to trace (docs/testing.md, "Cheaper kernels where
 #: the kernel does not matter"). Tests of the built-in kernels' code, bytes or
-#: speed keep the built-in kernels; tests that compile entries of a warm cache
-#: again start from :func:`plain_cache_copy`.
+#: speed keep the built-in kernels; tests that remove or damage entries of a
+#: warm cache and compile them again start from :func:`plain_warm_cache`.
 PLAIN_KERNELS = {
     "paged_attention": "kernel_cache.kernels.plain:PagedAttention",
     "batched_decode": "kernel_cache.kernels.plain:BatchedDecode",
@@ -193,9 +195,10 @@ def pytest_configure(config):
     if shared:
         shared = str(Path(shared).resolve())  # the build runs from the checkout's root
         Path(shared).mkdir(parents=True, exist_ok=True)
-        pid = Path(shared, "pid")
-        if pid.exists() and not Path(shared, "rc").exists() and not _alive(pid):
-            pid.unlink()  # a build of a killed earlier run: start it again
+        for sub, _, _ in _WARM_BUILDS.values():
+            pid = Path(shared, sub, "pid")
+            if pid.exists() and not Path(shared, sub, "rc").exists() and not _alive(pid):
+                pid.unlink()  # a build of a killed earlier run: start it again
         os.environ[ENV_WARM_DIR] = shared
         config.stash[_OWN_DIR] = (shared, False)
         # Runs that share the folder at the same time (.ci/run: both tiers side
@@ -340,15 +343,20 @@ def _uses_servers(item) -> bool:
     return any(_uses(item, f) for f in ("shared_servers", *SHARED_SERVER_FIXTURES))
 
 
+def _needs_warm(item) -> bool:
+    """Whether a collected test needs one of the run's warm builds."""
+    return any(_uses(item, fixture) for _, _, fixture in _WARM_BUILDS.values())
+
+
 def _file_order(items) -> dict[str, int]:
-    """Each test file's place in the run: files with no test that needs the warm
-    cache first, then those with one; in each group the longest first (a file
+    """Each test file's place in the run: files with no test that needs a warm
+    cache (:func:`_needs_warm`) first, then those with one; in each group the longest first (a file
     :data:`FILE_SECONDS` does not know counts as longest), except that a file
     whose tests hold the shared servers (``shared_servers``: one such test at a
     time across workers) does not follow another such file where a file without
     them is left to put between. With ``--dist loadfile`` and
     ``--no-loadscope-reorder`` (addopts), pytest-xdist hands the files out in
-    this order: the cold builds run while the warm build compiles, two workers
+    this order: the cold builds run while the warm builds compile, two workers
     seldom wait for each other's servers, and the short files are left to fill
     the end, when one worker would otherwise wait for the other's long one."""
     try:
@@ -360,7 +368,7 @@ def _file_order(items) -> dict[str, int]:
     files: dict[str, list] = {}  # path -> [needs warm, uses the servers]
     for i in items:
         row = files.setdefault(_file_of(i), [False, False])
-        row[0] |= _uses(i, "warm_cache")
+        row[0] |= _needs_warm(i)
         row[1] |= _uses_servers(i)
 
     def cost(path: str) -> float:
@@ -391,11 +399,7 @@ def pytest_collection_modifyitems(config, items):
         if any(_uses(i, fixture) for i in items):
             _start_warm_build(which)
     order = _file_order(items)
-
-    def warm_last(i) -> bool:
-        return any(_uses(i, fixture) for _, _, fixture in _WARM_BUILDS.values())
-
-    items.sort(key=lambda i: (order[_file_of(i)], warm_last(i)))  # stable
+    items.sort(key=lambda i: (order[_file_of(i)], _needs_warm(i)))  # stable
 
 
 #: Seconds the test waited for :func:`shared_servers`.

@@ -263,7 +263,7 @@ def seconds(tmp_path, monkeypatch):
 
 
 def test_cold_files_first_then_warm_each_longest_first_unknown_counted_longest(seconds):
-    seconds({"a.py": 10, "b.py": {"wall_s": 50, "cpu_s": 1}, "w1.py": 5, "w2.py": 90})
+    seconds({"a.py": 10, "b.py": {"wall_s": 50, "cpu_s": 1}, "w1.py": 5, "w2.py": 90, "p.py": 60})
     items = [
         _item("a.py::t"),
         _item("b.py::t"),
@@ -271,9 +271,10 @@ def test_cold_files_first_then_warm_each_longest_first_unknown_counted_longest(s
         _item("w1.py::t", "warm_cache"),
         _item("w2.py::t"),
         _item("w2.py::u", "warm_cache"),
+        _item("p.py::t", "plain_cache_copy", "plain_warm_cache"),  # the plain kernels' build
     ]
     order = conftest._file_order(items)
-    assert sorted(order, key=order.get) == ["new.py", "b.py", "a.py", "w2.py", "w1.py"]
+    assert sorted(order, key=order.get) == ["new.py", "b.py", "a.py", "w2.py", "p.py", "w1.py"]
 
 
 def test_a_server_file_is_not_followed_by_another_while_one_without_is_left(seconds):

@@ -3,9 +3,9 @@
 Every test here talks to a real ``redis-server``: the one ``.ci/run`` starts
 (``KERNEL_CACHE_TEST_REDIS_URL``), else one this module starts on a free
 loopback port. Tests that kill Redis start their own. Without a
-``redis-server`` binary they are skipped with that reason. The compiling
-tests' claims hold for any kernel, so they build the tiny plan with the
-plain kernels (:data:`~tests.conftest.PLAIN_KERNELS`,
+``redis-server`` binary they are skipped with that reason. The tests that
+compile entries again build them with the plain kernels, their claims holding
+for any kernel (:data:`~tests.conftest.PLAIN_KERNELS`,
 :func:`~tests.conftest.plain_cache_copy`).
 """
 

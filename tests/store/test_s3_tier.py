@@ -4,9 +4,9 @@ The shared server is the one ``.ci/run`` starts (``KERNEL_CACHE_TEST_S3_ENDPOINT
 and ``KERNEL_CACHE_TEST_S3_METRICS``), else one this module starts on free
 loopback ports; tests that pause or kill their server start their own. Each
 test works under its own prefix of one bucket. Requests are counted by the
-server's own metrics, compiles by ``KERNEL_CACHE_TEST_COMPILE_LOG``. The
-compiling tests' claims hold for any kernel, so they build the tiny plan with
-the plain kernels (:data:`~tests.conftest.PLAIN_KERNELS`,
+server's own metrics, compiles by ``KERNEL_CACHE_TEST_COMPILE_LOG``. The tests
+that compile entries again build them with the plain kernels, their claims
+holding for any kernel (:data:`~tests.conftest.PLAIN_KERNELS`,
 :func:`~tests.conftest.plain_cache_copy`).
 """
 
