@@ -11,7 +11,7 @@ import torch
 from kernel_cache import MissingVariantsError, ShapeError, load_plan
 from kernel_cache.plan.buckets import Bucketer
 
-from ..conftest import N_TINY, ROOT, TRACE, plain_args, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, TRACE, run_cli, tiny_args
 
 pytestmark = pytest.mark.compile
 
@@ -219,7 +219,7 @@ def test_warmup_leaves_no_compile_scratch_in_the_temp_dir(tmp_path, tiny_model):
     one += ["--shard", "0/6", "--jobs", "1"]  # one of the plan's six variants, one worker
     proc = run_cli(
         "warmup",
-        *plain_args(tiny_model),
+        *tiny_args(tiny_model),
         *one,
         "--cache-dir",
         tmp_path / "cache",
