@@ -41,7 +41,7 @@ from kernel_cache.runtime.load import load_plan
 from kernel_cache.store.disk_tier import DiskTier
 from warmup.check.verify import verify_plan
 
-from ..conftest import N_TINY, ROOT, run_cli, tiny_args
+from ..conftest import N_TINY, ROOT, plain_args, run_cli
 
 # -- same key => same code ----------------------------------------------------
 _BUILD_ONE = r"""
@@ -256,17 +256,19 @@ def test_the_kernel_modules_are_in_every_key_and_an_edit_changes_it(tmp_path, ed
 # -- the CPU target at engine start ------------------------------------------------
 @pytest.mark.compile
 def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
-    cache_copy, tiny_config, tiny_model
+    plain_cache_copy, plain_config, tiny_model
 ):
     """Rewrite one entry's recorded CPU features (metadata and its checksum
-    are rewritten together by the tier) to need a flag this CPU lacks."""
+    are rewritten together by the tier) to need a flag this CPU lacks. The
+    plain kernels' build: the refusal and the repair hold for any kernel, and
+    the repair verify prints must name the engine's kernels to rebuild it."""
     have = cpu_features()
     if not have:
         pytest.skip("no /proc/cpuinfo here")
     lacking = next(f for f in ISA_FLAGS if f not in have)
-    v = Bucketer(tiny_config).variants[0]
-    key = build_key(tiny_config, v).hexdigest
-    tier = DiskTier(cache_copy)
+    v = Bucketer(plain_config).variants[0]
+    key = build_key(plain_config, v).hexdigest
+    tier = DiskTier(plain_cache_copy)
     try:
         e = tier.get(key)
         assert e.meta["cpu_target"] == "x86-64-v3" and "avx2" in e.meta["cpu_features"]
@@ -274,12 +276,12 @@ def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
     finally:
         tier.close()
     with pytest.raises(CpuTargetError) as info:
-        load_plan(tiny_config, cache_copy)
+        load_plan(plain_config, plain_cache_copy)
     msg = str(info.value)
     assert str(v) in msg and lacking in msg and "--cpu-target" in msg
-    report = verify_plan(tiny_config, cache_copy)
+    report = verify_plan(plain_config, plain_cache_copy)
     assert not report["ok"] and [u["variant"] for u in report["unrunnable"]] == [str(v)]
-    proc = run_cli("verify", *tiny_args(tiny_model), "--cache-dir", cache_copy)
+    proc = run_cli("verify", *plain_args(tiny_model), "--cache-dir", plain_cache_copy)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert lacking in proc.stderr and ", 1 cannot run here, " in proc.stdout
     # The repair verify prints works: warmup sees that the entry records other
@@ -287,7 +289,7 @@ def test_an_artifact_needing_a_missing_instruction_is_refused_at_engine_start(
     repair = proc.stderr.split("repair: kernel-cache ")[1].split()
     report = json.loads(run_cli(*repair, "--json", "--quiet", check=True).stdout)
     assert report["compiled"] == 1 and [q["variant"] for q in report["quarantined"]] == [str(v)]
-    assert load_plan(tiny_config, cache_copy).counters["loads"] == N_TINY
+    assert load_plan(plain_config, plain_cache_copy).counters["loads"] == N_TINY
 
 
 def test_docs_list_the_environment_rules_the_code_applies():

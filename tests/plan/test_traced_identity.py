@@ -29,7 +29,7 @@ from kernel_cache.plan.traced_build import manifest_of, stale_loaded_modules
 from kernel_cache.store.disk_tier import DiskTier, make_meta
 from kernel_cache.store.lookup import Lookup, Source, consistent, current_entry
 
-from ..conftest import ROOT, TINY_LIMITS, run_cli, tiny_args
+from ..conftest import PLAIN_KERNELS, ROOT, TINY_LIMITS, run_cli, tiny_args
 
 KERNEL = "userkern2.decode:Decode"
 
@@ -392,7 +392,8 @@ import json, sys, torch
 from kernel_cache import load_plan, make_config
 from kernel_cache.errors import MissingVariantsError
 cfg = make_config(sys.argv[1], max_model_len=32, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=32, kernels={"batched_decode": sys.argv[3]},
+                  max_num_batched_tokens=32,
+                  kernels={"batched_decode": sys.argv[3], "paged_attention": sys.argv[4]},
                   kv_buckets=(32,), query_buckets=(32,), num_seqs_buckets=(4,))
 doc = {}
 try:
@@ -418,7 +419,7 @@ print(json.dumps(doc))
 
 def engine_start(model, cache) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model), str(cache), KERNEL],
+        [sys.executable, "-c", ENGINE, str(model), str(cache), KERNEL, PLAIN_PREFILL],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -433,10 +434,13 @@ def warm(args, log: Path) -> list[str]:
     return sorted(line.split()[1] for line in log.read_text().splitlines()) if log.exists() else []
 
 
-#: One bucket per ladder: a plan of two variants, the built-in prefill and the
-#: engine's decode (the fewest compiles that still load a whole plan).
+#: One bucket per ladder: a plan of two variants, a prefill and the engine's
+#: decode (the fewest compiles that still load a whole plan). The prefill is the
+#: plain kernels' (another engine kernel, whose files are not edited): the
+#: claims are about the decode's files.
 SMALL = {"kv_buckets": (32,), "query_buckets": (32,), "num_seqs_buckets": (4,)}
 SMALL_ARGS = ["--kv-buckets", "32", "--query-buckets", "32", "--num-seqs-buckets", "4"]
+PLAIN_PREFILL = PLAIN_KERNELS["paged_attention"]
 
 
 @pytest.mark.compile
@@ -445,6 +449,7 @@ def test_editing_a_helper_refuses_recompiles_its_variants_and_restoring_hits(
 ):
     cache = tmp_path / "cache"
     args = [*tiny_args(tiny_model), *SMALL_ARGS, "--kernel", f"{BATCHED_DECODE}={KERNEL}"]
+    args += ["--kernel", f"paged_attention={PLAIN_PREFILL}"]
     args += ["--cache-dir", cache]
     log = tmp_path / "compiles.log"
     cfg = make_config(str(tiny_model), **{**TINY_LIMITS, **SMALL})
