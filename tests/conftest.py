@@ -162,7 +162,8 @@ def _start_warm_build(which: str = "builtin") -> None:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # stopped as a group at the end of the run
         )
-        (d / "pid").write_text(str(proc.pid))
+        (d / "pid.tmp").write_text(str(proc.pid))
+        (d / "pid.tmp").replace(d / "pid")  # whole: another run may read it at once
 
 
 _OWN_DIR = pytest.StashKey[tuple[str, bool]]()
@@ -198,7 +199,7 @@ def pytest_configure(config):
         for sub, _, _ in _WARM_BUILDS.values():
             pid = Path(shared, sub, "pid")
             if pid.exists() and not Path(shared, sub, "rc").exists() and not _alive(pid):
-                pid.unlink()  # a build of a killed earlier run: start it again
+                pid.unlink(missing_ok=True)  # a killed earlier run's build: start it again
         os.environ[ENV_WARM_DIR] = shared
         config.stash[_OWN_DIR] = (shared, False)
         # Runs that share the folder at the same time (.ci/run: both tiers side
@@ -478,7 +479,7 @@ def _wait_warm_build(which: str) -> tuple[Path, dict]:
         time.sleep(0.2)
     rc = int((d / "rc").read_text())
     if rc != 0:
-        err = (d / "stderr").read_text()
+        err = (d / "stderr").read_text() if (d / "stderr").exists() else "(no stderr file)"
         shared = f" (in {d}, shared by ${ENV_SHARED_WARM_DIR}: empty it to build again)"
         where = shared if os.environ.get(ENV_SHARED_WARM_DIR) else ""
         raise AssertionError(f"the tiny plan's warmup ({which}) exited {rc}{where}:\n{err}")
