@@ -351,8 +351,9 @@ def _needs_warm(item) -> bool:
 
 def _file_order(items) -> dict[str, int]:
     """Each test file's place in the run: files with no test that needs a warm
-    cache (:func:`_needs_warm`) first, then those with one; in each group the longest first (a file
-    :data:`FILE_SECONDS` does not know counts as longest), except that a file
+    cache (:func:`_needs_warm`) first, then those with one; in each group the
+    longest first (a file :data:`FILE_SECONDS` does not know counts as longest),
+    except that a file
     whose tests hold the shared servers (``shared_servers``: one such test at a
     time across workers) does not follow another such file where a file without
     them is left to put between. With ``--dist loadfile`` and
@@ -390,8 +391,8 @@ def _file_order(items) -> dict[str, int]:
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
     """The files in :func:`_file_order`'s order; in each file, the tests that
-    need a warm cache last (the builds they need start now). The order is made where
-    the tests are collected, in each xdist worker, and is the same for every
+    need a warm cache last (the builds they need start now). The order is made
+    where the tests are collected, in each xdist worker, and is the same for every
     ``--dist`` mode (xdist sets a worker's ``dist`` option to ``no``): under
     ``loadfile`` the files go out in this order; under ``load`` (the fast tier)
     single tests do, so a file's warm-cache tests run at the file's place, after
