@@ -353,10 +353,9 @@ def _file_order(items) -> dict[str, int]:
     """Each test file's place in the run: files with no test that needs a warm
     cache (:func:`_needs_warm`) first, then those with one; in each group the
     longest first (a file :data:`FILE_SECONDS` does not know counts as longest),
-    except that a file
-    whose tests hold the shared servers (``shared_servers``: one such test at a
-    time across workers) does not follow another such file where a file without
-    them is left to put between. With ``--dist loadfile`` and
+    except that a file whose tests hold the shared servers (``shared_servers``:
+    one such test at a time across workers) does not follow another such file
+    where a file without them is left to put between. With ``--dist loadfile`` and
     ``--no-loadscope-reorder`` (addopts), pytest-xdist hands the files out in
     this order: the cold builds run while the warm builds compile, two workers
     seldom wait for each other's servers, and the short files are left to fill
